@@ -1,0 +1,45 @@
+"""Grant delivery: the group workflow wakes a waiting acquire by an activity on its process's queue.
+
+The activity's answer closes the race between a grant and a give-up: whichever of the two reaches
+the waiting future first wins, on one event loop with no await in between; a grant that finds its
+waiter gone answers ``accepted=False`` and the group releases it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import activity
+from timeslice.workflows.protocol import DELIVER_GRANT_ACTIVITY, GrantAck, GrantNotice
+
+
+class GrantInbox:
+    def __init__(self) -> None:
+        self._waiting: dict[str, asyncio.Future[GrantNotice]] = {}
+
+    def expect(self, request_id: str) -> asyncio.Future[GrantNotice]:
+        future: asyncio.Future[GrantNotice] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        return future
+
+    def withdraw(self, request_id: str) -> GrantNotice | None:
+        """Stop waiting for ``request_id``; return its grant if one had already arrived."""
+        future = self._waiting.pop(request_id, None)
+        if future is not None and future.done() and not future.cancelled():
+            return future.result()
+        if future is not None:
+            future.cancel()
+        return None
+
+    @activity.defn(name=DELIVER_GRANT_ACTIVITY)
+    async def deliver_grant(self, notice: GrantNotice) -> GrantAck:
+        future = self._waiting.get(notice.request_id)
+        if future is None or future.done():
+            activity.logger.info(
+                "grant of %s (token %s) arrived after the acquire gave up; declining",
+                notice.group_id,
+                notice.token,
+            )
+            return GrantAck(accepted=False)
+        future.set_result(notice)
+        return GrantAck(accepted=notice.fault is None)

@@ -1,0 +1,179 @@
+"""The ``timeslice`` command: server, worker, setup, status."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from timeslice.connection import connect, connect_config
+from timeslice.errors import TimesliceError
+from timeslice.server import DEFAULT_DB, EmbeddedServer
+
+log = logging.getLogger("timeslice")
+
+
+def _add_connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address", help="Temporal HOST:PORT (default: $TEMPORAL_ADDRESS, then localhost:7233)"
+    )
+    parser.add_argument("--namespace", help="Temporal namespace (default: $TEMPORAL_NAMESPACE)")
+    parser.add_argument("--profile", help="temporal CLI config profile ($TEMPORAL_PROFILE)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="timeslice", description="Co-operative GPU time-slicing for RL jobs, on Temporal."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    server = sub.add_parser("server", help="run the embedded Temporal server (dev server + UI)")
+    server.add_argument("--port", type=int, default=7233, help="gRPC port (default 7233)")
+    server.add_argument("--ui-port", type=int, default=8233, help="Web UI port (default 8233)")
+    server.add_argument("--ip", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    server.add_argument(
+        "--db", type=Path, default=DEFAULT_DB, help=f"SQLite database file (default {DEFAULT_DB})"
+    )
+    server.add_argument(
+        "--dynamic-config",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="server dynamic config value, e.g. limit.historyCount.suggestContinueAsNew=200",
+    )
+
+    worker = sub.add_parser("worker", help="run the control worker (GPU-group workflows)")
+    _add_connection_args(worker)
+
+    setup = sub.add_parser("setup", help="register Timeslice's search attributes on a cluster")
+    _add_connection_args(setup)
+
+    status = sub.add_parser("status", help="show a GPU group's holder, queue and utilization")
+    status.add_argument("group_id")
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    _add_connection_args(status)
+    return parser
+
+
+def _dynamic_config(items: list[str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise TimesliceError(f"--dynamic-config {item!r}: use KEY=JSON, e.g. some.key=200")
+        try:
+            values[key] = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise TimesliceError(f"--dynamic-config {item!r}: value is not JSON ({err})") from err
+    return values
+
+
+def run_server(args: argparse.Namespace) -> int:
+    server = EmbeddedServer(
+        port=args.port,
+        ui_port=args.ui_port,
+        db=args.db,
+        ip=args.ip,
+        dynamic_config=_dynamic_config(args.dynamic_config),
+        log_path=args.db.parent / "server.log",
+    )
+    print(f"starting Temporal dev server (database {args.db}) ...", flush=True)
+    server.start()
+    print(f"Temporal server ready at {server.address}", flush=True)
+    print(f"Web UI: {server.ui_url}", flush=True)
+    print(f"log: {server.log_path}; press Ctrl-C to stop", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        code = server.wait()
+        print(f"Temporal server exited with code {code}", file=sys.stderr)
+        return code or 1
+    except KeyboardInterrupt:
+        print("stopping Temporal server ...", flush=True)
+        server.stop()
+        return 0
+
+
+async def _run_worker(args: argparse.Namespace) -> int:
+    from timeslice.workers.control import build_control_worker, check_search_attributes
+
+    config = connect_config(args.address, args.namespace, profile=args.profile)
+    client = await connect(config)
+    await check_search_attributes(client)
+    worker = build_control_worker(client)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(
+        f"control worker on task queue 'timeslice' at {config['target_host']} "
+        f"(namespace {client.namespace}); Ctrl-C to stop",
+        flush=True,
+    )
+    async with worker:
+        await stop.wait()
+        print("stopping control worker ...", flush=True)
+    return 0
+
+
+async def _run_setup(args: argparse.Namespace) -> int:
+    from timeslice.workers.control import register_search_attributes
+
+    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    added = await register_search_attributes(client)
+    print(f"registered {added}" if added else "search attributes already registered")
+    return 0
+
+
+async def _run_status(args: argparse.Namespace) -> int:
+    from timeslice.orchestrator import AsyncTimeSliceOrchestratorClient
+
+    client = AsyncTimeSliceOrchestratorClient(
+        target=args.address, namespace=args.namespace, profile=args.profile, job_id="status-cli"
+    )
+    try:
+        status = await client.group_status(args.group_id)
+    finally:
+        await client.close()
+    if args.json:
+        print(status.model_dump_json(indent=2))
+        return 0
+    holder = status.holder
+    print(f"group {status.group_id}")
+    held = f"{holder.job_id} (token {holder.token}, {holder.held_s:.1f} s)" if holder else "none"
+    print(f"  holder:      {held}")
+    print(f"  resident:    {status.resident_job or 'none'}")
+    print(f"  queue:       {', '.join(w.job_id for w in status.queue) or 'empty'}")
+    print(f"  utilization: {status.utilization:.1%} of {status.wall_s:.0f} s")
+    print(
+        f"  leases:      {status.stats.leases}, switches {status.stats.switches}, "
+        f"expired {status.stats.expired}, stale messages {status.stats.stale_messages}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "server":
+            return run_server(args)
+        runner = {"worker": _run_worker, "setup": _run_setup, "status": _run_status}[args.command]
+        with contextlib.suppress(KeyboardInterrupt):
+            return asyncio.run(runner(args))
+        return 130
+    except TimesliceError as err:
+        print(f"timeslice {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Connecting to Temporal the way the ``temporal`` CLI does (env vars, config profiles)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConfig
+from timeslice.errors import InvalidArgumentError, ServerUnreachableError
+
+DEFAULT_TARGET = "localhost:7233"
+_TARGET_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
+def connect_config(
+    target: str | None = None,
+    namespace: str | None = None,
+    *,
+    profile: str | None = None,
+    api_key: str | None = None,
+) -> dict[str, Any]:
+    """Resolve settings: explicit arguments, then TEMPORAL_* env / profile, then defaults."""
+    try:
+        config: dict[str, Any] = dict(ClientConfig.load_client_connect_config(profile=profile))
+    except Exception as err:  # the envconfig loader raises plain errors for bad files / profiles
+        raise InvalidArgumentError(f"cannot load the Temporal client configuration: {err}") from err
+    if target is not None:
+        config["target_host"] = target
+    config.setdefault("target_host", DEFAULT_TARGET)
+    if not _TARGET_RE.fullmatch(str(config["target_host"])):
+        raise InvalidArgumentError(
+            f"invalid Temporal address {config['target_host']!r}: "
+            "use HOST:PORT, e.g. localhost:7233"
+        )
+    if namespace is not None:
+        if not namespace.strip():
+            raise InvalidArgumentError("namespace must not be empty")
+        config["namespace"] = namespace
+    if api_key is not None:
+        config["api_key"] = api_key
+    return config
+
+
+async def connect(config: dict[str, Any]) -> Client:
+    try:
+        return await Client.connect(**config, data_converter=pydantic_data_converter)
+    except RuntimeError as err:
+        raise ServerUnreachableError(
+            f"cannot reach Temporal at {config['target_host']} ({err}); start one with "
+            "`timeslice server`, or point TEMPORAL_ADDRESS / --address at a running cluster"
+        ) from err

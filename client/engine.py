@@ -1,0 +1,404 @@
+"""The client's engine: Temporal client, grant / snapshot worker and lease heartbeats.
+
+It runs on its own event-loop thread, so that grants are taken and leases renewed even while the
+training loop keeps its own thread (or event loop) busy with GPU work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Worker
+from timeslice.activities.grants import GrantInbox
+from timeslice.activities.snapshots import SnapshotActivities
+from timeslice.connection import connect
+from timeslice.errors import (
+    AcquireTimeoutError,
+    InvalidArgumentError,
+    JobFaultedError,
+    LeaseRevokedError,
+    NotHolderError,
+    ServerUnreachableError,
+    TimesliceError,
+    UnknownGroupError,
+)
+from timeslice.lease import Lease
+from timeslice.snapshot.base import SnapshotBackend
+from timeslice.workflows.protocol import (
+    CONTROL_TASK_QUEUE,
+    GROUP_WORKFLOW_TYPE,
+    AcquireRequest,
+    CancelRequest,
+    GroupConfig,
+    GroupInput,
+    GroupStatus,
+    ReleaseRequest,
+    RenewRequest,
+    RenewResult,
+    SnapshotTarget,
+    group_workflow_id,
+)
+
+log = logging.getLogger("timeslice.client")
+T = TypeVar("T")
+
+_GROUP_KEY = SearchAttributeKey.for_keyword("TimesliceGroup")
+_TRANSIENT = {
+    RPCStatusCode.UNAVAILABLE,
+    RPCStatusCode.DEADLINE_EXCEEDED,
+    RPCStatusCode.RESOURCE_EXHAUSTED,
+    RPCStatusCode.ABORTED,
+    RPCStatusCode.INTERNAL,
+    RPCStatusCode.UNKNOWN,
+    RPCStatusCode.CANCELLED,
+}
+
+
+class LoopThread:
+    """An asyncio event loop on a daemon thread; coroutines are submitted from any thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+
+    @property
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+
+class Engine:
+    """All of a client's state; every coroutine here runs on ``self.thread``'s loop."""
+
+    def __init__(
+        self,
+        *,
+        connect_config: dict[str, Any],
+        job_id: str,
+        task_queue: str,
+        priority: int,
+        lease_ttl_s: float | None,
+        backends: dict[str, SnapshotBackend],
+        rpc_retry_s: float,
+    ) -> None:
+        self.connect_config = connect_config
+        self.job_id = job_id
+        self.task_queue = task_queue
+        self.priority = priority
+        self.lease_ttl_s = lease_ttl_s
+        self.backends = backends
+        self.rpc_retry_s = rpc_retry_s
+        self.held: dict[str, Lease] = {}
+        self.thread = LoopThread(f"timeslice-{job_id}")
+        self._inbox = GrantInbox()
+        self._client: Client | None = None
+        self._connecting: asyncio.Future[Client] | None = None
+        self._worker: Worker | None = None
+        self._worker_task: asyncio.Task[None] | None = None
+        self._heartbeats: dict[str, asyncio.Task[None]] = {}
+        self._known_groups: set[str] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------ plumbing
+
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.thread.in_loop_thread:
+            coro.close()
+            raise TimesliceError("blocking client call made from the client's own event loop")
+        future = self.thread.submit(coro)
+        try:
+            return future.result()
+        except BaseException:
+            # e.g. KeyboardInterrupt while waiting: cancel the coroutine so it withdraws cleanly.
+            future.cancel()
+            raise
+
+    async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(self.thread.submit(coro))
+
+    async def connected(self) -> Client:
+        """The Temporal client, connected on first use (no worker: enough for queries)."""
+        if self._closed:
+            raise TimesliceError("this client is closed")
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(connect(self.connect_config))
+        try:
+            self._client = await asyncio.shield(self._connecting)
+        except BaseException:
+            if self._connecting.done():
+                self._connecting = None  # let a later call try again
+            raise
+        return self._client
+
+    async def start(self) -> Client:
+        """Connect and serve this job's task queue (grants, snapshots)."""
+        client = await self.connected()
+        if self._worker is None:
+            snapshots = SnapshotActivities(self.backends)
+            self._worker = Worker(
+                client,
+                task_queue=self.task_queue,
+                activities=[self._inbox.deliver_grant, snapshots.snapshot, snapshots.restore],
+                max_concurrent_activities=16,
+                graceful_shutdown_timeout=timedelta(seconds=2),
+            )
+            self._worker_task = asyncio.create_task(self._worker.run())
+            log.info("job %s serving task queue %s", self.job_id, self.task_queue)
+        return client
+
+    async def _rpc(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run an idempotent RPC, retrying transient failures (e.g. a server restart)."""
+        deadline = time.monotonic() + self.rpc_retry_s
+        delay = 0.2
+        while True:
+            try:
+                return await call()
+            except RPCError as err:
+                if err.status not in _TRANSIENT:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise ServerUnreachableError(
+                        f"{what}: Temporal at {self.connect_config['target_host']} did not answer "
+                        f"for {self.rpc_retry_s:.0f} s ({err})"
+                    ) from err
+                log.warning("%s: %s; retrying in %.1f s", what, err, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _group_handle(self, group_id: str) -> WorkflowHandle[Any, Any]:
+        assert self._client is not None
+        return self._client.get_workflow_handle(group_workflow_id(group_id))
+
+    # ------------------------------------------------------------ acquire / release
+
+    async def acquire(
+        self, group_id: str, timeout: float | None, priority: int | None, ttl_s: float | None
+    ) -> Lease:
+        if group_id in self.held:
+            raise InvalidArgumentError(
+                f"job {self.job_id} already holds group {group_id!r} (token "
+                f"{self.held[group_id].token}); release it before acquiring it again"
+            )
+        client = await self.start()
+        request = AcquireRequest(
+            request_id=f"{self.job_id}:{uuid.uuid4().hex}",
+            job_id=self.job_id,
+            reply_task_queue=self.task_queue,
+            priority=self.priority if priority is None else priority,
+            ttl_s=ttl_s if ttl_s is not None else self.lease_ttl_s,
+            timeout_s=timeout,
+            snapshot=SnapshotTarget(task_queues=[self.task_queue], backends=list(self.backends))
+            if self.backends
+            else None,
+        )
+        granted = self._inbox.expect(request.request_id)
+        try:
+            await self._send_request(client, group_id, request)
+            await asyncio.wait({granted}, timeout=timeout)
+        except BaseException:
+            self._inbox.withdraw(request.request_id)
+            await asyncio.shield(self._withdraw(group_id, request.request_id))
+            raise
+        notice = self._inbox.withdraw(request.request_id)
+        if notice is None:
+            await self._withdraw(group_id, request.request_id)
+            raise AcquireTimeoutError(
+                f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
+                "the request was withdrawn"
+            )
+        if notice.fault is not None:
+            raise JobFaultedError(f"group {group_id!r} refused job {self.job_id}: {notice.fault}")
+        lease = Lease(
+            group_id=group_id,
+            job_id=self.job_id,
+            token=notice.token,
+            request_id=notice.request_id,
+            ttl_s=notice.ttl_s,
+            waited_s=notice.waited_s,
+        )
+        self.held[group_id] = lease
+        self._heartbeats[group_id] = asyncio.create_task(self._heartbeat(lease))
+        return lease
+
+    async def _send_request(self, client: Client, group_id: str, request: AcquireRequest) -> None:
+        config = GroupInput(config=GroupConfig(group_id=group_id)).model_dump(mode="json")
+
+        async def signal_with_start() -> None:
+            await client.start_workflow(
+                GROUP_WORKFLOW_TYPE,
+                config,
+                id=group_workflow_id(group_id),
+                task_queue=CONTROL_TASK_QUEUE,
+                start_signal="request",
+                start_signal_args=[request],
+                search_attributes=TypedSearchAttributes(
+                    [SearchAttributePair(_GROUP_KEY, group_id)]
+                ),
+                static_summary=f"GPU group {group_id}",
+            )
+
+        async def signal() -> None:
+            await self._group_handle(group_id).signal("request", request)
+
+        try:
+            if group_id in self._known_groups:
+                try:
+                    await self._rpc(f"acquire {group_id}", signal)
+                    return
+                except RPCError as err:
+                    if err.status != RPCStatusCode.NOT_FOUND:
+                        raise
+            await self._rpc(f"acquire {group_id}", signal_with_start)
+            self._known_groups.add(group_id)
+        except RPCError as err:
+            if "TimesliceGroup" in str(err):
+                raise TimesliceError(
+                    f"the Temporal namespace lacks Timeslice's search attributes ({err}); "
+                    "run `timeslice setup` once against this cluster"
+                ) from err
+            raise
+
+    async def _withdraw(self, group_id: str, request_id: str) -> None:
+        """Tell the group to drop a request; a grant that raced with it is released at once."""
+        try:
+            await self._rpc(
+                f"cancel {group_id}",
+                lambda: self._group_handle(group_id).signal(
+                    "cancel", CancelRequest(request_id=request_id)
+                ),
+            )
+        except (RPCError, TimesliceError) as err:
+            log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)
+
+    def resolve_lease(self, lease: Lease | None) -> Lease:
+        if lease is None:
+            if len(self.held) != 1:
+                held = sorted(self.held) or "none"
+                raise NotHolderError(
+                    f"job {self.job_id} holds {len(self.held)} leases ({held}); "
+                    "pass the lease to release"
+                )
+            return next(iter(self.held.values()))
+        if self.held.get(lease.group_id) is not lease:
+            raise NotHolderError(
+                f"job {self.job_id} does not hold this lease on {lease.group_id!r} (token "
+                f"{lease.token}); it was already released or belongs to another client"
+            )
+        return lease
+
+    async def release(self, lease: Lease | None) -> None:
+        lease = self.resolve_lease(lease)
+        del self.held[lease.group_id]
+        lease.released = True
+        heartbeat = self._heartbeats.pop(lease.group_id, None)
+        if heartbeat is not None:
+            heartbeat.cancel()
+        await self._rpc(
+            f"release {lease.group_id}",
+            lambda: self._group_handle(lease.group_id).signal(
+                "release", ReleaseRequest(request_id=lease.request_id, token=lease.token)
+            ),
+        )
+        if lease.revoked_reason is not None:
+            raise LeaseRevokedError(
+                f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "
+                f"{lease.revoked_reason}"
+            )
+
+    async def _heartbeat(self, lease: Lease) -> None:
+        interval = lease.ttl_s / 3
+        handle = self._group_handle(lease.group_id)
+        wait = interval
+        while True:
+            await asyncio.sleep(wait)
+            sent = time.monotonic()
+            try:
+                result: RenewResult = await handle.execute_update(
+                    "renew",
+                    RenewRequest(request_id=lease.request_id, token=lease.token),
+                    result_type=RenewResult,
+                )
+            except Exception as err:  # any failure to renew is retried until the lease runs out
+                if time.monotonic() >= lease.valid_until:
+                    lease.revoked_reason = f"could not renew before the TTL ran out ({err})"
+                    log.error("lease on %s lost: %s", lease.group_id, lease.revoked_reason)
+                    return
+                log.warning("renewing lease on %s failed: %s; retrying", lease.group_id, err)
+                wait = min(interval, 1.0)
+                continue
+            if not result.valid:
+                lease.revoked_reason = result.reason
+                log.error("lease on %s revoked: %s", lease.group_id, result.reason)
+                return
+            lease.valid_until = sent + result.ttl_s
+            wait = interval
+
+    # ------------------------------------------------------------ status and shutdown
+
+    async def group_status(self, group_id: str) -> GroupStatus:
+        await self.connected()
+        try:
+            return await self._rpc(
+                f"status {group_id}",
+                lambda: self._group_handle(group_id).query("status", result_type=GroupStatus),
+            )
+        except RPCError as err:
+            if err.status == RPCStatusCode.NOT_FOUND:
+                raise UnknownGroupError(
+                    f"no GPU group {group_id!r} exists "
+                    f"(no workflow {group_workflow_id(group_id)}); "
+                    "a group is created by its first acquire"
+                ) from err
+            raise
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for lease in list(self.held.values()):
+            try:
+                await asyncio.wait_for(self.release(lease), timeout=5)
+            except (TimeoutError, TimesliceError, RPCError) as err:
+                log.warning("releasing %s on close: %s", lease.group_id, err)
+        for task in self._heartbeats.values():
+            task.cancel()
+        if self._worker is not None:
+            await self._worker.shutdown()
+        if self._worker_task is not None:
+            await asyncio.gather(self._worker_task, return_exceptions=True)
+
+
+def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+    ):
+        raise InvalidArgumentError(
+            f"{what} must be a finite number of seconds or None, not {timeout!r}"
+        )
+    if timeout < 0:
+        raise InvalidArgumentError(f"{what} must be >= 0 seconds, not {timeout}")
+    return float(timeout)

@@ -1,0 +1,35 @@
+"""Typed errors of the Timeslice client. Each message says what happened and what to do."""
+
+from __future__ import annotations
+
+
+class TimesliceError(Exception):
+    """Base class of every error the Timeslice client raises."""
+
+
+class InvalidArgumentError(TimesliceError, ValueError):
+    """An id, size, timeout or other argument is malformed; nothing was sent."""
+
+
+class ServerUnreachableError(TimesliceError, ConnectionError):
+    """The Temporal server could not be reached."""
+
+
+class UnknownGroupError(TimesliceError, LookupError):
+    """No GPU group workflow exists under that id."""
+
+
+class AcquireTimeoutError(TimesliceError, TimeoutError):
+    """The group was not granted within the acquire time-out; the request was withdrawn."""
+
+
+class NotHolderError(TimesliceError):
+    """The client does not hold the lease it was asked to release or use."""
+
+
+class LeaseRevokedError(TimesliceError):
+    """The group revoked the lease (its TTL ran out without renewal)."""
+
+
+class JobFaultedError(TimesliceError):
+    """The group marked this job faulted (a snapshot or restore of its state failed)."""

@@ -1,0 +1,41 @@
+"""The lease a client holds on a GPU group."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Lease:
+    """A granted lease. ``token`` is the group's fencing token: larger means newer."""
+
+    group_id: str
+    job_id: str
+    token: int
+    request_id: str
+    ttl_s: float
+    waited_s: float
+    acquired_at: float = field(default_factory=time.monotonic)
+    revoked_reason: str | None = None
+    released: bool = False
+    # Local validity is conservative: it runs from when a renewal was *sent*, so it always ends
+    # before the group's own expiry.
+    valid_until: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.valid_until:
+            self.valid_until = self.acquired_at + self.ttl_s
+
+    @property
+    def valid(self) -> bool:
+        """True while the lease is held, not revoked and certainly not expired at the group."""
+        return (
+            not self.released
+            and self.revoked_reason is None
+            and time.monotonic() < self.valid_until
+        )
+
+    @property
+    def held_s(self) -> float:
+        return time.monotonic() - self.acquired_at

@@ -1,0 +1,321 @@
+"""TimeSliceOrchestratorClient: acquire / yield a GPU group from any training loop.
+
+Two facades over one engine: :class:`TimeSliceOrchestratorClient` (blocking calls) and
+:class:`AsyncTimeSliceOrchestratorClient` (coroutines). Both offer ``on_accelerators``, usable as a
+decorator of sync or ``async def`` functions and as a (sync or async) context manager.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from timeslice.connection import connect_config
+from timeslice.engine import Engine, check_timeout
+from timeslice.errors import InvalidArgumentError, LeaseRevokedError
+from timeslice.lease import Lease
+from timeslice.snapshot.base import SnapshotBackend
+from timeslice.snapshot.noop import NoopBackend
+from timeslice.workflows.protocol import (
+    MAX_LEASE_TTL_S,
+    MAX_PRIORITY,
+    MIN_LEASE_TTL_S,
+    MIN_PRIORITY,
+    GroupStatus,
+    check_id,
+    job_task_queue,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_BUILTIN_BACKENDS: dict[str, Callable[[], SnapshotBackend]] = {"noop": NoopBackend}
+
+
+def _checked(kind: str, value: object) -> str:
+    try:
+        return check_id(kind, value)
+    except ValueError as err:
+        raise InvalidArgumentError(str(err)) from None
+
+
+def _backends(spec: list[str | SnapshotBackend] | None) -> dict[str, SnapshotBackend]:
+    backends: dict[str, SnapshotBackend] = {}
+    for item in spec or []:
+        if isinstance(item, str):
+            if item not in _BUILTIN_BACKENDS:
+                raise InvalidArgumentError(
+                    f"unknown snapshot backend {item!r}: use one of {sorted(_BUILTIN_BACKENDS)} "
+                    "or pass a backend object"
+                )
+            backend = _BUILTIN_BACKENDS[item]()
+        elif isinstance(item, SnapshotBackend):
+            backend = item
+        else:
+            raise InvalidArgumentError(f"not a snapshot backend: {item!r}")
+        backends[backend.name] = backend
+    return backends
+
+
+class _ClientBase:
+    def __init__(
+        self,
+        target: str | None = None,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        namespace: str | None = None,
+        *,
+        rank: int = 0,
+        priority: int = 0,
+        lease_ttl: float | None = None,
+        snapshot_backends: list[str | SnapshotBackend] | None = None,
+        profile: str | None = None,
+        api_key: str | None = None,
+        rpc_retry: float = 60.0,
+    ) -> None:
+        self.job_id = (
+            _checked("job id", job_id) if job_id is not None else (f"job-{uuid.uuid4().hex[:12]}")
+        )
+        self.group_id = _checked("group id", group_id) if group_id is not None else None
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise InvalidArgumentError(f"rank must be an integer >= 0, not {rank!r}")
+        self.priority = self._check_priority(priority)
+        ttl = check_timeout(lease_ttl, "lease_ttl")
+        if ttl is not None and not MIN_LEASE_TTL_S <= ttl <= MAX_LEASE_TTL_S:
+            raise InvalidArgumentError(
+                f"lease_ttl must be between {MIN_LEASE_TTL_S} and {MAX_LEASE_TTL_S} s, not {ttl}"
+            )
+        self.task_queue = job_task_queue(self.job_id, rank)
+        self._engine = Engine(
+            connect_config=connect_config(target, namespace, profile=profile, api_key=api_key),
+            job_id=self.job_id,
+            task_queue=self.task_queue,
+            priority=self.priority,
+            lease_ttl_s=ttl,
+            backends=_backends(snapshot_backends),
+            rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
+        )
+
+    @staticmethod
+    def _check_priority(priority: int) -> int:
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not (MIN_PRIORITY <= priority <= MAX_PRIORITY)
+        ):
+            raise InvalidArgumentError(
+                f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], not {priority!r}"
+            )
+        return priority
+
+    def _acquire_args(
+        self, group_id: str | None, timeout: float | None, priority: int | None
+    ) -> tuple[str, float | None, int | None]:
+        group = group_id if group_id is not None else self.group_id
+        if group is None:
+            raise InvalidArgumentError(
+                "no group given: pass group_id here or to the client's constructor"
+            )
+        return (
+            _checked("group id", group),
+            check_timeout(timeout),
+            None if priority is None else self._check_priority(priority),
+        )
+
+    @property
+    def held(self) -> dict[str, Lease]:
+        """The leases this client holds now, by group id."""
+        return dict(self._engine.held)
+
+    @property
+    def address(self) -> str:
+        return str(self._engine.connect_config["target_host"])
+
+    def on_accelerators(
+        self, group_id: str | None = None, timeout: float | None = None, priority: int | None = None
+    ) -> _AcceleratorScope:
+        """Hold ``group_id`` around a function (decorator) or a block (``with``, ``async with``)."""
+        self._acquire_args(group_id, timeout, priority)  # fail fast on bad arguments
+        return _AcceleratorScope(self, group_id, timeout, priority)
+
+
+class TimeSliceOrchestratorClient(_ClientBase):
+    """Blocking client. ``target`` defaults to TEMPORAL_ADDRESS, then localhost:7233."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A process that exits without closing still withdraws its requests and releases.
+        atexit.register(_close_quietly, weakref.ref(self))
+
+    def connect(self) -> TimeSliceOrchestratorClient:
+        """Connect and start serving grants now (otherwise the first call does it)."""
+        self._engine.run_sync(self._engine.start())
+        return self
+
+    def acquire(
+        self,
+        group_id: str | None = None,
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        ttl: float | None = None,
+    ) -> Lease:
+        """Wait until the group is granted; raise AcquireTimeoutError after ``timeout`` seconds."""
+        group, timeout, priority = self._acquire_args(group_id, timeout, priority)
+        return self._engine.run_sync(self._engine.acquire(group, timeout, priority, ttl))
+
+    def release(self, lease: Lease | None = None) -> None:
+        """Yield the group to the next waiter (the only held lease if none is given)."""
+        self._engine.run_sync(self._engine.release(lease))
+
+    yield_ = release
+
+    def group_status(self, group_id: str | None = None) -> GroupStatus:
+        group, _, _ = self._acquire_args(group_id, None, None)
+        return self._engine.run_sync(self._engine.group_status(group))
+
+    def close(self) -> None:
+        """Release held leases and stop the client's worker."""
+        if self._engine.thread.loop.is_running():
+            self._engine.run_sync(self._engine.close())
+            self._engine.thread.stop()
+
+    def __enter__(self) -> TimeSliceOrchestratorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncTimeSliceOrchestratorClient(_ClientBase):
+    """The asyncio twin: the same calls as coroutines, for async training loops."""
+
+    async def connect(self) -> AsyncTimeSliceOrchestratorClient:
+        await self._engine.run_async(self._engine.start())
+        return self
+
+    async def acquire(
+        self,
+        group_id: str | None = None,
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        ttl: float | None = None,
+    ) -> Lease:
+        group, timeout, priority = self._acquire_args(group_id, timeout, priority)
+        return await self._engine.run_async(self._engine.acquire(group, timeout, priority, ttl))
+
+    async def release(self, lease: Lease | None = None) -> None:
+        await self._engine.run_async(self._engine.release(lease))
+
+    yield_ = release
+
+    async def group_status(self, group_id: str | None = None) -> GroupStatus:
+        group, _, _ = self._acquire_args(group_id, None, None)
+        return await self._engine.run_async(self._engine.group_status(group))
+
+    async def close(self) -> None:
+        if self._engine.thread.loop.is_running():
+            await self._engine.run_async(self._engine.close())
+            self._engine.thread.stop()
+
+    async def __aenter__(self) -> AsyncTimeSliceOrchestratorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _AcceleratorScope:
+    """Decorator and context manager returned by ``on_accelerators``."""
+
+    def __init__(
+        self, owner: _ClientBase, group_id: str | None, timeout: float | None, priority: int | None
+    ) -> None:
+        self._owner = owner
+        self._args = (group_id, timeout, priority)
+        self.lease: Lease | None = None
+
+    # blocking ------------------------------------------------------------
+
+    def __enter__(self) -> Lease:
+        owner = self._owner
+        if not isinstance(owner, TimeSliceOrchestratorClient):
+            raise TypeError("use `async with` with AsyncTimeSliceOrchestratorClient")
+        group, timeout, priority = owner._acquire_args(*self._args)
+        self.lease = owner._engine.run_sync(owner._engine.acquire(group, timeout, priority, None))
+        return self.lease
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        lease, self.lease = self.lease, None
+        assert lease is not None
+        engine = self._owner._engine
+        _release_after(lambda: engine.run_sync(engine.release(lease)), failed=exc is not None)
+
+    # async ---------------------------------------------------------------
+
+    async def __aenter__(self) -> Lease:
+        owner = self._owner
+        group, timeout, priority = owner._acquire_args(*self._args)
+        self.lease = await owner._engine.run_async(
+            owner._engine.acquire(group, timeout, priority, None)
+        )
+        return self.lease
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        lease, self.lease = self.lease, None
+        assert lease is not None
+        engine = self._owner._engine
+        try:
+            await engine.run_async(engine.release(lease))
+        except LeaseRevokedError:
+            if exc is None:
+                raise
+
+    # decorator -----------------------------------------------------------
+
+    def __call__(self, fn: F) -> F:
+        owner, args = self._owner, self._args
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*a: Any, **kw: Any) -> Any:
+                async with _AcceleratorScope(owner, *args):
+                    return await fn(*a, **kw)
+
+            return async_wrapper  # type: ignore[return-value]
+        if not isinstance(owner, TimeSliceOrchestratorClient):
+            raise TypeError(
+                f"{fn.__name__} is not `async def`: decorate it with TimeSliceOrchestratorClient"
+            )
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            with _AcceleratorScope(owner, *args):
+                return fn(*a, **kw)
+
+        return wrapper  # type: ignore[return-value]
+
+
+def _release_after(release: Callable[[], None], *, failed: bool) -> None:
+    try:
+        release()
+    except LeaseRevokedError:
+        if not failed:  # never hide the body's own exception behind the revocation
+            raise
+
+
+def _close_quietly(ref: weakref.ref[TimeSliceOrchestratorClient]) -> None:
+    client = ref()
+    if client is None:
+        return
+    try:
+        client.close()
+    except Exception as err:  # at interpreter exit there is nobody left to raise to
+        import logging
+
+        logging.getLogger("timeslice.client").warning("closing %s at exit: %s", client.job_id, err)

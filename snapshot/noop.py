@@ -1,0 +1,37 @@
+"""The ``noop`` backend: nothing to move (CPU-only groups, tests); it still reports a real call."""
+
+from __future__ import annotations
+
+import time
+
+from timeslice.workflows.protocol import SnapshotReport
+
+
+class NoopBackend:
+    name = "noop"
+
+    def __init__(self) -> None:
+        self.snapshots = 0
+        self.restores = 0
+
+    async def snapshot(self, job_id: str) -> SnapshotReport:
+        started = time.perf_counter()
+        self.snapshots += 1
+        return SnapshotReport(
+            job_id=job_id,
+            backend=self.name,
+            mode="none",
+            bytes=0,
+            seconds=time.perf_counter() - started,
+        )
+
+    async def restore(self, job_id: str) -> SnapshotReport:
+        started = time.perf_counter()
+        self.restores += 1
+        return SnapshotReport(
+            job_id=job_id,
+            backend=self.name,
+            mode="none",
+            bytes=0,
+            seconds=time.perf_counter() - started,
+        )

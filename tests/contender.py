@@ -1,0 +1,65 @@
+"""A job process for the tests: acquire / hold / release a group N times, logging each event.
+
+Each line of the log is JSON: {"job", "event", "token", "t"} with ``t`` from time.monotonic(),
+which is one system-wide clock on Linux, so logs of several processes can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from timeslice import AcquireTimeoutError, TimeSliceOrchestratorClient
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--address", required=True)
+    p.add_argument("--group", required=True)
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--iterations", type=int, default=1)
+    p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--ttl", type=float, default=None)
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--backend", action="append", default=[])
+    p.add_argument("--hold-forever", action="store_true")
+    p.add_argument("--log", required=True)
+    args = p.parse_args()
+    client = TimeSliceOrchestratorClient(
+        target=args.address,
+        job_id=args.job_id,
+        priority=args.priority,
+        lease_ttl=args.ttl,
+        snapshot_backends=args.backend or None,
+    ).connect()
+    with open(args.log, "a", buffering=1) as log:
+
+        def emit(event: str, token: int | None = None) -> None:
+            record = {"job": args.job_id, "event": event, "token": token, "t": time.monotonic()}
+            log.write(json.dumps(record) + "\n")
+
+        emit("ready")
+        for _ in range(args.iterations):
+            try:
+                lease = client.acquire(args.group, timeout=args.timeout)
+            except AcquireTimeoutError:
+                emit("timeout")
+                continue
+            emit("acquired", lease.token)
+            if args.hold_forever:
+                while True:
+                    time.sleep(3600)
+            if args.hold:
+                time.sleep(args.hold)  # stands in for the GPU phase
+            emit("releasing", lease.token)
+            client.release(lease)
+        emit("done")
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Timeslice workflows (deterministic; no I/O, torch or vLLM imports)."""

@@ -1,0 +1,468 @@
+"""GpuGroupWorkflow: the mutex of one GPU group, with a durable, fair wait queue.
+
+Requesters *signal* the group (request / release / cancel) and renew by a short update; the
+group delivers a grant as an activity task on the waiting process's own task queue, so a hand-off
+costs one workflow task and one activity dispatch, with no polling. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+    from timeslice.workflows.protocol import (
+        DELIVER_GRANT_ACTIVITY,
+        GROUP_WORKFLOW_TYPE,
+        RESTORE_ACTIVITY,
+        SNAPSHOT_ACTIVITY,
+        AcquireRequest,
+        CancelRequest,
+        GrantAck,
+        GrantNotice,
+        GroupConfig,
+        GroupInput,
+        GroupState,
+        GroupStats,
+        GroupStatus,
+        HeldLease,
+        HolderView,
+        LeaseOutcome,
+        LeaseRecord,
+        ReleaseRequest,
+        RenewRequest,
+        RenewResult,
+        ResidentJob,
+        SnapshotCall,
+        SnapshotReport,
+        SnapshotTarget,
+        Waiter,
+        WaiterView,
+    )
+
+_RECENT_DONE_KEEP = 2048
+_DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
+
+
+def _percentile(samples: list[float], q: float) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@workflow.defn(name=GROUP_WORKFLOW_TYPE)
+class GpuGroupWorkflow:
+    @workflow.init
+    def __init__(self, raw_input: dict[str, Any]) -> None:
+        # Validated here rather than by the data converter: a decoding error would fail the
+        # workflow *task* and retry forever; bad input must fail the workflow, once, clearly.
+        self._input_error: str | None = None
+        try:
+            inp = GroupInput.model_validate(raw_input)
+        except ValidationError as err:
+            self._input_error = f"invalid GpuGroupWorkflow input: {err}"
+            inp = GroupInput(config=GroupConfig(group_id="invalid-input"))
+        self._config = inp.config
+        self._state = inp.state or GroupState(stats=GroupStats(created_at=workflow.now()))
+        self._wake = False
+        self._deliveries: set[asyncio.Task[None]] = set()
+        self._switching_for: str | None = None
+        self._switch_cancelled = False
+
+    # ---------------------------------------------------------------- main loop
+
+    @workflow.run
+    async def run(self, raw_input: dict[str, Any]) -> None:
+        if self._input_error is not None:
+            raise ApplicationError(self._input_error, type="InvalidInput", non_retryable=True)
+        self._publish_details()
+        while True:
+            await self._grant_if_free()
+            self._publish_details()
+            if self._quiescent() and workflow.info().is_continue_as_new_suggested():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                if self._quiescent():
+                    self._state.stats.runs += 1
+                    carried = GroupInput(config=self._config, state=self._state)
+                    workflow.continue_as_new(carried.model_dump(mode="json"))
+            deadline = self._next_deadline()
+            timeout = None if deadline is None else (deadline - workflow.now()).total_seconds()
+            if timeout is None or timeout > 0:
+                with contextlib.suppress(TimeoutError):
+                    await workflow.wait_condition(lambda: self._wake, timeout=timeout)
+            self._wake = False
+            self._expire()
+
+    def _quiescent(self) -> bool:
+        return not self._deliveries and self._switching_for is None
+
+    def _next_deadline(self) -> datetime | None:
+        deadlines = [
+            w.enqueued_at + timedelta(seconds=w.request.timeout_s)
+            for w in self._state.queue
+            if w.request.timeout_s is not None
+        ]
+        holder = self._state.holder
+        if holder is not None and holder.expires_at is not None:
+            deadlines.append(holder.expires_at)
+        return min(deadlines) if deadlines else None
+
+    def _expire(self) -> None:
+        now = workflow.now()
+        holder = self._state.holder
+        if holder is not None and holder.expires_at is not None and now >= holder.expires_at:
+            workflow.logger.warning(
+                "lease %s of job %s expired without renewal; revoking",
+                holder.token,
+                holder.request.job_id,
+            )
+            self._end_lease(LeaseOutcome.EXPIRED)
+        kept: list[Waiter] = []
+        for w in self._state.queue:
+            t = w.request.timeout_s
+            if t is not None and now >= w.enqueued_at + timedelta(seconds=t):
+                self._state.stats.timed_out += 1
+                self._remember_done(w.request.request_id)
+            else:
+                kept.append(w)
+        self._state.queue = kept
+
+    # ---------------------------------------------------------------- granting
+
+    def _pick_next(self) -> Waiter:
+        now = workflow.now()
+
+        def score(w: Waiter) -> tuple[float, int]:
+            waited = (now - w.enqueued_at).total_seconds()
+            return (w.request.priority + waited / self._config.aging_s, -w.seq)
+
+        best = max(self._state.queue, key=score)
+        self._state.queue.remove(best)
+        return best
+
+    async def _grant_if_free(self) -> None:
+        while self._state.holder is None and self._state.queue:
+            waiter = self._pick_next()
+            request = waiter.request
+            self._switching_for = request.request_id
+            self._switch_cancelled = False
+            try:
+                fault = await self._switch_to(request)
+            finally:
+                self._switching_for = None
+            if self._switch_cancelled:
+                continue
+            now = workflow.now()
+            token = self._state.next_token
+            self._state.next_token += 1
+            waited = (now - waiter.enqueued_at).total_seconds()
+            if fault is None:
+                self._state.holder = HeldLease(request=request, token=token, granted_at=now)
+                self._state.stats.leases += 1
+                samples = self._state.stats.wait_samples_s
+                samples.append(waited)
+                del samples[: max(0, len(samples) - self._config.wait_samples_keep)]
+            else:
+                self._remember_done(request.request_id)
+            notice = GrantNotice(
+                group_id=self._config.group_id,
+                request_id=request.request_id,
+                job_id=request.job_id,
+                token=token,
+                ttl_s=self._ttl(request),
+                waited_s=waited,
+                fault=fault,
+            )
+            delivery = asyncio.create_task(self._deliver(notice, request.reply_task_queue))
+            self._deliveries.add(delivery)
+            delivery.add_done_callback(self._deliveries.discard)
+
+    def _ttl(self, request: AcquireRequest) -> float:
+        return request.ttl_s if request.ttl_s is not None else self._config.default_ttl_s
+
+    async def _deliver(self, notice: GrantNotice, task_queue: str) -> None:
+        try:
+            # Results are validated here, not by the converter: a malformed reply from one
+            # process must not fail the group's workflow task.
+            raw_ack = await workflow.execute_activity(
+                DELIVER_GRANT_ACTIVITY,
+                notice,
+                task_queue=task_queue,
+                schedule_to_start_timeout=timedelta(seconds=self._config.grant_ack_timeout_s),
+                start_to_close_timeout=_DELIVERY_START_TO_CLOSE,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                summary=f"grant {self._config.group_id} to {notice.job_id} · token {notice.token}",
+            )
+            ack = GrantAck.model_validate(raw_ack)
+            outcome = None if ack.accepted else LeaseOutcome.REJECTED
+        except (ActivityError, ValidationError) as err:
+            workflow.logger.warning(
+                "job %s did not take its grant of %s (%s); skipping it",
+                notice.job_id,
+                self._config.group_id,
+                err.cause or err,
+            )
+            outcome = LeaseOutcome.DEAD
+        finally:
+            self._wake = True
+        holder = self._state.holder
+        if notice.fault is not None or holder is None or holder.token != notice.token:
+            return  # released, cancelled or revoked while the grant was on its way
+        if outcome is None:
+            holder.delivered = True
+            holder.expires_at = workflow.now() + timedelta(seconds=notice.ttl_s)
+        else:
+            self._end_lease(outcome)
+
+    # ---------------------------------------------------------------- residency
+
+    async def _switch_to(self, request: AcquireRequest) -> str | None:
+        """Evict the resident job if another job takes the group, then restore the new one.
+
+        Returns a fault message if the new holder's state could not be restored.
+        """
+        state = self._state
+        resident = state.resident
+        if resident is not None and resident.job_id == request.job_id:
+            if request.snapshot is not None:
+                resident.snapshot = request.snapshot
+            return None
+        started = workflow.now()
+        moved = False
+        if resident is not None and resident.snapshot is not None:
+            moved = True
+            ok = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
+            if ok:
+                state.stats.evictions += 1
+                if resident.job_id not in state.evicted_jobs:
+                    state.evicted_jobs.append(resident.job_id)
+        fault: str | None = None
+        if request.job_id in state.faulted_jobs:
+            fault = state.faulted_jobs[request.job_id]
+        elif request.snapshot is not None and request.job_id in state.evicted_jobs:
+            moved = True
+            ok = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
+            if ok:
+                state.stats.restores += 1
+                state.evicted_jobs.remove(request.job_id)
+            else:
+                fault = state.faulted_jobs[request.job_id]
+        if moved:
+            state.stats.switches += 1
+            state.stats.switching_s += (workflow.now() - started).total_seconds()
+        state.resident = (
+            ResidentJob(job_id=request.job_id, snapshot=request.snapshot) if fault is None else None
+        )
+        return fault
+
+    async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> bool:
+        verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
+        call = SnapshotCall(
+            group_id=self._config.group_id,
+            job_id=job_id,
+            backends=target.backends,
+            reason=f"{verb} for {self._config.group_id}",
+        )
+        timeout = timedelta(seconds=self._config.snapshot_timeout_s)
+        calls = [
+            workflow.execute_activity(
+                activity,
+                call,
+                task_queue=queue,
+                schedule_to_close_timeout=timeout,
+                retry_policy=RetryPolicy(maximum_attempts=2),
+                summary=f"{verb} {job_id} · {self._config.group_id} · {queue}",
+            )
+            for queue in target.task_queues
+        ]
+        results: list[list[SnapshotReport] | BaseException] = []
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            try:
+                results.append(
+                    outcome
+                    if isinstance(outcome, BaseException)
+                    else [SnapshotReport.model_validate(r) for r in outcome]
+                )
+            except (ValidationError, TypeError) as err:
+                results.append(err)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            cause = failures[0]
+            message = f"{verb} of job {job_id} failed: {getattr(cause, 'cause', None) or cause}"
+            workflow.logger.error("%s; marking the job faulted", message)
+            self._state.faulted_jobs[job_id] = message
+            self._state.stats.snapshot_failures += 1
+            if job_id in self._state.evicted_jobs:
+                self._state.evicted_jobs.remove(job_id)
+            return False
+        for reports in results:
+            assert isinstance(reports, list)
+            self._state.stats.bytes_moved += sum(r.bytes for r in reports)
+        return True
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _end_lease(self, outcome: LeaseOutcome) -> None:
+        holder = self._state.holder
+        assert holder is not None
+        now = workflow.now()
+        stats = self._state.stats
+        stats.busy_s += (now - holder.granted_at).total_seconds()
+        counter = {
+            LeaseOutcome.RELEASED: "released",
+            LeaseOutcome.EXPIRED: "expired",
+            LeaseOutcome.CANCELLED: "cancelled",
+            LeaseOutcome.REJECTED: "rejected",
+            LeaseOutcome.DEAD: "dead_waiters",
+        }[outcome]
+        setattr(stats, counter, getattr(stats, counter) + 1)
+        if self._config.history_keep:
+            history = self._state.history
+            history.append(
+                LeaseRecord(
+                    job_id=holder.request.job_id,
+                    token=holder.token,
+                    start=holder.granted_at,
+                    end=now,
+                    outcome=outcome,
+                )
+            )
+            del history[: max(0, len(history) - self._config.history_keep)]
+        self._remember_done(holder.request.request_id)
+        self._state.holder = None
+        self._wake = True
+
+    def _remember_done(self, request_id: str) -> None:
+        done = self._state.recent_done
+        if request_id not in done:
+            done.append(request_id)
+            del done[: max(0, len(done) - _RECENT_DONE_KEEP)]
+
+    def _known(self, request_id: str) -> bool:
+        state = self._state
+        return (
+            request_id in state.recent_done
+            or request_id == self._switching_for
+            or (state.holder is not None and state.holder.request.request_id == request_id)
+            or any(w.request.request_id == request_id for w in state.queue)
+        )
+
+    # ---------------------------------------------------------------- messages
+
+    @workflow.signal
+    def request(self, request: AcquireRequest) -> None:
+        if self._known(request.request_id):
+            return  # a retried request: acquire is idempotent by request id
+        self._state.queue.append(
+            Waiter(request=request, seq=self._state.next_seq, enqueued_at=workflow.now())
+        )
+        self._state.next_seq += 1
+        self._wake = True
+
+    @workflow.signal
+    def release(self, release: ReleaseRequest) -> None:
+        holder = self._state.holder
+        if holder is not None and holder.token == release.token:
+            self._end_lease(LeaseOutcome.RELEASED)
+        elif release.request_id not in self._state.recent_done:
+            self._state.stats.stale_messages += 1
+
+    @workflow.signal
+    def cancel(self, cancel: CancelRequest) -> None:
+        state = self._state
+        rid = cancel.request_id
+        if state.holder is not None and state.holder.request.request_id == rid:
+            self._end_lease(LeaseOutcome.CANCELLED)
+        elif rid == self._switching_for:
+            self._switch_cancelled = True
+            state.stats.cancelled += 1
+        else:
+            before = len(state.queue)
+            state.queue = [w for w in state.queue if w.request.request_id != rid]
+            if len(state.queue) != before:
+                state.stats.cancelled += 1
+        self._remember_done(rid)
+        self._wake = True
+
+    @workflow.update
+    def renew(self, renew: RenewRequest) -> RenewResult:
+        holder = self._state.holder
+        if holder is None or holder.token != renew.token:
+            self._state.stats.stale_messages += 1
+            return RenewResult(valid=False, reason="the lease is no longer held (expired or moved)")
+        ttl = self._ttl(holder.request)
+        if holder.delivered:
+            holder.expires_at = workflow.now() + timedelta(seconds=ttl)
+            self._wake = True
+        return RenewResult(valid=True, ttl_s=ttl)
+
+    @renew.validator
+    def _validate_renew(self, renew: RenewRequest) -> None:
+        if renew.token <= 0:
+            raise ValueError(f"invalid fencing token {renew.token}")
+
+    @workflow.query
+    def status(self) -> GroupStatus:
+        now = workflow.now()
+        state = self._state
+        stats = state.stats
+        holder = state.holder
+        busy = stats.busy_s + ((now - holder.granted_at).total_seconds() if holder else 0.0)
+        wall = max((now - stats.created_at).total_seconds(), 1e-9)
+        return GroupStatus(
+            group_id=self._config.group_id,
+            holder=None
+            if holder is None
+            else HolderView(
+                job_id=holder.request.job_id,
+                token=holder.token,
+                held_s=(now - holder.granted_at).total_seconds(),
+                expires_in_s=None
+                if holder.expires_at is None
+                else (holder.expires_at - now).total_seconds(),
+            ),
+            queue=[
+                WaiterView(
+                    job_id=w.request.job_id,
+                    request_id=w.request.request_id,
+                    priority=w.request.priority,
+                    waited_s=(now - w.enqueued_at).total_seconds(),
+                )
+                for w in state.queue
+            ],
+            resident_job=state.resident.job_id if state.resident else None,
+            faulted_jobs=dict(state.faulted_jobs),
+            utilization=min(1.0, busy / wall),
+            wall_s=wall,
+            idle_s=max(0.0, wall - busy - stats.switching_s),
+            wait_p50_s=_percentile(stats.wait_samples_s, 0.50),
+            wait_p99_s=_percentile(stats.wait_samples_s, 0.99),
+            stats=stats,
+            history=list(state.history),
+        )
+
+    def _publish_details(self) -> None:
+        state = self._state
+        holder = state.holder
+        queue = ", ".join(f"{w.request.job_id} (p{w.request.priority})" for w in state.queue)
+        lines = [
+            f"**holder**: {holder.request.job_id} · token {holder.token}"
+            if holder
+            else "**holder**: none",
+            f"**resident**: {state.resident.job_id if state.resident else 'none'}",
+            f"**queue**: {queue or 'empty'}",
+            f"**leases**: {state.stats.leases} · switches {state.stats.switches}",
+        ]
+        workflow.set_current_details("\n\n".join(lines))
+
+
+__all__ = ["GpuGroupWorkflow"]

@@ -1,0 +1,257 @@
+"""Messages and state of the GPU-group lease protocol.
+
+Everything here crosses Temporal (signals, updates, queries, activity arguments, continue-as-new
+input), so it is a pydantic model; this module imports nothing with I/O so workflows can use it.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CONTROL_TASK_QUEUE = "timeslice"
+GROUP_WORKFLOW_TYPE = "GpuGroupWorkflow"
+
+# Activity names served by a job process on its own task queue.
+DELIVER_GRANT_ACTIVITY = "timeslice.deliver_grant"
+SNAPSHOT_ACTIVITY = "timeslice.snapshot"
+RESTORE_ACTIVITY = "timeslice.restore"
+
+SEARCH_ATTRIBUTES: dict[str, str] = {
+    "TimesliceGroup": "Keyword",
+    "TimesliceJob": "Keyword",
+    "TimeslicePhase": "Keyword",
+}
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+ID_RULE = "1-100 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+DEFAULT_LEASE_TTL_S = 20.0
+MAX_LEASE_TTL_S = 3600.0
+MIN_LEASE_TTL_S = 1.0
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+
+
+def check_id(kind: str, value: object) -> str:
+    """Return ``value`` if it is a valid group / job id, else raise ValueError saying why."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        raise ValueError(f"invalid {kind} {value!r}: use {ID_RULE}")
+    return value
+
+
+def group_workflow_id(group_id: str) -> str:
+    return f"gpu-group-{check_id('group id', group_id)}"
+
+
+def job_task_queue(job_id: str, rank: int = 0) -> str:
+    return f"timeslice-job-{check_id('job id', job_id)}-{rank}"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GroupConfig(_Model):
+    """Settings of one GPU group, fixed for its lifetime (carried across continue-as-new)."""
+
+    group_id: str
+    default_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
+    aging_s: float = Field(
+        60.0, gt=0, description="seconds of waiting that raise a waiter by one priority level"
+    )
+    grant_ack_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="a waiter whose process does not pick up its grant in "
+        "this time is taken for dead and skipped",
+    )
+    snapshot_timeout_s: float = Field(300.0, gt=0, le=3600)
+    history_keep: int = Field(256, ge=0, le=4096)
+    wait_samples_keep: int = Field(512, ge=1, le=4096)
+
+    @field_validator("group_id")
+    @classmethod
+    def _group_id(cls, v: str) -> str:
+        return check_id("group id", v)
+
+
+class SnapshotTarget(_Model):
+    """Where and how the group evicts / restores a job: its rank queues and backend names."""
+
+    task_queues: list[str] = Field(min_length=1)
+    backends: list[str] = Field(min_length=1)
+
+
+class AcquireRequest(_Model):
+    request_id: str = Field(min_length=1, max_length=200)
+    job_id: str
+    reply_task_queue: str = Field(min_length=1, max_length=300)
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    ttl_s: float | None = Field(None, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
+    timeout_s: float | None = Field(None, ge=0)
+    snapshot: SnapshotTarget | None = None
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, v: str) -> str:
+        return check_id("job id", v)
+
+
+class ReleaseRequest(_Model):
+    request_id: str
+    token: int
+
+
+class CancelRequest(_Model):
+    request_id: str
+
+
+class RenewRequest(_Model):
+    request_id: str
+    token: int
+
+
+class RenewResult(_Model):
+    valid: bool
+    ttl_s: float = 0.0
+    reason: str = ""
+
+
+class GrantNotice(_Model):
+    """Sent to the waiting process: the lease is yours (or, with ``fault``, it cannot be)."""
+
+    group_id: str
+    request_id: str
+    job_id: str
+    token: int
+    ttl_s: float
+    waited_s: float
+    fault: str | None = None
+
+
+class GrantAck(_Model):
+    accepted: bool
+
+
+class SnapshotCall(_Model):
+    group_id: str
+    job_id: str
+    backends: list[str]
+    reason: str
+
+
+class SnapshotReport(_Model):
+    job_id: str
+    backend: str
+    mode: str
+    bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
+class LeaseOutcome(StrEnum):
+    RELEASED = "released"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"  # the process had given up when its grant arrived
+    DEAD = "dead"  # the process never picked up its grant
+
+
+class Waiter(_Model):
+    request: AcquireRequest
+    seq: int
+    enqueued_at: datetime
+
+
+class HeldLease(_Model):
+    request: AcquireRequest
+    token: int
+    granted_at: datetime
+    delivered: bool = False
+    expires_at: datetime | None = None  # set once the process has taken the grant
+
+
+class ResidentJob(_Model):
+    job_id: str
+    snapshot: SnapshotTarget | None
+
+
+class LeaseRecord(_Model):
+    job_id: str
+    token: int
+    start: datetime
+    end: datetime
+    outcome: LeaseOutcome
+
+
+class GroupStats(_Model):
+    created_at: datetime
+    leases: int = 0
+    released: int = 0
+    stale_messages: int = 0
+    expired: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    rejected: int = 0
+    dead_waiters: int = 0
+    switches: int = 0
+    evictions: int = 0
+    restores: int = 0
+    snapshot_failures: int = 0
+    bytes_moved: int = 0
+    busy_s: float = 0.0
+    switching_s: float = 0.0
+    runs: int = 1
+    wait_samples_s: list[float] = Field(default_factory=list)
+
+
+class GroupState(_Model):
+    """Everything the group must not lose: survives restarts and continue-as-new."""
+
+    stats: GroupStats
+    next_token: int = 1
+    next_seq: int = 1
+    holder: HeldLease | None = None
+    queue: list[Waiter] = Field(default_factory=list)
+    resident: ResidentJob | None = None
+    evicted_jobs: list[str] = Field(default_factory=list)
+    faulted_jobs: dict[str, str] = Field(default_factory=dict)
+    recent_done: list[str] = Field(default_factory=list)
+    history: list[LeaseRecord] = Field(default_factory=list)
+
+
+class GroupInput(_Model):
+    config: GroupConfig
+    state: GroupState | None = None
+
+
+class HolderView(_Model):
+    job_id: str
+    token: int
+    held_s: float
+    expires_in_s: float | None
+
+
+class WaiterView(_Model):
+    job_id: str
+    request_id: str
+    priority: int
+    waited_s: float
+
+
+class GroupStatus(_Model):
+    group_id: str
+    holder: HolderView | None
+    queue: list[WaiterView]
+    resident_job: str | None
+    faulted_jobs: dict[str, str]
+    utilization: float
+    wall_s: float
+    idle_s: float
+    wait_p50_s: float | None
+    wait_p99_s: float | None
+    stats: GroupStats
+    history: list[LeaseRecord]
