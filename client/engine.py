@@ -116,6 +116,7 @@ class Engine:
         self._worker: Worker | None = None
         self._worker_task: asyncio.Task[None] | None = None
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Future[None]] = set()
         self._known_groups: set[str] = set()
         self._closed = False
 
@@ -217,7 +218,11 @@ class Engine:
             await asyncio.wait({granted}, timeout=timeout)
         except BaseException:
             self._inbox.withdraw(request.request_id)
-            await asyncio.shield(self._withdraw(group_id, request.request_id))
+            # Shielded and tracked: a cancelled acquire still withdraws, and close() waits for it.
+            withdrawal = asyncio.ensure_future(self._withdraw(group_id, request.request_id))
+            self._background.add(withdrawal)
+            withdrawal.add_done_callback(self._background.discard)
+            await asyncio.shield(withdrawal)
             raise
         notice = self._inbox.withdraw(request.request_id)
         if notice is None:
@@ -382,6 +387,8 @@ class Engine:
                 log.warning("releasing %s on close: %s", lease.group_id, err)
         for task in self._heartbeats.values():
             task.cancel()
+        if self._background:
+            await asyncio.wait(self._background, timeout=10)
         if self._worker is not None:
             await self._worker.shutdown()
         if self._worker_task is not None:

@@ -1,0 +1,93 @@
+"""Fixtures: a real Temporal dev server and a real control-worker process for the session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from timeslice import TimeSliceOrchestratorClient
+from timeslice.server import EmbeddedServer, free_port
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def start_worker(address: str, log: Path) -> subprocess.Popen:
+    """Start `timeslice worker` and wait until it says it is serving."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "timeslice.cli", "worker", "--address", address],
+        stdout=subprocess.PIPE,
+        stderr=log.open("ab"),
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "control worker on task queue" not in line:
+        proc.kill()
+        raise RuntimeError(f"control worker failed to start: {line!r}; see {log}")
+    return proc
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_server(tmp: Path, **kwargs) -> EmbeddedServer:
+    return EmbeddedServer(
+        port=kwargs.pop("port", None) or free_port(),
+        ui_port=None,
+        db=tmp / "temporal.db",
+        log_path=tmp / "server.log",
+        **kwargs,
+    ).start()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    srv = start_server(tmp_path_factory.mktemp("temporal"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    proc = start_worker(server.address, tmp_path_factory.mktemp("worker") / "worker.log")
+    yield
+    stop_process(proc)
+
+
+@pytest.fixture
+def address(server: EmbeddedServer, worker: None) -> str:
+    return server.address
+
+
+@pytest.fixture
+def group() -> str:
+    return f"g-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def make_client(address: str) -> Iterator:
+    made: list[TimeSliceOrchestratorClient] = []
+
+    def make(**kwargs) -> TimeSliceOrchestratorClient:
+        client = TimeSliceOrchestratorClient(target=address, **kwargs).connect()
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()

@@ -1,0 +1,96 @@
+"""Shared test helpers: processes, logs, the overlap checker, condition waits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+REPO = Path(__file__).resolve().parent.parent
+CONTENDER = REPO / "tests" / "contender.py"
+T = TypeVar("T")
+
+
+def wait_for(
+    probe: Callable[[], T | None], *, timeout: float = 60.0, what: str = "condition"
+) -> T:
+    """Re-evaluate ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = probe()
+            if value:
+                return value
+        except Exception as err:  # a probe may fail while the system settles
+            last_error = err
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last error: {last_error})")
+
+
+def read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def events(path: Path, event: str, job: str | None = None) -> list[dict]:
+    return [r for r in read_log(path) if r["event"] == event and (job is None or r["job"] == job)]
+
+
+@dataclass
+class Interval:
+    job: str
+    token: int
+    start: float
+    end: float
+
+
+def hold_intervals(records: list[dict]) -> list[Interval]:
+    """Pair each process's acquired / releasing events into hold intervals."""
+    open_by_job: dict[str, dict] = {}
+    intervals: list[Interval] = []
+    for r in sorted(records, key=lambda r: r["t"]):
+        if r["event"] == "acquired":
+            assert r["job"] not in open_by_job, f"{r['job']} acquired twice without releasing"
+            open_by_job[r["job"]] = r
+        elif r["event"] == "releasing":
+            start = open_by_job.pop(r["job"])
+            assert start["token"] == r["token"]
+            intervals.append(Interval(r["job"], r["token"], start["t"], r["t"]))
+    return intervals
+
+
+def assert_no_overlap(intervals: list[Interval]) -> None:
+    """Independent mutual-exclusion check over the processes' own monotonic-clock logs."""
+    ordered = sorted(intervals, key=lambda i: i.start)
+    for before, after in zip(ordered, ordered[1:], strict=False):
+        assert before.end <= after.start, f"hold intervals overlap: {before} and {after}"
+        assert before.token < after.token, f"fencing tokens not increasing: {before} {after}"
+
+
+def spawn_contender(address: str, group: str, job: str, log: Path, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, str(CONTENDER), "--address", address, "--group", group,
+        "--job-id", job, "--log", str(log), *extra,
+    ]
+    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        remaining = max(1.0, deadline - time.monotonic())
+        try:
+            code = p.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"process {p.args} did not finish in {timeout} s") from None
+        assert code == 0, f"process {p.args} exited with {code}"

@@ -1,0 +1,261 @@
+"""The GPU-group lease protocol against a real server, control worker and client processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
+from timeslice.snapshot import NoopBackend
+from timeslice.workflows.protocol import (
+    AcquireRequest,
+    LeaseOutcome,
+    ReleaseRequest,
+    RenewRequest,
+    RenewResult,
+    group_workflow_id,
+)
+
+from .helpers import (
+    assert_no_overlap,
+    events,
+    finish,
+    hold_intervals,
+    read_log,
+    spawn_contender,
+    wait_for,
+)
+
+
+def queued_jobs(client: TimeSliceOrchestratorClient, group: str) -> list[str]:
+    return [w.job_id for w in client.group_status(group).queue]
+
+
+def test_processes_contending_never_overlap(address: str, group: str, tmp_path: Path, make_client):
+    log = tmp_path / "holds.jsonl"
+    jobs = [f"job{i}" for i in range(4)]
+    procs = [
+        spawn_contender(address, group, job, log, "--iterations", "10", "--hold", "0.02")
+        for job in jobs
+    ]
+    finish(procs)
+    intervals = hold_intervals(read_log(log))
+    assert len(intervals) == 40
+    assert {i.job for i in intervals} == set(jobs)
+    assert_no_overlap(intervals)
+    status = make_client().group_status(group)
+    assert status.stats.leases == 40
+    assert status.stats.released == 40
+    assert status.holder is None and status.queue == []
+    assert status.stats.stale_messages == 0
+
+
+def _queue_in_order(address, group, tmp_path, make_client, specs):
+    """Hold the group, queue one process per (job, priority) in order, then release."""
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+    log = tmp_path / "order.jsonl"
+    procs = []
+    for job, priority in specs:
+        procs.append(
+            spawn_contender(address, group, job, log, "--priority", str(priority), "--hold", "0.01")
+        )
+        wait_for(lambda job=job: job in queued_jobs(holder, group), what=f"{job} queued")
+    holder.release(lease)
+    finish(procs)
+    return [r["job"] for r in sorted(events(log, "acquired"), key=lambda r: r["t"])]
+
+
+def test_fifo_within_a_priority(address, group, tmp_path, make_client):
+    order = _queue_in_order(address, group, tmp_path, make_client, [("b", 0), ("c", 0), ("d", 0)])
+    assert order == ["b", "c", "d"]
+
+
+def test_higher_priority_first(address, group, tmp_path, make_client):
+    specs = [("low1", 0), ("low2", 0), ("high", 5), ("mid", 2)]
+    order = _queue_in_order(address, group, tmp_path, make_client, specs)
+    assert order == ["high", "mid", "low1", "low2"]
+
+
+async def _raw_client(address: str) -> Client:
+    return await Client.connect(address, data_converter=pydantic_data_converter)
+
+
+def test_stale_token_release_and_renew_are_ignored(address, group, make_client):
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+
+    async def send_stale() -> RenewResult:
+        handle = (await _raw_client(address)).get_workflow_handle(group_workflow_id(group))
+        await handle.signal("release", ReleaseRequest(request_id="forged", token=lease.token - 1))
+        await handle.signal("release", ReleaseRequest(request_id="forged", token=lease.token + 7))
+        return await handle.execute_update(
+            "renew", RenewRequest(request_id="forged", token=lease.token + 7), result_type=RenewResult
+        )
+
+    renewed = asyncio.run(send_stale())
+    assert not renewed.valid
+    status = wait_for(
+        lambda: (s := holder.group_status(group)).stats.stale_messages == 3 and s,
+        what="stale messages counted",
+    )
+    assert status.holder is not None and status.holder.token == lease.token
+    assert lease.valid
+    holder.release(lease)
+    assert holder.group_status(group).stats.released == 1
+
+
+def test_timed_out_acquire_is_never_granted_later(address, group, tmp_path, make_client):
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+    log = tmp_path / "timeout.jsonl"
+    proc = spawn_contender(address, group, "impatient", log, "--timeout", "1.0")
+    finish([proc])
+    assert [r["event"] for r in read_log(log)] == ["ready", "timeout", "done"]
+    wait_for(lambda: queued_jobs(holder, group) == [], what="the timed-out request left the queue")
+    holder.release(lease)
+    again = holder.acquire(group, timeout=30)  # the group still works, and it is ours
+    status = holder.group_status(group)
+    assert [r.job_id for r in status.history] == ["holder"]
+    assert status.stats.leases == 2
+    assert status.stats.cancelled + status.stats.timed_out >= 1
+    holder.release(again)
+
+
+def test_grant_that_races_a_give_up_is_released_at_once(address, group, make_client):
+    """A grant reaching a process that no longer waits is declined and the group moves on."""
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+    gone = make_client(job_id="gone")
+
+    async def enqueue_abandoned_request() -> None:
+        handle = (await _raw_client(address)).get_workflow_handle(group_workflow_id(group))
+        # The process serves its queue but has no waiter for this request: exactly the state of
+        # an acquire that gave up just before its grant arrived.
+        await handle.signal(
+            "request",
+            AcquireRequest(
+                request_id=f"abandoned-{uuid.uuid4().hex}",
+                job_id="gone",
+                reply_task_queue=gone.task_queue,
+            ),
+        )
+
+    asyncio.run(enqueue_abandoned_request())
+    wait_for(lambda: queued_jobs(holder, group) == ["gone"], what="abandoned request queued")
+    next_waiter = make_client(job_id="next")
+    # Queue "next" behind it from another thread by acquiring asynchronously.
+    result: dict = {}
+
+    async def acquire_next() -> None:
+        result["lease"] = await asyncio.to_thread(next_waiter.acquire, group, 60)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(acquire_next())
+        await asyncio.to_thread(
+            wait_for, lambda: "next" in queued_jobs(holder, group), what="next queued"
+        )
+        await asyncio.to_thread(holder.release, lease)
+        await task
+
+    asyncio.run(scenario())
+    status = holder.group_status(group)
+    assert status.holder is not None and status.holder.job_id == "next"
+    assert status.stats.rejected == 1
+    outcomes = [(r.job_id, r.outcome) for r in status.history]
+    assert outcomes == [("holder", LeaseOutcome.RELEASED), ("gone", LeaseOutcome.REJECTED)]
+    next_waiter.release(result["lease"])
+
+
+def test_cancelled_acquire_leaves_the_queue(address, group, make_client):
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+
+    async def cancel_waiting_acquire() -> None:
+        async with AsyncTimeSliceOrchestratorClient(target=address, job_id="canceller") as client:
+            task = asyncio.create_task(client.acquire(group))
+            await asyncio.to_thread(
+                wait_for, lambda: "canceller" in queued_jobs(holder, group), what="queued"
+            )
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(cancel_waiting_acquire())
+    wait_for(lambda: queued_jobs(holder, group) == [], what="cancelled request removed")
+    holder.release(lease)
+    status = holder.group_status(group)
+    assert status.stats.cancelled == 1
+    assert [r.job_id for r in status.history] == ["holder"]
+
+
+def test_killed_holder_loses_the_lease_after_its_ttl(address, group, tmp_path, make_client):
+    log = tmp_path / "kill.jsonl"
+    victim = spawn_contender(address, group, "victim", log, "--ttl", "3", "--hold-forever")
+    wait_for(lambda: events(log, "acquired", "victim"), what="victim holds the group")
+    waiter = spawn_contender(address, group, "survivor", log, "--hold", "0.01")
+    observer = make_client(job_id="observer")
+    wait_for(lambda: queued_jobs(observer, group) == ["survivor"], what="survivor queued")
+    killed_at = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    finish([waiter], timeout=120)
+    status = observer.group_status(group)
+    assert status.stats.expired == 1
+    assert [(r.job_id, r.outcome) for r in status.history][:2] == [
+        ("victim", LeaseOutcome.EXPIRED),
+        ("survivor", LeaseOutcome.RELEASED),
+    ]
+    taken_at = events(log, "acquired", "survivor")[0]["t"]
+    # Renewals come every TTL / 3 = 1 s, so the lease outlives the kill by at least ~2 s.
+    assert taken_at - killed_at >= 1.5
+
+
+def test_dead_waiter_is_skipped(address, group, tmp_path, make_client):
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+    log = tmp_path / "dead.jsonl"
+    doomed = spawn_contender(address, group, "doomed", log)
+    wait_for(lambda: queued_jobs(holder, group) == ["doomed"], what="doomed queued")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait()
+    alive = spawn_contender(address, group, "alive", log, "--hold", "0.01")
+    wait_for(lambda: queued_jobs(holder, group) == ["doomed", "alive"], what="alive queued")
+    holder.release(lease)
+    finish([alive], timeout=120)
+    status = holder.group_status(group)
+    assert status.stats.dead_waiters == 1
+    assert ("doomed", LeaseOutcome.DEAD) in [(r.job_id, r.outcome) for r in status.history]
+
+
+def test_sticky_residency_and_eviction_calls(address, group, make_client):
+    backend_a, backend_b = NoopBackend(), NoopBackend()
+    a = make_client(job_id="ja", snapshot_backends=[backend_a])
+    b = make_client(job_id="jb", snapshot_backends=[backend_b])
+    for _ in range(2):  # nobody else waits: A's state stays resident, nothing moves
+        a.release(a.acquire(group))
+    assert (backend_a.snapshots, backend_a.restores) == (0, 0)
+    b.release(b.acquire(group))  # A is evicted, B had never been evicted
+    assert (backend_a.snapshots, backend_b.restores) == (1, 0)
+    a.release(a.acquire(group))  # B evicted, A restored
+    assert (backend_b.snapshots, backend_a.restores) == (1, 1)
+    status = a.group_status(group)
+    assert (status.stats.evictions, status.stats.restores, status.stats.switches) == (2, 1, 2)
+    assert status.resident_job == "ja"
+
+
+def test_job_without_backend_is_never_evicted(address, group, make_client):
+    plain = make_client(job_id="plain")
+    other = make_client(job_id="other", snapshot_backends=["noop"])
+    plain.release(plain.acquire(group))
+    other.release(other.acquire(group))
+    status = plain.group_status(group)
+    assert status.stats.evictions == 0 and status.stats.switches == 0
