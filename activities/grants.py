@@ -8,14 +8,19 @@ waiter gone answers ``accepted=False`` and the group releases it at once.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 
 from temporalio import activity
 from timeslice.workflows.protocol import DELIVER_GRANT_ACTIVITY, GrantAck, GrantNotice
+
+_ACCEPTED_KEEP = 1024
 
 
 class GrantInbox:
     def __init__(self) -> None:
         self._waiting: dict[str, asyncio.Future[GrantNotice]] = {}
+        # A group that continued as new re-delivers a grant it had not yet seen taken.
+        self._accepted: OrderedDict[str, int] = OrderedDict()
 
     def expect(self, request_id: str) -> asyncio.Future[GrantNotice]:
         future: asyncio.Future[GrantNotice] = asyncio.get_running_loop().create_future()
@@ -33,6 +38,8 @@ class GrantInbox:
 
     @activity.defn(name=DELIVER_GRANT_ACTIVITY)
     async def deliver_grant(self, notice: GrantNotice) -> GrantAck:
+        if self._accepted.get(notice.request_id) == notice.token:
+            return GrantAck(accepted=True)
         future = self._waiting.get(notice.request_id)
         if future is None or future.done():
             activity.logger.info(
@@ -42,4 +49,9 @@ class GrantInbox:
             )
             return GrantAck(accepted=False)
         future.set_result(notice)
-        return GrantAck(accepted=notice.fault is None)
+        if notice.fault is not None:
+            return GrantAck(accepted=False)
+        self._accepted[notice.request_id] = notice.token
+        while len(self._accepted) > _ACCEPTED_KEEP:
+            self._accepted.popitem(last=False)
+        return GrantAck(accepted=True)

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.server import EmbeddedServer, free_port
 

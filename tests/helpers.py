@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -17,9 +18,7 @@ CONTENDER = REPO / "tests" / "contender.py"
 T = TypeVar("T")
 
 
-def wait_for(
-    probe: Callable[[], T | None], *, timeout: float = 60.0, what: str = "condition"
-) -> T:
+def wait_for(probe: Callable[[], T | None], *, timeout: float = 60.0, what: str = "condition") -> T:
     """Re-evaluate ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
@@ -31,7 +30,9 @@ def wait_for(
         except Exception as err:  # a probe may fail while the system settles
             last_error = err
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last error: {last_error})")
+    raise AssertionError(
+        f"timed out after {timeout} s waiting for {what} (last error: {last_error})"
+    )
 
 
 def read_log(path: Path) -> list[dict]:
@@ -70,15 +71,24 @@ def hold_intervals(records: list[dict]) -> list[Interval]:
 def assert_no_overlap(intervals: list[Interval]) -> None:
     """Independent mutual-exclusion check over the processes' own monotonic-clock logs."""
     ordered = sorted(intervals, key=lambda i: i.start)
-    for before, after in zip(ordered, ordered[1:], strict=False):
+    for before, after in itertools.pairwise(ordered):
         assert before.end <= after.start, f"hold intervals overlap: {before} and {after}"
         assert before.token < after.token, f"fencing tokens not increasing: {before} {after}"
 
 
 def spawn_contender(address: str, group: str, job: str, log: Path, *extra: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, str(CONTENDER), "--address", address, "--group", group,
-        "--job-id", job, "--log", str(log), *extra,
+        sys.executable,
+        str(CONTENDER),
+        "--address",
+        address,
+        "--group",
+        group,
+        "--job-id",
+        job,
+        "--log",
+        str(log),
+        *extra,
     ]
     return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
-
 from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
 from timeslice.snapshot import NoopBackend
 from timeslice.workflows.protocol import (
@@ -98,7 +97,9 @@ def test_stale_token_release_and_renew_are_ignored(address, group, make_client):
         await handle.signal("release", ReleaseRequest(request_id="forged", token=lease.token - 1))
         await handle.signal("release", ReleaseRequest(request_id="forged", token=lease.token + 7))
         return await handle.execute_update(
-            "renew", RenewRequest(request_id="forged", token=lease.token + 7), result_type=RenewResult
+            "renew",
+            RenewRequest(request_id="forged", token=lease.token + 7),
+            result_type=RenewResult,
         )
 
     renewed = asyncio.run(send_stale())

@@ -74,7 +74,10 @@ class GpuGroupWorkflow:
         self._config = inp.config
         self._state = inp.state or GroupState(stats=GroupStats(created_at=workflow.now()))
         self._wake = False
-        self._deliveries: set[asyncio.Task[None]] = set()
+        # Grants in flight need not hold up continue-as-new (the next run re-delivers an
+        # undelivered lease; delivery is idempotent), but fault notices live nowhere else.
+        self._fault_notices_in_flight = 0
+        self._delivery_tasks: set[asyncio.Task[None]] = set()
         self._switching_for: str | None = None
         self._switch_cancelled = False
 
@@ -84,6 +87,9 @@ class GpuGroupWorkflow:
     async def run(self, raw_input: dict[str, Any]) -> None:
         if self._input_error is not None:
             raise ApplicationError(self._input_error, type="InvalidInput", non_retryable=True)
+        holder = self._state.holder
+        if holder is not None and not holder.delivered:
+            self._start_delivery(self._notice(holder.request, holder.token, holder.waited_s, None))
         self._publish_details()
         while True:
             await self._grant_if_free()
@@ -103,7 +109,7 @@ class GpuGroupWorkflow:
             self._expire()
 
     def _quiescent(self) -> bool:
-        return not self._deliveries and self._switching_for is None
+        return self._fault_notices_in_flight == 0 and self._switching_for is None
 
     def _next_deadline(self) -> datetime | None:
         deadlines = [
@@ -166,37 +172,49 @@ class GpuGroupWorkflow:
             self._state.next_token += 1
             waited = (now - waiter.enqueued_at).total_seconds()
             if fault is None:
-                self._state.holder = HeldLease(request=request, token=token, granted_at=now)
+                self._state.holder = HeldLease(
+                    request=request, token=token, granted_at=now, waited_s=waited
+                )
                 self._state.stats.leases += 1
                 samples = self._state.stats.wait_samples_s
                 samples.append(waited)
                 del samples[: max(0, len(samples) - self._config.wait_samples_keep)]
             else:
                 self._remember_done(request.request_id)
-            notice = GrantNotice(
-                group_id=self._config.group_id,
-                request_id=request.request_id,
-                job_id=request.job_id,
-                token=token,
-                ttl_s=self._ttl(request),
-                waited_s=waited,
-                fault=fault,
-            )
-            delivery = asyncio.create_task(self._deliver(notice, request.reply_task_queue))
-            self._deliveries.add(delivery)
-            delivery.add_done_callback(self._deliveries.discard)
+            self._start_delivery(self._notice(request, token, waited, fault))
+
+    def _notice(
+        self, request: AcquireRequest, token: int, waited: float, fault: str | None
+    ) -> GrantNotice:
+        return GrantNotice(
+            group_id=self._config.group_id,
+            request_id=request.request_id,
+            job_id=request.job_id,
+            reply_task_queue=request.reply_task_queue,
+            token=token,
+            ttl_s=self._ttl(request),
+            waited_s=waited,
+            fault=fault,
+        )
+
+    def _start_delivery(self, notice: GrantNotice) -> None:
+        if notice.fault is not None:
+            self._fault_notices_in_flight += 1
+        delivery = asyncio.create_task(self._deliver(notice))
+        self._delivery_tasks.add(delivery)
+        delivery.add_done_callback(self._delivery_tasks.discard)
 
     def _ttl(self, request: AcquireRequest) -> float:
         return request.ttl_s if request.ttl_s is not None else self._config.default_ttl_s
 
-    async def _deliver(self, notice: GrantNotice, task_queue: str) -> None:
+    async def _deliver(self, notice: GrantNotice) -> None:
         try:
             # Results are validated here, not by the converter: a malformed reply from one
             # process must not fail the group's workflow task.
             raw_ack = await workflow.execute_activity(
                 DELIVER_GRANT_ACTIVITY,
                 notice,
-                task_queue=task_queue,
+                task_queue=notice.reply_task_queue,
                 schedule_to_start_timeout=timedelta(seconds=self._config.grant_ack_timeout_s),
                 start_to_close_timeout=_DELIVERY_START_TO_CLOSE,
                 retry_policy=RetryPolicy(maximum_attempts=1),
@@ -213,6 +231,8 @@ class GpuGroupWorkflow:
             )
             outcome = LeaseOutcome.DEAD
         finally:
+            if notice.fault is not None:
+                self._fault_notices_in_flight -= 1
             self._wake = True
         holder = self._state.holder
         if notice.fault is not None or holder is None or holder.token != notice.token:

@@ -127,6 +127,7 @@ class GrantNotice(_Model):
     group_id: str
     request_id: str
     job_id: str
+    reply_task_queue: str
     token: int
     ttl_s: float
     waited_s: float
@@ -170,6 +171,7 @@ class HeldLease(_Model):
     request: AcquireRequest
     token: int
     granted_at: datetime
+    waited_s: float = 0.0
     delivered: bool = False
     expires_at: datetime | None = None  # set once the process has taken the grant
 

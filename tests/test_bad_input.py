@@ -1,0 +1,126 @@
+"""Bad input fails fast with a clear error and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from timeslice import (
+    InvalidArgumentError,
+    NotHolderError,
+    ServerUnreachableError,
+    TimeSliceOrchestratorClient,
+    UnknownGroupError,
+)
+from timeslice.server import free_port
+from timeslice.workflows.protocol import CONTROL_TASK_QUEUE, GROUP_WORKFLOW_TYPE
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "-leading-dash", "x" * 101, "slash/no", 7])
+def test_malformed_group_ids_fail_fast(bad):
+    client = TimeSliceOrchestratorClient(target="127.0.0.1:1")  # nothing is contacted
+    with pytest.raises(InvalidArgumentError, match="invalid group id"):
+        client.acquire(bad)
+    with pytest.raises(InvalidArgumentError, match="invalid group id"):
+        client.on_accelerators(group_id=bad)
+    with pytest.raises(InvalidArgumentError, match="invalid group id"):
+        client.group_status(bad)
+    with pytest.raises(InvalidArgumentError, match="invalid group id"):
+        TimeSliceOrchestratorClient(target="127.0.0.1:1", group_id=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, -0.001, math.nan, math.inf, "5", True])
+def test_bad_timeouts_fail_fast(bad):
+    client = TimeSliceOrchestratorClient(target="127.0.0.1:1")
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        client.acquire("g", timeout=bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"job_id": "bad id"}, "invalid job id"),
+        ({"priority": 1000}, "priority"),
+        ({"priority": 1.5}, "priority"),
+        ({"lease_ttl": 0.1}, "lease_ttl"),
+        ({"lease_ttl": -3}, "lease_ttl"),
+        ({"rank": -1}, "rank"),
+        ({"target": "no-port"}, "HOST:PORT"),
+        ({"snapshot_backends": ["nonesuch"]}, "unknown snapshot backend"),
+        ({"namespace": " "}, "namespace"),
+    ],
+)
+def test_bad_client_settings_fail_fast(kwargs, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        TimeSliceOrchestratorClient(**{"target": "127.0.0.1:1", **kwargs})
+
+
+def test_missing_group_argument():
+    client = TimeSliceOrchestratorClient(target="127.0.0.1:1")
+    with pytest.raises(InvalidArgumentError, match="no group given"):
+        client.acquire()
+
+
+def test_unreachable_server_is_a_clear_error():
+    client = TimeSliceOrchestratorClient(target=f"127.0.0.1:{free_port()}")
+    with pytest.raises(ServerUnreachableError, match="cannot reach Temporal"):
+        client.acquire("g", timeout=1)
+
+
+def test_unknown_group_status(address, make_client):
+    with pytest.raises(UnknownGroupError, match="no GPU group 'never-made'"):
+        make_client().group_status("never-made")
+
+
+def test_release_without_holding(address, group, make_client):
+    client = make_client()
+    with pytest.raises(NotHolderError, match="holds 0 leases"):
+        client.release()
+    lease = client.acquire(group)
+    with pytest.raises(InvalidArgumentError, match="already holds group"):
+        client.acquire(group)
+    client.release(lease)
+    with pytest.raises(NotHolderError, match="does not hold this lease"):
+        client.release(lease)
+
+
+def test_group_workflow_with_bad_input_fails_without_retrying(address):
+    async def start_bad() -> None:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        handle = await client.start_workflow(
+            GROUP_WORKFLOW_TYPE,
+            {"config": {"group_id": "bad id!"}},
+            id="gpu-group-bad-input-check",
+            task_queue=CONTROL_TASK_QUEUE,
+        )
+        await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as info:
+        asyncio.run(start_bad())
+    cause = info.value.cause
+    assert isinstance(cause, ApplicationError)
+    assert cause.non_retryable and cause.type == "InvalidInput"
+    assert "invalid group id" in cause.message
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["server", "--port", "70000"], "port must be a TCP port"),
+        (["server", "--dynamic-config", "k=not json"], "value is not JSON"),
+        (["status", "bad id!"], "invalid group id"),
+        (["worker", "--address", "nope"], "HOST:PORT"),
+    ],
+)
+def test_cli_rejects_bad_arguments(argv, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", *argv], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -1,0 +1,100 @@
+"""Durability: continue-as-new under contention, and a server restart mid-contention."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from timeslice import TimeSliceOrchestratorClient
+from timeslice.workflows.protocol import group_workflow_id
+
+from .conftest import start_server, start_worker, stop_process
+from .helpers import (
+    assert_no_overlap,
+    events,
+    finish,
+    hold_intervals,
+    read_log,
+    spawn_contender,
+    wait_for,
+)
+
+
+def _run_count(address: str, group: str) -> int:
+    async def count() -> int:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        runs = 0
+        async for _ in client.list_workflows(f"WorkflowId = '{group_workflow_id(group)}'"):
+            runs += 1
+        return runs
+
+    return asyncio.run(count())
+
+
+def test_continue_as_new_under_contention_loses_nothing(tmp_path: Path):
+    server = start_server(tmp_path, dynamic_config={"limit.historyCount.suggestContinueAsNew": 120})
+    worker = start_worker(server.address, tmp_path / "worker.log")
+    try:
+        log = tmp_path / "holds.jsonl"
+        jobs = ["a", "b", "c"]
+        procs = [
+            spawn_contender(server.address, "can", job, log, "--iterations", "25", "--hold", "0.01")
+            for job in jobs
+        ]
+        finish(procs, timeout=300)
+        intervals = hold_intervals(read_log(log))
+        assert len(intervals) == 75
+        assert_no_overlap(intervals)
+        tokens = [i.token for i in intervals]
+        assert len(set(tokens)) == 75  # no grant duplicated
+        with TimeSliceOrchestratorClient(target=server.address) as client:
+            status = client.group_status("can")
+        assert status.stats.runs > 2, "the group never continued as new"
+        assert _run_count(server.address, "can") == status.stats.runs
+        assert status.stats.leases == 75 and status.stats.released == 75
+        assert status.holder is None and status.queue == []
+    finally:
+        stop_process(worker)
+        server.stop()
+
+
+def test_server_restart_mid_contention_every_job_completes(tmp_path: Path):
+    server = start_server(tmp_path)
+    worker = start_worker(server.address, tmp_path / "worker.log")
+    try:
+        log = tmp_path / "holds.jsonl"
+        jobs = ["r1", "r2", "r3"]
+        procs = [
+            spawn_contender(
+                server.address,
+                "restart",
+                job,
+                log,
+                "--iterations",
+                "12",
+                "--hold",
+                "0.05",
+                "--ttl",
+                "60",
+            )
+            for job in jobs
+        ]
+        wait_for(lambda: len(events(log, "acquired")) >= 6, what="contention under way")
+        server.stop()
+        before = len(events(log, "acquired"))
+        server.start()  # same port, same SQLite file
+        finish(procs, timeout=300)
+        intervals = hold_intervals(read_log(log))
+        assert before < 36, "the restart happened after the work was done"
+        assert len(intervals) == 36
+        assert_no_overlap(intervals)
+        assert {r["job"] for r in events(log, "done")} == set(jobs)
+        with TimeSliceOrchestratorClient(target=server.address) as client:
+            status = client.group_status("restart")
+        assert status.stats.leases == 36
+        assert status.stats.released == 36
+    finally:
+        stop_process(worker)
+        server.stop()

@@ -1,0 +1,27 @@
+"""Replay stored group-workflow histories: a non-deterministic code change fails here."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+from timeslice.workers.control import WORKFLOWS
+
+HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+
+
+def test_histories_are_stored():
+    # The recorder covers continue-as-new, so several runs are stored.
+    assert len(HISTORIES) >= 2
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
+def test_stored_history_replays(path: Path):
+    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+    result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
+    assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
