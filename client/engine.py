@@ -7,6 +7,7 @@ training loop keeps its own thread (or event loop) busy with GPU work.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import threading
@@ -17,7 +18,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
@@ -41,6 +42,8 @@ from timeslice.workflows.protocol import (
     GROUP_WORKFLOW_TYPE,
     AcquireRequest,
     CancelRequest,
+    GrantWait,
+    GrantWaitOutcome,
     GroupConfig,
     GroupInput,
     GroupStatus,
@@ -48,6 +51,7 @@ from timeslice.workflows.protocol import (
     RenewRequest,
     RenewResult,
     SnapshotTarget,
+    WaitGrant,
     group_workflow_id,
 )
 
@@ -215,14 +219,15 @@ class Engine:
         granted = self._inbox.expect(request.request_id)
         try:
             await self._send_request(client, group_id, request)
+            # Not cancelled when the acquire ends: the group answers a parked wait as soon as
+            # the request is granted or gone, and an RPC abandoned mid-flight would outlive
+            # its event loop. close() waits for these.
+            self._track(self._park(group_id, request.request_id, granted))
             await asyncio.wait({granted}, timeout=timeout)
         except BaseException:
             self._inbox.withdraw(request.request_id)
             # Shielded and tracked: a cancelled acquire still withdraws, and close() waits for it.
-            withdrawal = asyncio.ensure_future(self._withdraw(group_id, request.request_id))
-            self._background.add(withdrawal)
-            withdrawal.add_done_callback(self._background.discard)
-            await asyncio.shield(withdrawal)
+            await asyncio.shield(self._track(self._withdraw(group_id, request.request_id)))
             raise
         notice = self._inbox.withdraw(request.request_id)
         if notice is None:
@@ -282,6 +287,40 @@ class Engine:
                     "run `timeslice setup` once against this cluster"
                 ) from err
             raise
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _park(self, group_id: str, request_id: str, granted: asyncio.Future[Any]) -> None:
+        """Wait for the grant as the result of a parked update (the fast path).
+
+        The group admits a few parked waits; when it refuses one, or anything goes wrong
+        here, the grant still comes as an activity on this process's queue.
+        """
+        handle = self._group_handle(group_id)
+        delay = 0.2
+        while not granted.done():
+            try:
+                answer = await handle.execute_update(
+                    "wait_grant", WaitGrant(request_id=request_id), result_type=GrantWait
+                )
+            except WorkflowUpdateFailedError:
+                return  # refused (enough parked waits): the activity path delivers
+            except RPCError as err:
+                if err.status not in _TRANSIENT:
+                    log.debug("parking %s on %s failed: %s", request_id, group_id, err)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            if answer.outcome == GrantWaitOutcome.GRANTED and answer.notice is not None:
+                self._inbox.accept(answer.notice, confirming=False)
+                return
+            if answer.outcome == GrantWaitOutcome.GONE:
+                return
 
     async def _withdraw(self, group_id: str, request_id: str) -> None:
         """Tell the group to drop a request; a grant that raced with it is released at once."""
@@ -389,10 +428,18 @@ class Engine:
             task.cancel()
         if self._background:
             await asyncio.wait(self._background, timeout=10)
+        # Short and best-effort: a group that continued as new after the lease was released
+        # sends no confirmation for it.
+        if not await self._inbox.confirmed(timeout=2):
+            log.debug("closing before the group confirmed every grant")
         if self._worker is not None:
             await self._worker.shutdown()
         if self._worker_task is not None:
             await asyncio.gather(self._worker_task, return_exceptions=True)
+        # Drop the SDK's native objects now, while the interpreter is whole: left to the
+        # interpreter's own shutdown, their native threads can touch Python mid-finalization.
+        self._worker = self._worker_task = self._client = self._connecting = None
+        gc.collect()
 
 
 def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:

@@ -90,7 +90,8 @@ def spawn_contender(address: str, group: str, job: str, log: Path, *extra: str) 
         str(log),
         *extra,
     ]
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    return subprocess.Popen(cmd, env=env)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 180.0) -> None:

@@ -28,6 +28,8 @@ with workflow.unsafe.imports_passed_through():
         CancelRequest,
         GrantAck,
         GrantNotice,
+        GrantWait,
+        GrantWaitOutcome,
         GroupConfig,
         GroupInput,
         GroupState,
@@ -46,10 +48,12 @@ with workflow.unsafe.imports_passed_through():
         SnapshotTarget,
         Waiter,
         WaiterView,
+        WaitGrant,
     )
 
 _RECENT_DONE_KEEP = 2048
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
+_PARK_TIMEOUT_S = 120.0
 
 
 def _percentile(samples: list[float], q: float) -> float | None:
@@ -79,6 +83,9 @@ class GpuGroupWorkflow:
         self._fault_notices_in_flight = 0
         self._delivery_tasks: set[asyncio.Task[None]] = set()
         self._switching_for: str | None = None
+        # request id -> the answer for its parked wait_grant update (None while undecided)
+        self._parked: dict[str, GrantWait | None] = {}
+        self._closing = False
         self._switch_cancelled = False
 
     # ---------------------------------------------------------------- main loop
@@ -95,7 +102,14 @@ class GpuGroupWorkflow:
             await self._grant_if_free()
             self._publish_details()
             if self._quiescent() and workflow.info().is_continue_as_new_suggested():
+                # Parked waits must finish before this run ends: tell them to wait again on
+                # the next run (their requests travel in the carried queue).
+                self._closing = True
+                for request_id, answer in self._parked.items():
+                    if answer is None:
+                        self._parked[request_id] = GrantWait(outcome=GrantWaitOutcome.RETRY)
                 await workflow.wait_condition(workflow.all_handlers_finished)
+                self._closing = False
                 if self._quiescent():
                     self._state.stats.runs += 1
                     carried = GroupInput(config=self._config, state=self._state)
@@ -181,7 +195,16 @@ class GpuGroupWorkflow:
                 del samples[: max(0, len(samples) - self._config.wait_samples_keep)]
             else:
                 self._remember_done(request.request_id)
-            self._start_delivery(self._notice(request, token, waited, fault))
+            notice = self._notice(request, token, waited, fault)
+            if self._parked.get(request.request_id, False) is None:
+                # Fast path: the grant is the result of the waiter's parked update, sent back
+                # from this very workflow task with no dispatch on the way. The activity below
+                # still runs, off the hand-off's path: it confirms the process took the grant
+                # (starting its TTL) or finds it dead.
+                self._parked[request.request_id] = GrantWait(
+                    outcome=GrantWaitOutcome.GRANTED, notice=notice
+                )
+            self._start_delivery(notice)
 
     def _notice(
         self, request: AcquireRequest, token: int, waited: float, fault: str | None
@@ -412,6 +435,40 @@ class GpuGroupWorkflow:
                 state.stats.cancelled += 1
         self._remember_done(rid)
         self._wake = True
+
+    @workflow.update
+    async def wait_grant(self, wait: WaitGrant) -> GrantWait:
+        """Park until the request is granted or gone; the answer is the grant itself."""
+        request_id = wait.request_id
+        self._parked[request_id] = None
+        with contextlib.suppress(TimeoutError):
+            await workflow.wait_condition(
+                lambda: self._parked.get(request_id) is not None or self._settled(request_id),
+                timeout=_PARK_TIMEOUT_S,
+            )
+        answer = self._parked.pop(request_id, None)
+        if answer is not None:
+            return answer
+        if self._settled(request_id):
+            return GrantWait(outcome=GrantWaitOutcome.GONE)
+        return GrantWait(outcome=GrantWaitOutcome.RETRY)
+
+    @wait_grant.validator
+    def _validate_wait_grant(self, wait: WaitGrant) -> None:
+        if self._closing:
+            raise ValueError("the group is continuing as new; wait again on the next run")
+        if wait.request_id in self._parked:
+            raise ValueError(f"request {wait.request_id} is already parked")
+        if len(self._parked) >= self._config.max_parked_waits:
+            raise ValueError("enough waits are parked; this grant comes as an activity")
+
+    def _settled(self, request_id: str) -> bool:
+        """Nothing more to wait for: the request is done, or holds the group (granted by
+        activity before the wait was parked)."""
+        holder = self._state.holder
+        return request_id in self._state.recent_done or (
+            holder is not None and holder.request.request_id == request_id
+        )
 
     @workflow.update
     def renew(self, renew: RenewRequest) -> RenewResult:

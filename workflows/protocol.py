@@ -72,6 +72,13 @@ class GroupConfig(_Model):
     snapshot_timeout_s: float = Field(300.0, gt=0, le=3600)
     history_keep: int = Field(256, ge=0, le=4096)
     wait_samples_keep: int = Field(512, ge=1, le=4096)
+    max_parked_waits: int = Field(
+        5,
+        ge=0,
+        le=8,
+        description="waiters whose grant may come as an update result (the rest "
+        "get an activity); Temporal admits 10 in-flight updates per workflow, renewals need some",
+    )
 
     @field_validator("group_id")
     @classmethod
@@ -136,6 +143,21 @@ class GrantNotice(_Model):
 
 class GrantAck(_Model):
     accepted: bool
+
+
+class WaitGrant(_Model):
+    request_id: str
+
+
+class GrantWaitOutcome(StrEnum):
+    GRANTED = "granted"  # ``notice`` carries the grant (or its fault)
+    RETRY = "retry"  # the group continued as new, or the wait ran long: wait again
+    GONE = "gone"  # the request is no longer queued (cancelled, timed out, done)
+
+
+class GrantWait(_Model):
+    outcome: GrantWaitOutcome
+    notice: GrantNotice | None = None
 
 
 class SnapshotCall(_Model):
