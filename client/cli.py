@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -175,5 +176,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """Console-script entry: run, flush, and exit without interpreter teardown.
+
+    The Temporal SDK's native threads can touch Python during interpreter finalization and
+    crash a process that finished its work (temporalio/sdk-python#300); nothing is left to
+    clean up once the command has returned, so skip that phase.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -14,6 +14,23 @@ from timeslice import TimeSliceOrchestratorClient
 from timeslice.server import EmbeddedServer, free_port
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Exit with pytest's status, skipping interpreter teardown.
+
+    The Temporal SDK's native threads can crash a finished process during interpreter
+    finalization (temporalio/sdk-python#300); the report is printed by now.
+    """
+    if _exit_status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[0])
 
 
 def start_worker(address: str, log: Path) -> subprocess.Popen:
