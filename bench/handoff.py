@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -51,6 +52,16 @@ def player(args: argparse.Namespace) -> None:
         )
     client.close()
     Path(args.out).write_text(json.dumps(records))
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -137,8 +148,8 @@ def main() -> None:
 
     result = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
-        f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}",
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, "
+        f"Python {platform.python_version()}",
         "handoffs": len(handoffs),
         "handoff_p50_ms": round(statistics.median(handoffs), 1),
         "handoff_p99_ms": round(percentile(handoffs, 0.99), 1),
