@@ -15,7 +15,11 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
 from timeslice.snapshot import NoopBackend
 from timeslice.workflows.protocol import (
+    CONTROL_TASK_QUEUE,
+    GROUP_WORKFLOW_TYPE,
     AcquireRequest,
+    GroupConfig,
+    GroupInput,
     LeaseOutcome,
     ReleaseRequest,
     RenewRequest,
@@ -260,3 +264,35 @@ def test_job_without_backend_is_never_evicted(address, group, make_client):
     other.release(other.acquire(group))
     status = plain.group_status(group)
     assert status.stats.evictions == 0 and status.stats.switches == 0
+
+
+def test_waiting_ages_priority_so_nothing_starves(address, group, tmp_path, make_client):
+    """With aging_s=0.5, a priority-0 waiter that waited 2 s outranks a fresh priority-2 one."""
+
+    async def create_group() -> None:
+        client = await _raw_client(address)
+        config = GroupInput(config=GroupConfig(group_id=group, aging_s=0.5))
+        await client.start_workflow(
+            GROUP_WORKFLOW_TYPE,
+            config.model_dump(mode="json"),
+            id=group_workflow_id(group),
+            task_queue=CONTROL_TASK_QUEUE,
+        )
+
+    asyncio.run(create_group())
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+    log = tmp_path / "ageing.jsonl"
+    patient = spawn_contender(address, group, "patient", log, "--hold", "0.01")
+
+    def patient_waited(seconds: float) -> bool:
+        queue = holder.group_status(group).queue
+        return bool(queue) and queue[0].job_id == "patient" and queue[0].waited_s >= seconds
+
+    wait_for(lambda: patient_waited(2.0), what="patient waited 2 s")
+    urgent = spawn_contender(address, group, "urgent", log, "--priority", "2", "--hold", "0.01")
+    wait_for(lambda: "urgent" in queued_jobs(holder, group), what="urgent queued")
+    holder.release(lease)
+    finish([patient, urgent])
+    order = [r["job"] for r in sorted(events(log, "acquired"), key=lambda r: r["t"])]
+    assert order == ["patient", "urgent"]
