@@ -2,12 +2,16 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Pinned: the CPU build of this version is what the project's machines carry locally; an open
+# range would fetch a multi-GB CUDA build. On a GPU machine install the CUDA build you need.
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,torch]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,10 +1,18 @@
 """Snapshot backends: move a job's GPU state to host DRAM and back.
 
 A backend has a name and two calls, ``snapshot(job_id)`` and ``restore(job_id)``, each returning a
-:class:`~timeslice.workflows.protocol.SnapshotReport` with measured bytes and seconds.
+:class:`~timeslice.workflows.protocol.SnapshotReport` with measured bytes and seconds. The
+``torch`` backend lives in :mod:`timeslice.snapshot.torch_backend` (it imports torch).
 """
 
 from timeslice.snapshot.base import SnapshotBackend, SnapshotError, resolve_backends
 from timeslice.snapshot.noop import NoopBackend
+from timeslice.snapshot.simulated import SimulatedBackend
 
-__all__ = ["NoopBackend", "SnapshotBackend", "SnapshotError", "resolve_backends"]
+__all__ = [
+    "NoopBackend",
+    "SimulatedBackend",
+    "SnapshotBackend",
+    "SnapshotError",
+    "resolve_backends",
+]

@@ -1,0 +1,45 @@
+"""The ``simulated`` backend: a switch that costs configured time and reports configured bytes.
+
+For CPU-only clusters, tests and utilization studies: nothing moves, but the group sees a switch
+of realistic duration and size (e.g. 16 GiB at 25 GB/s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from timeslice.workflows.protocol import SnapshotReport
+
+
+class SimulatedBackend:
+    name = "simulated"
+
+    def __init__(
+        self, *, nbytes: int = 0, snapshot_s: float = 0.0, restore_s: float | None = None
+    ) -> None:
+        for label, value in (("nbytes", nbytes), ("snapshot_s", snapshot_s)):
+            if value < 0:
+                raise ValueError(f"{label} must be >= 0, not {value}")
+        if restore_s is not None and restore_s < 0:
+            raise ValueError(f"restore_s must be >= 0, not {restore_s}")
+        self.nbytes = nbytes
+        self.snapshot_s = snapshot_s
+        self.restore_s = snapshot_s if restore_s is None else restore_s
+
+    async def _pretend(self, job_id: str, seconds: float) -> SnapshotReport:
+        started = time.perf_counter()
+        await asyncio.sleep(seconds)  # stands in for the copy, by design
+        return SnapshotReport(
+            job_id=job_id,
+            backend=self.name,
+            mode="simulated",
+            bytes=self.nbytes,
+            seconds=time.perf_counter() - started,
+        )
+
+    async def snapshot(self, job_id: str) -> SnapshotReport:
+        return await self._pretend(job_id, self.snapshot_s)
+
+    async def restore(self, job_id: str) -> SnapshotReport:
+        return await self._pretend(job_id, self.restore_s)
