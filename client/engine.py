@@ -42,6 +42,7 @@ from timeslice.workflows.protocol import (
     GROUP_WORKFLOW_TYPE,
     AcquireRequest,
     CancelRequest,
+    DepartRequest,
     GrantWait,
     GrantWaitOutcome,
     GroupConfig,
@@ -288,6 +289,12 @@ class Engine:
                 ) from err
             raise
 
+    async def _depart(self, group_id: str) -> None:
+        try:
+            await self._group_handle(group_id).signal("depart", DepartRequest(job_id=self.job_id))
+        except RPCError as err:
+            log.debug("depart from %s: %s", group_id, err)
+
     def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -426,6 +433,9 @@ class Engine:
                 log.warning("releasing %s on close: %s", lease.group_id, err)
         for task in self._heartbeats.values():
             task.cancel()
+        for group_id in self._known_groups:
+            # Our state leaves the device with this process: nothing to evict any more.
+            self._track(self._depart(group_id))
         if self._background:
             await asyncio.wait(self._background, timeout=10)
         # Short and best-effort: a group that continued as new after the lease was released

@@ -26,14 +26,27 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--backend", action="append", default=[])
     p.add_argument("--hold-forever", action="store_true")
+    p.add_argument("--torch-mb", type=int, default=0, help="register this much state (torch)")
     p.add_argument("--log", required=True)
     args = p.parse_args()
+    backends: list = list(args.backend)
+    state = None
+    if args.torch_mb:
+        import torch
+        from timeslice.snapshot.torch_backend import TorchBackend
+
+        # Deterministic content, so the process can check every restore bit for bit.
+        state = torch.arange(args.torch_mb * 1024 * 1024 // 4, dtype=torch.float32)
+        expected_sum = float(state.double().sum())
+        torch_backend = TorchBackend()
+        torch_backend.register_tensor("state", state)
+        backends.append(torch_backend)
     client = TimeSliceOrchestratorClient(
         target=args.address,
         job_id=args.job_id,
         priority=args.priority,
         lease_ttl=args.ttl,
-        snapshot_backends=args.backend or None,
+        snapshot_backends=backends or None,
     ).connect()
     with open(args.log, "a", buffering=1) as log:
 
@@ -49,6 +62,9 @@ def main() -> int:
                 emit("timeout")
                 continue
             emit("acquired", lease.token)
+            if state is not None and float(state.double().sum()) != expected_sum:
+                emit("corrupt", lease.token)
+                return 3
             if args.hold_forever:
                 while True:
                     time.sleep(3600)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -296,3 +297,56 @@ def test_waiting_ages_priority_so_nothing_starves(address, group, tmp_path, make
     finish([patient, urgent])
     order = [r["job"] for r in sorted(events(log, "acquired"), key=lambda r: r["t"])]
     assert order == ["patient", "urgent"]
+
+
+def test_torch_state_is_evicted_and_restored_on_every_switch(address, group, tmp_path):
+    pytest.importorskip("torch")
+    log = tmp_path / "torch.jsonl"
+    procs = [
+        spawn_contender(
+            address, group, job, log, "--iterations", "4", "--hold", "0.05", "--torch-mb", "4"
+        )
+        for job in ("ta", "tb")
+    ]
+    finish(procs)
+    assert not events(log, "corrupt")  # each process checks its state after every grant
+    intervals = hold_intervals(read_log(log))
+    assert_no_overlap(intervals)
+    holders = [i.job for i in sorted(intervals, key=lambda i: i.start)]
+    changes = sum(1 for a, b in itertools.pairwise(holders) if a != b)
+    with TimeSliceOrchestratorClient(target=address) as client:
+        stats = client.group_status(group).stats
+    assert changes >= 3
+    # Every change of holder evicts the previous one, except possibly the last: a process
+    # that finished first departs, taking its state with it, so there is nothing to evict.
+    assert stats.evictions in (changes - 1, changes)
+    assert stats.evictions + stats.departed >= changes
+    assert stats.restores == changes - 1  # the second job's first grant had nothing saved
+    assert stats.bytes_moved == (stats.evictions + stats.restores) * 4 * 1024 * 1024
+
+
+def test_closed_job_departs_and_is_not_evicted(address, group, make_client):
+    leaver = make_client(job_id="leaver", snapshot_backends=["noop"])
+    leaver.release(leaver.acquire(group))
+    leaver.close()
+    stayer = make_client(job_id="stayer", snapshot_backends=["noop"])
+    wait_for(lambda: stayer.group_status(group).stats.departed == 1, what="leaver departed")
+    stayer.release(stayer.acquire(group, timeout=30))
+    stats = stayer.group_status(group).stats
+    assert (stats.evictions, stats.restores, stats.snapshot_failures) == (0, 0, 0)
+
+
+def test_resident_job_killed_is_forgotten_not_waited_for(address, group, tmp_path, make_client):
+    log = tmp_path / "killed.jsonl"
+    victim = spawn_contender(
+        address, group, "victim", log, "--backend", "noop", "--ttl", "3", "--hold-forever"
+    )
+    wait_for(lambda: events(log, "acquired", "victim"), what="victim holds the group")
+    victim.kill()  # SIGKILL: no release, no depart; its lease must expire, its state is gone
+    victim.wait()
+    next_job = make_client(job_id="next", snapshot_backends=["noop"], lease_ttl=5)
+    next_job.release(next_job.acquire(group, timeout=120))
+    status = next_job.group_status(group)
+    assert status.stats.expired == 1
+    assert status.stats.departed == 1 and status.stats.evictions == 0
+    assert status.faulted_jobs == {}

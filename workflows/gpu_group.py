@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import math
 from datetime import datetime, timedelta
+from enum import Enum
 from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
+from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
@@ -26,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
         SNAPSHOT_ACTIVITY,
         AcquireRequest,
         CancelRequest,
+        DepartRequest,
         GrantAck,
         GrantNotice,
         GrantWait,
@@ -54,6 +57,17 @@ with workflow.unsafe.imports_passed_through():
 _RECENT_DONE_KEEP = 2048
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
 _PARK_TIMEOUT_S = 120.0
+
+
+class _Moved(Enum):
+    OK = "ok"
+    GONE = "gone"  # no process picked the task up: the job's processes are gone
+    FAILED = "failed"
+
+
+def _never_started(error: BaseException) -> bool:
+    cause = getattr(error, "cause", None)
+    return isinstance(cause, TemporalTimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START
 
 
 def _percentile(samples: list[float], q: float) -> float | None:
@@ -283,22 +297,25 @@ class GpuGroupWorkflow:
         moved = False
         if resident is not None and resident.snapshot is not None:
             moved = True
-            ok = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
-            if ok:
+            result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
+            if result is _Moved.OK:
                 state.stats.evictions += 1
                 if resident.job_id not in state.evicted_jobs:
                     state.evicted_jobs.append(resident.job_id)
+            elif result is _Moved.GONE:
+                # Its process is gone, and its device memory with it: nothing to evict.
+                self._forget(resident.job_id)
         fault: str | None = None
         if request.job_id in state.faulted_jobs:
             fault = state.faulted_jobs[request.job_id]
         elif request.snapshot is not None and request.job_id in state.evicted_jobs:
             moved = True
-            ok = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
-            if ok:
+            result = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
+            if result is _Moved.OK:
                 state.stats.restores += 1
                 state.evicted_jobs.remove(request.job_id)
             else:
-                fault = state.faulted_jobs[request.job_id]
+                fault = self._fault(request.job_id, "restore found no process on a rank queue")
         if moved:
             state.stats.switches += 1
             state.stats.switching_s += (workflow.now() - started).total_seconds()
@@ -307,7 +324,20 @@ class GpuGroupWorkflow:
         )
         return fault
 
-    async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> bool:
+    def _fault(self, job_id: str, message: str) -> str:
+        return self._state.faulted_jobs.setdefault(job_id, f"job {job_id}: {message}")
+
+    def _forget(self, job_id: str) -> None:
+        """The job's processes are gone: drop its residency, saved state and faults."""
+        state = self._state
+        if state.resident is not None and state.resident.job_id == job_id:
+            state.resident = None
+        if job_id in state.evicted_jobs:
+            state.evicted_jobs.remove(job_id)
+        state.faulted_jobs.pop(job_id, None)
+        state.stats.departed += 1
+
+    async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
         verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
         call = SnapshotCall(
             group_id=self._config.group_id,
@@ -315,14 +345,15 @@ class GpuGroupWorkflow:
             backends=target.backends,
             reason=f"{verb} for {self._config.group_id}",
         )
-        timeout = timedelta(seconds=self._config.snapshot_timeout_s)
         calls = [
             workflow.execute_activity(
                 activity,
                 call,
                 task_queue=queue,
-                schedule_to_close_timeout=timeout,
-                retry_policy=RetryPolicy(maximum_attempts=2),
+                # A dead process never picks the task up: learn that fast, like a dead waiter.
+                schedule_to_start_timeout=timedelta(seconds=self._config.grant_ack_timeout_s),
+                start_to_close_timeout=timedelta(seconds=self._config.snapshot_timeout_s),
+                retry_policy=RetryPolicy(maximum_attempts=1),
                 summary=f"{verb} {job_id} · {self._config.group_id} · {queue}",
             )
             for queue in target.task_queues
@@ -338,19 +369,22 @@ class GpuGroupWorkflow:
             except (ValidationError, TypeError) as err:
                 results.append(err)
         failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            cause = failures[0]
-            message = f"{verb} of job {job_id} failed: {getattr(cause, 'cause', None) or cause}"
-            workflow.logger.error("%s; marking the job faulted", message)
-            self._state.faulted_jobs[job_id] = message
-            self._state.stats.snapshot_failures += 1
-            if job_id in self._state.evicted_jobs:
-                self._state.evicted_jobs.remove(job_id)
-            return False
         for reports in results:
-            assert isinstance(reports, list)
-            self._state.stats.bytes_moved += sum(r.bytes for r in reports)
-        return True
+            if isinstance(reports, list):
+                self._state.stats.bytes_moved += sum(r.bytes for r in reports)
+        if not failures:
+            return _Moved.OK
+        if all(_never_started(f) for f in failures):
+            workflow.logger.warning("%s of job %s: no process serves its queue", verb, job_id)
+            return _Moved.GONE
+        cause = next(f for f in failures if not _never_started(f))
+        message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
+        workflow.logger.error("job %s: %s; marking the job faulted", job_id, message)
+        self._fault(job_id, message)
+        self._state.stats.snapshot_failures += 1
+        if job_id in self._state.evicted_jobs:
+            self._state.evicted_jobs.remove(job_id)
+        return _Moved.FAILED
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -418,6 +452,19 @@ class GpuGroupWorkflow:
             self._end_lease(LeaseOutcome.RELEASED)
         elif release.request_id not in self._state.recent_done:
             self._state.stats.stale_messages += 1
+
+    @workflow.signal
+    def depart(self, depart: DepartRequest) -> None:
+        """A job's processes closed: its state left the device with them."""
+        holder = self._state.holder
+        if holder is not None and holder.request.job_id == depart.job_id:
+            return  # still holding: its release (or expiry) comes first
+        known = depart.job_id in self._state.evicted_jobs or (
+            self._state.resident is not None and self._state.resident.job_id == depart.job_id
+        )
+        if known:
+            self._forget(depart.job_id)
+            self._wake = True
 
     @workflow.signal
     def cancel(self, cancel: CancelRequest) -> None:

@@ -117,6 +117,10 @@ class CancelRequest(_Model):
     request_id: str
 
 
+class DepartRequest(_Model):
+    job_id: str
+
+
 class RenewRequest(_Model):
     request_id: str
     token: int
@@ -225,6 +229,7 @@ class GroupStats(_Model):
     evictions: int = 0
     restores: int = 0
     snapshot_failures: int = 0
+    departed: int = 0
     bytes_moved: int = 0
     busy_s: float = 0.0
     switching_s: float = 0.0
