@@ -2,9 +2,11 @@
 
 The unit of work is a tensor *storage*, not a tensor: views, tied weights and optimizer state that
 share memory are moved once, and every tensor object (parameters, optimizer state, anything a
-hook captured) stays the same Python object. Snapshot copies each storage into a reused host
-buffer (pinned memory and a side stream on CUDA), then shrinks the storage to zero bytes, which
-frees the device memory; restore grows it back and copies the bytes home.
+hook captured) stays the same Python object. Snapshot copies each storage into a host buffer
+(on CUDA: pinned buffers reused across switches, asynchronous copies on a side stream), then
+shrinks the storage to zero bytes, which frees the device memory; restore grows it back and
+copies the bytes home. Work goes chunk by chunk, freeing as it goes, so peak memory never holds
+a second full copy of the state.
 
 On a machine without CUDA the same code runs on CPU tensors, which is how the tests run it.
 """
@@ -59,9 +61,13 @@ class TorchBackend:
         mode: Mode = "offload",
         include: Iterable[str] | None = None,
         exclude: Iterable[str] | None = None,
+        chunk_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         if mode not in ("offload", "discard"):
             raise ValueError(f"mode must be 'offload' or 'discard', not {mode!r}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
         self.mode: Mode = mode
         self.include = list(include or [])
         self.exclude = list(exclude or [])
@@ -138,11 +144,12 @@ class TorchBackend:
         with self._lock:
             entries = [e for e in self._plan() if not e.evicted]
             moved = 0
-            if self.mode == "offload":
-                moved = self._copy(entries, to_host=True)
-            for e in entries:
-                e.storage.resize_(0)
-                e.evicted = True
+            for chunk in self._chunks(entries):
+                if self.mode == "offload":
+                    moved += self._copy(chunk, to_host=True)
+                for e in chunk:
+                    e.storage.resize_(0)
+                    e.evicted = True
             if any(e.device.type == "cuda" for e in entries):
                 torch.cuda.empty_cache()  # hand the memory back to the driver for the next job
             freed = sum(e.nbytes for e in entries)
@@ -158,11 +165,16 @@ class TorchBackend:
         started = time.perf_counter()
         with self._lock:
             entries = [e for e in self._plan() if e.evicted]
-            for e in entries:
-                e.storage.resize_(e.nbytes)
-            moved = self._copy(entries, to_host=False) if self.mode == "offload" else 0
-            for e in entries:
-                e.evicted = False
+            moved = 0
+            for chunk in self._chunks(entries):
+                for e in chunk:
+                    e.storage.resize_(e.nbytes)
+                if self.mode == "offload":
+                    moved += self._copy(chunk, to_host=False)
+                for e in chunk:
+                    e.evicted = False
+                    if e.device.type != "cuda":
+                        e.host = None  # CPU state needs no pool: give the memory back now
         return SnapshotReport(
             job_id=job_id,
             backend=self.name,
@@ -174,6 +186,18 @@ class TorchBackend:
     @property
     def evicted(self) -> bool:
         return any(e.evicted for e in self._entries or [])
+
+    def _chunks(self, entries: list[_Entry]) -> Iterable[list[_Entry]]:
+        chunk: list[_Entry] = []
+        size = 0
+        for e in entries:
+            chunk.append(e)
+            size += e.nbytes
+            if size >= self.chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
 
     def _copy(self, entries: list[_Entry], *, to_host: bool) -> int:
         cuda = [e for e in entries if e.device.type == "cuda"]
