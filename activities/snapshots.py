@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from timeslice.snapshot.base import SnapshotBackend, SnapshotError, resolve_backends
@@ -19,22 +21,35 @@ class SnapshotActivities:
 
     def _resolve(self, call: SnapshotCall) -> list[SnapshotBackend]:
         try:
+            self.prepare(call)
             return resolve_backends(call.backends, self.backends)
         except SnapshotError as err:
             raise ApplicationError(str(err), type="SnapshotError", non_retryable=True) from err
 
+    def prepare(self, call: SnapshotCall) -> None:
+        """Hook run before the backends (the node agent registers the call's processes)."""
+
     @activity.defn(name=SNAPSHOT_ACTIVITY)
     async def snapshot(self, call: SnapshotCall) -> list[SnapshotReport]:
         # Composed backends snapshot in order and restore in reverse.
-        reports = [await b.snapshot(call.job_id) for b in self._resolve(call)]
+        reports = [await _run(b.snapshot, call) for b in self._resolve(call)]
         activity.logger.info("evicted %s: %s", call.job_id, _summary(reports))
         return reports
 
     @activity.defn(name=RESTORE_ACTIVITY)
     async def restore(self, call: SnapshotCall) -> list[SnapshotReport]:
-        reports = [await b.restore(call.job_id) for b in reversed(self._resolve(call))]
+        reports = [await _run(b.restore, call) for b in reversed(self._resolve(call))]
         activity.logger.info("restored %s: %s", call.job_id, _summary(reports))
         return reports
+
+
+async def _run(
+    step: Callable[[str], Awaitable[SnapshotReport]], call: SnapshotCall
+) -> SnapshotReport:
+    try:
+        return await step(call.job_id)
+    except SnapshotError as err:  # the backend's own verdict: retrying will not change it
+        raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from err
 
 
 def _summary(reports: list[SnapshotReport]) -> str:

@@ -11,10 +11,14 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from timeslice.connection import connect, connect_config
 from timeslice.errors import TimesliceError
 from timeslice.server import DEFAULT_DB, EmbeddedServer
+
+if TYPE_CHECKING:
+    from temporalio.worker import Worker
 
 log = logging.getLogger("timeslice")
 
@@ -51,6 +55,22 @@ def _parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run the control worker (GPU-group workflows)")
     _add_connection_args(worker)
+
+    agent = sub.add_parser("agent", help="run the node agent (transparent snapshots on a node)")
+    agent.add_argument("--node", required=True, help="this node's name (task queue suffix)")
+    agent.add_argument(
+        "--lock-timeout", type=float, default=10.0, help="cuda-checkpoint lock time-out, s"
+    )
+    agent.add_argument(
+        "--simulated-bytes",
+        type=int,
+        default=None,
+        help="also serve the `simulated` backend, reporting this many bytes per switch",
+    )
+    agent.add_argument(
+        "--simulated-seconds", type=float, default=0.0, help="duration of a simulated switch"
+    )
+    _add_connection_args(agent)
 
     setup = sub.add_parser("setup", help="register Timeslice's search attributes on a cluster")
     _add_connection_args(setup)
@@ -107,18 +127,48 @@ async def _run_worker(args: argparse.Namespace) -> int:
     client = await connect(config)
     await check_search_attributes(client)
     worker = build_control_worker(client)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     print(
         f"control worker on task queue 'timeslice' at {config['target_host']} "
         f"(namespace {client.namespace}); Ctrl-C to stop",
         flush=True,
     )
+    return await _serve(worker)
+
+
+async def _run_agent(args: argparse.Namespace) -> int:
+    from timeslice.snapshot.simulated import SimulatedBackend
+    from timeslice.workers.node_agent import build_node_agent
+    from timeslice.workflows.protocol import node_task_queue
+
+    try:
+        queue = node_task_queue(args.node)
+        extra = (
+            [SimulatedBackend(nbytes=args.simulated_bytes, snapshot_s=args.simulated_seconds)]
+            if args.simulated_bytes is not None
+            else []
+        )
+    except ValueError as err:
+        raise TimesliceError(str(err)) from err
+    config = connect_config(args.address, args.namespace, profile=args.profile)
+    client = await connect(config)
+    worker = build_node_agent(
+        client, args.node, extra_backends=extra, lock_timeout_s=args.lock_timeout
+    )
+    backends = ["cuda-checkpoint", *(b.name for b in extra)]
+    print(
+        f"node agent on task queue {queue!r} with backends {backends}; Ctrl-C to stop", flush=True
+    )
+    return await _serve(worker)
+
+
+async def _serve(worker: Worker) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     async with worker:
         await stop.wait()
-        print("stopping control worker ...", flush=True)
+        print("stopping ...", flush=True)
     return 0
 
 
@@ -167,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "server":
             return run_server(args)
-        runner = {"worker": _run_worker, "setup": _run_setup, "status": _run_status}[args.command]
+        runner = {
+            "worker": _run_worker,
+            "agent": _run_agent,
+            "setup": _run_setup,
+            "status": _run_status,
+        }[args.command]
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(runner(args))
         return 130

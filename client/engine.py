@@ -104,6 +104,7 @@ class Engine:
         priority: int,
         lease_ttl_s: float | None,
         backends: dict[str, SnapshotBackend],
+        snapshot_target: SnapshotTarget | None,
         rpc_retry_s: float,
     ) -> None:
         self.connect_config = connect_config
@@ -112,6 +113,7 @@ class Engine:
         self.priority = priority
         self.lease_ttl_s = lease_ttl_s
         self.backends = backends
+        self.snapshot_target = snapshot_target
         self.rpc_retry_s = rpc_retry_s
         self.held: dict[str, Lease] = {}
         self.thread = LoopThread(f"timeslice-{job_id}")
@@ -213,9 +215,7 @@ class Engine:
             priority=self.priority if priority is None else priority,
             ttl_s=ttl_s if ttl_s is not None else self.lease_ttl_s,
             timeout_s=timeout,
-            snapshot=SnapshotTarget(task_queues=[self.task_queue], backends=list(self.backends))
-            if self.backends
-            else None,
+            snapshot=self.snapshot_target,
         )
         granted = self._inbox.expect(request.request_id)
         try:

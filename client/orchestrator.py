@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import os
 import uuid
 import weakref
 from collections.abc import Callable
@@ -21,14 +22,19 @@ from timeslice.errors import InvalidArgumentError, LeaseRevokedError
 from timeslice.lease import Lease
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.noop import NoopBackend
+from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.workflows.protocol import (
     MAX_LEASE_TTL_S,
     MAX_PRIORITY,
     MIN_LEASE_TTL_S,
     MIN_PRIORITY,
     GroupStatus,
+    ProcessRef,
+    QueueTarget,
+    SnapshotTarget,
     check_id,
     job_task_queue,
+    node_task_queue,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -39,6 +45,13 @@ _BUILTIN_BACKENDS: dict[str, Callable[[], SnapshotBackend]] = {"noop": NoopBacke
 def _checked(kind: str, value: object) -> str:
     try:
         return check_id(kind, value)
+    except ValueError as err:
+        raise InvalidArgumentError(str(err)) from None
+
+
+def _checked_node_queue(node: str) -> str:
+    try:
+        return node_task_queue(node)
     except ValueError as err:
         raise InvalidArgumentError(str(err)) from None
 
@@ -73,6 +86,8 @@ class _ClientBase:
         priority: int = 0,
         lease_ttl: float | None = None,
         snapshot_backends: list[str | SnapshotBackend] | None = None,
+        node: str | None = None,
+        node_backends: list[str] | None = None,
         profile: str | None = None,
         api_key: str | None = None,
         rpc_retry: float = 60.0,
@@ -90,15 +105,49 @@ class _ClientBase:
                 f"lease_ttl must be between {MIN_LEASE_TTL_S} and {MAX_LEASE_TTL_S} s, not {ttl}"
             )
         self.task_queue = job_task_queue(self.job_id, rank)
+        backends = _backends(snapshot_backends)
         self._engine = Engine(
             connect_config=connect_config(target, namespace, profile=profile, api_key=api_key),
             job_id=self.job_id,
             task_queue=self.task_queue,
             priority=self.priority,
             lease_ttl_s=ttl,
-            backends=_backends(snapshot_backends),
+            backends=backends,
+            snapshot_target=self._snapshot_target(backends, node, node_backends),
             rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
         )
+
+    def _snapshot_target(
+        self,
+        backends: dict[str, SnapshotBackend],
+        node: str | None,
+        node_backends: list[str] | None,
+    ) -> SnapshotTarget | None:
+        """This process's queue for in-process backends, plus its node agent's if asked."""
+        queues = []
+        if backends:
+            queues.append(QueueTarget(task_queue=self.task_queue, backends=list(backends)))
+        if node is not None:
+            on_node = list(node_backends or ["cuda-checkpoint"])
+            processes = []
+            if "cuda-checkpoint" in on_node:
+                launched_for = os.environ.get(JOB_ENV)
+                if launched_for != self.job_id:
+                    raise InvalidArgumentError(
+                        f"the node agent checkpoints only processes launched for their job: "
+                        f"start this process with {JOB_ENV}={self.job_id} "
+                        f"(it has {launched_for!r})"
+                    )
+                me = os.getpid()
+                processes.append(ProcessRef(pid=me, start_time=process_start_time(me)))
+            queues.append(
+                QueueTarget(
+                    task_queue=_checked_node_queue(node), backends=on_node, processes=processes
+                )
+            )
+        elif node_backends:
+            raise InvalidArgumentError("node_backends needs node= (the node agent's name)")
+        return SnapshotTarget(queues=queues) if queues else None
 
     @staticmethod
     def _check_priority(priority: int) -> int:

@@ -25,6 +25,28 @@ def process_start_time(pid: int) -> int:
     return int(fields[19])
 
 
+JOB_ENV = "TIMESLICE_JOB_ID"
+
+
+def launched_for_job(pid: int) -> str | None:
+    """The job id the process was *launched* with (TIMESLICE_JOB_ID in /proc/PID/environ).
+
+    The environment a process was started with cannot be changed by it afterwards, so this
+    names the job that whoever launched the process meant it for.
+    """
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except FileNotFoundError:
+        raise ProcessMismatchError(f"process {pid} is not running") from None
+    except PermissionError as err:
+        raise ProcessMismatchError(f"cannot read the environment of process {pid}: {err}") from err
+    prefix = f"{JOB_ENV}=".encode()
+    for entry in raw.split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode(errors="replace")
+    return None
+
+
 def resident_bytes(pid: int) -> int:
     """The process's resident set size (VmRSS) in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

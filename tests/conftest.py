@@ -50,9 +50,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def start_worker(address: str, log: Path) -> subprocess.Popen:
     """Start `timeslice worker` and wait until it says it is serving."""
+    return start_service(["worker", "--address", address], "control worker on task queue", log)
+
+
+def start_service(args: list[str], ready: str, log: Path) -> subprocess.Popen:
+    """Start a `timeslice` command and wait for the line that says it is serving."""
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "timeslice.cli", "worker", "--address", address],
+        [sys.executable, "-m", "timeslice.cli", *args],
         stdout=subprocess.PIPE,
         stderr=log.open("ab"),
         text=True,
@@ -60,9 +65,9 @@ def start_worker(address: str, log: Path) -> subprocess.Popen:
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    if "control worker on task queue" not in line:
+    if ready not in line:
         proc.kill()
-        raise RuntimeError(f"control worker failed to start: {line!r}; see {log}")
+        raise RuntimeError(f"`timeslice {args[0]}` failed to start: {line!r}; see {log}")
     return proc
 
 

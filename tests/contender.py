@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from timeslice import AcquireTimeoutError, TimeSliceOrchestratorClient
+from timeslice import AcquireTimeoutError, JobFaultedError, TimeSliceOrchestratorClient
 
 
 def main() -> int:
@@ -26,6 +26,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--backend", action="append", default=[])
     p.add_argument("--hold-forever", action="store_true")
+    p.add_argument("--node", help="also snapshot through this node's agent")
+    p.add_argument("--node-backend", action="append", default=[])
     p.add_argument("--torch-mb", type=int, default=0, help="register this much state (torch)")
     p.add_argument("--log", required=True)
     args = p.parse_args()
@@ -47,6 +49,8 @@ def main() -> int:
         priority=args.priority,
         lease_ttl=args.ttl,
         snapshot_backends=backends or None,
+        node=args.node,
+        node_backends=args.node_backend or None,
     ).connect()
     with open(args.log, "a", buffering=1) as log:
 
@@ -61,6 +65,9 @@ def main() -> int:
             except AcquireTimeoutError:
                 emit("timeout")
                 continue
+            except JobFaultedError:
+                emit("faulted")
+                break
             emit("acquired", lease.token)
             if state is not None and float(state.double().sum()) != expected_sum:
                 emit("corrupt", lease.token)

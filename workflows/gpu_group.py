@@ -339,24 +339,24 @@ class GpuGroupWorkflow:
 
     async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
         verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
-        call = SnapshotCall(
-            group_id=self._config.group_id,
-            job_id=job_id,
-            backends=target.backends,
-            reason=f"{verb} for {self._config.group_id}",
-        )
         calls = [
             workflow.execute_activity(
                 activity,
-                call,
-                task_queue=queue,
+                SnapshotCall(
+                    group_id=self._config.group_id,
+                    job_id=job_id,
+                    backends=queue.backends,
+                    processes=queue.processes,
+                    reason=f"{verb} for {self._config.group_id}",
+                ),
+                task_queue=queue.task_queue,
                 # A dead process never picks the task up: learn that fast, like a dead waiter.
                 schedule_to_start_timeout=timedelta(seconds=self._config.grant_ack_timeout_s),
                 start_to_close_timeout=timedelta(seconds=self._config.snapshot_timeout_s),
                 retry_policy=RetryPolicy(maximum_attempts=1),
-                summary=f"{verb} {job_id} · {self._config.group_id} · {queue}",
+                summary=f"{verb} {job_id} · {self._config.group_id} · {queue.task_queue}",
             )
-            for queue in target.task_queues
+            for queue in target.queues
         ]
         results: list[list[SnapshotReport] | BaseException] = []
         for outcome in await asyncio.gather(*calls, return_exceptions=True):

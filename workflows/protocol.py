@@ -50,6 +50,10 @@ def job_task_queue(job_id: str, rank: int = 0) -> str:
     return f"timeslice-job-{check_id('job id', job_id)}-{rank}"
 
 
+def node_task_queue(node: str) -> str:
+    return f"timeslice-node-{check_id('node name', node)}"
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -86,11 +90,25 @@ class GroupConfig(_Model):
         return check_id("group id", v)
 
 
-class SnapshotTarget(_Model):
-    """Where and how the group evicts / restores a job: its rank queues and backend names."""
+class ProcessRef(_Model):
+    """A process by PID and start time (clock ticks since boot), so a reused PID never matches."""
 
-    task_queues: list[str] = Field(min_length=1)
+    pid: int = Field(gt=0)
+    start_time: int = Field(ge=0)
+
+
+class QueueTarget(_Model):
+    """One task queue that snapshots part of a job: a rank's process or a node agent."""
+
+    task_queue: str = Field(min_length=1, max_length=300)
     backends: list[str] = Field(min_length=1)
+    processes: list[ProcessRef] = Field(default_factory=list)
+
+
+class SnapshotTarget(_Model):
+    """Where and how the group evicts / restores a job: every queue in parallel."""
+
+    queues: list[QueueTarget] = Field(min_length=1)
 
 
 class AcquireRequest(_Model):
@@ -169,6 +187,7 @@ class SnapshotCall(_Model):
     job_id: str
     backends: list[str]
     reason: str
+    processes: list[ProcessRef] = Field(default_factory=list)
 
 
 class SnapshotReport(_Model):

@@ -1,0 +1,174 @@
+"""The node agent: snapshots on task queue timeslice-node-<node>, and what it refuses to touch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from timeslice import InvalidArgumentError, TimeSliceOrchestratorClient
+from timeslice.snapshot.processes import JOB_ENV, process_start_time
+from timeslice.workflows.protocol import (
+    AcquireRequest,
+    ProcessRef,
+    QueueTarget,
+    SnapshotTarget,
+    group_workflow_id,
+)
+
+from .conftest import start_service, stop_process
+from .helpers import events, finish, read_log, spawn_contender, wait_for
+
+SIMULATED_BYTES = 3 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def node(server, worker, tmp_path_factory) -> Iterator[str]:
+    name = f"n{uuid.uuid4().hex[:6]}"
+    agent = start_service(
+        [
+            "agent",
+            "--node",
+            name,
+            "--address",
+            server.address,
+            "--simulated-bytes",
+            str(SIMULATED_BYTES),
+            "--simulated-seconds",
+            "0.01",
+        ],
+        "node agent on task queue",
+        tmp_path_factory.mktemp("agent") / "agent.log",
+    )
+    yield name
+    stop_process(agent)
+
+
+def test_switches_go_through_the_node_agent(address, group, node, tmp_path, make_client):
+    log = tmp_path / "agent.jsonl"
+    procs = [
+        spawn_contender(
+            address,
+            group,
+            job,
+            log,
+            "--iterations",
+            "3",
+            "--hold",
+            "0.05",
+            "--node",
+            node,
+            "--node-backend",
+            "simulated",
+        )
+        for job in ("na", "nb")
+    ]
+    finish(procs)
+    stats = make_client().group_status(group).stats
+    assert stats.evictions >= 2 and stats.restores >= 1
+    assert stats.bytes_moved == (stats.evictions + stats.restores) * SIMULATED_BYTES
+    assert stats.snapshot_failures == 0
+
+
+def test_failed_checkpoint_faults_only_that_job(address, group, node, tmp_path, make_client):
+    """On this CPU-only machine cuda-checkpoint cannot work: the job is marked faulted and
+    the group goes on serving the other one."""
+    log = tmp_path / "fault.jsonl"
+    env = {**os.environ, JOB_ENV: "cuda-job"}
+    cmd = [
+        sys.executable,
+        str(Path(__file__).parent / "contender.py"),
+        "--address",
+        address,
+        "--group",
+        group,
+        "--job-id",
+        "cuda-job",
+        "--log",
+        str(log),
+        "--iterations",
+        "2",
+        "--hold",
+        "0.05",
+        "--node",
+        node,
+    ]
+    cuda_job = subprocess.Popen(cmd, env=env)
+    wait_for(lambda: events(log, "releasing", "cuda-job"), what="cuda-job held the group once")
+    other = make_client(job_id="other")
+    for _ in range(2):
+        other.release(other.acquire(group, timeout=60))
+    finish([cuda_job])
+    status = other.group_status(group)
+    assert "cuda-job" in status.faulted_jobs
+    assert "cuda-python" in status.faulted_jobs["cuda-job"]
+    assert status.stats.snapshot_failures == 1
+    assert status.stats.released >= 3  # the group kept serving "other"
+    # The faulted job's next acquire fails at once with the reason, instead of waiting.
+    retry = [*cmd, "--iterations", "1"]  # argparse: the last --iterations wins
+    finish([subprocess.Popen(retry, env=env)])
+    assert [r["event"] for r in read_log(log)][-3:] == ["ready", "faulted", "done"]
+
+
+def test_client_refuses_checkpointing_a_process_not_launched_for_the_job(address):
+    with pytest.raises(InvalidArgumentError, match=f"start this process with {JOB_ENV}=j1"):
+        TimeSliceOrchestratorClient(target=address, job_id="j1", node="n1")
+    with pytest.raises(InvalidArgumentError, match="invalid node name"):
+        TimeSliceOrchestratorClient(
+            target=address, job_id="j1", node="bad node", node_backends=["simulated"]
+        )
+
+
+def test_agent_refuses_a_forged_process(address, group, node, make_client):
+    """A request naming someone else's process (right PID and start time) is refused."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        forged = SnapshotTarget(
+            queues=[
+                QueueTarget(
+                    task_queue=f"timeslice-node-{node}",
+                    backends=["cuda-checkpoint"],
+                    processes=[
+                        ProcessRef(pid=bystander.pid, start_time=process_start_time(bystander.pid))
+                    ],
+                )
+            ]
+        )
+        forger = make_client(job_id="forger")
+
+        async def send() -> None:
+            client = await Client.connect(address, data_converter=pydantic_data_converter)
+            await client.start_workflow(
+                "GpuGroupWorkflow",
+                {"config": {"group_id": group}},
+                id=group_workflow_id(group),
+                task_queue="timeslice",
+                start_signal="request",
+                start_signal_args=[
+                    AcquireRequest(
+                        request_id=f"forged-{uuid.uuid4().hex}",
+                        job_id="forger",
+                        reply_task_queue=forger.task_queue,
+                        snapshot=forged,
+                    )
+                ],
+            )
+
+        asyncio.run(send())
+        # The forged grant is declined (nobody waits for it), but "forger" became resident;
+        # the next job's grant makes the group evict it through the agent, which refuses.
+        honest = make_client(job_id="honest")
+        honest.release(honest.acquire(group, timeout=60))
+        faults = honest.group_status(group).faulted_jobs
+        assert "was not launched for job forger" in faults["forger"]
+        assert bystander.poll() is None  # untouched
+    finally:
+        bystander.kill()
+        bystander.wait()
