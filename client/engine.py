@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 from timeslice.activities.grants import GrantInbox
@@ -105,6 +106,7 @@ class Engine:
         lease_ttl_s: float | None,
         backends: dict[str, SnapshotBackend],
         snapshot_target: SnapshotTarget | None,
+        state_bytes: int | None,
         rpc_retry_s: float,
     ) -> None:
         self.connect_config = connect_config
@@ -114,6 +116,7 @@ class Engine:
         self.lease_ttl_s = lease_ttl_s
         self.backends = backends
         self.snapshot_target = snapshot_target
+        self.state_bytes = state_bytes
         self.rpc_retry_s = rpc_retry_s
         self.held: dict[str, Lease] = {}
         self.thread = LoopThread(f"timeslice-{job_id}")
@@ -216,6 +219,7 @@ class Engine:
             ttl_s=ttl_s if ttl_s is not None else self.lease_ttl_s,
             timeout_s=timeout,
             snapshot=self.snapshot_target,
+            state_bytes=self.state_bytes,
         )
         granted = self._inbox.expect(request.request_id)
         try:
@@ -252,20 +256,13 @@ class Engine:
         return lease
 
     async def _send_request(self, client: Client, group_id: str, request: AcquireRequest) -> None:
-        config = GroupInput(config=GroupConfig(group_id=group_id)).model_dump(mode="json")
 
         async def signal_with_start() -> None:
-            await client.start_workflow(
-                GROUP_WORKFLOW_TYPE,
-                config,
-                id=group_workflow_id(group_id),
-                task_queue=CONTROL_TASK_QUEUE,
+            await _start_group(
+                client,
+                GroupConfig(group_id=group_id),
                 start_signal="request",
                 start_signal_args=[request],
-                search_attributes=TypedSearchAttributes(
-                    [SearchAttributePair(_GROUP_KEY, group_id)]
-                ),
-                static_summary=f"GPU group {group_id}",
             )
 
         async def signal() -> None:
@@ -328,6 +325,15 @@ class Engine:
                 return
             if answer.outcome == GrantWaitOutcome.GONE:
                 return
+
+    async def create_group(self, config: GroupConfig) -> bool:
+        client = await self.connected()
+        try:
+            await self._rpc(f"create {config.group_id}", lambda: _start_group(client, config))
+        except WorkflowAlreadyStartedError:
+            return False
+        self._known_groups.add(config.group_id)
+        return True
 
     async def _withdraw(self, group_id: str, request_id: str) -> None:
         """Tell the group to drop a request; a grant that raced with it is released at once."""
@@ -450,6 +456,19 @@ class Engine:
         # interpreter's own shutdown, their native threads can touch Python mid-finalization.
         self._worker = self._worker_task = self._client = self._connecting = None
         gc.collect()
+
+
+async def _start_group(client: Client, config: GroupConfig, **signal: Any) -> None:
+    """Start a group's workflow (with ``start_signal``: signal-with-start)."""
+    await client.start_workflow(
+        GROUP_WORKFLOW_TYPE,
+        GroupInput(config=config).model_dump(mode="json"),
+        id=group_workflow_id(config.group_id),
+        task_queue=CONTROL_TASK_QUEUE,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(_GROUP_KEY, config.group_id)]),
+        static_summary=f"GPU group {config.group_id}",
+        **signal,
+    )
 
 
 def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:

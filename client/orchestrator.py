@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pydantic import ValidationError
 from timeslice.connection import connect_config
 from timeslice.engine import Engine, check_timeout
 from timeslice.errors import InvalidArgumentError, LeaseRevokedError
@@ -28,6 +29,7 @@ from timeslice.workflows.protocol import (
     MAX_PRIORITY,
     MIN_LEASE_TTL_S,
     MIN_PRIORITY,
+    GroupConfig,
     GroupStatus,
     ProcessRef,
     QueueTarget,
@@ -47,6 +49,13 @@ def _checked(kind: str, value: object) -> str:
         return check_id(kind, value)
     except ValueError as err:
         raise InvalidArgumentError(str(err)) from None
+
+
+def _group_config(group_id: str, settings: dict[str, Any]) -> GroupConfig:
+    try:
+        return GroupConfig(group_id=group_id, **settings)
+    except ValidationError as err:
+        raise InvalidArgumentError(f"invalid group settings: {err}") from None
 
 
 def _checked_node_queue(node: str) -> str:
@@ -88,6 +97,7 @@ class _ClientBase:
         snapshot_backends: list[str | SnapshotBackend] | None = None,
         node: str | None = None,
         node_backends: list[str] | None = None,
+        state_bytes: int | None = None,
         profile: str | None = None,
         api_key: str | None = None,
         rpc_retry: float = 60.0,
@@ -106,6 +116,10 @@ class _ClientBase:
             )
         self.task_queue = job_task_queue(self.job_id, rank)
         backends = _backends(snapshot_backends)
+        if state_bytes is not None and (
+            isinstance(state_bytes, bool) or not isinstance(state_bytes, int) or state_bytes < 0
+        ):
+            raise InvalidArgumentError(f"state_bytes must be an integer >= 0, not {state_bytes!r}")
         self._engine = Engine(
             connect_config=connect_config(target, namespace, profile=profile, api_key=api_key),
             job_id=self.job_id,
@@ -114,6 +128,7 @@ class _ClientBase:
             lease_ttl_s=ttl,
             backends=backends,
             snapshot_target=self._snapshot_target(backends, node, node_backends),
+            state_bytes=state_bytes,
             rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
         )
 
@@ -227,6 +242,14 @@ class TimeSliceOrchestratorClient(_ClientBase):
         group, _, _ = self._acquire_args(group_id, None, None)
         return self._engine.run_sync(self._engine.group_status(group))
 
+    def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
+        """Create a group with settings (see ``GroupConfig``: ``memory_bytes``,
+        ``default_ttl_s``, ``aging_s`` ...). False if it exists already: a group's settings are
+        fixed for its lifetime. Groups are otherwise created with defaults by their first
+        acquire."""
+        config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
+        return self._engine.run_sync(self._engine.create_group(config))
+
     def close(self) -> None:
         """Release held leases and stop the client's worker."""
         if self._engine.thread.loop.is_running():
@@ -266,6 +289,10 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
     async def group_status(self, group_id: str | None = None) -> GroupStatus:
         group, _, _ = self._acquire_args(group_id, None, None)
         return await self._engine.run_async(self._engine.group_status(group))
+
+    async def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
+        config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
+        return await self._engine.run_async(self._engine.create_group(config))
 
     async def close(self) -> None:
         if self._engine.thread.loop.is_running():

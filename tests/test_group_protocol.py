@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
-from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
-from timeslice.snapshot import NoopBackend
+from timeslice import (
+    AsyncTimeSliceOrchestratorClient,
+    InvalidArgumentError,
+    TimeSliceOrchestratorClient,
+)
+from timeslice.snapshot import NoopBackend, SimulatedBackend
 from timeslice.workflows.protocol import (
     CONTROL_TASK_QUEUE,
     GROUP_WORKFLOW_TYPE,
@@ -350,3 +354,53 @@ def test_resident_job_killed_is_forgotten_not_waited_for(address, group, tmp_pat
     assert status.stats.expired == 1
     assert status.stats.departed == 1 and status.stats.evictions == 0
     assert status.faulted_jobs == {}
+
+
+def _switch_schedules(address: str, group: str) -> list[tuple[str, int]]:
+    """(activity type, completed-task event id that scheduled it) for every snapshot / restore."""
+
+    async def fetch() -> list[tuple[str, int]]:
+        client = await _raw_client(address)
+        history = await client.get_workflow_handle(group_workflow_id(group)).fetch_history()
+        return [
+            (
+                e.activity_task_scheduled_event_attributes.activity_type.name,
+                e.activity_task_scheduled_event_attributes.workflow_task_completed_event_id,
+            )
+            for e in history.events
+            if e.HasField("activity_task_scheduled_event_attributes")
+            and e.activity_task_scheduled_event_attributes.activity_type.name
+            in ("timeslice.snapshot", "timeslice.restore")
+        ]
+
+    return asyncio.run(fetch())
+
+
+@pytest.mark.parametrize(("memory", "overlapped"), [(10, True), (7, False)])
+def test_switch_overlaps_only_when_both_states_fit(address, group, make_client, memory, overlapped):
+    creator = make_client()
+    assert creator.create_group(group, memory_bytes=memory) is True
+    assert creator.create_group(group, memory_bytes=memory) is False  # settings are fixed
+    a = make_client(
+        job_id="oa", state_bytes=4, snapshot_backends=[SimulatedBackend(nbytes=4, snapshot_s=0.2)]
+    )
+    b = make_client(
+        job_id="ob", state_bytes=4, snapshot_backends=[SimulatedBackend(nbytes=4, snapshot_s=0.2)]
+    )
+    a.release(a.acquire(group))
+    b.release(b.acquire(group))  # evicts A; B has nothing to restore
+    a.release(a.acquire(group))  # evicts B and restores A
+    stats = a.group_status(group).stats
+    assert (stats.evictions, stats.restores) == (2, 1)
+    assert stats.overlapped_switches == (1 if overlapped else 0)
+    _, (evict_b, second), (restore_a, third) = _switch_schedules(address, group)
+    assert (evict_b, restore_a) == ("timeslice.snapshot", "timeslice.restore")
+    # Overlapped: one workflow task schedules both; sequential: the restore waits for the evict.
+    assert (second == third) is overlapped
+
+
+def test_group_settings_are_validated(address, make_client):
+    with pytest.raises(InvalidArgumentError, match="invalid group settings"):
+        make_client().create_group("settings-check", memory_bytes=-1)
+    with pytest.raises(InvalidArgumentError, match="invalid group settings"):
+        make_client().create_group("settings-check", colour="blue")

@@ -283,46 +283,74 @@ class GpuGroupWorkflow:
     # ---------------------------------------------------------------- residency
 
     async def _switch_to(self, request: AcquireRequest) -> str | None:
-        """Evict the resident job if another job takes the group, then restore the new one.
-
-        Returns a fault message if the new holder's state could not be restored.
-        """
+        """Evict the resident job if another job takes the group, then restore the new one
+        (both at once when the group's memory holds both). Returns a fault message if the new
+        holder's state could not be restored."""
         state = self._state
         resident = state.resident
         if resident is not None and resident.job_id == request.job_id:
             if request.snapshot is not None:
                 resident.snapshot = request.snapshot
             return None
-        started = workflow.now()
-        moved = False
-        if resident is not None and resident.snapshot is not None:
-            moved = True
-            result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
-            if result is _Moved.OK:
-                state.stats.evictions += 1
-                if resident.job_id not in state.evicted_jobs:
-                    state.evicted_jobs.append(resident.job_id)
-            elif result is _Moved.GONE:
-                # Its process is gone, and its device memory with it: nothing to evict.
-                self._forget(resident.job_id)
-        fault: str | None = None
         if request.job_id in state.faulted_jobs:
-            fault = state.faulted_jobs[request.job_id]
-        elif request.snapshot is not None and request.job_id in state.evicted_jobs:
-            moved = True
-            result = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
-            if result is _Moved.OK:
-                state.stats.restores += 1
-                state.evicted_jobs.remove(request.job_id)
-            else:
-                fault = self._fault(request.job_id, "restore found no process on a rank queue")
-        if moved:
+            return state.faulted_jobs[request.job_id]
+        evict = resident is not None and resident.snapshot is not None
+        restore = request.snapshot is not None and request.job_id in state.evicted_jobs
+        started = workflow.now()
+        fault: str | None = None
+        if evict and restore and self._both_fit(resident, request):
+            state.stats.overlapped_switches += 1
+            _, fault = await asyncio.gather(self._evict(), self._restore(request))
+        else:
+            if evict:
+                await self._evict()
+            if restore:
+                fault = await self._restore(request)
+        if evict or restore:
             state.stats.switches += 1
             state.stats.switching_s += (workflow.now() - started).total_seconds()
         state.resident = (
-            ResidentJob(job_id=request.job_id, snapshot=request.snapshot) if fault is None else None
+            None
+            if fault is not None
+            else ResidentJob(
+                job_id=request.job_id, snapshot=request.snapshot, state_bytes=request.state_bytes
+            )
         )
         return fault
+
+    def _both_fit(self, resident: ResidentJob | None, request: AcquireRequest) -> bool:
+        memory = self._config.memory_bytes
+        return (
+            memory is not None
+            and resident is not None
+            and resident.state_bytes is not None
+            and request.state_bytes is not None
+            and resident.state_bytes + request.state_bytes <= memory
+        )
+
+    async def _evict(self) -> None:
+        state = self._state
+        resident = state.resident
+        assert resident is not None and resident.snapshot is not None
+        result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
+        if result is _Moved.OK:
+            state.stats.evictions += 1
+            if resident.job_id not in state.evicted_jobs:
+                state.evicted_jobs.append(resident.job_id)
+        elif result is _Moved.GONE:
+            # Its process is gone, and its device memory with it: nothing to evict.
+            self._forget(resident.job_id)
+
+    async def _restore(self, request: AcquireRequest) -> str | None:
+        """Restore the request's job; a fault message if that failed."""
+        assert request.snapshot is not None
+        state = self._state
+        result = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
+        if result is _Moved.OK:
+            state.stats.restores += 1
+            state.evicted_jobs.remove(request.job_id)
+            return None
+        return self._fault(request.job_id, "restore found no process on a rank queue")
 
     def _fault(self, job_id: str, message: str) -> str:
         return self._state.faulted_jobs.setdefault(job_id, f"job {job_id}: {message}")

@@ -76,6 +76,12 @@ class GroupConfig(_Model):
     snapshot_timeout_s: float = Field(300.0, gt=0, le=3600)
     history_keep: int = Field(256, ge=0, le=4096)
     wait_samples_keep: int = Field(512, ge=1, le=4096)
+    memory_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="device memory of the group: when the resident job's and the "
+        "next job's declared state both fit, eviction and restore run at the same time",
+    )
     max_parked_waits: int = Field(
         5,
         ge=0,
@@ -119,6 +125,7 @@ class AcquireRequest(_Model):
     ttl_s: float | None = Field(None, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
     timeout_s: float | None = Field(None, ge=0)
     snapshot: SnapshotTarget | None = None
+    state_bytes: int | None = Field(None, ge=0, description="declared device footprint")
 
     @field_validator("job_id")
     @classmethod
@@ -224,6 +231,7 @@ class HeldLease(_Model):
 class ResidentJob(_Model):
     job_id: str
     snapshot: SnapshotTarget | None
+    state_bytes: int | None = None
 
 
 class LeaseRecord(_Model):
@@ -245,6 +253,7 @@ class GroupStats(_Model):
     rejected: int = 0
     dead_waiters: int = 0
     switches: int = 0
+    overlapped_switches: int = 0
     evictions: int = 0
     restores: int = 0
     snapshot_failures: int = 0
