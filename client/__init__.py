@@ -10,6 +10,7 @@ from timeslice.errors import (
     LeaseRevokedError,
     NotHolderError,
     ServerUnreachableError,
+    SnapshotFailedError,
     TimesliceError,
     UnknownGroupError,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "LeaseRevokedError",
     "NotHolderError",
     "ServerUnreachableError",
+    "SnapshotFailedError",
     "TimeSliceOrchestratorClient",
     "TimesliceError",
     "UnknownGroupError",

@@ -18,7 +18,12 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -33,6 +38,7 @@ from timeslice.errors import (
     LeaseRevokedError,
     NotHolderError,
     ServerUnreachableError,
+    SnapshotFailedError,
     TimesliceError,
     UnknownGroupError,
 )
@@ -52,10 +58,14 @@ from timeslice.workflows.protocol import (
     ReleaseRequest,
     RenewRequest,
     RenewResult,
+    SnapshotJobInput,
+    SnapshotJobResult,
+    SnapshotReport,
     SnapshotTarget,
     WaitGrant,
     group_workflow_id,
 )
+from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 log = logging.getLogger("timeslice.client")
 T = TypeVar("T")
@@ -325,6 +335,33 @@ class Engine:
                 return
             if answer.outcome == GrantWaitOutcome.GONE:
                 return
+
+    async def snapshot_job(self, action: str) -> list[SnapshotReport]:
+        """Snapshot or restore this job on all its queues and wait (no group involved)."""
+        if self.snapshot_target is None:
+            raise InvalidArgumentError(
+                f"job {self.job_id} registered no snapshot backend: pass snapshot_backends= "
+                "or node= to the client"
+            )
+        if self.held:
+            raise InvalidArgumentError(
+                f"job {self.job_id} holds {sorted(self.held)}: release before a standalone "
+                f"{action} (a group would not evict a holder either)"
+            )
+        client = await self.start()
+        inp = SnapshotJobInput(job_id=self.job_id, action=action, target=self.snapshot_target)
+        try:
+            result = await client.execute_workflow(
+                SNAPSHOT_JOB_WORKFLOW_TYPE,
+                inp.model_dump(mode="json"),
+                id=f"snapshot-{self.job_id}-{uuid.uuid4().hex[:8]}",
+                task_queue=CONTROL_TASK_QUEUE,
+                result_type=SnapshotJobResult,
+                static_summary=f"{action} {self.job_id}",
+            )
+        except WorkflowFailureError as err:
+            raise SnapshotFailedError(str(err.cause or err)) from err
+        return result.reports
 
     async def create_group(self, config: GroupConfig) -> bool:
         client = await self.connected()

@@ -31,5 +31,9 @@ class LeaseRevokedError(TimesliceError):
     """The group revoked the lease (its TTL ran out without renewal)."""
 
 
+class SnapshotFailedError(TimesliceError):
+    """A standalone snapshot or restore failed on at least one of the job's queues."""
+
+
 class JobFaultedError(TimesliceError):
     """The group marked this job faulted (a snapshot or restore of its state failed)."""

@@ -33,6 +33,7 @@ from timeslice.workflows.protocol import (
     GroupStatus,
     ProcessRef,
     QueueTarget,
+    SnapshotReport,
     SnapshotTarget,
     check_id,
     job_task_queue,
@@ -242,6 +243,14 @@ class TimeSliceOrchestratorClient(_ClientBase):
         group, _, _ = self._acquire_args(group_id, None, None)
         return self._engine.run_sync(self._engine.group_status(group))
 
+    def snapshot(self) -> list[SnapshotReport]:
+        """Standalone: move this job's registered state off the device now, and wait."""
+        return self._engine.run_sync(self._engine.snapshot_job("snapshot"))
+
+    def restore(self) -> list[SnapshotReport]:
+        """Standalone: bring this job's state back, and wait."""
+        return self._engine.run_sync(self._engine.snapshot_job("restore"))
+
     def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
         """Create a group with settings (see ``GroupConfig``: ``memory_bytes``,
         ``default_ttl_s``, ``aging_s`` ...). False if it exists already: a group's settings are
@@ -289,6 +298,12 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
     async def group_status(self, group_id: str | None = None) -> GroupStatus:
         group, _, _ = self._acquire_args(group_id, None, None)
         return await self._engine.run_async(self._engine.group_status(group))
+
+    async def snapshot(self) -> list[SnapshotReport]:
+        return await self._engine.run_async(self._engine.snapshot_job("snapshot"))
+
+    async def restore(self) -> list[SnapshotReport]:
+        return await self._engine.run_async(self._engine.snapshot_job("restore"))
 
     async def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
         config = _group_config(self._acquire_args(group_id, None, None)[0], settings)

@@ -27,6 +27,8 @@ def main() -> int:
     p.add_argument("--backend", action="append", default=[])
     p.add_argument("--hold-forever", action="store_true")
     p.add_argument("--node", help="also snapshot through this node's agent")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--linger", action="store_true", help="after the work, wait for stdin EOF")
     p.add_argument("--node-backend", action="append", default=[])
     p.add_argument("--torch-mb", type=int, default=0, help="register this much state (torch)")
     p.add_argument("--log", required=True)
@@ -46,6 +48,7 @@ def main() -> int:
     client = TimeSliceOrchestratorClient(
         target=args.address,
         job_id=args.job_id,
+        rank=args.rank,
         priority=args.priority,
         lease_ttl=args.ttl,
         snapshot_backends=backends or None,
@@ -80,6 +83,8 @@ def main() -> int:
             emit("releasing", lease.token)
             client.release(lease)
         emit("done")
+        if args.linger:
+            sys.stdin.read()  # stay registered (resident, faulted ...) until the test lets go
     client.close()
     return 0
 

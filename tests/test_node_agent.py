@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
-from timeslice import InvalidArgumentError, TimeSliceOrchestratorClient
+from timeslice import InvalidArgumentError, SnapshotFailedError, TimeSliceOrchestratorClient
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.workflows.protocol import (
     AcquireRequest,
@@ -82,9 +82,10 @@ def test_failed_checkpoint_faults_only_that_job(address, group, node, tmp_path, 
     the group goes on serving the other one."""
     log = tmp_path / "fault.jsonl"
     env = {**os.environ, JOB_ENV: "cuda-job"}
+    contender = str(Path(__file__).parent / "contender.py")
     cmd = [
         sys.executable,
-        str(Path(__file__).parent / "contender.py"),
+        contender,
         "--address",
         address,
         "--group",
@@ -93,28 +94,30 @@ def test_failed_checkpoint_faults_only_that_job(address, group, node, tmp_path, 
         "cuda-job",
         "--log",
         str(log),
-        "--iterations",
-        "2",
         "--hold",
         "0.05",
         "--node",
         node,
     ]
-    cuda_job = subprocess.Popen(cmd, env=env)
-    wait_for(lambda: events(log, "releasing", "cuda-job"), what="cuda-job held the group once")
-    other = make_client(job_id="other")
-    for _ in range(2):
-        other.release(other.acquire(group, timeout=60))
-    finish([cuda_job])
-    status = other.group_status(group)
-    assert "cuda-job" in status.faulted_jobs
-    assert "cuda-python" in status.faulted_jobs["cuda-job"]
-    assert status.stats.snapshot_failures == 1
-    assert status.stats.released >= 3  # the group kept serving "other"
-    # The faulted job's next acquire fails at once with the reason, instead of waiting.
-    retry = [*cmd, "--iterations", "1"]  # argparse: the last --iterations wins
-    finish([subprocess.Popen(retry, env=env)])
-    assert [r["event"] for r in read_log(log)][-3:] == ["ready", "faulted", "done"]
+    # Holds once, then stays alive (resident) until its stdin closes.
+    cuda_job = subprocess.Popen([*cmd, "--linger"], env=env, stdin=subprocess.PIPE)
+    try:
+        wait_for(lambda: events(log, "done", "cuda-job"), what="cuda-job held the group once")
+        other = make_client(job_id="other")
+        for _ in range(2):  # the first grant must evict cuda-job through the agent: it fails
+            other.release(other.acquire(group, timeout=60))
+        status = other.group_status(group)
+        assert "cuda-python" in status.faulted_jobs["cuda-job"]
+        assert status.stats.snapshot_failures == 1
+        assert status.stats.released == 3  # the group kept serving "other"
+        # The faulted job's next acquire (from its rank 1) fails at once with the reason.
+        finish([subprocess.Popen([*cmd, "--rank", "1"], env=env)])
+        assert [r["event"] for r in read_log(log)][-3:] == ["ready", "faulted", "done"]
+    finally:
+        cuda_job.communicate(timeout=60)
+    # Once its processes are gone the job departs, and with it the fault: a new launch
+    # starts clean.
+    wait_for(lambda: "cuda-job" not in other.group_status(group).faulted_jobs, what="departed")
 
 
 def test_client_refuses_checkpointing_a_process_not_launched_for_the_job(address):
@@ -172,3 +175,31 @@ def test_agent_refuses_a_forged_process(address, group, node, make_client):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_standalone_snapshot_and_restore_without_a_group(address, make_client):
+    torch = pytest.importorskip("torch")
+    from timeslice.snapshot.torch_backend import TorchBackend
+
+    weights = torch.linspace(0, 1, 1 << 20)
+    expected = weights.clone()
+    backend = TorchBackend()
+    backend.register_tensor("weights", weights)
+    client = make_client(job_id="standalone", snapshot_backends=[backend])
+    [report] = client.snapshot()
+    assert (report.backend, report.bytes) == ("torch", 4 << 20)
+    assert weights.untyped_storage().nbytes() == 0
+    [report] = client.restore()
+    assert report.bytes == 4 << 20
+    assert torch.equal(weights, expected)
+
+
+def test_standalone_needs_a_backend_and_reports_failures(address, node, make_client, monkeypatch):
+    with pytest.raises(InvalidArgumentError, match="registered no snapshot backend"):
+        make_client(job_id="bare").snapshot()
+    # This process claims the job in its current environment, but it was not *launched* for
+    # it: the agent reads the launch environment and refuses.
+    monkeypatch.setenv(JOB_ENV, "claimer")
+    claimer = make_client(job_id="claimer", node=node)
+    with pytest.raises(SnapshotFailedError, match="was not launched for job claimer"):
+        claimer.snapshot()

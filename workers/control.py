@@ -12,8 +12,9 @@ from temporalio.worker import Worker
 from timeslice.errors import TimesliceError
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.protocol import CONTROL_TASK_QUEUE, SEARCH_ATTRIBUTES
+from timeslice.workflows.snapshot_job import SnapshotJobWorkflow
 
-WORKFLOWS = [GpuGroupWorkflow]
+WORKFLOWS = [GpuGroupWorkflow, SnapshotJobWorkflow]
 
 _TYPES = {
     "Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,

@@ -16,8 +16,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
-from temporalio.exceptions import TimeoutError as TemporalTimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
@@ -46,13 +45,12 @@ with workflow.unsafe.imports_passed_through():
         RenewRequest,
         RenewResult,
         ResidentJob,
-        SnapshotCall,
-        SnapshotReport,
         SnapshotTarget,
         Waiter,
         WaiterView,
         WaitGrant,
     )
+    from timeslice.workflows.snapshot_calls import never_started, run_on_queues
 
 _RECENT_DONE_KEEP = 2048
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
@@ -63,11 +61,6 @@ class _Moved(Enum):
     OK = "ok"
     GONE = "gone"  # no process picked the task up: the job's processes are gone
     FAILED = "failed"
-
-
-def _never_started(error: BaseException) -> bool:
-    cause = getattr(error, "cause", None)
-    return isinstance(cause, TemporalTimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START
 
 
 def _percentile(samples: list[float], q: float) -> float | None:
@@ -367,45 +360,24 @@ class GpuGroupWorkflow:
 
     async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
         verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
-        calls = [
-            workflow.execute_activity(
-                activity,
-                SnapshotCall(
-                    group_id=self._config.group_id,
-                    job_id=job_id,
-                    backends=queue.backends,
-                    processes=queue.processes,
-                    reason=f"{verb} for {self._config.group_id}",
-                ),
-                task_queue=queue.task_queue,
-                # A dead process never picks the task up: learn that fast, like a dead waiter.
-                schedule_to_start_timeout=timedelta(seconds=self._config.grant_ack_timeout_s),
-                start_to_close_timeout=timedelta(seconds=self._config.snapshot_timeout_s),
-                retry_policy=RetryPolicy(maximum_attempts=1),
-                summary=f"{verb} {job_id} · {self._config.group_id} · {queue.task_queue}",
-            )
-            for queue in target.queues
-        ]
-        results: list[list[SnapshotReport] | BaseException] = []
-        for outcome in await asyncio.gather(*calls, return_exceptions=True):
-            try:
-                results.append(
-                    outcome
-                    if isinstance(outcome, BaseException)
-                    else [SnapshotReport.model_validate(r) for r in outcome]
-                )
-            except (ValidationError, TypeError) as err:
-                results.append(err)
+        results = await run_on_queues(
+            activity,
+            job_id,
+            target,
+            context=self._config.group_id,
+            pickup_timeout_s=self._config.grant_ack_timeout_s,
+            run_timeout_s=self._config.snapshot_timeout_s,
+        )
         failures = [r for r in results if isinstance(r, BaseException)]
         for reports in results:
             if isinstance(reports, list):
                 self._state.stats.bytes_moved += sum(r.bytes for r in reports)
         if not failures:
             return _Moved.OK
-        if all(_never_started(f) for f in failures):
+        if all(never_started(f) for f in failures):
             workflow.logger.warning("%s of job %s: no process serves its queue", verb, job_id)
             return _Moved.GONE
-        cause = next(f for f in failures if not _never_started(f))
+        cause = next(f for f in failures if not never_started(f))
         message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
         workflow.logger.error("job %s: %s; marking the job faulted", job_id, message)
         self._fault(job_id, message)
@@ -487,8 +459,11 @@ class GpuGroupWorkflow:
         holder = self._state.holder
         if holder is not None and holder.request.job_id == depart.job_id:
             return  # still holding: its release (or expiry) comes first
-        known = depart.job_id in self._state.evicted_jobs or (
-            self._state.resident is not None and self._state.resident.job_id == depart.job_id
+        state = self._state
+        known = (
+            depart.job_id in state.evicted_jobs
+            or depart.job_id in state.faulted_jobs
+            or (state.resident is not None and state.resident.job_id == depart.job_id)
         )
         if known:
             self._forget(depart.job_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -203,6 +204,18 @@ class SnapshotReport(_Model):
     mode: str
     bytes: int = Field(ge=0)
     seconds: float = Field(ge=0)
+
+
+class SnapshotJobInput(_Model):
+    job_id: str
+    action: Literal["snapshot", "restore"]
+    target: SnapshotTarget
+    pickup_timeout_s: float = Field(15.0, gt=0, le=600)
+    run_timeout_s: float = Field(300.0, gt=0, le=3600)
+
+
+class SnapshotJobResult(_Model):
+    reports: list[SnapshotReport]
 
 
 class LeaseOutcome(StrEnum):

@@ -1,0 +1,82 @@
+"""Workflow-side fan-out of snapshot / restore activities over a job's queues (all in parallel).
+
+Used by the group workflow on every switch and by SnapshotJobWorkflow for standalone use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import TimeoutError as TemporalTimeoutError
+from temporalio.exceptions import TimeoutType
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+    from timeslice.workflows.protocol import (
+        SNAPSHOT_ACTIVITY,
+        SnapshotCall,
+        SnapshotReport,
+        SnapshotTarget,
+    )
+
+Outcome = list[SnapshotReport] | BaseException
+
+
+async def run_on_queues(
+    activity: str,
+    job_id: str,
+    target: SnapshotTarget,
+    *,
+    context: str,
+    pickup_timeout_s: float,
+    run_timeout_s: float,
+) -> list[Outcome]:
+    """Run ``activity`` on every queue of ``target``; one outcome per queue, never raising.
+
+    Results are validated here rather than by the data converter, so a malformed answer from
+    one process becomes that queue's failure instead of failing the calling workflow's task.
+    """
+    verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
+    calls = [
+        workflow.execute_activity(
+            activity,
+            # Built from plain data: the caller's models may come from the sandbox's own copy
+            # of the protocol module, which pydantic would not accept as this copy's classes.
+            SnapshotCall.model_validate(
+                {
+                    "group_id": context,
+                    "job_id": job_id,
+                    "backends": list(queue.backends),
+                    "processes": [p.model_dump() for p in queue.processes],
+                    "reason": f"{verb} for {context}",
+                }
+            ),
+            task_queue=queue.task_queue,
+            # A dead process never picks the task up: learn that fast.
+            schedule_to_start_timeout=timedelta(seconds=pickup_timeout_s),
+            start_to_close_timeout=timedelta(seconds=run_timeout_s),
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            summary=f"{verb} {job_id} · {context} · {queue.task_queue}",
+        )
+        for queue in target.queues
+    ]
+    outcomes: list[Outcome] = []
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        try:
+            outcomes.append(
+                outcome
+                if isinstance(outcome, BaseException)
+                else [SnapshotReport.model_validate(r) for r in outcome]
+            )
+        except (ValidationError, TypeError) as err:
+            outcomes.append(err)
+    return outcomes
+
+
+def never_started(error: BaseException) -> bool:
+    """True if no process picked the activity up (its queue has no live worker)."""
+    cause = getattr(error, "cause", None)
+    return isinstance(cause, TemporalTimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START

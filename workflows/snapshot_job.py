@@ -1,0 +1,57 @@
+"""SnapshotJobWorkflow: snapshot or restore one job and wait, without any GPU group.
+
+For frameworks with their own scheduler: the same activities a group runs on a switch, on the
+job's rank and node queues, in parallel; the result is every backend's report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+    from timeslice.workflows.protocol import (
+        RESTORE_ACTIVITY,
+        SNAPSHOT_ACTIVITY,
+        SnapshotJobInput,
+        SnapshotJobResult,
+    )
+    from timeslice.workflows.snapshot_calls import run_on_queues
+
+SNAPSHOT_JOB_WORKFLOW_TYPE = "SnapshotJobWorkflow"
+
+
+@workflow.defn(name=SNAPSHOT_JOB_WORKFLOW_TYPE)
+class SnapshotJobWorkflow:
+    @workflow.run
+    async def run(self, raw_input: dict[str, Any]) -> SnapshotJobResult:
+        try:
+            inp = SnapshotJobInput.model_validate(raw_input)
+        except ValidationError as err:
+            raise ApplicationError(
+                f"invalid SnapshotJobWorkflow input: {err}", type="InvalidInput", non_retryable=True
+            ) from err
+        activity = SNAPSHOT_ACTIVITY if inp.action == "snapshot" else RESTORE_ACTIVITY
+        outcomes = await run_on_queues(
+            activity,
+            inp.job_id,
+            inp.target,
+            context="standalone",
+            pickup_timeout_s=inp.pickup_timeout_s,
+            run_timeout_s=inp.run_timeout_s,
+        )
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            cause = getattr(failures[0], "cause", None) or failures[0]
+            raise ApplicationError(
+                f"{inp.action} of job {inp.job_id} failed on {len(failures)} of "
+                f"{len(outcomes)} queues: {cause}",
+                type="SnapshotFailed",
+                non_retryable=True,
+            )
+        return SnapshotJobResult.model_validate(
+            {"reports": [r.model_dump() for rs in outcomes if isinstance(rs, list) for r in rs]}
+        )
