@@ -14,6 +14,7 @@ ceiling is a pinned host <-> device copy.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
@@ -67,7 +68,7 @@ def main() -> None:
         sync(args.device)
         snap_s.append(backend.snapshot_sync("bench").seconds)
         rest_s.append(backend.restore_sync("bench").seconds)
-    peak = peak_rss()
+    peak = peak_rss()  # before the swap below, which by design holds two jobs' states
     assert all(float(t[0]) == float(i) for i, t in enumerate(state)), "restore corrupted state"
 
     # The ceiling: the same bytes copied by a plain copy_ into preallocated buffers.
@@ -91,6 +92,27 @@ def main() -> None:
         clone_s.append(time.perf_counter() - started)
         del clones
 
+    # An overlapped swap: this state goes out while another job's equal state comes back in.
+    other = [torch.full((per,), -float(i), device=args.device) for i in range(args.tensors)]
+    incoming = TorchBackend()
+    for i, t in enumerate(other):
+        incoming.register_tensor(f"o{i}", t)
+    incoming.snapshot_sync("other")
+    swap_s = []
+    for _ in range(args.rounds):
+        sync(args.device)
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            out = pool.submit(backend.snapshot_sync, "bench")
+            into = pool.submit(incoming.restore_sync, "other")
+            out.result(), into.result()
+        sync(args.device)
+        swap_s.append(time.perf_counter() - started)
+        backend.restore_sync("bench")  # set up the next round: swap back, untimed
+        incoming.snapshot_sync("other")
+    incoming.restore_sync("other")
+    assert all(float(t[0]) == -float(i) for i, t in enumerate(other)), "swap corrupted state"
+
     def gbps(seconds: list[float]) -> float:
         return round(nbytes / statistics.median(seconds) / 1e9, 2)
 
@@ -108,6 +130,11 @@ def main() -> None:
         "restore_vs_plain": round(gbps(rest_s) / gbps(copy_s), 2),
         "snapshot_vs_clone": round(gbps(snap_s) / gbps(clone_s), 2),
         "restore_vs_clone": round(gbps(rest_s) / gbps(clone_s), 2),
+        "overlapped_swap_s": round(statistics.median(swap_s), 3),
+        "swap_vs_larger_direction": round(
+            statistics.median(swap_s) / max(statistics.median(snap_s), statistics.median(rest_s)),
+            2,
+        ),
         "resident_rss_GiB": round(resident_rss / GIB, 2),
         "peak_rss_during_switches_GiB": round(peak / GIB, 2),
         "peak_extra_vs_state": round((peak - resident_rss) / nbytes, 2),
