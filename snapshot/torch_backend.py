@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from timeslice.snapshot.base import SnapshotError
+from timeslice.snapshot.hugepages import advise_huge_pages
 from timeslice.workflows.protocol import SnapshotReport
 
 try:
@@ -169,6 +170,8 @@ class TorchBackend:
             for chunk in self._chunks(entries):
                 for e in chunk:
                     e.storage.resize_(e.nbytes)
+                    if e.device.type == "cpu":
+                        advise_huge_pages(e.storage.data_ptr(), e.nbytes)
                 if self.mode == "offload":
                     moved += self._copy(chunk, to_host=False)
                 for e in chunk:
@@ -213,6 +216,8 @@ class TorchBackend:
                 e.host = torch.empty(
                     e.nbytes, dtype=torch.uint8, pin_memory=e.device.type == "cuda"
                 )
+                if e.device.type == "cpu":
+                    advise_huge_pages(e.host.data_ptr(), e.nbytes)
             device_bytes = torch.empty(0, dtype=torch.uint8, device=e.device).set_(
                 e.storage, 0, (e.nbytes,)
             )
