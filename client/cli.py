@@ -151,14 +151,15 @@ async def _run_agent(args: argparse.Namespace) -> int:
         raise TimesliceError(str(err)) from err
     config = connect_config(args.address, args.namespace, profile=args.profile)
     client = await connect(config)
-    worker = build_node_agent(
+    agent = build_node_agent(
         client, args.node, extra_backends=extra, lock_timeout_s=args.lock_timeout
     )
-    backends = ["cuda-checkpoint", *(b.name for b in extra)]
-    print(
-        f"node agent on task queue {queue!r} with backends {backends}; Ctrl-C to stop", flush=True
-    )
-    return await _serve(worker)
+    health = agent.health()
+    names = [h.backend for h in health]
+    print(f"node agent on task queue {queue!r} with backends {names}; Ctrl-C to stop", flush=True)
+    for h in health:
+        print(f"  {h.backend}: {'ok' if h.ok else 'UNAVAILABLE'} - {h.detail}", flush=True)
+    return await _serve(agent.worker)
 
 
 async def _serve(worker: Worker) -> int:

@@ -5,11 +5,12 @@ A backend has a name and two calls, ``snapshot(job_id)`` and ``restore(job_id)``
 ``torch`` backend lives in :mod:`timeslice.snapshot.torch_backend` (it imports torch).
 """
 
-from timeslice.snapshot.base import SnapshotBackend, SnapshotError, resolve_backends
+from timeslice.snapshot.base import Health, SnapshotBackend, SnapshotError, resolve_backends
 from timeslice.snapshot.noop import NoopBackend
 from timeslice.snapshot.simulated import SimulatedBackend
 
 __all__ = [
+    "Health",
     "NoopBackend",
     "SimulatedBackend",
     "SnapshotBackend",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from timeslice.workflows.protocol import SnapshotReport
@@ -11,6 +12,15 @@ class SnapshotError(RuntimeError):
     """A snapshot or restore could not be performed."""
 
 
+@dataclass(frozen=True)
+class Health:
+    """Whether a backend can work here, and why not if it cannot."""
+
+    backend: str
+    ok: bool
+    detail: str
+
+
 @runtime_checkable
 class SnapshotBackend(Protocol):
     name: str
@@ -18,6 +28,8 @@ class SnapshotBackend(Protocol):
     async def snapshot(self, job_id: str) -> SnapshotReport: ...
 
     async def restore(self, job_id: str) -> SnapshotReport: ...
+
+    def health(self) -> Health: ...
 
 
 def resolve_backends(

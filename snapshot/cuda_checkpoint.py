@@ -15,7 +15,7 @@ import time
 from enum import IntEnum
 from typing import Protocol
 
-from timeslice.snapshot.base import SnapshotError
+from timeslice.snapshot.base import Health, SnapshotError
 from timeslice.snapshot.processes import PidRegistry, resident_bytes
 from timeslice.workflows.protocol import SnapshotReport
 
@@ -127,6 +127,13 @@ class CudaCheckpointBackend:
         if self._driver is None:
             self._driver = CudaDriverApi()
         return self._driver
+
+    def health(self) -> Health:
+        try:
+            self.driver  # noqa: B018 - constructing the driver is the check
+        except SnapshotError as err:
+            return Health(self.name, False, str(err))
+        return Health(self.name, True, "CUDA driver checkpoint API available")
 
     def _expect(self, pid: int, expected: ProcessState, step: str) -> None:
         state = self.driver.state(pid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from timeslice.snapshot.base import Health
 from timeslice.workflows.protocol import SnapshotReport
 
 
@@ -13,6 +14,9 @@ class NoopBackend:
     def __init__(self) -> None:
         self.snapshots = 0
         self.restores = 0
+
+    def health(self) -> Health:
+        return Health(self.name, True, "nothing to move")
 
     async def snapshot(self, job_id: str) -> SnapshotReport:
         started = time.perf_counter()

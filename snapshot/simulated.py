@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from timeslice.snapshot.base import Health
 from timeslice.workflows.protocol import SnapshotReport
 
 
@@ -26,6 +27,9 @@ class SimulatedBackend:
         self.nbytes = nbytes
         self.snapshot_s = snapshot_s
         self.restore_s = snapshot_s if restore_s is None else restore_s
+
+    def health(self) -> Health:
+        return Health(self.name, True, f"{self.nbytes} bytes in {self.snapshot_s} s per switch")
 
     async def _pretend(self, job_id: str, seconds: float) -> SnapshotReport:
         started = time.perf_counter()

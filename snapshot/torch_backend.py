@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from timeslice.snapshot.base import SnapshotError
+from timeslice.snapshot.base import Health, SnapshotError
 from timeslice.snapshot.hugepages import advise_huge_pages
 from timeslice.workflows.protocol import SnapshotReport
 
@@ -126,6 +126,18 @@ class TorchBackend:
                     by_storage[key] = _Entry([name], storage, storage.nbytes(), tensor.device)
             self._entries = list(by_storage.values())
         return self._entries
+
+    def health(self) -> Health:
+        entries = self._plan()
+        if not entries:
+            return Health(self.name, False, "nothing registered (or nothing selected)")
+        devices = sorted({str(e.device) for e in entries})
+        state = "evicted" if self.evicted else "resident"
+        return Health(
+            self.name,
+            True,
+            f"{len(entries)} storages, {self.registered_bytes} bytes on {devices}, {state}",
+        )
 
     @property
     def registered_bytes(self) -> int:

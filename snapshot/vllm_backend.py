@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from timeslice.snapshot.base import SnapshotError
+from timeslice.snapshot.base import Health, SnapshotError
 from timeslice.workflows.protocol import SnapshotReport
 
 
@@ -64,6 +64,11 @@ class VllmSleepBackend:
         self.level = level
         self.wake_tags = wake_tags
         self.reprovision = reprovision
+
+    def health(self) -> Health:
+        sleeping = getattr(self.llm, "is_sleeping", None)
+        state = "" if not callable(sleeping) else (" (asleep)" if sleeping() else " (awake)")
+        return Health(self.name, True, f"sleep level {self.level}{state}")
 
     async def snapshot(self, job_id: str) -> SnapshotReport:
         return await asyncio.to_thread(self._sleep, job_id)

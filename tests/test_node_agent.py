@@ -203,3 +203,39 @@ def test_standalone_needs_a_backend_and_reports_failures(address, node, make_cli
     claimer = make_client(job_id="claimer", node=node)
     with pytest.raises(SnapshotFailedError, match="was not launched for job claimer"):
         claimer.snapshot()
+
+
+def test_backends_report_their_health():
+    from timeslice.snapshot import NoopBackend, SimulatedBackend
+    from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend
+    from timeslice.snapshot.processes import PidRegistry
+
+    assert NoopBackend().health().ok and SimulatedBackend(nbytes=5).health().ok
+    ckpt = CudaCheckpointBackend(PidRegistry()).health()
+    try:
+        import cuda.bindings.driver
+    except ImportError:
+        assert not ckpt.ok and "cuda-python" in ckpt.detail
+    torch = pytest.importorskip("torch")
+    from timeslice.snapshot.torch_backend import TorchBackend
+
+    backend = TorchBackend()
+    assert not backend.health().ok  # nothing registered yet
+    backend.register_tensor("w", torch.ones(4))
+    backend.snapshot_sync("job")
+    health = backend.health()
+    assert health.ok and "16 bytes" in health.detail and "evicted" in health.detail
+
+
+def test_agent_reports_backend_health_at_start(address, tmp_path):
+    agent = start_service(
+        ["agent", "--node", "health-check", "--address", address, "--simulated-bytes", "1"],
+        "node agent on task queue",
+        tmp_path / "agent.log",
+    )
+    try:
+        lines = [agent.stdout.readline() for _ in range(2)]
+    finally:
+        stop_process(agent)
+    assert any(line.startswith("  simulated: ok") for line in lines)
+    assert any(line.startswith("  cuda-checkpoint: ") for line in lines)

@@ -8,10 +8,12 @@ request cannot freeze an arbitrary process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.activities.snapshots import SnapshotActivities
-from timeslice.snapshot.base import SnapshotBackend
+from timeslice.snapshot.base import Health, SnapshotBackend
 from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend
 from timeslice.snapshot.processes import (
     JOB_ENV,
@@ -39,13 +41,22 @@ class NodeSnapshotActivities(SnapshotActivities):
             self.registry.register(call.job_id, ProcessIdentity(ref.pid, ref.start_time))
 
 
+@dataclass
+class NodeAgent:
+    worker: Worker
+    activities: NodeSnapshotActivities
+
+    def health(self) -> list[Health]:
+        return [b.health() for b in self.activities.backends.values()]
+
+
 def build_node_agent(
     client: Client,
     node: str,
     *,
     extra_backends: list[SnapshotBackend] | None = None,
     lock_timeout_s: float = 10.0,
-) -> Worker:
+) -> NodeAgent:
     registry = PidRegistry()
     backends: dict[str, SnapshotBackend] = {
         "cuda-checkpoint": CudaCheckpointBackend(registry, lock_timeout_s=lock_timeout_s)
@@ -53,9 +64,10 @@ def build_node_agent(
     for backend in extra_backends or []:
         backends[backend.name] = backend
     activities = NodeSnapshotActivities(backends, registry)
-    return Worker(
+    worker = Worker(
         client,
         task_queue=node_task_queue(node),
         activities=[activities.snapshot, activities.restore],
         max_concurrent_activities=8,
     )
+    return NodeAgent(worker, activities)
