@@ -3,7 +3,9 @@
     .venv/bin/python -m tests.histories.record
 
 It drives a fresh embedded server through every path of the group workflow (grants, hand-offs,
-evictions and restores, a time-out, a cancel, a stale release, an expiry, continue-as-new) and
+evictions and restores, a time-out, a cancel, a stale release, an expiry, continue-as-new,
+a snapshot target naming processes on a node agent's queue, a refused snapshot and the fault
+it leaves, a standalone snapshot / restore, a departure) and
 writes each run's history here as JSON. Commit them: the replay test then fails on any code change
 that would break workflows already running in production.
 """
@@ -12,20 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TypeVar
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import AcquireTimeoutError, TimeSliceOrchestratorClient
 from timeslice.server import EmbeddedServer, free_port
-from timeslice.workflows.protocol import ReleaseRequest, group_workflow_id
+from timeslice.snapshot.processes import process_start_time
+from timeslice.workflows.protocol import (
+    AcquireRequest,
+    ProcessRef,
+    QueueTarget,
+    ReleaseRequest,
+    SnapshotTarget,
+    group_workflow_id,
+    node_task_queue,
+)
 
-from tests.conftest import start_worker, stop_process
+from tests.conftest import start_service, start_worker, stop_process
 
+T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 GROUP = "recorded"
+NODE = "recorder"
 
 
 def drive(address: str) -> None:
@@ -52,8 +68,43 @@ def drive(address: str) -> None:
         time.sleep(0.1)
     b._engine.held.clear()
     a.release(a.acquire(GROUP))
+    _forged_node_target(address, a)
+    a.release(a.acquire(GROUP))  # evicts the forger through the agent, which refuses: a fault
+    a.snapshot()
+    a.restore()
     a.close()
     b.close()
+
+
+def _forged_node_target(address: str, grantee: TimeSliceOrchestratorClient) -> None:
+    """A request whose snapshot target names a process (this one) on the node agent's queue."""
+    me = os.getpid()
+    target = SnapshotTarget(
+        queues=[
+            QueueTarget(
+                task_queue=node_task_queue(NODE),
+                backends=["simulated"],
+                processes=[ProcessRef(pid=me, start_time=process_start_time(me))],
+            )
+        ]
+    )
+
+    async def send() -> None:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        await client.get_workflow_handle(group_workflow_id(GROUP)).signal(
+            "request",
+            AcquireRequest(
+                request_id="forger-1",
+                job_id="forger",
+                reply_task_queue=grantee.task_queue,
+                snapshot=target,
+            ),
+        )
+
+    asyncio.run(send())
+    deadline = time.monotonic() + 30
+    while grantee.group_status(GROUP).resident_job != "forger" and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 async def _stop_heartbeat(client: TimeSliceOrchestratorClient, group: str) -> None:
@@ -63,11 +114,23 @@ async def _stop_heartbeat(client: TimeSliceOrchestratorClient, group: str) -> No
 async def dump(address: str) -> int:
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     written = 0
-    async for wf in client.list_workflows(f"WorkflowId = '{group_workflow_id(GROUP)}'"):
-        history = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
-        (HERE / f"gpu_group_run{written}.json").write_text(history.to_json())
-        written += 1
+    queries = {
+        "gpu_group_run": f"WorkflowId = '{group_workflow_id(GROUP)}'",
+        "snapshot_job_run": "WorkflowType = 'SnapshotJobWorkflow'",
+    }
+    for prefix, query in queries.items():
+        async for n, wf in _enumerate(client.list_workflows(query)):
+            history = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+            (HERE / f"{prefix}{n}.json").write_text(history.to_json())
+            written += 1
     return written
+
+
+async def _enumerate(items: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    n = 0
+    async for item in items:
+        yield n, item
+        n += 1
 
 
 def main() -> None:
@@ -79,12 +142,18 @@ def main() -> None:
             dynamic_config={"limit.historyCount.suggestContinueAsNew": 100},
         ).start()
         worker = start_worker(server.address, Path(tmp) / "worker.log")
+        agent = start_service(
+            ["agent", "--node", NODE, "--address", server.address, "--simulated-bytes", "8"],
+            "node agent on task queue",
+            Path(tmp) / "agent.log",
+        )
         try:
-            for old in HERE.glob("gpu_group_run*.json"):
+            for old in HERE.glob("*_run*.json"):
                 old.unlink()
             drive(server.address)
             print(f"wrote {asyncio.run(dump(server.address))} histories to {HERE}")
         finally:
+            stop_process(agent)
             stop_process(worker)
             server.stop()
 
