@@ -543,8 +543,7 @@ class GpuGroupWorkflow:
         state = self._state
         stats = state.stats
         holder = state.holder
-        busy = stats.busy_s + ((now - holder.granted_at).total_seconds() if holder else 0.0)
-        wall = max((now - stats.created_at).total_seconds(), 1e-9)
+        busy, wall = self._busy_and_wall(now)
         return GroupStatus(
             group_id=self._config.group_id,
             holder=None
@@ -577,9 +576,15 @@ class GpuGroupWorkflow:
             history=list(state.history),
         )
 
+    def _busy_and_wall(self, now: datetime) -> tuple[float, float]:
+        stats, holder = self._state.stats, self._state.holder
+        busy = stats.busy_s + ((now - holder.granted_at).total_seconds() if holder else 0.0)
+        return busy, max((now - stats.created_at).total_seconds(), 1e-9)
+
     def _publish_details(self) -> None:
         state = self._state
         holder = state.holder
+        busy, wall = self._busy_and_wall(workflow.now())
         queue = ", ".join(f"{w.request.job_id} (p{w.request.priority})" for w in state.queue)
         lines = [
             f"**holder**: {holder.request.job_id} · token {holder.token}"
@@ -588,6 +593,7 @@ class GpuGroupWorkflow:
             f"**resident**: {state.resident.job_id if state.resident else 'none'}",
             f"**queue**: {queue or 'empty'}",
             f"**leases**: {state.stats.leases} · switches {state.stats.switches}",
+            f"**utilization so far**: {min(1.0, busy / wall):.0%}",
         ]
         workflow.set_current_details("\n\n".join(lines))
 
