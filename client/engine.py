@@ -24,11 +24,11 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowUpdateFailedError,
 )
-from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 from timeslice.activities.grants import GrantInbox
+from timeslice.activities.group_requests import start_group
 from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.connection import connect
 from timeslice.errors import (
@@ -46,14 +46,12 @@ from timeslice.lease import Lease
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.workflows.protocol import (
     CONTROL_TASK_QUEUE,
-    GROUP_WORKFLOW_TYPE,
     AcquireRequest,
     CancelRequest,
     DepartRequest,
     GrantWait,
     GrantWaitOutcome,
     GroupConfig,
-    GroupInput,
     GroupStatus,
     ReleaseRequest,
     RenewRequest,
@@ -70,7 +68,6 @@ from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 log = logging.getLogger("timeslice.client")
 T = TypeVar("T")
 
-_GROUP_KEY = SearchAttributeKey.for_keyword("TimesliceGroup")
 _TRANSIENT = {
     RPCStatusCode.UNAVAILABLE,
     RPCStatusCode.DEADLINE_EXCEEDED,
@@ -268,7 +265,7 @@ class Engine:
     async def _send_request(self, client: Client, group_id: str, request: AcquireRequest) -> None:
 
         async def signal_with_start() -> None:
-            await _start_group(
+            await start_group(
                 client,
                 GroupConfig(group_id=group_id),
                 start_signal="request",
@@ -366,7 +363,7 @@ class Engine:
     async def create_group(self, config: GroupConfig) -> bool:
         client = await self.connected()
         try:
-            await self._rpc(f"create {config.group_id}", lambda: _start_group(client, config))
+            await self._rpc(f"create {config.group_id}", lambda: start_group(client, config))
         except WorkflowAlreadyStartedError:
             return False
         self._known_groups.add(config.group_id)
@@ -493,19 +490,6 @@ class Engine:
         # interpreter's own shutdown, their native threads can touch Python mid-finalization.
         self._worker = self._worker_task = self._client = self._connecting = None
         gc.collect()
-
-
-async def _start_group(client: Client, config: GroupConfig, **signal: Any) -> None:
-    """Start a group's workflow (with ``start_signal``: signal-with-start)."""
-    await client.start_workflow(
-        GROUP_WORKFLOW_TYPE,
-        GroupInput(config=config).model_dump(mode="json"),
-        id=group_workflow_id(config.group_id),
-        task_queue=CONTROL_TASK_QUEUE,
-        search_attributes=TypedSearchAttributes([SearchAttributePair(_GROUP_KEY, config.group_id)]),
-        static_summary=f"GPU group {config.group_id}",
-        **signal,
-    )
 
 
 def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:

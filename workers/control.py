@@ -9,6 +9,7 @@ from temporalio.api.operatorservice.v1 import (
 )
 from temporalio.client import Client
 from temporalio.worker import Worker
+from timeslice.activities.group_requests import request_group
 from timeslice.errors import TimesliceError
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.protocol import CONTROL_TASK_QUEUE, SEARCH_ATTRIBUTES
@@ -57,5 +58,6 @@ def build_control_worker(client: Client, *, max_cached_workflows: int = 1000) ->
         client,
         task_queue=CONTROL_TASK_QUEUE,
         workflows=WORKFLOWS,
+        activities=[request_group],
         max_cached_workflows=max_cached_workflows,
     )

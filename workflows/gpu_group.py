@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
     from timeslice.workflows.protocol import (
         DELIVER_GRANT_ACTIVITY,
+        GRANT_SIGNAL,
         GROUP_WORKFLOW_TYPE,
         RESTORE_ACTIVITY,
         SNAPSHOT_ACTIVITY,
@@ -221,6 +222,7 @@ class GpuGroupWorkflow:
             request_id=request.request_id,
             job_id=request.job_id,
             reply_task_queue=request.reply_task_queue,
+            reply_workflow_id=request.reply_workflow_id,
             token=token,
             ttl_s=self._ttl(request),
             waited_s=waited,
@@ -238,6 +240,9 @@ class GpuGroupWorkflow:
         return request.ttl_s if request.ttl_s is not None else self._config.default_ttl_s
 
     async def _deliver(self, notice: GrantNotice) -> None:
+        if notice.reply_workflow_id is not None:
+            await self._deliver_to_workflow(notice)
+            return
         try:
             # Results are validated here, not by the converter: a malformed reply from one
             # process must not fail the group's workflow task.
@@ -264,6 +269,30 @@ class GpuGroupWorkflow:
             if notice.fault is not None:
                 self._fault_notices_in_flight -= 1
             self._wake = True
+        self._settle_delivery(notice, outcome)
+
+    async def _deliver_to_workflow(self, notice: GrantNotice) -> None:
+        """A workflow requester gets its grant by signal; a failed signal means it is gone."""
+        assert notice.reply_workflow_id is not None
+        outcome: LeaseOutcome | None = None
+        try:
+            handle = workflow.get_external_workflow_handle(notice.reply_workflow_id)
+            await handle.signal(GRANT_SIGNAL, notice)
+        except Exception as err:  # any failure to signal: the requester is closed or gone
+            workflow.logger.warning(
+                "workflow %s did not take its grant of %s (%s); skipping it",
+                notice.reply_workflow_id,
+                self._config.group_id,
+                err,
+            )
+            outcome = LeaseOutcome.DEAD
+        finally:
+            if notice.fault is not None:
+                self._fault_notices_in_flight -= 1
+            self._wake = True
+        self._settle_delivery(notice, outcome)
+
+    def _settle_delivery(self, notice: GrantNotice, outcome: LeaseOutcome | None) -> None:
         holder = self._state.holder
         if notice.fault is not None or holder is None or holder.token != notice.token:
             return  # released, cancelled or revoked while the grant was on its way
@@ -519,6 +548,11 @@ class GpuGroupWorkflow:
         return request_id in self._state.recent_done or (
             holder is not None and holder.request.request_id == request_id
         )
+
+    @workflow.signal
+    def renew_lease(self, renew: RenewRequest) -> None:
+        """Renewal by signal, for workflow requesters (a workflow cannot send updates)."""
+        self.renew(renew)
 
     @workflow.update
     def renew(self, renew: RenewRequest) -> RenewResult:

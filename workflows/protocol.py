@@ -11,13 +11,17 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CONTROL_TASK_QUEUE = "timeslice"
 GROUP_WORKFLOW_TYPE = "GpuGroupWorkflow"
 
 # Activity names served by a job process on its own task queue.
 DELIVER_GRANT_ACTIVITY = "timeslice.deliver_grant"
+# Served by the control worker, as a local activity of requester workflows.
+REQUEST_GROUP_ACTIVITY = "timeslice.request_group"
+# The signal a requester *workflow* receives its grant by.
+GRANT_SIGNAL = "timeslice_grant"
 SNAPSHOT_ACTIVITY = "timeslice.snapshot"
 RESTORE_ACTIVITY = "timeslice.restore"
 
@@ -121,7 +125,8 @@ class SnapshotTarget(_Model):
 class AcquireRequest(_Model):
     request_id: str = Field(min_length=1, max_length=200)
     job_id: str
-    reply_task_queue: str = Field(min_length=1, max_length=300)
+    reply_task_queue: str | None = Field(None, min_length=1, max_length=300)
+    reply_workflow_id: str | None = Field(None, min_length=1, max_length=1000)
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     ttl_s: float | None = Field(None, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
     timeout_s: float | None = Field(None, ge=0)
@@ -132,6 +137,21 @@ class AcquireRequest(_Model):
     @classmethod
     def _job_id(cls, v: str) -> str:
         return check_id("job id", v)
+
+    @model_validator(mode="after")
+    def _one_reply_address(self) -> AcquireRequest:
+        if (self.reply_task_queue is None) == (self.reply_workflow_id is None):
+            raise ValueError(
+                "give exactly one of reply_task_queue (a process) or reply_workflow_id (a workflow)"
+            )
+        return self
+
+
+class GroupRequest(_Model):
+    """For the request-group local activity: signal-with-start ``request`` on ``group_id``."""
+
+    group_id: str
+    request: AcquireRequest
 
 
 class ReleaseRequest(_Model):
@@ -164,7 +184,8 @@ class GrantNotice(_Model):
     group_id: str
     request_id: str
     job_id: str
-    reply_task_queue: str
+    reply_task_queue: str | None = None
+    reply_workflow_id: str | None = None
     token: int
     ttl_s: float
     waited_s: float

@@ -4,6 +4,7 @@
 
 It drives a fresh embedded server through every path of the group workflow (grants, hand-offs,
 evictions and restores, a time-out, a cancel, a stale release, an expiry, continue-as-new,
+a workflow requester (grant by signal, renewal by signal),
 a snapshot target naming processes on a node agent's queue, a refused snapshot and the fault
 it leaves, a standalone snapshot / restore, a departure) and
 writes each run's history here as JSON. Commit them: the replay test then fails on any code change
@@ -37,6 +38,7 @@ from timeslice.workflows.protocol import (
 )
 
 from tests.conftest import start_service, start_worker, stop_process
+from tests.test_workflow_requesters import _run_jobs
 
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
@@ -72,6 +74,7 @@ def drive(address: str) -> None:
     a.release(a.acquire(GROUP))  # evicts the forger through the agent, which refuses: a fault
     a.snapshot()
     a.restore()
+    asyncio.run(_run_jobs(address, [("wf-rec", GROUP, 2, 0.1, None)]))  # a workflow requester
     a.close()
     b.close()
 

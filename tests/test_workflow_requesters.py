@@ -1,0 +1,78 @@
+"""Workflows as requesters: grant by signal, renewal by timer, creation by local activity."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
+from timeslice.activities.group_requests import request_group
+from timeslice.workflows.protocol import LeaseOutcome
+
+from .helpers import Interval, assert_no_overlap
+from .requester_workflows import LeaseTakingWorkflow
+
+QUEUE = "test-requesters"
+
+
+async def _run_jobs(address: str, jobs: list[tuple[str, str, int, float, float | None]]) -> list:
+    client = await Client.connect(address, data_converter=pydantic_data_converter)
+    async with Worker(
+        client, task_queue=QUEUE, workflows=[LeaseTakingWorkflow], activities=[request_group]
+    ):
+        handles = [
+            await client.start_workflow(
+                LeaseTakingWorkflow.run,
+                args=list(job),
+                id=f"lease-taker-{uuid.uuid4().hex[:8]}",
+                task_queue=QUEUE,
+            )
+            for job in jobs
+        ]
+        return [await h.result() for h in handles]
+
+
+def test_workflows_contend_with_a_process(address, group, make_client):
+    process = make_client(job_id="proc")
+    results = asyncio.run(
+        _run_jobs(
+            address,
+            [
+                ("wf-a", group, 3, 0.2, None),
+                ("wf-b", group, 3, 0.2, None),
+            ],
+        )
+    )
+    process.release(process.acquire(group, timeout=60))
+    intervals = [
+        Interval(job, token, start, end)
+        for job, rounds in zip(("wf-a", "wf-b"), results, strict=True)
+        for token, start, end in rounds
+    ]
+    assert len(intervals) == 6
+    assert_no_overlap(intervals)  # the workflows' own clocks: the server's
+    status = process.group_status(group)
+    assert status.stats.leases == 7 and status.stats.released == 7
+    assert all(r.outcome == LeaseOutcome.RELEASED for r in status.history)
+
+
+def test_workflow_acquire_timeout_never_leaks(address, group, make_client):
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+    [result] = asyncio.run(_run_jobs(address, [("wf-late", group, 1, 0.1, 1.0)]))
+    assert result == [["timeout"]]
+    holder.release(lease)
+    again = holder.acquire(group, timeout=30)
+    status = holder.group_status(group)
+    assert [r.job_id for r in status.history] == ["holder"]  # wf-late was never granted
+    holder.release(again)
+
+
+def test_workflow_lease_is_renewed_past_its_ttl(address, group, make_client):
+    """TTL 3 s, held 7 s: only the workflow's renewal timer keeps the lease."""
+    [rounds] = asyncio.run(_run_jobs(address, [("wf-long", group, 1, 7.0, None)]))
+    assert len(rounds) == 1
+    status = make_client().group_status(group)
+    assert status.stats.expired == 0 and status.stats.released == 1

@@ -1,0 +1,110 @@
+"""Acquire and release GPU groups from inside a workflow (the RL job workflow's side).
+
+The group grants a workflow requester by a ``timeslice_grant`` signal; the requester renews by a
+``renew_lease`` signal on a durable timer and releases by signal. A missing group is created by
+the ``timeslice.request_group`` local activity (signal-with-start is a client call), so the
+worker running the requester must register that activity (the control worker does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from timeslice.workflows.protocol import (
+        GRANT_SIGNAL,
+        REQUEST_GROUP_ACTIVITY,
+        AcquireRequest,
+        CancelRequest,
+        GrantNotice,
+        GroupRequest,
+        ReleaseRequest,
+        RenewRequest,
+        SnapshotTarget,
+        group_workflow_id,
+    )
+
+
+class GroupLeases:
+    """Create inside a workflow (``__init__`` or ``run``); it registers the grant signal."""
+
+    def __init__(
+        self,
+        job_id: str,
+        *,
+        priority: int = 0,
+        ttl_s: float | None = None,
+        snapshot: SnapshotTarget | None = None,
+        state_bytes: int | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.priority = priority
+        self.ttl_s = ttl_s
+        self.snapshot = snapshot
+        self.state_bytes = state_bytes
+        self._grants: dict[str, GrantNotice] = {}
+        self._renewers: dict[str, asyncio.Task[None]] = {}
+        workflow.set_signal_handler(GRANT_SIGNAL, self._on_grant)
+
+    def _on_grant(self, notice: GrantNotice) -> None:
+        self._grants[notice.request_id] = notice
+
+    async def _signal(self, group_id: str, name: str, arg: object) -> None:
+        await workflow.get_external_workflow_handle(group_workflow_id(group_id)).signal(name, arg)
+
+    async def acquire(self, group_id: str, timeout: float | None = None) -> GrantNotice:
+        """Wait for the group; raises ApplicationError type ``AcquireTimeout`` or ``JobFaulted``."""
+        request = AcquireRequest(
+            request_id=f"{self.job_id}:{workflow.uuid4()}",
+            job_id=self.job_id,
+            reply_workflow_id=workflow.info().workflow_id,
+            priority=self.priority,
+            ttl_s=self.ttl_s,
+            timeout_s=timeout,
+            snapshot=self.snapshot,
+            state_bytes=self.state_bytes,
+        )
+        await workflow.execute_local_activity(
+            REQUEST_GROUP_ACTIVITY,
+            GroupRequest(group_id=group_id, request=request),
+            start_to_close_timeout=timedelta(seconds=30),
+            summary=f"request {group_id}",
+        )
+        rid = request.request_id
+        try:
+            await workflow.wait_condition(lambda: rid in self._grants, timeout=timeout)
+        except TimeoutError:
+            # The group drops it too (and ends a grant that raced this), so it never leaks.
+            await self._signal(group_id, "cancel", CancelRequest(request_id=rid))
+            raise ApplicationError(
+                f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s",
+                type="AcquireTimeout",
+            ) from None
+        notice = self._grants.pop(rid)
+        if notice.fault is not None:
+            raise ApplicationError(notice.fault, type="JobFaulted", non_retryable=True)
+        self._renewers[rid] = asyncio.create_task(self._renew(group_id, notice))
+        return notice
+
+    async def _renew(self, group_id: str, notice: GrantNotice) -> None:
+        renew = RenewRequest(request_id=notice.request_id, token=notice.token)
+        while True:
+            await workflow.sleep(notice.ttl_s / 3)
+            await self._signal(group_id, "renew_lease", renew)
+
+    async def release(self, lease: GrantNotice) -> None:
+        renewer = self._renewers.pop(lease.request_id, None)
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+        await self._signal(
+            lease.group_id,
+            "release",
+            ReleaseRequest(request_id=lease.request_id, token=lease.token),
+        )
