@@ -11,6 +11,7 @@ Then one process alone measures an uncontended acquire + release.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -55,12 +56,10 @@ def player(args: argparse.Namespace) -> None:
 
 
 def cpu_model() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "unknown CPU"
 
 

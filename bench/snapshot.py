@@ -22,6 +22,7 @@ import platform
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -75,31 +76,21 @@ def main() -> None:
     # The ceiling: the same bytes copied by a plain copy_ into preallocated buffers.
     pin = args.device == "cuda"
     host = [torch.empty(per, pin_memory=pin) for _ in state]
-    copy_s = []
-    for _ in range(args.rounds):
-        sync(args.device)
-        started = time.perf_counter()
-        for h, t in zip(host, state, strict=True):
-            h.copy_(t)
-        sync(args.device)
-        copy_s.append(time.perf_counter() - started)
-    back_s = []
-    for _ in range(args.rounds):
-        sync(args.device)
-        started = time.perf_counter()
-        for h, t in zip(host, state, strict=True):
-            t.copy_(h)
-        sync(args.device)
-        back_s.append(time.perf_counter() - started)
-    del host
-    clone_s = []
-    for _ in range(args.rounds):
-        sync(args.device)
-        started = time.perf_counter()
-        clones = [t.clone() for t in state]
-        sync(args.device)
-        clone_s.append(time.perf_counter() - started)
-        del clones
+
+    def timed(body: Callable[[], object]) -> list[float]:
+        seconds = []
+        for _ in range(args.rounds):
+            sync(args.device)
+            started = time.perf_counter()
+            body()
+            sync(args.device)
+            seconds.append(time.perf_counter() - started)
+        return seconds
+
+    copy_s = timed(lambda: [h.copy_(t) for h, t in zip(host, state, strict=True)])
+    back_s = timed(lambda: [t.copy_(h) for h, t in zip(host, state, strict=True)])
+    host.clear()
+    clone_s = timed(lambda: [t.clone() for t in state])
 
     # An overlapped swap: this state goes out while another job's equal state comes back in.
     other = [torch.full((per,), -float(i), device=args.device) for i in range(args.tensors)]
