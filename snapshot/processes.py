@@ -79,9 +79,6 @@ class PidRegistry:
             )
         self._by_job.setdefault(job_id, set()).add(identity)
 
-    def unregister(self, job_id: str) -> None:
-        self._by_job.pop(job_id, None)
-
     def owner_of(self, pid: int) -> str | None:
         for job_id, identities in self._by_job.items():
             if any(i.pid == pid for i in identities):

@@ -265,10 +265,6 @@ class GpuGroupWorkflow:
                 err.cause or err,
             )
             outcome = LeaseOutcome.DEAD
-        finally:
-            if notice.fault is not None:
-                self._fault_notices_in_flight -= 1
-            self._wake = True
         self._settle_delivery(notice, outcome)
 
     async def _deliver_to_workflow(self, notice: GrantNotice) -> None:
@@ -286,13 +282,13 @@ class GpuGroupWorkflow:
                 err,
             )
             outcome = LeaseOutcome.DEAD
-        finally:
-            if notice.fault is not None:
-                self._fault_notices_in_flight -= 1
-            self._wake = True
         self._settle_delivery(notice, outcome)
 
     def _settle_delivery(self, notice: GrantNotice, outcome: LeaseOutcome | None) -> None:
+        """Record a finished delivery: the lease's TTL starts, or the lease ends (``outcome``)."""
+        if notice.fault is not None:
+            self._fault_notices_in_flight -= 1
+        self._wake = True
         holder = self._state.holder
         if notice.fault is not None or holder is None or holder.token != notice.token:
             return  # released, cancelled or revoked while the grant was on its way
