@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -16,10 +18,27 @@ from timeslice.workflows.protocol import (
 
 
 class SnapshotActivities:
-    def __init__(self, backends: dict[str, SnapshotBackend]) -> None:
+    """``backends`` None means the process holds no state yet (a restarted job process that
+    has not been prepared): there is nothing to move, and that is not an error.
+    ``lock``, when given, keeps snapshots from racing the process's own GPU work."""
+
+    def __init__(
+        self, backends: dict[str, SnapshotBackend] | None, lock: asyncio.Lock | None = None
+    ) -> None:
         self.backends = backends
+        self._lock = lock
+
+    @contextlib.asynccontextmanager
+    async def _guard(self) -> AsyncIterator[None]:
+        if self._lock is None:
+            yield
+        else:
+            async with self._lock:
+                yield
 
     def _resolve(self, call: SnapshotCall) -> list[SnapshotBackend]:
+        if self.backends is None:
+            return []
         try:
             self.prepare(call)
             return resolve_backends(call.backends, self.backends)
@@ -32,13 +51,15 @@ class SnapshotActivities:
     @activity.defn(name=SNAPSHOT_ACTIVITY)
     async def snapshot(self, call: SnapshotCall) -> list[SnapshotReport]:
         # Composed backends snapshot in order and restore in reverse.
-        reports = [await _run(b.snapshot, call) for b in self._resolve(call)]
+        async with self._guard():
+            reports = [await _run(b.snapshot, call) for b in self._resolve(call)]
         activity.logger.info("evicted %s: %s", call.job_id, _summary(reports))
         return reports
 
     @activity.defn(name=RESTORE_ACTIVITY)
     async def restore(self, call: SnapshotCall) -> list[SnapshotReport]:
-        reports = [await _run(b.restore, call) for b in reversed(self._resolve(call))]
+        async with self._guard():
+            reports = [await _run(b.restore, call) for b in reversed(self._resolve(call))]
         activity.logger.info("restored %s: %s", call.job_id, _summary(reports))
         return reports
 

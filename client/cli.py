@@ -1,4 +1,4 @@
-"""The ``timeslice`` command: server, worker, setup, status."""
+"""The ``timeslice`` command: server, worker, agent, job, setup, status."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from timeslice.connection import connect, connect_config
 from timeslice.errors import TimesliceError
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from temporalio.worker import Worker
 
 log = logging.getLogger("timeslice")
+T = TypeVar("T")
 
 
 def _add_connection_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     setup = sub.add_parser("setup", help="register Timeslice's search attributes on a cluster")
     _add_connection_args(setup)
 
+    _add_job_parsers(sub)
+
     status = sub.add_parser("status", help="show a GPU group's holder, queue and utilization")
     status.add_argument("group_id")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -82,17 +86,195 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dynamic_config(items: list[str]) -> dict[str, object]:
+def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    job = sub.add_parser("job", help="RL jobs: serve a job's phases, start, follow, stop")
+    jobs = job.add_subparsers(dest="job_command", required=True)
+
+    worker = jobs.add_parser("worker", help="serve one rank of an RL job (its model and phases)")
+    worker.add_argument("--job-id", required=True)
+    worker.add_argument("--rank", type=int, default=0, help="this process's rank (default 0)")
+    worker.add_argument("--workload", required=True, help="grpo-toy, simulated, or MODULE:FACTORY")
+    worker.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path(".timeslice/checkpoints"),
+        help="where checkpoints go (shared storage when ranks span nodes)",
+    )
+    worker.add_argument("--keep-checkpoints", type=int, default=3, help="per job (default 3)")
+    worker.add_argument("--threads", type=int, help="torch CPU threads for this process")
+    _add_connection_args(worker)
+
+    start = jobs.add_parser("start", help="start an RLJobWorkflow")
+    start.add_argument("--config", type=Path, help="JSON file with the job config (RLJobConfig)")
+    start.add_argument("--job-id")
+    start.add_argument("--workload", help="grpo-toy, simulated, or MODULE:FACTORY")
+    start.add_argument("--sampler-group")
+    start.add_argument("--trainer-group", help="default: the sampler group")
+    start.add_argument("--epochs", type=int)
+    start.add_argument("--batch-size", type=int)
+    start.add_argument("--group-size", type=int)
+    start.add_argument("--seed", type=int)
+    start.add_argument("--priority", type=int)
+    start.add_argument("--ranks", type=int)
+    start.add_argument("--lease-ttl", type=float, dest="lease_ttl_s")
+    start.add_argument("--checkpoint-every", type=int)
+    start.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="workload option, e.g. --option lr=0.003 (repeatable)",
+    )
+    start.add_argument("--wait", action="store_true", help="show progress until the job ends")
+    _add_connection_args(start)
+
+    progress = jobs.add_parser("progress", help="show a job's epoch, phase and rewards")
+    progress.add_argument("job_id")
+    progress.add_argument("--json", action="store_true")
+    _add_connection_args(progress)
+
+    stop = jobs.add_parser("stop", help="finish the current epoch, checkpoint, and stop")
+    stop.add_argument("job_id")
+    _add_connection_args(stop)
+
+
+_START_FIELDS = (
+    "job_id",
+    "workload",
+    "sampler_group",
+    "trainer_group",
+    "epochs",
+    "batch_size",
+    "group_size",
+    "seed",
+    "priority",
+    "ranks",
+    "lease_ttl_s",
+    "checkpoint_every",
+)
+
+
+def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
+    data: dict[str, object] = {}
+    if args.config is not None:
+        try:
+            loaded = json.loads(args.config.read_text())
+        except OSError as err:
+            raise TimesliceError(f"--config {args.config}: {err.strerror}") from err
+        except json.JSONDecodeError as err:
+            raise TimesliceError(f"--config {args.config}: not valid JSON ({err})") from err
+        if not isinstance(loaded, dict):
+            raise TimesliceError(f"--config {args.config}: expected a JSON object")
+        data.update(loaded)
+    for name in _START_FIELDS:
+        value = getattr(args, name)
+        if value is not None:
+            data[name] = value
+    if args.option:
+        options = dict(data.get("workload_options") or {})  # type: ignore[call-overload]
+        options.update(_key_json_pairs("--option", args.option))
+        data["workload_options"] = options
+    return data
+
+
+def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
     values: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise TimesliceError(f"--dynamic-config {item!r}: use KEY=JSON, e.g. some.key=200")
+            raise TimesliceError(f"{flag} {item!r}: use KEY=JSON, e.g. some.key=200")
         try:
             values[key] = json.loads(raw)
         except json.JSONDecodeError as err:
-            raise TimesliceError(f"--dynamic-config {item!r}: value is not JSON ({err})") from err
+            raise TimesliceError(f"{flag} {item!r}: value is not JSON ({err})") from err
     return values
+
+
+async def _run_job_worker(args: argparse.Namespace) -> int:
+    from timeslice.workers.job import build_job_runtime, build_job_worker
+    from timeslice.workflows.protocol import job_task_queue
+
+    try:
+        runtime = build_job_runtime(
+            args.job_id, args.rank, args.workload, args.checkpoint_dir, args.keep_checkpoints
+        )
+    except ValueError as err:
+        raise TimesliceError(str(err)) from err
+    if args.threads is not None:
+        if args.threads < 1:
+            raise TimesliceError(f"--threads must be >= 1, not {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    worker = build_job_worker(client, runtime)
+    print(
+        f"job {args.job_id} rank {args.rank}: workload {args.workload} on task queue "
+        f"{job_task_queue(args.job_id, args.rank)!r}; Ctrl-C to stop",
+        flush=True,
+    )
+    return await _serve(worker)
+
+
+async def _run_job_start(args: argparse.Namespace) -> int:
+    from timeslice.jobs import follow_job, parse_job_config, start_rl_job
+
+    config = parse_job_config(_job_config_data(args))
+    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    handle = await start_rl_job(client, config)
+    print(f"started job {config.job_id}: workflow {handle.id} (run {handle.result_run_id})")
+    if not args.wait:
+        print(f"follow it with: timeslice job progress {config.job_id}")
+        return 0
+    result = await follow_job(client, config.job_id, lambda line: print(line, flush=True))
+    rewards = [r.reward_mean for r in result.records if r.reward_mean is not None]
+    state = "stopped" if result.stopped else "completed"
+    print(f"job {config.job_id} {state} after {result.epochs_done} epochs", end="")
+    print(f"; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "")
+    return 0
+
+
+async def _run_job_progress(args: argparse.Namespace) -> int:
+    from timeslice.jobs import describe_progress
+    from timeslice.workflows.rl_protocol import RLJobProgress, rl_job_workflow_id
+
+    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    handle = client.get_workflow_handle(_job_workflow_id(args.job_id, rl_job_workflow_id))
+    progress = await _rpc_job(args.job_id, handle.query("progress", result_type=RLJobProgress))
+    print(progress.model_dump_json(indent=2) if args.json else describe_progress(progress))
+    return 0
+
+
+async def _run_job_stop(args: argparse.Namespace) -> int:
+    from timeslice.workflows.rl_protocol import rl_job_workflow_id
+
+    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    handle = client.get_workflow_handle(_job_workflow_id(args.job_id, rl_job_workflow_id))
+    await _rpc_job(args.job_id, handle.signal("stop"))
+    print(f"asked job {args.job_id} to stop after its current epoch")
+    return 0
+
+
+def _job_workflow_id(job_id: str, to_id: Callable[[str], str]) -> str:
+    try:
+        return to_id(job_id)
+    except ValueError as err:
+        raise TimesliceError(str(err)) from err
+
+
+async def _rpc_job(job_id: str, call: Awaitable[T]) -> T:
+    from temporalio.service import RPCError, RPCStatusCode
+
+    try:
+        return await call
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            raise TimesliceError(f"no job {job_id!r} (workflow rl-job-{job_id})") from err
+        raise
+
+
+def _dynamic_config(items: list[str]) -> dict[str, object]:
+    return _key_json_pairs("--dynamic-config", items)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -218,6 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "server":
             return run_server(args)
+        if args.command == "job":
+            runner = {
+                "worker": _run_job_worker,
+                "start": _run_job_start,
+                "progress": _run_job_progress,
+                "stop": _run_job_stop,
+            }[args.job_command]
+            with contextlib.suppress(KeyboardInterrupt):
+                return asyncio.run(runner(args))
+            return 130
         runner = {
             "worker": _run_worker,
             "agent": _run_agent,

@@ -1,4 +1,4 @@
-"""The control worker: runs the GPU-group workflows on task queue ``timeslice``."""
+"""The control worker: runs the GPU-group and RL-job workflows on task queue ``timeslice``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from timeslice.activities.group_requests import request_group
 from timeslice.errors import TimesliceError
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.protocol import CONTROL_TASK_QUEUE, SEARCH_ATTRIBUTES
+from timeslice.workflows.rl_job import RLJobWorkflow
 from timeslice.workflows.snapshot_job import SnapshotJobWorkflow
 
-WORKFLOWS = [GpuGroupWorkflow, SnapshotJobWorkflow]
+WORKFLOWS = [GpuGroupWorkflow, SnapshotJobWorkflow, RLJobWorkflow]
 
 _TYPES = {
     "Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,

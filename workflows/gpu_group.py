@@ -568,24 +568,30 @@ class GpuGroupWorkflow:
             raise ValueError(f"invalid fencing token {renew.token}")
 
     @workflow.query
+    def holder(self) -> HolderView | None:
+        """The current lease only: what a running phase checks its fencing token against."""
+        holder = self._state.holder
+        if holder is None:
+            return None
+        now = workflow.now()
+        return HolderView(
+            job_id=holder.request.job_id,
+            token=holder.token,
+            held_s=(now - holder.granted_at).total_seconds(),
+            expires_in_s=None
+            if holder.expires_at is None
+            else (holder.expires_at - now).total_seconds(),
+        )
+
+    @workflow.query
     def status(self) -> GroupStatus:
         now = workflow.now()
         state = self._state
         stats = state.stats
-        holder = state.holder
         busy, wall = self._busy_and_wall(now)
         return GroupStatus(
             group_id=self._config.group_id,
-            holder=None
-            if holder is None
-            else HolderView(
-                job_id=holder.request.job_id,
-                token=holder.token,
-                held_s=(now - holder.granted_at).total_seconds(),
-                expires_in_s=None
-                if holder.expires_at is None
-                else (holder.expires_at - now).total_seconds(),
-            ),
+            holder=self.holder(),
             queue=[
                 WaiterView(
                     job_id=w.request.job_id,

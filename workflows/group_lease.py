@@ -57,8 +57,19 @@ class GroupLeases:
     async def _signal(self, group_id: str, name: str, arg: object) -> None:
         await workflow.get_external_workflow_handle(group_workflow_id(group_id)).signal(name, arg)
 
-    async def acquire(self, group_id: str, timeout: float | None = None) -> GrantNotice:
-        """Wait for the group; raises ApplicationError type ``AcquireTimeout`` or ``JobFaulted``."""
+    async def acquire(
+        self,
+        group_id: str,
+        timeout: float | None = None,
+        *,
+        snapshot: SnapshotTarget | None = None,
+        state_bytes: int | None = None,
+    ) -> GrantNotice:
+        """Wait for the group; raises ApplicationError type ``AcquireTimeout`` or ``JobFaulted``.
+
+        ``snapshot`` / ``state_bytes`` override the defaults for this request (a job moves
+        different state on its sampler group than on its trainer group).
+        """
         request = AcquireRequest(
             request_id=f"{self.job_id}:{workflow.uuid4()}",
             job_id=self.job_id,
@@ -66,8 +77,9 @@ class GroupLeases:
             priority=self.priority,
             ttl_s=self.ttl_s,
             timeout_s=timeout,
-            snapshot=self.snapshot,
-            state_bytes=self.state_bytes,
+            # As plain data: a model built in another workflow module may be another copy's class.
+            snapshot=_plain(snapshot or self.snapshot),
+            state_bytes=state_bytes if state_bytes is not None else self.state_bytes,
         )
         await workflow.execute_local_activity(
             REQUEST_GROUP_ACTIVITY,
@@ -108,3 +120,7 @@ class GroupLeases:
             "release",
             ReleaseRequest(request_id=lease.request_id, token=lease.token),
         )
+
+
+def _plain(target: SnapshotTarget | None) -> dict | None:
+    return None if target is None else target.model_dump()

@@ -1,0 +1,327 @@
+"""The activities a job process serves: one RL job rank's model, phases and checkpoints.
+
+The process holds the state the workflow cannot see (model, optimizer, trajectories), so every
+activity first checks that the process is where the workflow believes it is — "the model after
+epoch N, with epoch N sampled" — and answers ``JobStateLost`` when it is not (it restarted, or a
+phase failed midway). The workflow then rewinds to its last checkpoint. Phases, preparation,
+checkpoints and snapshots take one lock, so a snapshot never races the process's own GPU work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+from timeslice.activities.snapshots import SnapshotActivities
+from timeslice.workflows.protocol import HolderView, group_workflow_id
+from timeslice.workflows.rl_protocol import (
+    CHECKPOINT_ACTIVITY,
+    DESCRIBE_ACTIVITY,
+    LEASE_REVOKED,
+    PREPARE_ACTIVITY,
+    REWARDS_ACTIVITY,
+    SAMPLE_ACTIVITY,
+    STATE_LOST,
+    TRAIN_ACTIVITY,
+    CheckpointInput,
+    CheckpointRef,
+    DescribeResult,
+    PhaseInput,
+    PhaseResult,
+    PrepareInput,
+    PrepareResult,
+)
+from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
+
+log = logging.getLogger("timeslice.job")
+T = TypeVar("T")
+
+HEARTBEAT_EVERY_S = 1.0
+
+
+def _state_lost(message: str) -> ApplicationError:
+    return ApplicationError(message, type=STATE_LOST, non_retryable=True)
+
+
+class JobRuntime:
+    """One rank of one job: the workload, where it stands, and its activities."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        workload: Workload,
+        workload_ref: str,
+        checkpoint_dir: Path,
+        keep_checkpoints: int = 3,
+    ) -> None:
+        if keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, not {keep_checkpoints}")
+        self.job_id = job_id
+        self.rank = rank
+        self.workload = workload
+        self.workload_ref = workload_ref
+        self.checkpoint_dir = checkpoint_dir
+        self.keep_checkpoints = keep_checkpoints
+        self._spec: JobSpec | None = None
+        # Epochs applied to the model in this process; None: no state, or a phase broke it.
+        self._epochs_done: int | None = None
+        self._sampled: int | None = None
+        self._rewarded: int | None = None
+        self._busy = asyncio.Lock()
+        self.snapshots = SnapshotActivities(None, self._busy)
+
+    def activities(self) -> list[Callable[..., Any]]:
+        return [
+            self.describe,
+            self.prepare,
+            self.sample,
+            self.compute_rewards,
+            self.train,
+            self.save_checkpoint,
+            self.snapshots.snapshot,
+            self.snapshots.restore,
+        ]
+
+    # ---------------------------------------------------------------- where the process stands
+
+    def _where(self) -> str:
+        if self._spec is None:
+            return "this process has no state (it started after the job's last preparation)"
+        if self._epochs_done is None:
+            return "this process's state was left incomplete by a failed phase"
+        return f"this process holds the model after {self._epochs_done} epochs"
+
+    def _expect(self, epoch: int, *, sampled: bool = False, rewarded: bool = False) -> None:
+        ok = self._spec is not None and self._epochs_done == epoch
+        if sampled:
+            ok = ok and self._sampled == epoch
+        if rewarded:
+            ok = ok and self._rewarded == epoch
+        if not ok:
+            needs = "sampled " if sampled else ""
+            needs += "and scored " if rewarded else ""
+            raise _state_lost(
+                f"job {self.job_id} rank {self.rank}: epoch {epoch} needs the model after "
+                f"{epoch} epochs {needs}but {self._where()}"
+            )
+
+    def _check_job(self, job_id: str) -> None:
+        if job_id != self.job_id:
+            raise ApplicationError(
+                f"this process serves job {self.job_id!r}, not {job_id!r}",
+                type="WrongJob",
+                non_retryable=True,
+            )
+
+    # ---------------------------------------------------------------- activities
+
+    @activity.defn(name=DESCRIBE_ACTIVITY)
+    async def describe(self, job_id: str) -> DescribeResult:
+        self._check_job(job_id)
+        return DescribeResult(
+            workload=self.workload_ref,
+            sampler_backends=list(self.workload.sampler_backends),
+            trainer_backends=list(self.workload.trainer_backends),
+            pid=os.getpid(),
+            ready=self._spec is not None,
+            epochs_done=self._epochs_done,
+        )
+
+    @activity.defn(name=PREPARE_ACTIVITY)
+    async def prepare(self, inp: PrepareInput) -> PrepareResult:
+        self._check_job(inp.spec.job_id)
+        spec = JobSpec(
+            job_id=inp.spec.job_id,
+            seed=inp.spec.seed,
+            batch_size=inp.spec.batch_size,
+            group_size=inp.spec.group_size,
+            options=dict(inp.spec.options),
+        )
+        async with self._busy:
+            if self._spec is not None and self._spec != spec:
+                raise ApplicationError(
+                    f"job {self.job_id}: this process was prepared with {self._spec}, now asked "
+                    f"for {spec}; restart the job process to change the job's settings",
+                    type="InvalidConfig",
+                    non_retryable=True,
+                )
+            if inp.checkpoint is None and self._spec is not None and self._epochs_done != 0:
+                raise _state_lost(f"job {self.job_id}: no checkpoint to rewind to; {self._where()}")
+
+            def build() -> PrepareResult:
+                if self._spec is None:
+                    log.info("setting up %s for job %s", self.workload_ref, self.job_id)
+                    self.workload.setup(spec)
+                    self._spec = spec
+                    self._epochs_done = 0
+                    self.snapshots.backends = self.workload.snapshot_backends()
+                if inp.checkpoint is not None:
+                    path = self._rank_dir(Path(inp.checkpoint.path))
+                    log.info("loading checkpoint %s", path)
+                    self.workload.load(path)
+                    self._epochs_done = inp.checkpoint.epochs_done
+                self._sampled = self._rewarded = None
+                return PrepareResult(
+                    epochs_done=self._epochs_done or 0, state_bytes=self.workload.state_bytes()
+                )
+
+            return await self._supervise(build, PhaseContext(0, "prepare"), None, None, 5.0)
+
+    @activity.defn(name=SAMPLE_ACTIVITY)
+    async def sample(self, inp: PhaseInput) -> PhaseResult:
+        def check() -> None:
+            self._expect(inp.epoch)
+
+        result = await self._phase(inp, check, self.workload.sample)
+        self._sampled = inp.epoch
+        return result
+
+    @activity.defn(name=REWARDS_ACTIVITY)
+    async def compute_rewards(self, inp: PhaseInput) -> PhaseResult:
+        def check() -> None:
+            self._expect(inp.epoch, sampled=True)
+
+        result = await self._phase(inp, check, self.workload.compute_rewards)
+        self._rewarded = inp.epoch
+        return result
+
+    @activity.defn(name=TRAIN_ACTIVITY)
+    async def train(self, inp: PhaseInput) -> PhaseResult:
+        def check() -> None:
+            self._expect(inp.epoch, sampled=True, rewarded=True)
+
+        result = await self._phase(inp, check, self.workload.train)
+        self._epochs_done = inp.epoch + 1
+        self._sampled = self._rewarded = None
+        return result
+
+    @activity.defn(name=CHECKPOINT_ACTIVITY)
+    async def save_checkpoint(self, inp: CheckpointInput) -> CheckpointRef:
+        self._check_job(inp.job_id)
+        epoch_dir = self.checkpoint_dir / self.job_id / f"epoch-{inp.epochs_done:06d}"
+        async with self._busy:
+            self._expect(inp.epochs_done)
+
+            def save() -> None:
+                final = self._rank_dir(epoch_dir)
+                partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+                self.workload.save(partial)
+                shutil.rmtree(final, ignore_errors=True)  # a re-save after a rewind
+                partial.rename(final)
+                self._prune()
+
+            await self._supervise(save, PhaseContext(inp.epochs_done, "checkpoint"), None, None, 5)
+        log.info("checkpoint after %d epochs: %s", inp.epochs_done, epoch_dir)
+        return CheckpointRef(epochs_done=inp.epochs_done, path=str(epoch_dir.resolve()))
+
+    # ---------------------------------------------------------------- running phases
+
+    async def _phase(
+        self,
+        inp: PhaseInput,
+        check: Callable[[], None],
+        step: Callable[[int, PhaseContext], dict[str, float]],
+    ) -> PhaseResult:
+        self._check_job(inp.job_id)
+        async with self._busy:
+            check()
+            ctx = PhaseContext(inp.epoch, inp.phase)
+            started = time.monotonic()
+            try:
+                metrics = await self._supervise(
+                    lambda: step(inp.epoch, ctx), ctx, inp.group_id, inp.token, inp.lease_check_s
+                )
+            except BaseException:
+                # Whatever ran may have changed the state halfway: only a checkpoint fixes that.
+                self._sampled = self._rewarded = None
+                if inp.phase == "train":
+                    self._epochs_done = None
+                raise
+            ended = time.monotonic()
+        log.info(
+            "epoch %d %s: %.2f s %s",
+            inp.epoch,
+            inp.phase,
+            ended - started,
+            " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
+        )
+        return PhaseResult(
+            epoch=inp.epoch,
+            phase=inp.phase,
+            metrics={k: float(v) for k, v in metrics.items()},
+            seconds=ended - started,
+            mono_start=started,
+            mono_end=ended,
+        )
+
+    async def _supervise(
+        self,
+        work: Callable[[], T],
+        ctx: PhaseContext,
+        group_id: str | None,
+        token: int | None,
+        lease_check_s: float,
+    ) -> T:
+        """Run ``work`` in a thread; heartbeat; stop it if the lease goes or we are cancelled."""
+        loop = asyncio.get_running_loop()
+        running = asyncio.ensure_future(asyncio.to_thread(work))
+        next_check = loop.time() + lease_check_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({running}, timeout=HEARTBEAT_EVERY_S)
+                if done:
+                    break
+                activity.heartbeat(ctx.latest_progress())
+                if group_id is not None and token is not None and loop.time() >= next_check:
+                    next_check = loop.time() + lease_check_s
+                    if not await self._holds(group_id, token):
+                        ctx.stop(f"the lease on {group_id} (token {token}) was revoked")
+        except asyncio.CancelledError:
+            # Never leave a phase running past its activity: a snapshot would race it.
+            ctx.stop("the activity was cancelled")
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(running)
+            raise
+        try:
+            return running.result()
+        except PhaseStopped as stopped:
+            raise ApplicationError(
+                f"job {self.job_id} {ctx.phase} of epoch {ctx.epoch} stopped: {stopped}",
+                type=LEASE_REVOKED,
+                non_retryable=True,
+            ) from None
+
+    async def _holds(self, group_id: str, token: int) -> bool:
+        handle = activity.client().get_workflow_handle(group_workflow_id(group_id))
+        try:
+            holder = await handle.query("holder", result_type=HolderView | None)  # type: ignore[arg-type]
+        except Exception as err:  # an unreachable server is no proof the lease is gone
+            log.warning("cannot check the lease on %s: %s", group_id, err)
+            return True
+        return holder is not None and holder.token == token
+
+    # ---------------------------------------------------------------- checkpoints on disk
+
+    def _rank_dir(self, epoch_dir: Path) -> Path:
+        return epoch_dir / f"rank-{self.rank}"
+
+    def _prune(self) -> None:
+        job_dir = self.checkpoint_dir / self.job_id
+        epochs = sorted(p for p in job_dir.glob("epoch-*") if p.is_dir())
+        for old in epochs[: -self.keep_checkpoints]:
+            shutil.rmtree(self._rank_dir(old), ignore_errors=True)
+            with contextlib.suppress(OSError):
+                old.rmdir()  # only once every rank has pruned it

@@ -1,0 +1,96 @@
+"""Start, follow and stop RL jobs from Python (what ``timeslice job start`` does).
+
+from timeslice.jobs import RLJobConfig, start_rl_job
+handle = await start_rl_job(client, RLJobConfig(job_id="j1", workload="grpo-toy",
+                                                sampler_group="g0", epochs=30))
+result = await handle.result()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from timeslice.errors import InvalidArgumentError
+from timeslice.workflows.protocol import CONTROL_TASK_QUEUE
+from timeslice.workflows.rl_protocol import (
+    RL_JOB_WORKFLOW_TYPE,
+    RLJobConfig,
+    RLJobProgress,
+    RLJobResult,
+    explain_validation_error,
+    rl_job_workflow_id,
+)
+
+JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
+SILENCE_S = 10.0
+
+
+def parse_job_config(data: dict[str, Any]) -> RLJobConfig:
+    try:
+        return RLJobConfig.model_validate(data)
+    except ValidationError as err:
+        raise InvalidArgumentError(f"invalid job config: {explain_validation_error(err)}") from err
+
+
+async def start_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandle[Any, RLJobResult]:
+    """Start ``RLJobWorkflow`` for ``config`` (id ``rl-job-<job_id>``, task queue ``timeslice``)."""
+    groups = ", ".join(dict.fromkeys([config.sampler_group, config.trainer]))
+    try:
+        return await client.start_workflow(
+            RL_JOB_WORKFLOW_TYPE,
+            config.model_dump(mode="json"),
+            id=rl_job_workflow_id(config.job_id),
+            task_queue=CONTROL_TASK_QUEUE,
+            result_type=RLJobResult,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(JOB_KEY, config.job_id)]),
+            static_summary=f"RL job {config.job_id}: {config.workload}, "
+            f"{config.epochs} epochs on {groups}",
+            static_details=(
+                f"**workload**: {config.workload}\n\n**sampler group**: {config.sampler_group}"
+                f"\n\n**trainer group**: {config.trainer}\n\n**epochs**: {config.epochs} · "
+                f"batch {config.batch_size}, group size {config.group_size} · seed {config.seed}"
+            ),
+        )
+    except WorkflowAlreadyStartedError as err:
+        raise InvalidArgumentError(
+            f"job {config.job_id!r} is already running (workflow {err.workflow_id}); "
+            "choose another job id, or stop it with `timeslice job stop`"
+        ) from err
+
+
+def describe_progress(p: RLJobProgress) -> str:
+    reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
+    extra = f" · rewinds {p.rewinds}" if p.rewinds else ""
+    return f"[{p.job_id}] epoch {p.epoch}/{p.epochs} · {p.phase} · reward {reward}{extra}"
+
+
+async def follow_job(
+    client: Client,
+    job_id: str,
+    show: Callable[[str], None] = print,
+    *,
+    poll_s: float = 1.0,
+) -> RLJobResult:
+    """Show progress lines until the job ends (never silent for long), then return its result."""
+    # No run id: follow the job across its continue-as-new runs.
+    handle = client.get_workflow_handle(rl_job_workflow_id(job_id), result_type=RLJobResult)
+    last_line, last_shown = "", time.monotonic()
+    while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+        try:
+            progress = await handle.query("progress", result_type=RLJobProgress)
+        except Exception:  # the run may be between continue-as-new and its first task
+            progress = None
+        line = describe_progress(progress) if progress else ""
+        now = time.monotonic()
+        if line and (line != last_line or now - last_shown > SILENCE_S):
+            show(line if line != last_line else f"{line} (still)")
+            last_line, last_shown = line, now
+        await asyncio.sleep(poll_s)  # a display refresh, not a synchronisation
+    return await handle.result()

@@ -1,0 +1,490 @@
+"""RLJobWorkflow: one RL job whose GPU phases take turns on shared GPU groups.
+
+Each epoch: lease the sampler group → ``sample`` → release; ``compute_rewards`` with no lease;
+lease the trainer group → ``train`` (→ ``save_checkpoint`` every N epochs) → release. The phases
+run as activities in the job's own processes (task queue ``timeslice-job-<job>-<rank>``), which
+keep the model and trajectories; only metrics cross Temporal.
+
+Failure model: a phase that fails for any reason — its process died (heartbeat or pick-up
+time-out), the process restarted and lost its in-memory state, the lease was revoked, the user's
+code raised — releases the lease and *rewinds* the job to its last checkpoint: the job waits for
+its processes, re-prepares them from the checkpoint while holding all its groups, and re-runs the
+epochs since. Epochs are therefore applied to the model exactly once, and nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from pydantic import ValidationError
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+
+with workflow.unsafe.imports_passed_through():
+    from timeslice.workflows.group_lease import GroupLeases
+    from timeslice.workflows.protocol import (
+        GrantNotice,
+        QueueTarget,
+        SnapshotTarget,
+        job_task_queue,
+    )
+    from timeslice.workflows.rl_protocol import (
+        CHECKPOINT_ACTIVITY,
+        DESCRIBE_ACTIVITY,
+        MAX_EPOCH_RECORDS,
+        PREPARE_ACTIVITY,
+        REWARDS_ACTIVITY,
+        RL_JOB_WORKFLOW_TYPE,
+        SAMPLE_ACTIVITY,
+        TRAIN_ACTIVITY,
+        CheckpointInput,
+        CheckpointRef,
+        DescribeResult,
+        EpochRecord,
+        JobSpecModel,
+        Phase,
+        PhaseInput,
+        PhaseResult,
+        PrepareInput,
+        PrepareResult,
+        RLJobConfig,
+        RLJobInput,
+        RLJobProgress,
+        RLJobResult,
+        RLJobState,
+        explain_validation_error,
+    )
+
+JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
+PHASE_KEY = SearchAttributeKey.for_keyword("TimeslicePhase")
+
+_PHASE_ACTIVITIES: dict[str, str] = {
+    "sample": SAMPLE_ACTIVITY,
+    "rewards": REWARDS_ACTIVITY,
+    "train": TRAIN_ACTIVITY,
+}
+_NO_RETRY = RetryPolicy(maximum_attempts=1)
+
+
+class _EpochFailed(Exception):
+    """A phase failed; the job rewinds to its last checkpoint."""
+
+
+def _parse_input(raw: Any) -> RLJobInput:
+    # Users start jobs with the bare config (temporal CLI --input); continue-as-new carries state.
+    if isinstance(raw, dict) and "config" in raw:
+        return RLJobInput.model_validate(raw)
+    return RLJobInput(config=RLJobConfig.model_validate(raw))
+
+
+def _failure(err: ActivityError) -> str:
+    cause = err.cause
+    if isinstance(cause, ApplicationError):
+        return f"{cause.type or 'error'}: {cause.message}"
+    if isinstance(cause, TimeoutError):
+        return f"{cause.type.name.lower() if cause.type else 'timed out'}: {cause.message}"
+    return str(cause or err)
+
+
+@workflow.defn(name=RL_JOB_WORKFLOW_TYPE)
+class RLJobWorkflow:
+    @workflow.init
+    def __init__(self, raw_input: Any) -> None:
+        # Validated here rather than by the data converter, so bad input fails the workflow
+        # once, with a message, instead of failing its task forever.
+        self._input_error: str | None = None
+        try:
+            inp = _parse_input(raw_input)
+        except ValidationError as err:
+            self._input_error = f"invalid RLJobWorkflow input: {explain_validation_error(err)}"
+            inp = RLJobInput(
+                config=RLJobConfig(
+                    job_id="invalid", workload="none", sampler_group="invalid", epochs=1
+                )
+            )
+        self._config = inp.config
+        self._state = inp.state or RLJobState()
+        self._status = "starting"
+        self._phase = "starting"
+        self._stop_requested = False
+        self._epochs_this_run = 0
+        self._held: dict[str, GrantNotice] = {}
+        self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
+        self._leases = GroupLeases(
+            self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
+        )
+
+    # ---------------------------------------------------------------- main loop
+
+    @workflow.run
+    async def run(self, raw_input: Any) -> RLJobResult:
+        if self._input_error is not None:
+            raise ApplicationError(self._input_error, type="InvalidConfig", non_retryable=True)
+        cfg = self._config
+        workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
+        try:
+            return await self._run()
+        except asyncio.CancelledError:
+            await self._release_all()
+            raise
+
+    async def _run(self) -> RLJobResult:
+        cfg, state = self._config, self._state
+        await self._describe()
+        self._status = "running"
+        failures = 0
+        while True:
+            try:
+                if not state.prepared:
+                    await self._prepare()
+                if state.epochs_done >= cfg.epochs or self._stop_requested:
+                    break
+                if self._epochs_this_run >= cfg.continue_as_new_every or (
+                    workflow.info().is_continue_as_new_suggested()
+                ):
+                    await self._continue_as_new()
+                await self._run_epoch(state.epochs_done)
+                failures = 0
+            except _EpochFailed as failed:
+                await self._release_all()
+                failures += 1
+                if failures > cfg.max_failures:
+                    raise ApplicationError(
+                        f"job {cfg.job_id}: epoch {state.epochs_done} failed {failures} times "
+                        f"in a row (max_failures={cfg.max_failures}); last failure: {failed}",
+                        type="JobFailed",
+                        non_retryable=True,
+                    ) from None
+                workflow.logger.warning(
+                    "job %s epoch %d failed (%s); rewinding to the last checkpoint",
+                    cfg.job_id,
+                    state.epochs_done,
+                    failed,
+                )
+                self._rewind()
+                await self._describe()
+        if state.last_checkpoint is None or state.last_checkpoint.epochs_done != state.epochs_done:
+            await self._final_checkpoint()
+        self._status = "stopped" if state.epochs_done < cfg.epochs else "completed"
+        self._set_phase(self._status)
+        return RLJobResult(
+            job_id=cfg.job_id,
+            epochs_done=state.epochs_done,
+            stopped=state.epochs_done < cfg.epochs,
+            last_checkpoint=state.last_checkpoint,
+            rewinds=state.rewinds,
+            redone_epochs=state.redone_epochs,
+            records=state.records,
+        )
+
+    async def _run_epoch(self, epoch: int) -> None:
+        cfg, state = self._config, self._state
+        record = EpochRecord(epoch=epoch, reward_mean=None)
+
+        lease = await self._acquire(cfg.sampler_group, "sample", record)
+        try:
+            sampled = await self._run_phase(epoch, "sample", lease)
+        finally:
+            await self._release(lease)
+        self._note(record, sampled, hold=True)
+
+        rewarded = await self._run_phase(epoch, "rewards", None)
+        self._note(record, rewarded, hold=False)
+        record.reward_mean = rewarded.metrics.get("reward_mean")
+
+        lease = await self._acquire(cfg.trainer, "train", record)
+        try:
+            trained = await self._run_phase(epoch, "train", lease)
+            self._note(record, trained, hold=True)
+            done = epoch + 1
+            if done % cfg.checkpoint_every == 0 or done == cfg.epochs or self._stop_requested:
+                await self._checkpoint(done, lease.group_id)
+        finally:
+            await self._release(lease)
+        state.epochs_done = epoch + 1
+        self._epochs_this_run += 1
+        state.records.append(record)
+        del state.records[:-MAX_EPOCH_RECORDS]
+        self._publish_details()
+
+    # ---------------------------------------------------------------- preparing and rewinding
+
+    async def _describe(self) -> None:
+        """Wait for every rank's process and check it runs this job's workload."""
+        cfg = self._config
+        self._set_phase("waiting for job processes", search=False)
+        results: list[DescribeResult] = await asyncio.gather(
+            *(
+                workflow.execute_activity(
+                    DESCRIBE_ACTIVITY,
+                    cfg.job_id,
+                    task_queue=job_task_queue(cfg.job_id, rank),
+                    schedule_to_close_timeout=timedelta(seconds=cfg.process_wait_s),
+                    start_to_close_timeout=timedelta(seconds=30),
+                    result_type=DescribeResult,
+                    summary=f"wait for rank {rank} · {cfg.workload}",
+                )
+                for rank in range(cfg.ranks)
+            )
+        )
+        for rank, found in enumerate(results):
+            if found.workload != cfg.workload:
+                raise ApplicationError(
+                    f"the job process of {cfg.job_id} rank {rank} runs workload "
+                    f"{found.workload!r}, but the job's config asks for {cfg.workload!r}; "
+                    "start `timeslice job worker` with the same --workload",
+                    type="InvalidConfig",
+                    non_retryable=True,
+                )
+        self._backends = {
+            "sampler": results[0].sampler_backends,
+            "trainer": results[0].trainer_backends,
+        }
+
+    async def _prepare(self) -> None:
+        """Build (or rebuild) the processes' state from the last checkpoint, holding all groups."""
+        cfg, state = self._config, self._state
+        checkpoint = state.last_checkpoint
+        spec = JobSpecModel(
+            job_id=cfg.job_id,
+            workload=cfg.workload,
+            seed=cfg.seed,
+            batch_size=cfg.batch_size,
+            group_size=cfg.group_size,
+            options=cfg.workload_options,
+        )
+        try:
+            for group in cfg.groups():
+                await self._acquire(group, "prepare", None)
+            self._set_phase("prepare")
+            results = await self._on_all_ranks(
+                PREPARE_ACTIVITY,
+                PrepareInput(spec=spec, checkpoint=checkpoint),
+                PrepareResult,
+                cfg.train_timeout_s,
+                f"prepare · from {_checkpoint_label(checkpoint)}",
+            )
+            sizes = [r.state_bytes for r in results]
+            state.state_bytes = None if None in sizes else sum(s or 0 for s in sizes)
+            state.epochs_done = results[0].epochs_done
+            if checkpoint is None:  # a rewind needs somewhere to go back to, even epoch 0
+                await self._checkpoint(state.epochs_done, cfg.trainer)
+        finally:
+            await self._release_all()
+        state.prepared = True
+
+    def _rewind(self) -> None:
+        state = self._state
+        back_to = state.last_checkpoint.epochs_done if state.last_checkpoint else 0
+        lost = [r for r in state.records if r.epoch >= back_to]
+        state.records = [r for r in state.records if r.epoch < back_to]
+        state.redone_epochs += len(lost) + 1  # + the epoch that failed midway
+        state.rewinds += 1
+        state.epochs_done = back_to
+        state.prepared = False
+
+    async def _checkpoint(self, epochs_done: int, group_id: str) -> None:
+        self._set_phase("checkpoint")
+        refs = await self._on_all_ranks(
+            CHECKPOINT_ACTIVITY,
+            CheckpointInput(job_id=self._config.job_id, epochs_done=epochs_done),
+            CheckpointRef,
+            self._config.checkpoint_timeout_s,
+            f"checkpoint · {_checkpoint_label(CheckpointRef(epochs_done=epochs_done, path=''))} "
+            f"· {group_id}",
+        )
+        self._state.last_checkpoint = refs[0]
+
+    async def _final_checkpoint(self) -> None:
+        """Stopped between epochs: save what was trained since the last checkpoint."""
+        cfg = self._config
+        for attempt in range(cfg.max_failures + 1):
+            lease = await self._acquire(cfg.trainer, "checkpoint", None)
+            try:
+                await self._checkpoint(self._state.epochs_done, cfg.trainer)
+                return
+            except _EpochFailed as failed:
+                workflow.logger.warning("final checkpoint failed (%s), attempt %d", failed, attempt)
+            finally:
+                await self._release(lease)
+        raise ApplicationError(
+            f"job {cfg.job_id}: the final checkpoint failed {cfg.max_failures + 1} times",
+            type="JobFailed",
+            non_retryable=True,
+        )
+
+    async def _continue_as_new(self) -> None:
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        self._state.runs += 1
+        carried = RLJobInput(config=self._config, state=self._state)
+        workflow.continue_as_new(carried.model_dump(mode="json"))
+
+    # ---------------------------------------------------------------- leases and phases
+
+    def _snapshot_target(self, group_id: str) -> SnapshotTarget | None:
+        cfg = self._config
+        names: list[str] = []
+        if group_id == cfg.sampler_group:
+            names += self._backends["sampler"]
+        if group_id == cfg.trainer:
+            names += [n for n in self._backends["trainer"] if n not in names]
+        if not names:
+            return None
+        return SnapshotTarget(
+            queues=[
+                QueueTarget(task_queue=job_task_queue(cfg.job_id, rank), backends=names)
+                for rank in range(cfg.ranks)
+            ]
+        )
+
+    async def _acquire(
+        self, group_id: str, purpose: str, record: EpochRecord | None
+    ) -> GrantNotice:
+        self._set_phase(f"waiting for {group_id} ({purpose})", search=False)
+        asked = workflow.now()
+        try:
+            lease = await self._leases.acquire(
+                group_id,
+                self._config.acquire_timeout_s,
+                snapshot=self._snapshot_target(group_id),
+                state_bytes=self._state.state_bytes,
+            )
+        except ApplicationError as err:
+            raise ApplicationError(
+                f"job {self._config.job_id}: {err.message}", type=err.type, non_retryable=True
+            ) from None
+        self._held[group_id] = lease
+        if record is not None:
+            record.wait_s[purpose] = (workflow.now() - asked).total_seconds()
+        return lease
+
+    async def _release(self, lease: GrantNotice) -> None:
+        if self._held.pop(lease.group_id, None) is not None:
+            await self._leases.release(lease)
+
+    async def _release_all(self) -> None:
+        for lease in reversed(list(self._held.values())):
+            await self._release(lease)
+
+    async def _run_phase(self, epoch: int, phase: Phase, lease: GrantNotice | None) -> PhaseResult:
+        cfg = self._config
+        self._set_phase(phase)
+        timeout = {
+            "sample": cfg.sample_timeout_s,
+            "rewards": cfg.reward_timeout_s,
+            "train": cfg.train_timeout_s,
+        }[phase]
+        where = f" · {lease.group_id}" if lease else " · no GPU"
+        inp = PhaseInput(
+            job_id=cfg.job_id,
+            epoch=epoch,
+            phase=phase,
+            group_id=lease.group_id if lease else None,
+            token=lease.token if lease else None,
+            lease_check_s=max(0.5, min(5.0, (lease.ttl_s if lease else 15.0) / 4)),
+        )
+        results = await self._on_all_ranks(
+            _PHASE_ACTIVITIES[phase], inp, PhaseResult, timeout, f"epoch {epoch} · {phase}{where}"
+        )
+        return results[0]
+
+    async def _on_all_ranks(
+        self, activity: str, arg: Any, result_type: type, timeout_s: float, summary: str
+    ) -> list[Any]:
+        """Run ``activity`` on every rank's process at once; any failure fails the epoch."""
+        cfg = self._config
+        tasks = [
+            asyncio.ensure_future(
+                workflow.execute_activity(
+                    activity,
+                    arg,
+                    task_queue=job_task_queue(cfg.job_id, rank),
+                    start_to_close_timeout=timedelta(seconds=timeout_s),
+                    schedule_to_start_timeout=timedelta(seconds=cfg.heartbeat_timeout_s),
+                    heartbeat_timeout=timedelta(seconds=cfg.heartbeat_timeout_s),
+                    retry_policy=_NO_RETRY,
+                    result_type=result_type,
+                    summary=summary if cfg.ranks == 1 else f"{summary} · rank {rank}",
+                )
+            )
+            for rank in range(cfg.ranks)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except ActivityError as err:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            raise _EpochFailed(_failure(err)) from None
+
+    def _note(self, record: EpochRecord, result: PhaseResult, *, hold: bool) -> None:
+        record.phase_s[result.phase] = result.seconds
+        record.metrics.update({f"{result.phase}.{k}": v for k, v in result.metrics.items()})
+        if hold:
+            record.holds.append(result)
+
+    # ---------------------------------------------------------------- visibility
+
+    def _set_phase(self, phase: str, *, search: bool = True) -> None:
+        self._phase = phase
+        if search:
+            workflow.upsert_search_attributes([PHASE_KEY.value_set(phase)])
+        self._publish_details()
+
+    def _publish_details(self) -> None:
+        cfg, state = self._config, self._state
+        last = state.records[-1].reward_mean if state.records else None
+        lines = [
+            f"**epoch**: {min(state.epochs_done, cfg.epochs)} / {cfg.epochs}",
+            f"**phase**: {self._phase}",
+            f"**reward mean**: {'-' if last is None else f'{last:.3f}'}",
+            f"**groups**: sample on {cfg.sampler_group}, train on {cfg.trainer}",
+            f"**last checkpoint**: {_checkpoint_label(state.last_checkpoint)}",
+        ]
+        if state.rewinds:
+            lines.append(f"**rewinds**: {state.rewinds} ({state.redone_epochs} epochs redone)")
+        workflow.set_current_details("\n\n".join(lines))
+
+    @workflow.query
+    def progress(self) -> RLJobProgress:
+        cfg, state = self._config, self._state
+        phase_s: dict[str, float] = {}
+        wait_s: dict[str, float] = {}
+        for record in state.records:
+            for key, value in record.phase_s.items():
+                phase_s[key] = phase_s.get(key, 0.0) + value
+            for key, value in record.wait_s.items():
+                wait_s[key] = wait_s.get(key, 0.0) + value
+        rewards = [r.reward_mean for r in state.records]
+        return RLJobProgress(
+            job_id=cfg.job_id,
+            status=self._status,  # type: ignore[arg-type]
+            epoch=state.epochs_done,
+            epochs=cfg.epochs,
+            phase=self._phase,
+            reward_mean=rewards[-1] if rewards else None,
+            rewards=rewards,
+            phase_s=phase_s,
+            wait_s=wait_s,
+            rewinds=state.rewinds,
+            last_checkpoint=state.last_checkpoint,
+        )
+
+    @workflow.signal
+    def stop(self) -> None:
+        """Finish the current epoch, checkpoint, and complete."""
+        self._stop_requested = True
+        if self._status == "running":
+            self._status = "stopping"
+
+
+def _checkpoint_label(ref: CheckpointRef | None) -> str:
+    if ref is None:
+        return "none"
+    return "initial state" if ref.epochs_done == 0 else f"after epoch {ref.epochs_done - 1}"
+
+
+__all__ = ["RLJobWorkflow"]

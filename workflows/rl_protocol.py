@@ -1,0 +1,228 @@
+"""Messages of the RL job: its configuration, the job process's activities, progress, result.
+
+Everything here crosses Temporal (workflow input, activity arguments, queries, continue-as-new),
+so it is a pydantic model; this module imports nothing with I/O so workflows can use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from timeslice.workflows.protocol import (
+    MAX_LEASE_TTL_S,
+    MAX_PRIORITY,
+    MIN_LEASE_TTL_S,
+    MIN_PRIORITY,
+    _Model,
+    check_id,
+)
+
+RL_JOB_WORKFLOW_TYPE = "RLJobWorkflow"
+
+# Served by a job process on ``timeslice-job-<job_id>-<rank>``.
+DESCRIBE_ACTIVITY = "timeslice.job.describe"
+PREPARE_ACTIVITY = "timeslice.job.prepare"
+SAMPLE_ACTIVITY = "timeslice.job.sample"
+REWARDS_ACTIVITY = "timeslice.job.compute_rewards"
+TRAIN_ACTIVITY = "timeslice.job.train"
+CHECKPOINT_ACTIVITY = "timeslice.job.save_checkpoint"
+
+# Error types a job process raises; the workflow rewinds to its last checkpoint on any of them.
+STATE_LOST = "JobStateLost"
+LEASE_REVOKED = "LeaseRevoked"
+
+Phase = Literal["sample", "rewards", "train"]
+
+# Kept small: records travel in the workflow's continue-as-new input and its progress query.
+MAX_EPOCH_RECORDS = 1000
+
+
+def explain_validation_error(err: ValidationError) -> str:
+    """One line per problem, naming the field: what a user needs to fix in their JSON."""
+    problems = []
+    for e in err.errors():
+        where = ".".join(str(part) for part in e["loc"]) or "input"
+        problems.append(f"{where}: {e['msg']}")
+    return "; ".join(problems)
+
+
+def rl_job_workflow_id(job_id: str) -> str:
+    return f"rl-job-{check_id('job id', job_id)}"
+
+
+class RLJobConfig(_Model):
+    """One RL job: what to run, where its GPU phases run, and for how long."""
+
+    job_id: str
+    workload: str = Field(
+        min_length=1,
+        max_length=300,
+        description="built-in name (grpo-toy, simulated) or MODULE:FACTORY; the job "
+        "process must have been started with the same",
+    )
+    workload_options: dict[str, Any] = Field(default_factory=dict)
+    sampler_group: str
+    trainer_group: str | None = Field(None, description="default: the sampler group")
+    epochs: int = Field(ge=1, le=1_000_000)
+    batch_size: int = Field(16, ge=1, le=65_536)
+    group_size: int = Field(8, ge=1, le=1024, description="completions per prompt (GRPO group)")
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    ranks: int = Field(1, ge=1, le=64, description="job processes (ranks) running each phase")
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    lease_ttl_s: float | None = Field(None, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
+    acquire_timeout_s: float | None = Field(
+        None, gt=0, le=7 * 86_400, description="give up on a group after this long"
+    )
+    sample_timeout_s: float = Field(1800.0, gt=0, le=86_400)
+    reward_timeout_s: float = Field(1800.0, gt=0, le=86_400)
+    train_timeout_s: float = Field(1800.0, gt=0, le=86_400)
+    checkpoint_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    heartbeat_timeout_s: float = Field(
+        30.0, ge=2, le=3600, description="a job process silent this long is taken for dead"
+    )
+    process_wait_s: float = Field(
+        3600.0, gt=0, le=30 * 86_400, description="how long to wait for a job process to serve"
+    )
+    checkpoint_every: int = Field(5, ge=1, le=1_000_000)
+    continue_as_new_every: int = Field(100, ge=1, le=100_000)
+    max_failures: int = Field(
+        5, ge=0, le=1000, description="consecutive failed epochs before the job fails"
+    )
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, v: str) -> str:
+        return check_id("job id", v)
+
+    @field_validator("sampler_group", "trainer_group")
+    @classmethod
+    def _group_id(cls, v: str | None) -> str | None:
+        return None if v is None else check_id("group id", v)
+
+    @model_validator(mode="after")
+    def _groups(self) -> RLJobConfig:
+        if self.trainer_group is None:
+            self.trainer_group = self.sampler_group
+        return self
+
+    @property
+    def trainer(self) -> str:
+        return self.trainer_group or self.sampler_group
+
+    def groups(self) -> list[str]:
+        """The job's groups in the one order every job acquires them in (no deadlock)."""
+        return sorted({self.sampler_group, self.trainer})
+
+
+class JobSpecModel(_Model):
+    """What the job process needs to build its state (``timeslice.workloads.JobSpec``)."""
+
+    job_id: str
+    workload: str
+    seed: int
+    batch_size: int
+    group_size: int
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class CheckpointRef(_Model):
+    """A saved state: the model after ``epochs_done`` epochs, under ``path`` (one dir per rank)."""
+
+    epochs_done: int = Field(ge=0)
+    path: str
+
+
+class DescribeResult(_Model):
+    workload: str
+    sampler_backends: list[str]
+    trainer_backends: list[str]
+    pid: int
+    ready: bool
+    epochs_done: int | None
+
+
+class PrepareInput(_Model):
+    spec: JobSpecModel
+    checkpoint: CheckpointRef | None = None
+
+
+class PrepareResult(_Model):
+    epochs_done: int
+    state_bytes: int | None
+
+
+class PhaseInput(_Model):
+    job_id: str
+    epoch: int = Field(ge=0)
+    phase: Phase
+    group_id: str | None = Field(None, description="the group leased for this phase, if any")
+    token: int | None = Field(None, description="the lease's fencing token")
+    lease_check_s: float = Field(2.0, gt=0)
+
+
+class PhaseResult(_Model):
+    epoch: int
+    phase: Phase
+    metrics: dict[str, float]
+    seconds: float
+    mono_start: float = Field(description="CLOCK_MONOTONIC at the phase's start (same host)")
+    mono_end: float
+
+
+class CheckpointInput(_Model):
+    job_id: str
+    epochs_done: int = Field(ge=0)
+
+
+class EpochRecord(_Model):
+    epoch: int
+    reward_mean: float | None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    wait_s: dict[str, float] = Field(default_factory=dict, description="lease wait per phase")
+    phase_s: dict[str, float] = Field(default_factory=dict, description="run time per phase")
+    holds: list[PhaseResult] = Field(
+        default_factory=list, description="the GPU phases' own intervals (rank 0)"
+    )
+
+
+class RLJobState(_Model):
+    """What the job must not lose: carried across continue-as-new."""
+
+    epochs_done: int = 0
+    prepared: bool = False
+    last_checkpoint: CheckpointRef | None = None
+    records: list[EpochRecord] = Field(default_factory=list)
+    rewinds: int = 0
+    redone_epochs: int = 0
+    runs: int = 1
+    state_bytes: int | None = None
+
+
+class RLJobInput(_Model):
+    config: RLJobConfig
+    state: RLJobState | None = None
+
+
+class RLJobProgress(_Model):
+    job_id: str
+    status: Literal["starting", "running", "stopping", "completed", "stopped", "failed"]
+    epoch: int
+    epochs: int
+    phase: str
+    reward_mean: float | None
+    rewards: list[float | None]
+    phase_s: dict[str, float]
+    wait_s: dict[str, float]
+    rewinds: int
+    last_checkpoint: CheckpointRef | None
+
+
+class RLJobResult(_Model):
+    job_id: str
+    epochs_done: int
+    stopped: bool
+    last_checkpoint: CheckpointRef | None
+    rewinds: int
+    redone_epochs: int
+    records: list[EpochRecord]

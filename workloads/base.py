@@ -1,0 +1,127 @@
+"""The workload interface: what a user implements around their own model.
+
+A job process (``timeslice job worker``) builds one :class:`Workload` when it starts and calls it
+from the job's activities. Trajectories, tensors and optimizer state stay inside the process;
+only the small metric dicts the phases return cross Temporal.
+
+Determinism is the workload's contract with the platform: given the same :class:`JobSpec`,
+``setup`` followed by the phases of epochs 0..N must produce the same state whether or not the
+process was snapshotted, restored or restarted from a checkpoint in between. The built-ins get
+there by drawing every epoch's randomness from ``(seed, epoch)`` rather than from a running
+generator.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from timeslice.snapshot.base import SnapshotBackend
+
+
+class PhaseStopped(RuntimeError):
+    """Raised by :meth:`PhaseContext.check` when the phase must stop (lease revoked, cancelled)."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The job's settings a workload needs (from the workflow's ``RLJobConfig``)."""
+
+    job_id: str
+    seed: int
+    batch_size: int
+    group_size: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class PhaseContext:
+    """Handed to each phase: the epoch, a stop check and a progress reporter.
+
+    Phases run in a worker thread; they call :meth:`check` between steps (it raises
+    :class:`PhaseStopped` once the job's lease is revoked or the activity is cancelled) and may
+    report progress, which the activity heartbeats to Temporal.
+    """
+
+    def __init__(self, epoch: int, phase: str) -> None:
+        self.epoch = epoch
+        self.phase = phase
+        self._stop = threading.Event()
+        self._why = ""
+        self._lock = threading.Lock()
+        self._progress: dict[str, Any] = {}
+
+    def stop(self, why: str) -> None:
+        self._why = why
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def check(self) -> None:
+        if self._stop.is_set():
+            raise PhaseStopped(self._why)
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds`` unless stopped first (then raise PhaseStopped)."""
+        if self._stop.wait(seconds):
+            raise PhaseStopped(self._why)
+
+    def progress(self, **details: Any) -> None:
+        with self._lock:
+            self._progress.update(details)
+
+    def latest_progress(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._progress)
+
+
+class Workload(ABC):
+    """One RL job's model and algorithm, driven phase by phase by the job workflow."""
+
+    #: Short name shown in summaries and reports.
+    name: str = "workload"
+    #: Backends (keys of :meth:`snapshot_backends`) that the sampler group's switches move, and
+    #: those the trainer group's move; a group that serves both phases moves both. Known before
+    #: :meth:`setup`, since the job asks for its first lease before its state exists.
+    sampler_backends: tuple[str, ...] = ()
+    trainer_backends: tuple[str, ...] = ()
+
+    @abstractmethod
+    def setup(self, spec: JobSpec) -> None:
+        """Create the initial state from ``spec`` (model from its seed, optimizer, data)."""
+
+    @abstractmethod
+    def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Generate this epoch's rollouts (a GPU phase); keep them in the process."""
+
+    @abstractmethod
+    def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Score this epoch's rollouts (no GPU lease). Returns at least ``reward_mean``."""
+
+    @abstractmethod
+    def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Update the policy from this epoch's scored rollouts (a GPU phase)."""
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write everything needed to resume after the last trained epoch into ``directory``."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> None:
+        """Replace the state with the one :meth:`save` wrote into ``directory``."""
+
+    @abstractmethod
+    def snapshot_backends(self) -> dict[str, SnapshotBackend]:
+        """The in-process backends that move this job's device state (called after setup).
+
+        Keys are the names that :attr:`sampler_backends` / :attr:`trainer_backends` use.
+        """
+
+    def state_bytes(self) -> int | None:
+        """Device bytes the job's state occupies (lets a group overlap switches); None: unknown."""
+        sizes = [getattr(b, "registered_bytes", None) for b in self.snapshot_backends().values()]
+        return None if None in sizes else sum(s for s in sizes if s is not None)
