@@ -265,6 +265,8 @@ class JobRuntime:
             seconds=ended - started,
             mono_start=started,
             mono_end=ended,
+            group_id=inp.group_id,
+            token=inp.token,
         )
 
     async def _supervise(

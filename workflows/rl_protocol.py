@@ -168,6 +168,8 @@ class PhaseResult(_Model):
     seconds: float
     mono_start: float = Field(description="CLOCK_MONOTONIC at the phase's start (same host)")
     mono_end: float
+    group_id: str | None = None
+    token: int | None = Field(None, description="the fencing token of the lease it ran under")
 
 
 class CheckpointInput(_Model):

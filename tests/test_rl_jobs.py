@@ -1,0 +1,369 @@
+"""RL jobs end to end: RLJobWorkflow on the control worker, job processes, real GRPO on CPU.
+
+Every job process here is a real `timeslice job worker` subprocess; jobs start from the
+`temporal` CLI or the SDK against the session's dev server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import signal
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import ApplicationError
+from timeslice.connection import connect, connect_config
+from timeslice.jobs import parse_job_config, start_rl_job
+from timeslice.server import temporal_binary
+from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
+
+from tests.conftest import start_service, stop_process
+from tests.helpers import Interval, assert_no_overlap, wait_for
+
+torch = pytest.importorskip("torch")
+
+FAST = {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05}
+GRPO_EPOCHS = 6
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> Path:
+    return tmp_path / "checkpoints"
+
+
+@pytest.fixture
+def job_workers(address: str, tmp_path: Path, checkpoints: Path) -> Iterator[Callable[..., Any]]:
+    """Start `timeslice job worker` processes; all are stopped at the end of the test."""
+    procs: list[subprocess.Popen] = []
+
+    def start(job_id: str, workload: str, rank: int = 0) -> subprocess.Popen:
+        proc = start_service(
+            [
+                "job",
+                "worker",
+                "--address",
+                address,
+                "--job-id",
+                job_id,
+                "--rank",
+                str(rank),
+                "--workload",
+                workload,
+                "--checkpoint-dir",
+                str(checkpoints),
+                "--threads",
+                "1",
+            ],
+            f"job {job_id} rank {rank}",
+            tmp_path / f"{job_id}-{rank}.log",
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        stop_process(proc)
+
+
+def job_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def run(coro_fn: Callable[[Client], Any], address: str) -> Any:
+    async def main() -> Any:
+        return await coro_fn(await connect(connect_config(address)))
+
+    return asyncio.run(main())
+
+
+def start_and_wait(address: str, **config: Any) -> RLJobResult:
+    async def go(client: Client) -> RLJobResult:
+        handle = await start_rl_job(client, parse_job_config(config))
+        return await handle.result()
+
+    return run(go, address)
+
+
+def start_many(address: str, configs: list[dict[str, Any]]) -> list[RLJobResult]:
+    async def go(client: Client) -> list[RLJobResult]:
+        handles = [await start_rl_job(client, parse_job_config(c)) for c in configs]
+        return list(await asyncio.gather(*(h.result() for h in handles)))
+
+    return run(go, address)
+
+
+def progress(address: str, job: str) -> RLJobProgress:
+    async def go(client: Client) -> RLJobProgress:
+        handle = client.get_workflow_handle(rl_job_workflow_id(job))
+        return await handle.query("progress", result_type=RLJobProgress)
+
+    return run(go, address)
+
+
+def assert_every_epoch_once(result: RLJobResult, epochs: int) -> None:
+    assert [r.epoch for r in result.records] == list(range(epochs))
+    assert result.epochs_done == epochs
+    assert all(r.reward_mean is not None for r in result.records)
+
+
+def gpu_holds(results: list[RLJobResult], group: str) -> list[Interval]:
+    return [
+        Interval(result.job_id, hold.token or 0, hold.mono_start, hold.mono_end)
+        for result in results
+        for record in result.records
+        for hold in record.holds
+        if hold.group_id == group
+    ]
+
+
+def final_state(result: RLJobResult) -> dict[str, Any]:
+    assert result.last_checkpoint is not None
+    assert result.last_checkpoint.epochs_done == result.epochs_done
+    rank0 = Path(result.last_checkpoint.path) / "rank-0"
+    return {
+        name: torch.load(rank0 / name, weights_only=True) for name in ("trainer.pt", "pending.pt")
+    }
+
+
+def assert_bit_identical(a: Any, b: Any, where: str = "state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys differ"
+        for key in a:
+            assert_bit_identical(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bit_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def grpo_config(job: str, group: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "job_id": job,
+        "workload": "grpo-toy",
+        "sampler_group": group,
+        "epochs": GRPO_EPOCHS,
+        "batch_size": 8,
+        "group_size": 4,
+        "seed": 7,
+        "checkpoint_every": 2,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def dedicated_run(server, worker, tmp_path_factory: pytest.TempPathFactory) -> RLJobResult:
+    """The reference: one grpo-toy job alone on its own group."""
+    tmp = tmp_path_factory.mktemp("dedicated")
+    job = job_id("alone")
+    proc = start_service(
+        [
+            "job", "worker", "--address", server.address, "--job-id", job,
+            "--workload", "grpo-toy", "--checkpoint-dir", str(tmp), "--threads", "1",
+        ],
+        f"job {job} rank 0",
+        tmp / "worker.log",
+    )  # fmt: skip
+    try:
+        return start_and_wait(server.address, **grpo_config(job, f"g-{job}"))
+    finally:
+        stop_process(proc)
+
+
+def test_job_started_from_the_temporal_cli_runs_to_completion(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    job = job_id("cli")
+    job_workers(job, "simulated")
+    config = {
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": FAST,
+        "sampler_group": group,
+        "epochs": 3,
+    }
+    out = subprocess.run(
+        [
+            str(temporal_binary()),
+            "workflow",
+            "start",
+            "--address",
+            address,
+            "--type",
+            "RLJobWorkflow",
+            "--task-queue",
+            "timeslice",
+            "--workflow-id",
+            rl_job_workflow_id(job),
+            "--input",
+            json.dumps(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+
+    async def result(client: Client) -> RLJobResult:
+        handle = client.get_workflow_handle(rl_job_workflow_id(job), result_type=RLJobResult)
+        return await handle.result()
+
+    done = run(result, address)
+    assert_every_epoch_once(done, 3)
+    assert done.last_checkpoint is not None and done.last_checkpoint.epochs_done == 3
+    assert [r.reward_mean for r in done.records] == [1.0 - 0.5 * 0.9**e for e in range(3)]
+
+
+def test_time_sliced_grpo_jobs_never_overlap_and_converge_bit_identically(
+    address: str, job_workers: Callable[..., Any], group: str, dedicated_run: RLJobResult
+) -> None:
+    a, b = job_id("a"), job_id("b")
+    job_workers(a, "grpo-toy")
+    job_workers(b, "grpo-toy")
+    results = start_many(address, [grpo_config(a, group), grpo_config(b, group, seed=8)])
+    for result in results:
+        assert_every_epoch_once(result, GRPO_EPOCHS)
+        assert result.rewinds == 0
+    holds = gpu_holds(results, group)
+    assert len(holds) == 2 * 2 * GRPO_EPOCHS  # sample + train per epoch per job
+    assert_no_overlap(holds)
+    ordered = sorted(holds, key=lambda h: h.start)
+    switches = sum(1 for before, after in itertools.pairwise(ordered) if before.job != after.job)
+    assert switches >= 1, "the two jobs never took turns"
+    # Convergence untouched: job a (seed 7) time-sliced with b, snapshotted and restored at
+    # every switch, ends with the very weights of the same job run alone.
+    assert_bit_identical(final_state(results[0]), final_state(dedicated_run))
+    assert [r.reward_mean for r in results[0].records] == [
+        r.reward_mean for r in dedicated_run.records
+    ]
+
+
+def test_killed_job_process_resumes_from_checkpoint_and_runs_every_epoch_once(
+    address: str, job_workers: Callable[..., Any], group: str, dedicated_run: RLJobResult
+) -> None:
+    job = job_id("kill")
+    proc = job_workers(job, "grpo-toy")
+
+    async def start(client: Client) -> None:
+        await start_rl_job(client, parse_job_config(grpo_config(job, group, heartbeat_timeout_s=3)))
+
+    run(start, address)
+    wait_for(lambda: progress(address, job).epoch >= 3, timeout=120, what="epoch 3 of the job")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    job_workers(job, "grpo-toy")  # a fresh process: no state until the job re-prepares it
+
+    async def result(client: Client) -> RLJobResult:
+        handle = client.get_workflow_handle(rl_job_workflow_id(job), result_type=RLJobResult)
+        return await handle.result()
+
+    done = run(result, address)
+    assert_every_epoch_once(done, GRPO_EPOCHS)
+    assert done.rewinds >= 1 and done.redone_epochs >= 1
+    # Resumed from the checkpoint, not from scratch and not skipping: same weights as a run
+    # that was never interrupted.
+    assert_bit_identical(final_state(done), final_state(dedicated_run))
+
+
+def test_stop_signal_finishes_the_epoch_and_checkpoints(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    job = job_id("stop")
+    job_workers(job, "simulated")
+
+    async def go(client: Client) -> RLJobResult:
+        config = {"job_id": job, "workload": "simulated", "workload_options": FAST}
+        handle = await start_rl_job(
+            client, parse_job_config({**config, "sampler_group": group, "epochs": 10_000})
+        )
+        while (await handle.query("progress", result_type=RLJobProgress)).epoch < 2:
+            await asyncio.sleep(0.1)
+        await handle.signal("stop")
+        return await handle.result()
+
+    done = run(go, address)
+    assert done.stopped
+    assert 2 <= done.epochs_done < 10_000
+    assert_every_epoch_once(done, done.epochs_done)
+    assert done.last_checkpoint is not None
+    assert done.last_checkpoint.epochs_done == done.epochs_done
+
+
+def test_job_continues_as_new_and_keeps_its_records(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    job = job_id("can")
+    job_workers(job, "simulated")
+    config = {
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": FAST,
+        "sampler_group": group,
+        "epochs": 5,
+        "continue_as_new_every": 2,
+    }
+
+    async def go(client: Client) -> tuple[RLJobResult, WorkflowExecutionStatus | None]:
+        handle = await start_rl_job(client, parse_job_config(config))
+        result = await handle.result()
+        first = client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
+        return result, (await first.describe()).status
+
+    done, first_status = run(go, address)
+    assert first_status == WorkflowExecutionStatus.CONTINUED_AS_NEW
+    assert_every_epoch_once(done, 5)
+
+
+@pytest.mark.parametrize(
+    ("config", "complaint"),
+    [
+        ({"workload": "simulated", "sampler_group": "g", "epochs": 0}, "epochs"),
+        ({"workload": "simulated", "epochs": 2}, "sampler_group: Field required"),
+        ({"workload": "simulated", "sampler_group": "bad group", "epochs": 2}, "group id"),
+        ({"workload": "simulated", "sampler_group": "g", "epochs": 2, "colour": 1}, "colour"),
+        ({"workload": "simulated", "sampler_group": "g", "epochs": 2, "ranks": 0}, "ranks"),
+    ],
+)
+def test_invalid_config_fails_the_workflow_at_once(
+    address: str, config: dict[str, Any], complaint: str
+) -> None:
+    job = job_id("bad")
+
+    async def go(client: Client) -> None:
+        handle = await client.start_workflow(
+            "RLJobWorkflow",
+            {"job_id": job, **config},
+            id=rl_job_workflow_id(job),
+            task_queue="timeslice",
+        )
+        await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as failed:
+        run(go, address)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError)
+    assert cause.type == "InvalidConfig" and cause.non_retryable
+    assert complaint in cause.message
+
+
+def test_job_process_with_another_workload_is_refused(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    job = job_id("mismatch")
+    job_workers(job, "simulated")
+    with pytest.raises(WorkflowFailureError) as failed:
+        start_and_wait(address, job_id=job, workload="grpo-toy", sampler_group=group, epochs=1)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidConfig"
+    assert "runs workload 'simulated'" in cause.message
