@@ -581,6 +581,7 @@ class GpuGroupWorkflow:
             expires_in_s=None
             if holder.expires_at is None
             else (holder.expires_at - now).total_seconds(),
+            waiting=len(self._state.queue),
         )
 
     @workflow.query

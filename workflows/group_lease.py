@@ -109,12 +109,16 @@ class GroupLeases:
             await workflow.sleep(notice.ttl_s / 3)
             await self._signal(group_id, "renew_lease", renew)
 
-    async def release(self, lease: GrantNotice) -> None:
+    async def forget(self, lease: GrantNotice) -> None:
+        """Stop renewing ``lease`` without releasing it (someone else already released it)."""
         renewer = self._renewers.pop(lease.request_id, None)
         if renewer is not None:
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
+
+    async def release(self, lease: GrantNotice) -> None:
+        await self.forget(lease)
         await self._signal(
             lease.group_id,
             "release",

@@ -324,6 +324,7 @@ class HolderView(_Model):
     token: int
     held_s: float
     expires_in_s: float | None
+    waiting: int = Field(0, description="requests queued behind this lease")
 
 
 class WaiterView(_Model):

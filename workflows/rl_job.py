@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 from temporalio import workflow
@@ -112,6 +112,8 @@ class RLJobWorkflow:
         self._stop_requested = False
         self._epochs_this_run = 0
         self._held: dict[str, GrantNotice] = {}
+        # A trainer lease kept for the next epoch's sampling (same group, nobody waiting).
+        self._carried: GrantNotice | None = None
         self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
@@ -141,6 +143,7 @@ class RLJobWorkflow:
                 if not state.prepared:
                     await self._prepare()
                 if state.epochs_done >= cfg.epochs or self._stop_requested:
+                    await self._release_all()
                     break
                 if self._epochs_this_run >= cfg.continue_as_new_every or (
                     workflow.info().is_continue_as_new_suggested()
@@ -183,32 +186,57 @@ class RLJobWorkflow:
     async def _run_epoch(self, epoch: int) -> None:
         cfg, state = self._config, self._state
         record = EpochRecord(epoch=epoch, reward_mean=None)
+        done = epoch + 1
 
-        lease = await self._acquire(cfg.sampler_group, "sample", record)
+        # The process releases the sampler group itself the moment sampling ends.
+        lease = self._carried or await self._acquire(cfg.sampler_group, "sample", record)
+        if self._carried is not None:
+            record.wait_s["sample"] = 0.0
+            self._carried = None
+        sampled: PhaseResult | None = None
         try:
-            sampled = await self._run_phase(epoch, "sample", lease)
+            sampled = await self._run_phase(epoch, "sample", lease, release="always")
         finally:
-            await self._release(lease)
+            await self._settle(lease, sampled)
         self._note(record, sampled, hold=True)
 
         rewarded = await self._run_phase(epoch, "rewards", None)
         self._note(record, rewarded, hold=False)
         record.reward_mean = rewarded.metrics.get("reward_mean")
 
+        # Train, then sample the next epoch on the same group: when nobody is waiting there
+        # is nothing to yield to, so the lease carries over (no release, no new grant).
+        checkpoint_due = done % cfg.checkpoint_every == 0 or done == cfg.epochs
+        may_keep = cfg.sampler_group == cfg.trainer and done < cfg.epochs
+        release = "never" if checkpoint_due else "if_contended" if may_keep else "always"
         lease = await self._acquire(cfg.trainer, "train", record)
+        trained: PhaseResult | None = None
+        keep = False
         try:
-            trained = await self._run_phase(epoch, "train", lease)
+            trained = await self._run_phase(epoch, "train", lease, release=release)
             self._note(record, trained, hold=True)
-            done = epoch + 1
-            if done % cfg.checkpoint_every == 0 or done == cfg.epochs or self._stop_requested:
+            if checkpoint_due or (self._stop_requested and not trained.released):
                 await self._checkpoint(done, lease.group_id)
+            keep = release == "if_contended" and not self._stop_requested
         finally:
-            await self._release(lease)
-        state.epochs_done = epoch + 1
+            await self._settle(lease, trained, keep=keep)
+        state.epochs_done = done
         self._epochs_this_run += 1
         state.records.append(record)
         del state.records[:-MAX_EPOCH_RECORDS]
         self._publish_details()
+
+    async def _settle(
+        self, lease: GrantNotice, result: PhaseResult | None, *, keep: bool = False
+    ) -> None:
+        """After a GPU phase: the process released the lease, or we keep it, or release it."""
+        if result is not None and result.released:
+            self._held.pop(lease.group_id, None)
+            await self._leases.forget(lease)
+        elif keep and result is not None:
+            self._carried = lease
+        else:
+            await self._release(lease)
 
     # ---------------------------------------------------------------- preparing and rewinding
 
@@ -317,6 +345,7 @@ class RLJobWorkflow:
         )
 
     async def _continue_as_new(self) -> None:
+        await self._release_all()  # a lease's renewal does not survive the run
         await workflow.wait_condition(workflow.all_handlers_finished)
         self._state.runs += 1
         carried = RLJobInput(config=self._config, state=self._state)
@@ -366,10 +395,17 @@ class RLJobWorkflow:
             await self._leases.release(lease)
 
     async def _release_all(self) -> None:
+        self._carried = None
         for lease in reversed(list(self._held.values())):
             await self._release(lease)
 
-    async def _run_phase(self, epoch: int, phase: Phase, lease: GrantNotice | None) -> PhaseResult:
+    async def _run_phase(
+        self,
+        epoch: int,
+        phase: Phase,
+        lease: GrantNotice | None,
+        release: Literal["always", "if_contended", "never"] = "never",
+    ) -> PhaseResult:
         cfg = self._config
         self._set_phase(phase)
         timeout = {
@@ -384,6 +420,8 @@ class RLJobWorkflow:
             phase=phase,
             group_id=lease.group_id if lease else None,
             token=lease.token if lease else None,
+            request_id=lease.request_id if lease else None,
+            release=release,
             lease_check_s=max(0.5, min(5.0, (lease.ttl_s if lease else 15.0) / 4)),
         )
         results = await self._on_all_ranks(

@@ -158,7 +158,13 @@ class PhaseInput(_Model):
     phase: Phase
     group_id: str | None = Field(None, description="the group leased for this phase, if any")
     token: int | None = Field(None, description="the lease's fencing token")
+    request_id: str | None = Field(None, description="the lease's request, to release it")
     lease_check_s: float = Field(2.0, gt=0)
+    release: Literal["always", "if_contended", "never"] = Field(
+        "never",
+        description="release the lease as soon as the phase's work is done (saves the "
+        "workflow a round trip per hand-off); if_contended: only when others are waiting",
+    )
 
 
 class PhaseResult(_Model):
@@ -170,6 +176,7 @@ class PhaseResult(_Model):
     mono_end: float
     group_id: str | None = None
     token: int | None = Field(None, description="the fencing token of the lease it ran under")
+    released: bool = Field(False, description="the process released the lease itself")
 
 
 class CheckpointInput(_Model):
