@@ -23,8 +23,15 @@ from typing import Any, TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from timeslice.activities.snapshots import SnapshotActivities
+from timeslice.snapshot.base import SnapshotBackend, SnapshotError, resolve_backends
 from timeslice.telemetry import meter, span
-from timeslice.workflows.protocol import HolderView, ReleaseRequest, group_workflow_id
+from timeslice.workflows.protocol import (
+    HolderView,
+    MovedReport,
+    ReleaseRequest,
+    SnapshotReport,
+    group_workflow_id,
+)
 from timeslice.workflows.rl_protocol import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
@@ -165,6 +172,8 @@ class JobRuntime:
             if inp.checkpoint is None and self._spec is not None and self._epochs_done != 0:
                 raise _state_lost(f"job {self.job_id}: no checkpoint to rewind to; {self._where()}")
 
+            await self._ensure_resident()
+
             def build() -> PrepareResult:
                 if self._spec is None:
                     log.info("setting up %s for job %s", self.workload_ref, self.job_id)
@@ -218,6 +227,7 @@ class JobRuntime:
         epoch_dir = self.checkpoint_dir / self.job_id / f"epoch-{inp.epochs_done:06d}"
         async with self._busy:
             self._expect(inp.epochs_done)
+            await self._ensure_resident()
 
             def save() -> None:
                 final = self._rank_dir(epoch_dir)
@@ -247,6 +257,7 @@ class JobRuntime:
         guard = self._busy if inp.group_id is not None else contextlib.nullcontext()
         async with guard:
             check()
+            restored = await self._ensure_resident() if inp.group_id is not None else []
             ctx = PhaseContext(inp.epoch, inp.phase)
             started = time.monotonic()
             try:
@@ -260,7 +271,7 @@ class JobRuntime:
                     self._epochs_done = None
                 raise
             ended = time.monotonic()
-            released = await self._release_after(inp)
+            released, evicted = await self._release_after(inp, restored)
         log.info(
             "epoch %d %s: %.2f s %s",
             inp.epoch,
@@ -278,6 +289,8 @@ class JobRuntime:
             group_id=inp.group_id,
             token=inp.token,
             released=released,
+            restored=restored,
+            evicted=evicted,
         )
 
     async def _supervise(
@@ -351,34 +364,74 @@ class JobRuntime:
             return True
         return holder is not None and holder.token == token
 
-    async def _release_after(self, inp: PhaseInput) -> bool:
+    def _backends(self) -> dict[str, SnapshotBackend]:
+        return self.snapshots.backends or {}
+
+    async def _ensure_resident(self) -> list[SnapshotReport]:
+        """Restore whatever of this job's state is out, before it uses the group.
+
+        The job asks for its leases with ``restores_itself``: the group grants at once and the
+        restore happens here, in the process that owns the state, off the group's path.
+        """
+        out = [b for b in self._backends().values() if getattr(b, "evicted", False)]
+        return [await backend.restore(self.job_id) for backend in reversed(out)]
+
+    async def _release_after(
+        self, inp: PhaseInput, restored: list[SnapshotReport]
+    ) -> tuple[bool, list[SnapshotReport]]:
         """Yield the lease straight from here when the phase is done, if the workflow asked.
 
         The next holder's switch starts one workflow round trip sooner than if the workflow
-        released after seeing this activity complete. Releasing is fenced by the token, so a
-        release the workflow also sends later is ignored by the group.
+        released after seeing this activity complete, and when someone is waiting the process
+        first moves its own state out (co-operative eviction), so the group hands over without
+        running a snapshot activity. Releases are fenced by the token: one the workflow also
+        sends later is ignored by the group. Returns (released, what was evicted).
         """
         if inp.release == "never" or inp.group_id is None or inp.token is None:
-            return False
+            return False, []
         if inp.request_id is None:
-            return False
-        if inp.release == "if_contended":
-            try:
-                holder = await self._holder(inp.group_id)
-            except Exception as err:  # unknown: keep it; the workflow releases if it must
-                log.warning("cannot see who waits on %s: %s", inp.group_id, err)
-                return False
-            if holder is not None and holder.token == inp.token and holder.waiting == 0:
-                return False
-        handle = activity.client().get_workflow_handle(group_workflow_id(inp.group_id))
+            return False, []
         try:
-            await handle.signal(
-                "release", ReleaseRequest(request_id=inp.request_id, token=inp.token)
-            )
+            holder = await self._holder(inp.group_id)
+        except Exception as err:  # unknown: leave it to the workflow
+            log.warning("cannot see who waits on %s: %s", inp.group_id, err)
+            return False, []
+        if holder is None or holder.token != inp.token:
+            return False, []  # revoked meanwhile: nothing of ours to release
+        if inp.release == "if_contended" and holder.waiting == 0:
+            return False, []
+        evict = bool(holder.waiting and inp.evict_backends)
+        # When the group's memory holds both states, release first and evict after: the next
+        # holder's restore overlaps this eviction (the lock keeps our next use after it).
+        after = evict and holder.next_fits
+        evicted = [] if after or not evict else await self._evict(inp.evict_backends)
+        handle = activity.client().get_workflow_handle(group_workflow_id(inp.group_id))
+        release = ReleaseRequest(
+            request_id=inp.request_id,
+            token=inp.token,
+            evicted=evicted,
+            restored=restored,
+            evicting=after,
+        )
+        try:
+            await handle.signal("release", release)
         except Exception as err:  # the workflow's own release will follow
             log.warning("cannot release %s from the job process: %s", inp.group_id, err)
-            return False
-        return True
+            return False, evicted
+        if after:
+            evicted = await self._evict(inp.evict_backends)
+            with contextlib.suppress(Exception):  # accounting only
+                await handle.signal("moved", MovedReport(job_id=self.job_id, evicted=evicted))
+        return True, evicted
+
+    async def _evict(self, names: list[str]) -> list[SnapshotReport]:
+        try:
+            return [
+                await b.snapshot(self.job_id) for b in resolve_backends(names, self._backends())
+            ]
+        except SnapshotError as err:  # the group's own switch will evict, or fault us
+            log.warning("co-operative eviction of %s failed: %s", self.job_id, err)
+            return []
 
     # ---------------------------------------------------------------- checkpoints on disk
 

@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from opentelemetry.trace import Span
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from timeslice.snapshot.base import SnapshotBackend, SnapshotError, resolve_backends
+from timeslice.telemetry import meter, span
 from timeslice.workflows.protocol import (
     RESTORE_ACTIVITY,
     SNAPSHOT_ACTIVITY,
@@ -51,15 +53,19 @@ class SnapshotActivities:
     @activity.defn(name=SNAPSHOT_ACTIVITY)
     async def snapshot(self, call: SnapshotCall) -> list[SnapshotReport]:
         # Composed backends snapshot in order and restore in reverse.
-        async with self._guard():
-            reports = [await _run(b.snapshot, call) for b in self._resolve(call)]
+        with span("timeslice.snapshot", _attributes(call)) as current:
+            async with self._guard():
+                reports = [await _run(b.snapshot, call) for b in self._resolve(call)]
+            _record(current, "snapshot", reports)
         activity.logger.info("evicted %s: %s", call.job_id, _summary(reports))
         return reports
 
     @activity.defn(name=RESTORE_ACTIVITY)
     async def restore(self, call: SnapshotCall) -> list[SnapshotReport]:
-        async with self._guard():
-            reports = [await _run(b.restore, call) for b in reversed(self._resolve(call))]
+        with span("timeslice.restore", _attributes(call)) as current:
+            async with self._guard():
+                reports = [await _run(b.restore, call) for b in reversed(self._resolve(call))]
+            _record(current, "restore", reports)
         activity.logger.info("restored %s: %s", call.job_id, _summary(reports))
         return reports
 
@@ -71,6 +77,30 @@ async def _run(
         return await step(call.job_id)
     except SnapshotError as err:  # the backend's own verdict: retrying will not change it
         raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from err
+
+
+_SECONDS = meter().create_histogram(
+    "timeslice_snapshot_seconds", unit="s", description="one backend's snapshot or restore"
+)
+
+
+def _attributes(call: SnapshotCall) -> dict[str, object]:
+    return {
+        "timeslice.job_id": call.job_id,
+        "timeslice.group_id": call.group_id,
+        "timeslice.backends": list(call.backends),
+        "timeslice.reason": call.reason,
+    }
+
+
+def _record(current: Span, action: str, reports: list[SnapshotReport]) -> None:
+    current.set_attribute("timeslice.bytes", sum(r.bytes for r in reports))
+    for r in reports:
+        current.add_event(
+            f"{r.backend} {action}",
+            {"timeslice.mode": r.mode, "timeslice.bytes": r.bytes, "timeslice.seconds": r.seconds},
+        )
+        _SECONDS.record(r.seconds, {"action": action, "backend": r.backend})
 
 
 def _summary(reports: list[SnapshotReport]) -> str:

@@ -33,6 +33,26 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help="temporal CLI config profile ($TEMPORAL_PROFILE)")
 
 
+def _metrics_address(value: str) -> str:
+    from timeslice.telemetry import parse_metrics_address
+
+    try:
+        parse_metrics_address(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
+def _add_metrics_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=_metrics_address,
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default host 0.0.0.0; "
+        "default: no endpoint); see docs/observability.md",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="timeslice", description="Co-operative GPU time-slicing for RL jobs, on Temporal."
@@ -56,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     worker = sub.add_parser("worker", help="run the control worker (GPU-group workflows)")
+    _add_metrics_arg(worker)
     _add_connection_args(worker)
 
     agent = sub.add_parser("agent", help="run the node agent (transparent snapshots on a node)")
@@ -72,12 +93,27 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--simulated-seconds", type=float, default=0.0, help="duration of a simulated switch"
     )
+    _add_metrics_arg(agent)
     _add_connection_args(agent)
 
     setup = sub.add_parser("setup", help="register Timeslice's search attributes on a cluster")
     _add_connection_args(setup)
 
     _add_job_parsers(sub)
+
+    report = sub.add_parser(
+        "report", help="utilization, switches and waits per group; phase times per job"
+    )
+    report.add_argument("--group", action="append", default=[], help="a group (repeatable)")
+    report.add_argument("--job", action="append", default=[], help="a job (repeatable)")
+    report.add_argument(
+        "--out",
+        type=Path,
+        default=Path(".timeslice/report"),
+        help="folder for report.txt, report.html and timeline.png (default .timeslice/report)",
+    )
+    report.add_argument("--text-only", action="store_true", help="print the tables, write nothing")
+    _add_connection_args(report)
 
     status = sub.add_parser("status", help="show a GPU group's holder, queue and utilization")
     status.add_argument("group_id")
@@ -102,6 +138,7 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     worker.add_argument("--keep-checkpoints", type=int, default=3, help="per job (default 3)")
     worker.add_argument("--threads", type=int, help="torch CPU threads for this process")
+    _add_metrics_arg(worker)
     _add_connection_args(worker)
 
     start = jobs.add_parser("start", help="start an RLJobWorkflow")
@@ -191,6 +228,7 @@ def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
 
 
 async def _run_job_worker(args: argparse.Namespace) -> int:
+    from timeslice.telemetry import worker_telemetry
     from timeslice.workers.job import build_job_runtime, build_job_worker
     from timeslice.workflows.protocol import job_task_queue
 
@@ -206,14 +244,18 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    worker = build_job_worker(client, runtime)
-    print(
-        f"job {args.job_id} rank {args.rank}: workload {args.workload} on task queue "
-        f"{job_task_queue(args.job_id, args.rank)!r}; Ctrl-C to stop",
-        flush=True,
-    )
-    return await _serve(worker)
+    config = connect_config(args.address, args.namespace, profile=args.profile)
+    async with worker_telemetry("timeslice-job-worker", args.metrics_port) as metrics:
+        client = await connect(config, runtime=metrics.runtime if metrics else None)
+        worker = build_job_worker(client, runtime)
+        print(
+            f"job {args.job_id} rank {args.rank}: workload {args.workload} on task queue "
+            f"{job_task_queue(args.job_id, args.rank)!r}; Ctrl-C to stop",
+            flush=True,
+        )
+        if metrics:
+            print(f"metrics at {metrics.url}", flush=True)
+        return await _serve(worker)
 
 
 async def _run_job_start(args: argparse.Namespace) -> int:
@@ -238,8 +280,9 @@ async def _run_job_progress(args: argparse.Namespace) -> int:
     from timeslice.jobs import describe_progress
     from timeslice.workflows.rl_protocol import RLJobProgress, rl_job_workflow_id
 
+    workflow_id = _job_workflow_id(args.job_id, rl_job_workflow_id)  # before any connection
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    handle = client.get_workflow_handle(_job_workflow_id(args.job_id, rl_job_workflow_id))
+    handle = client.get_workflow_handle(workflow_id)
     progress = await _rpc_job(args.job_id, handle.query("progress", result_type=RLJobProgress))
     print(progress.model_dump_json(indent=2) if args.json else describe_progress(progress))
     return 0
@@ -248,8 +291,9 @@ async def _run_job_progress(args: argparse.Namespace) -> int:
 async def _run_job_stop(args: argparse.Namespace) -> int:
     from timeslice.workflows.rl_protocol import rl_job_workflow_id
 
+    workflow_id = _job_workflow_id(args.job_id, rl_job_workflow_id)  # before any connection
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    handle = client.get_workflow_handle(_job_workflow_id(args.job_id, rl_job_workflow_id))
+    handle = client.get_workflow_handle(workflow_id)
     await _rpc_job(args.job_id, handle.signal("stop"))
     print(f"asked job {args.job_id} to stop after its current epoch")
     return 0
@@ -303,22 +347,27 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 async def _run_worker(args: argparse.Namespace) -> int:
+    from timeslice.telemetry import worker_telemetry
     from timeslice.workers.control import build_control_worker, check_search_attributes
 
     config = connect_config(args.address, args.namespace, profile=args.profile)
-    client = await connect(config)
-    await check_search_attributes(client)
-    worker = build_control_worker(client)
-    print(
-        f"control worker on task queue 'timeslice' at {config['target_host']} "
-        f"(namespace {client.namespace}); Ctrl-C to stop",
-        flush=True,
-    )
-    return await _serve(worker)
+    async with worker_telemetry("timeslice-worker", args.metrics_port) as metrics:
+        client = await connect(config, runtime=metrics.runtime if metrics else None)
+        await check_search_attributes(client)
+        worker = build_control_worker(client)
+        print(
+            f"control worker on task queue 'timeslice' at {config['target_host']} "
+            f"(namespace {client.namespace}); Ctrl-C to stop",
+            flush=True,
+        )
+        if metrics:
+            print(f"metrics at {metrics.url}", flush=True)
+        return await _serve(worker)
 
 
 async def _run_agent(args: argparse.Namespace) -> int:
     from timeslice.snapshot.simulated import SimulatedBackend
+    from timeslice.telemetry import worker_telemetry
     from timeslice.workers.node_agent import build_node_agent
     from timeslice.workflows.protocol import node_task_queue
 
@@ -332,16 +381,22 @@ async def _run_agent(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise TimesliceError(str(err)) from err
     config = connect_config(args.address, args.namespace, profile=args.profile)
-    client = await connect(config)
-    agent = build_node_agent(
-        client, args.node, extra_backends=extra, lock_timeout_s=args.lock_timeout
-    )
-    health = agent.health()
-    names = [h.backend for h in health]
-    print(f"node agent on task queue {queue!r} with backends {names}; Ctrl-C to stop", flush=True)
-    for h in health:
-        print(f"  {h.backend}: {'ok' if h.ok else 'UNAVAILABLE'} - {h.detail}", flush=True)
-    return await _serve(agent.worker)
+    async with worker_telemetry("timeslice-agent", args.metrics_port) as metrics:
+        client = await connect(config, runtime=metrics.runtime if metrics else None)
+        agent = build_node_agent(
+            client, args.node, extra_backends=extra, lock_timeout_s=args.lock_timeout
+        )
+        health = agent.health()
+        names = [h.backend for h in health]
+        print(
+            f"node agent on task queue {queue!r} with backends {names}; Ctrl-C to stop",
+            flush=True,
+        )
+        for h in health:
+            print(f"  {h.backend}: {'ok' if h.ok else 'UNAVAILABLE'} - {h.detail}", flush=True)
+        if metrics:
+            print(f"metrics at {metrics.url}", flush=True)
+        return await _serve(agent.worker)
 
 
 async def _serve(worker: Worker) -> int:
@@ -361,6 +416,19 @@ async def _run_setup(args: argparse.Namespace) -> int:
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     added = await register_search_attributes(client)
     print(f"registered {added}" if added else "search attributes already registered")
+    return 0
+
+
+async def _run_report(args: argparse.Namespace) -> int:
+    from timeslice.report import collect_report, format_text, write_report
+
+    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    print("reading groups and jobs from Temporal ...", file=sys.stderr, flush=True)
+    report = await collect_report(client, groups=args.group or None, jobs=args.job or None)
+    print(format_text(report))
+    if not args.text_only:
+        files = write_report(report, args.out)
+        print(f"wrote {files.text}, {files.html} and {files.png}")
     return 0
 
 
@@ -415,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             "agent": _run_agent,
             "setup": _run_setup,
             "status": _run_status,
+            "report": _run_report,
         }[args.command]
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(runner(args))

@@ -8,7 +8,9 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
+from temporalio.runtime import Runtime
 from timeslice.errors import InvalidArgumentError, ServerUnreachableError
+from timeslice.telemetry import client_interceptors, configure_tracing
 
 DEFAULT_TARGET = "localhost:7233"
 _TARGET_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
@@ -43,9 +45,19 @@ def connect_config(
     return config
 
 
-async def connect(config: dict[str, Any]) -> Client:
+async def connect(config: dict[str, Any], *, runtime: Runtime | None = None) -> Client:
+    """Connect with tracing (workers built on the client inherit its interceptors).
+
+    ``runtime``: e.g. a metrics endpoint's (``timeslice.telemetry``); default: the SDK's.
+    """
+    configure_tracing()
     try:
-        return await Client.connect(**config, data_converter=pydantic_data_converter)
+        return await Client.connect(
+            **config,
+            data_converter=pydantic_data_converter,
+            interceptors=client_interceptors(),
+            runtime=runtime,
+        )
     except RuntimeError as err:
         raise ServerUnreachableError(
             f"cannot reach Temporal at {config['target_host']} ({err}); start one with "

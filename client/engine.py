@@ -7,6 +7,7 @@ training loop keeps its own thread (or event loop) busy with GPU work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import math
@@ -18,6 +19,8 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from opentelemetry import trace
+from opentelemetry.trace import Span
 from temporalio.client import (
     Client,
     WorkflowFailureError,
@@ -44,6 +47,7 @@ from timeslice.errors import (
 )
 from timeslice.lease import Lease
 from timeslice.snapshot.base import SnapshotBackend
+from timeslice.telemetry import detached, end_span, tracer
 from timeslice.workflows.protocol import (
     CONTROL_TASK_QUEUE,
     AcquireRequest,
@@ -136,6 +140,8 @@ class Engine:
         self._background: set[asyncio.Future[None]] = set()
         self._known_groups: set[str] = set()
         self._closed = False
+        # group id -> its lease's (timeslice.lease, timeslice.hold) spans, ended by release
+        self._spans: dict[str, tuple[Span, Span]] = {}
 
     # ------------------------------------------------------------ plumbing
 
@@ -180,7 +186,8 @@ class Engine:
                 max_concurrent_activities=16,
                 graceful_shutdown_timeout=timedelta(seconds=2),
             )
-            self._worker_task = asyncio.create_task(self._worker.run())
+            with detached():  # not under the span of the acquire that started it
+                self._worker_task = asyncio.create_task(self._worker.run())
             log.info("job %s serving task queue %s", self.job_id, self.task_queue)
         return client
 
@@ -192,6 +199,11 @@ class Engine:
             try:
                 return await call()
             except RPCError as err:
+                if err.status == RPCStatusCode.FAILED_PRECONDITION and "no poller" in err.message:
+                    raise TimesliceError(
+                        f"{what}: no control worker is serving task queue "
+                        f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
+                    ) from err
                 if err.status not in _TRANSIENT:
                     raise
                 if time.monotonic() >= deadline:
@@ -210,6 +222,36 @@ class Engine:
     # ------------------------------------------------------------ acquire / release
 
     async def acquire(
+        self, group_id: str, timeout: float | None, priority: int | None, ttl_s: float | None
+    ) -> Lease:
+        """Traced as a ``timeslice.lease`` span (under the caller's current span) holding
+        ``timeslice.acquire`` (request to grant) and ``timeslice.hold`` (grant to release)."""
+        attributes = {"timeslice.group_id": group_id, "timeslice.job_id": self.job_id}
+        lease_span = tracer().start_span("timeslice.lease", attributes=attributes)
+        in_lease = trace.set_span_in_context(lease_span)
+        try:
+            with tracer().start_as_current_span(
+                "timeslice.acquire", context=in_lease, attributes=attributes
+            ) as acquire_span:
+                lease = await self._acquire(group_id, timeout, priority, ttl_s)
+                acquire_span.set_attributes(
+                    {"timeslice.token": lease.token, "timeslice.waited_s": lease.waited_s}
+                )
+        except BaseException as err:
+            end_span(lease_span, err)
+            raise
+        lease_span.set_attribute("timeslice.token", lease.token)
+        hold = tracer().start_span(
+            "timeslice.hold",
+            context=in_lease,
+            attributes={**attributes, "timeslice.token": lease.token},
+        )
+        self._spans[group_id] = (lease_span, hold)
+        with trace.use_span(hold):  # the heartbeat's renewals are part of the hold
+            self._heartbeats[group_id] = asyncio.create_task(self._heartbeat(lease))
+        return lease
+
+    async def _acquire(
         self, group_id: str, timeout: float | None, priority: int | None, ttl_s: float | None
     ) -> Lease:
         if group_id in self.held:
@@ -259,7 +301,6 @@ class Engine:
             waited_s=notice.waited_s,
         )
         self.held[group_id] = lease
-        self._heartbeats[group_id] = asyncio.create_task(self._heartbeat(lease))
         return lease
 
     async def _send_request(self, client: Client, group_id: str, request: AcquireRequest) -> None:
@@ -404,12 +445,26 @@ class Engine:
         heartbeat = self._heartbeats.pop(lease.group_id, None)
         if heartbeat is not None:
             heartbeat.cancel()
-        await self._rpc(
-            f"release {lease.group_id}",
-            lambda: self._group_handle(lease.group_id).signal(
-                "release", ReleaseRequest(request_id=lease.request_id, token=lease.token)
-            ),
-        )
+        spans = self._spans.pop(lease.group_id, None)
+        try:
+            with (
+                trace.use_span(spans[1], record_exception=False, set_status_on_exception=False)
+                if spans
+                else contextlib.nullcontext()
+            ):
+                await self._rpc(
+                    f"release {lease.group_id}",
+                    lambda: self._group_handle(lease.group_id).signal(
+                        "release", ReleaseRequest(request_id=lease.request_id, token=lease.token)
+                    ),
+                )
+        except BaseException as err:
+            for span in reversed(spans or ()):
+                end_span(span, err)
+            raise
+        revoked = None if lease.revoked_reason is None else f"revoked: {lease.revoked_reason}"
+        for span in reversed(spans or ()):
+            end_span(span, message=revoked)
         if lease.revoked_reason is not None:
             raise LeaseRevokedError(
                 f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "

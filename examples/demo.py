@@ -1,115 +1,199 @@
-"""`make demo`: the embedded Temporal server, the control worker and two jobs sharing GPU groups.
+"""`make demo`: two real GRPO jobs time-slicing one GPU group, on the embedded Temporal server.
 
-Starts `timeslice server` (gRPC 7233, Web UI 8233) and `timeslice worker`, runs two processes of
-the seed example (examples/seed_example.py) that contend for `sampler-group` and `trainer-group`,
-then prints who held each group when and each group's utilization. `--keep` leaves the server and
-worker running afterwards so the Web UI can be browsed.
+Starts `timeslice server` (gRPC 7233, Web UI 8233), the control worker, a node agent, and two
+`timeslice job worker` processes running the `grpo-toy` workload (a small transformer learning
+to sort digits with GRPO, on torch, on the CPU). Two `RLJobWorkflow`s then share one group:
+each job holds it only to sample and to train, yields it during reward computation, and every
+switch moves the resident job's state out (torch backend) and the next one's back in.
+
+Live progress while they run, then a summary: each job's reward curve, the group's utilization,
+switches and bytes moved, links into the Web UI, and the report (`timeslice report`): its text
+tables, a timeline picture (PNG) and an HTML version under .timeslice/demo-report/. `--keep`
+leaves everything running so the UI can be browsed.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
-import json
 import os
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-from timeslice import TimeSliceOrchestratorClient
+from timeslice.connection import connect, connect_config
+from timeslice.jobs import describe_progress, parse_job_config, start_rl_job
+from timeslice.report import Report, collect_report, format_text, write_report
 from timeslice.server import EmbeddedServer
+from timeslice.workflows.protocol import GroupStatus, group_workflow_id
+from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
 
-HERE = Path(__file__).resolve().parent
-GROUPS = ("sampler-group", "trainer-group")
+STATE = Path(".timeslice")
+GROUP = "shared-gpus"
+JOBS = ("grpo-a", "grpo-b")
+SPARK = "▁▂▃▄▅▆▇█"
 
 
-def start_worker(address: str) -> subprocess.Popen[str]:
+def start(args: list[str], ready: str, log: Path) -> subprocess.Popen[str]:
+    """Start a `timeslice` command and wait for the line that says it is serving."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "timeslice.cli", "worker", "--address", address],
+        [sys.executable, "-m", "timeslice.cli", *args],
         stdout=subprocess.PIPE,
+        stderr=log.open("w"),
         text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    if "control worker" not in line:
+    if ready not in line:
         proc.kill()
-        raise SystemExit("the control worker did not start")
-    print(f"  {line.strip()}")
+        raise SystemExit(f"`timeslice {' '.join(args[:2])}` did not start; see {log}")
+    print(f"  {line.strip()}", flush=True)
     return proc
 
 
-def draw(records: list[dict], width: int = 72) -> None:
-    t0 = min(r["start"] for r in records)
-    t1 = max(r["end"] for r in records)
-    scale = width / max(t1 - t0, 1e-9)
-    jobs = sorted({r["job"] for r in records})
-    letters = {job: chr(ord("A") + i) for i, job in enumerate(jobs)}
-    print("\nwho held each group when (one column = %.0f ms):" % (1000 / scale))
-    for group in GROUPS:
-        row = [" "] * width
-        for r in records:
-            if r["group"] == group:
-                for x in range(int((r["start"] - t0) * scale), int((r["end"] - t0) * scale) + 1):
-                    row[min(x, width - 1)] = letters[r["job"]]
-        print(f"  {group:14} |{''.join(row)}|")
-    for job, letter in letters.items():
-        print(f"  {letter} = {job}")
+def sparkline(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+async def run_jobs(address: str, epochs: int) -> tuple[list[RLJobResult], GroupStatus, Report]:
+    client = await connect(connect_config(address))
+    handles = []
+    for seed, job in enumerate(JOBS):
+        config = parse_job_config(
+            {
+                "job_id": job,
+                "workload": "grpo-toy",
+                "sampler_group": GROUP,
+                "epochs": epochs,
+                "seed": seed,
+                "checkpoint_every": 10,
+            }
+        )
+        handles.append(await start_rl_job(client, config))
+    print(f"started {len(JOBS)} RL jobs sharing group {GROUP!r}; progress:", flush=True)
+    shown: dict[str, str] = {}
+    last_print = time.monotonic()
+    pending = {asyncio.ensure_future(h.result()) for h in handles}
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=1.0)
+        for handle in handles:
+            with contextlib.suppress(Exception):  # a job between runs answers a moment later
+                p = await handle.query("progress", result_type=RLJobProgress)
+                line = describe_progress(p)
+                # One line per finished epoch, so the output stays readable.
+                key = f"{p.epoch}"
+                if shown.get(p.job_id) != key:
+                    shown[p.job_id] = key
+                    print(f"  {line}", flush=True)
+                    last_print = time.monotonic()
+        if time.monotonic() - last_print > 10:
+            print("  ... still running", flush=True)
+            last_print = time.monotonic()
+    results = [await h.result() for h in handles]
+    group = client.get_workflow_handle(group_workflow_id(GROUP))
+    status = await group.query("status", result_type=GroupStatus)
+    report = await collect_report(client, groups=[GROUP], jobs=list(JOBS))
+    return results, status, report
+
+
+def summarize(results: list[RLJobResult], status: GroupStatus, ui_url: str | None) -> None:
+    print("\nreward (mean over each epoch's completions):")
+    for result in results:
+        rewards = [r.reward_mean for r in result.records if r.reward_mean is not None]
+        head = sum(rewards[:5]) / len(rewards[:5])
+        tail = sum(rewards[-5:]) / len(rewards[-5:])
+        print(
+            f"  {result.job_id}: {sparkline(rewards)}  first 5 epochs {head:.3f} -> "
+            f"last 5 {tail:.3f} ({result.epochs_done} epochs)"
+        )
+    for result in results:
+        gpu = sum(r.phase_s.get("sample", 0) + r.phase_s.get("train", 0) for r in result.records)
+        waited = sum(sum(r.wait_s.values()) for r in result.records)
+        print(f"  {result.job_id}: GPU phases {gpu:.1f} s, waited for the group {waited:.1f} s")
+    print(
+        f"  ({status.stats.switches} switches, {human_bytes(status.stats.bytes_moved)} moved. "
+        "grpo-toy's phases last tens of milliseconds,\n   so Temporal's round trips dominate "
+        "its wall time; with phases of seconds they fade: bench/utilization.py)"
+    )
+    if ui_url:
+        print("\nWeb UI:")
+        print(f"  {ui_url}/namespaces/default/workflows")
+        for job in JOBS:
+            print(f"  {ui_url}/namespaces/default/workflows/{rl_job_workflow_id(job)}")
+        print(f"  {ui_url}/namespaces/default/workflows/{group_workflow_id(GROUP)}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--keep", action="store_true", help="leave server and worker running")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--keep", action="store_true", help="leave everything running")
     args = parser.parse_args()
+    if args.epochs < 5:
+        raise SystemExit("--epochs must be >= 5 (the summary compares first and last 5)")
 
-    print("starting the embedded Temporal server ...")
-    # A fresh database per demo, so utilization is measured over this run alone.
-    db = Path(".timeslice") / "demo.db"
+    STATE.mkdir(exist_ok=True)
+    # A fresh database and checkpoints per demo, so the figures cover this run alone.
+    db = STATE / "demo.db"
     for stale in db.parent.glob(db.name + "*"):
         stale.unlink()
-    server = EmbeddedServer(port=7233, ui_port=8233, db=db, log_path=db.parent / "server.log")
+    checkpoints = STATE / "demo-checkpoints"
+    print("starting the embedded Temporal server ...", flush=True)
+    server = EmbeddedServer(port=7233, ui_port=8233, db=db, log_path=STATE / "server.log")
     server.start()
-    print(f"  Temporal at {server.address}, Web UI {server.ui_url}")
-    worker = start_worker(server.address)
+    print(f"  Temporal at {server.address}, Web UI {server.ui_url}", flush=True)
+    procs: list[subprocess.Popen[str]] = []
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            log = Path(tmp) / "holds.jsonl"
-            env = {
-                **os.environ,
-                "TIMESLICE_EXAMPLE_LOG": str(log),
-                "TIMESLICE_EXAMPLE_EPOCHS": str(args.epochs),
-            }
-            print(f"running two jobs of the seed example for {args.epochs} epochs ...")
-            jobs = [
-                subprocess.Popen([sys.executable, str(HERE / "seed_example.py")], env=env)
-                for _ in range(2)
-            ]
-            if any(job.wait() != 0 for job in jobs):
-                print("a job failed", file=sys.stderr)
-                return 1
-            records = [json.loads(line) for line in log.read_text().splitlines()]
-        draw(records)
-        with TimeSliceOrchestratorClient(target=server.address) as client:
-            print("\ngroup utilization (busy / wall since the group's creation):")
-            for group in GROUPS:
-                s = client.group_status(group)
-                p50 = f"{s.wait_p50_s * 1000:.0f} ms" if s.wait_p50_s is not None else "n/a"
-                print(
-                    f"  {group:14} {s.utilization:6.1%}  leases {s.stats.leases:3}  "
-                    f"acquire wait p50 {p50}"
-                )
-        print(f"\nWeb UI: {server.ui_url}/namespaces/default/workflows")
+        address = ["--address", server.address]
+        procs.append(start(["worker", *address], "control worker", STATE / "worker.log"))
+        procs.append(
+            start(["agent", "--node", "demo-node", *address], "node agent", STATE / "agent.log")
+        )
+        for job in JOBS:
+            cmd = ["job", "worker", "--job-id", job, "--workload", "grpo-toy", "--threads", "1"]
+            cmd += ["--checkpoint-dir", str(checkpoints), *address]
+            procs.append(start(cmd, f"job {job}", STATE / f"{job}.log"))
+        results, status, report = asyncio.run(run_jobs(server.address, args.epochs))
+        summarize(results, status, server.ui_url)
+        files = write_report(report, STATE / "demo-report")
+        print("\nthe report (`timeslice report` prints it for any cluster):\n")
+        print(format_text(report))
+        print(f"\ntimeline picture: {files.png}\nHTML report:      {files.html}")
         if args.keep:
-            print("server and worker keep running; press Ctrl-C to stop")
+            print("\neverything keeps running; press Ctrl-C to stop", flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 server.wait()
         return 0
     finally:
-        worker.terminate()
-        worker.wait()
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         server.stop()
 
 
+def entry() -> Any:
+    code = main()
+    sys.stdout.flush()
+    # The SDK's native threads can crash a finished process at exit (temporalio/sdk-python#300).
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -27,23 +27,35 @@ class SimulatedBackend:
         self.nbytes = nbytes
         self.snapshot_s = snapshot_s
         self.restore_s = snapshot_s if restore_s is None else restore_s
+        self._out: set[str] = set()  # jobs whose (simulated) state is in host memory
+
+    @property
+    def evicted(self) -> bool:
+        """Whether any job's state is out (a job process serves one job)."""
+        return bool(self._out)
 
     def health(self) -> Health:
         return Health(self.name, True, f"{self.nbytes} bytes in {self.snapshot_s} s per switch")
 
-    async def _pretend(self, job_id: str, seconds: float) -> SnapshotReport:
+    async def _pretend(self, job_id: str, seconds: float, moves: bool) -> SnapshotReport:
+        # Like a real backend, moving state that is already where it should be is free.
         started = time.perf_counter()
-        await asyncio.sleep(seconds)  # stands in for the copy, by design
+        if moves:
+            await asyncio.sleep(seconds)  # stands in for the copy, by design
         return SnapshotReport(
             job_id=job_id,
             backend=self.name,
             mode="simulated",
-            bytes=self.nbytes,
+            bytes=self.nbytes if moves else 0,
             seconds=time.perf_counter() - started,
         )
 
     async def snapshot(self, job_id: str) -> SnapshotReport:
-        return await self._pretend(job_id, self.snapshot_s)
+        moves = job_id not in self._out
+        self._out.add(job_id)
+        return await self._pretend(job_id, self.snapshot_s, moves)
 
     async def restore(self, job_id: str) -> SnapshotReport:
-        return await self._pretend(job_id, self.restore_s)
+        moves = job_id in self._out
+        self._out.discard(job_id)
+        return await self._pretend(job_id, self.restore_s, moves)

@@ -116,6 +116,28 @@ def test_group_workflow_with_bad_input_fails_without_retrying(address):
         (["server", "--dynamic-config", "k=not json"], "value is not JSON"),
         (["status", "bad id!"], "invalid group id"),
         (["worker", "--address", "nope"], "HOST:PORT"),
+        (["job", "start", "--job-id", "j", "--workload", "simulated"], "epochs: Field required"),
+        (
+            [
+                "job",
+                "start",
+                "--job-id",
+                "j",
+                "--workload",
+                "simulated",
+                "--epochs",
+                "0",
+                "--sampler-group",
+                "g",
+            ],
+            "epochs: Input should be greater than or equal to 1",
+        ),
+        (["job", "start", "--job-id", "bad id", "--epochs", "2"], "invalid job id"),
+        (["job", "start", "--config", "/nonexistent.json"], "No such file"),
+        (["job", "start", "--option", "lr=oops"], "value is not JSON"),
+        (["job", "worker", "--job-id", "j", "--workload", "nope"], "unknown workload 'nope'"),
+        (["job", "worker", "--job-id", "j", "--workload", "os:getcwd"], "not a timeslice"),
+        (["job", "progress", "bad id!"], "invalid job id"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message):

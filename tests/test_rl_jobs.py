@@ -7,6 +7,7 @@ Every job process here is a real `timeslice job worker` subprocess; jobs start f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import signal
@@ -19,9 +20,11 @@ from typing import Any
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.server import temporal_binary
+from timeslice.workflows.protocol import CancelRequest, HolderView, group_workflow_id
 from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
 
 from tests.conftest import start_service, stop_process
@@ -274,6 +277,44 @@ def test_killed_job_process_resumes_from_checkpoint_and_runs_every_epoch_once(
     # Resumed from the checkpoint, not from scratch and not skipping: same weights as a run
     # that was never interrupted.
     assert_bit_identical(final_state(done), final_state(dedicated_run))
+
+
+def test_revoked_lease_stops_the_running_phase(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    job = job_id("revoke")
+    job_workers(job, "simulated")
+
+    async def go(client: Client) -> RLJobResult:
+        config = {
+            "job_id": job,
+            "workload": "simulated",
+            # A long first phase to revoke in the middle of; the lease is checked every 1 s.
+            "workload_options": {"sample_s": 30.0, "reward_s": 0.05, "train_s": 0.05},
+            "sampler_group": group,
+            "epochs": 1,
+            "lease_ttl_s": 4,
+            "max_failures": 0,
+        }
+        handle = await start_rl_job(client, parse_job_config(config))
+        group_handle = client.get_workflow_handle(group_workflow_id(group))
+        while True:
+            with contextlib.suppress(RPCError):  # the group's workflow may not exist yet
+                holder = await group_handle.query("holder", result_type=HolderView | None)
+                job_progress = await handle.query("progress", result_type=RLJobProgress)
+                if holder is not None and job_progress.phase == "sample":
+                    break
+            await asyncio.sleep(0.1)
+        # Revoke it: the group ends the lease as if the job had given up on it.
+        await group_handle.signal("cancel", CancelRequest(request_id=holder.request_id))
+        return await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as failed:
+        run(go, address)
+    # max_failures=0: the first failed epoch fails the job, and says why.
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "JobFailed"
+    assert "LeaseRevoked" in cause.message and "was revoked" in cause.message
 
 
 def test_stop_signal_finishes_the_epoch_and_checkpoints(

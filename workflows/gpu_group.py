@@ -42,11 +42,13 @@ with workflow.unsafe.imports_passed_through():
         HolderView,
         LeaseOutcome,
         LeaseRecord,
+        MovedReport,
         ReleaseRequest,
         RenewRequest,
         RenewResult,
         ResidentJob,
         SnapshotTarget,
+        SwitchRecord,
         Waiter,
         WaiterView,
         WaitGrant,
@@ -62,6 +64,44 @@ class _Moved(Enum):
     OK = "ok"
     GONE = "gone"  # no process picked the task up: the job's processes are gone
     FAILED = "failed"
+
+
+class _GroupMetrics:
+    """The group's Prometheus metrics (docs/observability.md), labelled with its group id.
+
+    Recorded through the workflow's metric meter, which drops recordings while replaying; no
+    command comes of it. On a worker without a metrics endpoint they are no-ops.
+    """
+
+    def __init__(self, group_id: str) -> None:
+        meter = workflow.metric_meter().with_additional_attributes({"group": group_id})
+        self.queue_depth = meter.create_gauge(
+            "timeslice_queue_depth", "requests waiting for the group"
+        )
+        self.utilization = meter.create_gauge_float(
+            "timeslice_group_utilization", "share of the group's life spent held (0-1)", "1"
+        )
+        self.acquire_wait = meter.create_histogram_float(
+            "timeslice_acquire_wait_seconds", "from request to grant", "s"
+        )
+        self.hold = meter.create_histogram_float(
+            "timeslice_hold_seconds", "from grant to the end of the lease, by outcome", "s"
+        )
+        self.switch = meter.create_histogram_float(
+            "timeslice_switch_seconds", "evicting the resident job and restoring the next", "s"
+        )
+        self.bytes_moved = meter.create_counter(
+            "timeslice_moved_bytes", "bytes moved by evictions and restores", "By"
+        )
+        self.revoked = meter.create_counter(
+            "timeslice_leases_revoked", "leases revoked because they expired unrenewed"
+        )
+        self.stale_releases = meter.create_counter(
+            "timeslice_stale_releases", "releases naming a lease the group does not know"
+        )
+        self.stale_renewals = meter.create_counter(
+            "timeslice_stale_renewals", "renewals of a lease that is no longer held"
+        )
 
 
 def _percentile(samples: list[float], q: float) -> float | None:
@@ -95,6 +135,7 @@ class GpuGroupWorkflow:
         self._parked: dict[str, GrantWait | None] = {}
         self._closing = False
         self._switch_cancelled = False
+        self._metrics = _GroupMetrics(self._config.group_id)
 
     # ---------------------------------------------------------------- main loop
 
@@ -166,14 +207,18 @@ class GpuGroupWorkflow:
 
     # ---------------------------------------------------------------- granting
 
-    def _pick_next(self) -> Waiter:
+    def _peek_next(self) -> Waiter | None:
         now = workflow.now()
 
         def score(w: Waiter) -> tuple[float, int]:
             waited = (now - w.enqueued_at).total_seconds()
             return (w.request.priority + waited / self._config.aging_s, -w.seq)
 
-        best = max(self._state.queue, key=score)
+        return max(self._state.queue, key=score, default=None)
+
+    def _pick_next(self) -> Waiter:
+        best = self._peek_next()
+        assert best is not None
         self._state.queue.remove(best)
         return best
 
@@ -198,6 +243,7 @@ class GpuGroupWorkflow:
                     request=request, token=token, granted_at=now, waited_s=waited
                 )
                 self._state.stats.leases += 1
+                self._metrics.acquire_wait.record(waited)
                 samples = self._state.stats.wait_samples_s
                 samples.append(waited)
                 del samples[: max(0, len(samples) - self._config.wait_samples_keep)]
@@ -314,9 +360,16 @@ class GpuGroupWorkflow:
             return state.faulted_jobs[request.job_id]
         evict = resident is not None and resident.snapshot is not None
         restore = request.snapshot is not None and request.job_id in state.evicted_jobs
+        restores_itself = restore and request.restores_itself
+        if restores_itself:
+            # Granted at once; the holder restores its own state before it uses the group.
+            state.evicted_jobs.remove(request.job_id)
+            restore = False
         started = workflow.now()
+        bytes_before = state.stats.bytes_moved
+        overlapped = evict and restore and self._both_fit(resident, request)
         fault: str | None = None
-        if evict and restore and self._both_fit(resident, request):
+        if overlapped:
             state.stats.overlapped_switches += 1
             _, fault = await asyncio.gather(self._evict(), self._restore(request))
         else:
@@ -324,9 +377,24 @@ class GpuGroupWorkflow:
                 await self._evict()
             if restore:
                 fault = await self._restore(request)
-        if evict or restore:
+        if evict or restore or restores_itself:
+            # One switch, however its moves are split between the group and the holders
+            # (the holders' own moves add their time and bytes when they release).
             state.stats.switches += 1
-            state.stats.switching_s += (workflow.now() - started).total_seconds()
+        if evict or restore:
+            ended = workflow.now()
+            state.stats.switching_s += (ended - started).total_seconds()
+            self._metrics.switch.record((ended - started).total_seconds())
+            self._record_switch(
+                SwitchRecord(
+                    from_job=resident.job_id if evict and resident is not None else None,
+                    to_job=request.job_id,
+                    start=started,
+                    end=ended,
+                    bytes=state.stats.bytes_moved - bytes_before,
+                    overlapped=overlapped,
+                )
+            )
         state.resident = (
             None
             if fault is not None
@@ -335,6 +403,12 @@ class GpuGroupWorkflow:
             )
         )
         return fault
+
+    def _record_switch(self, record: SwitchRecord) -> None:
+        if self._config.history_keep:
+            switches = self._state.switch_history
+            switches.append(record)
+            del switches[: max(0, len(switches) - self._config.history_keep)]
 
     def _both_fit(self, resident: ResidentJob | None, request: AcquireRequest) -> bool:
         memory = self._config.memory_bytes
@@ -397,6 +471,7 @@ class GpuGroupWorkflow:
         for reports in results:
             if isinstance(reports, list):
                 self._state.stats.bytes_moved += sum(r.bytes for r in reports)
+                self._metrics.bytes_moved.add(sum(r.bytes for r in reports), {"direction": verb})
         if not failures:
             return _Moved.OK
         if all(never_started(f) for f in failures):
@@ -419,6 +494,11 @@ class GpuGroupWorkflow:
         now = workflow.now()
         stats = self._state.stats
         stats.busy_s += (now - holder.granted_at).total_seconds()
+        self._metrics.hold.record(
+            (now - holder.granted_at).total_seconds(), {"outcome": outcome.value}
+        )
+        if outcome is LeaseOutcome.EXPIRED:
+            self._metrics.revoked.add(1)
         counter = {
             LeaseOutcome.RELEASED: "released",
             LeaseOutcome.EXPIRED: "expired",
@@ -474,9 +554,64 @@ class GpuGroupWorkflow:
     def release(self, release: ReleaseRequest) -> None:
         holder = self._state.holder
         if holder is not None and holder.token == release.token:
+            self._account_own_moves(holder.request.job_id, release)
             self._end_lease(LeaseOutcome.RELEASED)
         elif release.request_id not in self._state.recent_done:
             self._state.stats.stale_messages += 1
+            self._metrics.stale_releases.add(1)
+
+    def _account_own_moves(self, job_id: str, release: ReleaseRequest) -> None:
+        """A holder that evicted or restored its own state: residency and accounting follow."""
+        state, stats = self._state, self._state.stats
+        moved = release.evicted + release.restored
+        if not moved and not release.evicting:
+            return
+        if release.restored:
+            stats.restores += 1
+        if release.evicting and state.resident is not None and state.resident.job_id == job_id:
+            # Its own eviction runs from now on; the bytes come with its `moved` signal.
+            stats.evictions += 1
+            state.resident = None
+            if job_id not in state.evicted_jobs:
+                state.evicted_jobs.append(job_id)
+        if release.evicted and state.resident is not None and state.resident.job_id == job_id:
+            stats.evictions += 1
+            state.resident = None
+            if job_id not in state.evicted_jobs:
+                state.evicted_jobs.append(job_id)
+        stats.bytes_moved += sum(r.bytes for r in moved)
+        self._metrics.bytes_moved.add(sum(r.bytes for r in release.evicted), {"direction": "evict"})
+        self._metrics.bytes_moved.add(
+            sum(r.bytes for r in release.restored), {"direction": "restore"}
+        )
+        # Moving state is switching, not useful work, even when done inside a lease.
+        seconds = sum(r.seconds for r in moved)
+        stats.switching_s += seconds
+        stats.busy_s -= seconds
+        holder = state.holder
+        assert holder is not None
+        for reports, restored in ((release.restored, True), (release.evicted, False)):
+            if reports:
+                took = timedelta(seconds=sum(r.seconds for r in reports))
+                start = holder.granted_at if restored else workflow.now() - took
+                self._record_switch(
+                    SwitchRecord(
+                        from_job=None if restored else job_id,
+                        to_job=job_id if restored else None,
+                        start=start,
+                        end=start + took,
+                        bytes=sum(r.bytes for r in reports),
+                        by_holder=True,
+                    )
+                )
+
+    @workflow.signal
+    def moved(self, report: MovedReport) -> None:
+        """A holder's eviction after an ``evicting`` release finished: count its bytes.
+
+        Its time is not switching time: it overlapped the next holder's restore and work."""
+        self._state.stats.bytes_moved += sum(r.bytes for r in report.evicted)
+        self._metrics.bytes_moved.add(sum(r.bytes for r in report.evicted), {"direction": "evict"})
 
     @workflow.signal
     def depart(self, depart: DepartRequest) -> None:
@@ -555,6 +690,7 @@ class GpuGroupWorkflow:
         holder = self._state.holder
         if holder is None or holder.token != renew.token:
             self._state.stats.stale_messages += 1
+            self._metrics.stale_renewals.add(1)
             return RenewResult(valid=False, reason="the lease is no longer held (expired or moved)")
         ttl = self._ttl(holder.request)
         if holder.delivered:
@@ -582,6 +718,15 @@ class GpuGroupWorkflow:
             if holder.expires_at is None
             else (holder.expires_at - now).total_seconds(),
             waiting=len(self._state.queue),
+            request_id=holder.request.request_id,
+            next_fits=self._next_fits(holder.request),
+        )
+
+    def _next_fits(self, holding: AcquireRequest) -> bool:
+        after = self._peek_next()
+        return after is not None and self._both_fit(
+            ResidentJob(job_id=holding.job_id, snapshot=None, state_bytes=holding.state_bytes),
+            after.request,
         )
 
     @workflow.query
@@ -611,6 +756,7 @@ class GpuGroupWorkflow:
             wait_p99_s=_percentile(stats.wait_samples_s, 0.99),
             stats=stats,
             history=list(state.history),
+            switch_history=list(state.switch_history),
         )
 
     def _busy_and_wall(self, now: datetime) -> tuple[float, float]:
@@ -622,6 +768,8 @@ class GpuGroupWorkflow:
         state = self._state
         holder = state.holder
         busy, wall = self._busy_and_wall(workflow.now())
+        self._metrics.queue_depth.set(len(state.queue))
+        self._metrics.utilization.set(min(1.0, busy / wall))
         queue = ", ".join(f"{w.request.job_id} (p{w.request.priority})" for w in state.queue)
         lines = [
             f"**holder**: {holder.request.job_id} · token {holder.token}"

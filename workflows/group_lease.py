@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
         GroupRequest,
         ReleaseRequest,
         RenewRequest,
+        SnapshotReport,
         SnapshotTarget,
         group_workflow_id,
     )
@@ -64,6 +65,7 @@ class GroupLeases:
         *,
         snapshot: SnapshotTarget | None = None,
         state_bytes: int | None = None,
+        restores_itself: bool = False,
     ) -> GrantNotice:
         """Wait for the group; raises ApplicationError type ``AcquireTimeout`` or ``JobFaulted``.
 
@@ -80,6 +82,7 @@ class GroupLeases:
             # As plain data: a model built in another workflow module may be another copy's class.
             snapshot=_plain(snapshot or self.snapshot),
             state_bytes=state_bytes if state_bytes is not None else self.state_bytes,
+            restores_itself=restores_itself,
         )
         await workflow.execute_local_activity(
             REQUEST_GROUP_ACTIVITY,
@@ -117,13 +120,14 @@ class GroupLeases:
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
 
-    async def release(self, lease: GrantNotice) -> None:
+    async def release(
+        self, lease: GrantNotice, *, restored: list[SnapshotReport] | None = None
+    ) -> None:
         await self.forget(lease)
-        await self._signal(
-            lease.group_id,
-            "release",
-            ReleaseRequest(request_id=lease.request_id, token=lease.token),
-        )
+        release = ReleaseRequest(request_id=lease.request_id, token=lease.token)
+        # As plain data, like the snapshot target above.
+        reports = [r.model_dump() for r in restored or []]
+        await self._signal(lease.group_id, "release", {**release.model_dump(), "restored": reports})
 
 
 def _plain(target: SnapshotTarget | None) -> dict | None:

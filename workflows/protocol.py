@@ -132,6 +132,11 @@ class AcquireRequest(_Model):
     timeout_s: float | None = Field(None, ge=0)
     snapshot: SnapshotTarget | None = None
     state_bytes: int | None = Field(None, ge=0, description="declared device footprint")
+    restores_itself: bool = Field(
+        False,
+        description="the requester restores its own evicted state once granted (in-process "
+        "backends), so the grant does not wait for a restore activity",
+    )
 
     @field_validator("job_id")
     @classmethod
@@ -157,6 +162,26 @@ class GroupRequest(_Model):
 class ReleaseRequest(_Model):
     request_id: str
     token: int
+    # Co-operative switching: a holder that moves its own state (its in-process backends)
+    # reports it here, so the group's residency and accounting stay true.
+    evicted: list[SnapshotReport] = Field(
+        default_factory=list, description="the holder moved its state out before releasing"
+    )
+    restored: list[SnapshotReport] = Field(
+        default_factory=list, description="the holder restored its own state during the lease"
+    )
+    evicting: bool = Field(
+        False,
+        description="the holder moves its state out right after this release, while the next "
+        "holder restores (only when the holder view said both fit); a `moved` signal follows",
+    )
+
+
+class MovedReport(_Model):
+    """What a holder that released with ``evicting`` moved out afterwards (for accounting)."""
+
+    job_id: str
+    evicted: list[SnapshotReport]
 
 
 class CancelRequest(_Model):
@@ -276,6 +301,23 @@ class LeaseRecord(_Model):
     outcome: LeaseOutcome
 
 
+class SwitchRecord(_Model):
+    """One move of device state: evicting ``from_job`` and / or restoring ``to_job``.
+
+    Moves the group runs itself are timed by the workflow's clock. A holder's own moves
+    (``by_holder``, reported in its release) are placed at its lease's start (a restore) or end
+    (an eviction), with the durations they reported.
+    """
+
+    from_job: str | None
+    to_job: str | None
+    start: datetime
+    end: datetime
+    bytes: int = 0
+    overlapped: bool = False
+    by_holder: bool = False
+
+
 class GroupStats(_Model):
     created_at: datetime
     leases: int = 0
@@ -312,6 +354,7 @@ class GroupState(_Model):
     faulted_jobs: dict[str, str] = Field(default_factory=dict)
     recent_done: list[str] = Field(default_factory=list)
     history: list[LeaseRecord] = Field(default_factory=list)
+    switch_history: list[SwitchRecord] = Field(default_factory=list)
 
 
 class GroupInput(_Model):
@@ -325,6 +368,12 @@ class HolderView(_Model):
     held_s: float
     expires_in_s: float | None
     waiting: int = Field(0, description="requests queued behind this lease")
+    request_id: str = ""
+    next_fits: bool = Field(
+        False,
+        description="the group's declared memory holds this holder's state and the next "
+        "waiter's at once: the holder may evict after releasing, overlapping the next restore",
+    )
 
 
 class WaiterView(_Model):
@@ -347,3 +396,4 @@ class GroupStatus(_Model):
     wait_p99_s: float | None
     stats: GroupStats
     history: list[LeaseRecord]
+    switch_history: list[SwitchRecord] = Field(default_factory=list)

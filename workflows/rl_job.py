@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
     from timeslice.workflows.protocol import (
         GrantNotice,
         QueueTarget,
+        SnapshotReport,
         SnapshotTarget,
         job_task_queue,
     )
@@ -236,7 +237,7 @@ class RLJobWorkflow:
         elif keep and result is not None:
             self._carried = lease
         else:
-            await self._release(lease)
+            await self._release(lease, restored=result.restored if result else None)
 
     # ---------------------------------------------------------------- preparing and rewinding
 
@@ -353,13 +354,19 @@ class RLJobWorkflow:
 
     # ---------------------------------------------------------------- leases and phases
 
-    def _snapshot_target(self, group_id: str) -> SnapshotTarget | None:
+    def _backends_for(self, group_id: str) -> list[str]:
+        """The job's state that lives on ``group_id``: the sampler's, the trainer's, or both."""
         cfg = self._config
         names: list[str] = []
         if group_id == cfg.sampler_group:
             names += self._backends["sampler"]
         if group_id == cfg.trainer:
             names += [n for n in self._backends["trainer"] if n not in names]
+        return names
+
+    def _snapshot_target(self, group_id: str) -> SnapshotTarget | None:
+        cfg = self._config
+        names = self._backends_for(group_id)
         if not names:
             return None
         return SnapshotTarget(
@@ -380,6 +387,9 @@ class RLJobWorkflow:
                 self._config.acquire_timeout_s,
                 snapshot=self._snapshot_target(group_id),
                 state_bytes=self._state.state_bytes,
+                # The job process restores its in-process state itself before each leased
+                # activity, so a grant never waits for a restore activity.
+                restores_itself=True,
             )
         except ApplicationError as err:
             raise ApplicationError(
@@ -390,9 +400,11 @@ class RLJobWorkflow:
             record.wait_s[purpose] = (workflow.now() - asked).total_seconds()
         return lease
 
-    async def _release(self, lease: GrantNotice) -> None:
+    async def _release(
+        self, lease: GrantNotice, restored: list[SnapshotReport] | None = None
+    ) -> None:
         if self._held.pop(lease.group_id, None) is not None:
-            await self._leases.release(lease)
+            await self._leases.release(lease, restored=restored)
 
     async def _release_all(self) -> None:
         self._carried = None
@@ -422,6 +434,7 @@ class RLJobWorkflow:
             token=lease.token if lease else None,
             request_id=lease.request_id if lease else None,
             release=release,
+            evict_backends=self._backends_for(lease.group_id) if lease else [],
             lease_check_s=max(0.5, min(5.0, (lease.ttl_s if lease else 15.0) / 4)),
         )
         results = await self._on_all_ranks(

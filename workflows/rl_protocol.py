@@ -14,6 +14,7 @@ from timeslice.workflows.protocol import (
     MAX_PRIORITY,
     MIN_LEASE_TTL_S,
     MIN_PRIORITY,
+    SnapshotReport,
     _Model,
     check_id,
 )
@@ -160,6 +161,11 @@ class PhaseInput(_Model):
     token: int | None = Field(None, description="the lease's fencing token")
     request_id: str | None = Field(None, description="the lease's request, to release it")
     lease_check_s: float = Field(2.0, gt=0)
+    evict_backends: list[str] = Field(
+        default_factory=list,
+        description="when releasing with others waiting, first move these backends' state out "
+        "(co-operative eviction: the next holder's switch need not wait for a snapshot)",
+    )
     release: Literal["always", "if_contended", "never"] = Field(
         "never",
         description="release the lease as soon as the phase's work is done (saves the "
@@ -177,6 +183,12 @@ class PhaseResult(_Model):
     group_id: str | None = None
     token: int | None = Field(None, description="the fencing token of the lease it ran under")
     released: bool = Field(False, description="the process released the lease itself")
+    restored: list[SnapshotReport] = Field(
+        default_factory=list, description="state the process restored before the phase"
+    )
+    evicted: list[SnapshotReport] = Field(
+        default_factory=list, description="state the process moved out before releasing"
+    )
 
 
 class CheckpointInput(_Model):
