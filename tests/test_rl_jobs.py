@@ -225,6 +225,17 @@ def test_job_started_from_the_temporal_cli_runs_to_completion(
     done = run(result, address)
     assert_every_epoch_once(done, 3)
     assert done.last_checkpoint is not None and done.last_checkpoint.epochs_done == 3
+
+    # The search attributes the workflow upserts make it findable the way the README says.
+    def listed() -> bool:
+        out = subprocess.run(
+            [str(temporal_binary()), "workflow", "list", "--address", address, "--query",
+             f'TimesliceJob="{job}" AND TimeslicePhase="completed"', "--output", "json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        return out.returncode == 0 and rl_job_workflow_id(job) in out.stdout
+
+    wait_for(listed, timeout=60, what="the job in `temporal workflow list` by its attributes")
     assert [r.reward_mean for r in done.records] == [1.0 - 0.5 * 0.9**e for e in range(3)]
 
 
@@ -250,6 +261,32 @@ def test_time_sliced_grpo_jobs_never_overlap_and_converge_bit_identically(
     assert [r.reward_mean for r in results[0].records] == [
         r.reward_mean for r in dedicated_run.records
     ]
+
+
+def test_jobs_on_separate_sampler_and_trainer_groups(
+    address: str, job_workers: Callable[..., Any], dedicated_run: RLJobResult
+) -> None:
+    """Sampler state moves on the sampler group's switches, trainer state on the trainer's."""
+    a, b = job_id("sa"), job_id("sb")
+    sampler, trainer = f"s-{a}", f"t-{a}"
+    job_workers(a, "grpo-toy")
+    job_workers(b, "grpo-toy")
+    results = start_many(
+        address,
+        [
+            grpo_config(a, sampler, trainer_group=trainer),
+            grpo_config(b, sampler, trainer_group=trainer, seed=8),
+        ],
+    )
+    for result in results:
+        assert_every_epoch_once(result, GRPO_EPOCHS)
+    for group, phase in ((sampler, "sample"), (trainer, "train")):
+        holds = gpu_holds(results, group)
+        assert {h.phase for r in results for rec in r.records for h in rec.holds
+                if h.group_id == group} == {phase}  # fmt: skip
+        assert len(holds) == 2 * GRPO_EPOCHS
+        assert_no_overlap(holds)
+    assert_bit_identical(final_state(results[0]), final_state(dedicated_run))
 
 
 def test_killed_job_process_resumes_from_checkpoint_and_runs_every_epoch_once(
