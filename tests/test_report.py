@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -438,3 +439,15 @@ def test_report_of_two_time_sliced_jobs(
         check_png(files.png)
     check_html(tmp_path / "report" / "report.html", [group], jobs)
     assert (tmp_path / "report" / "report.txt").read_text(encoding="utf-8") == text
+
+    # The same through the command line.
+    cli = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "report", "--address", address,
+         "--group", group, *(arg for job in jobs for arg in ("--job", job)),
+         "--out", str(tmp_path / "cli")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert group in cli.stdout and all(job in cli.stdout for job in jobs)
+    for name in ("report.txt", "report.html", "timeline.png"):
+        assert (tmp_path / "cli" / name).stat().st_size > 0

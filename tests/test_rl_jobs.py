@@ -354,6 +354,31 @@ def test_revoked_lease_stops_the_running_phase(
     assert "LeaseRevoked" in cause.message and "was revoked" in cause.message
 
 
+def test_job_with_two_ranks_runs_every_phase_on_both(
+    address: str, job_workers: Callable[..., Any], group: str, tmp_path: Path
+) -> None:
+    job = job_id("ranks")
+    for rank in (0, 1):
+        job_workers(job, "simulated", rank)
+    done = start_and_wait(
+        address,
+        job_id=job,
+        workload="simulated",
+        workload_options={**FAST, "state_bytes": 1024},
+        sampler_group=group,
+        epochs=2,
+        ranks=2,
+    )
+    assert_every_epoch_once(done, 2)
+    # Each rank ran its phases and wrote its own checkpoint directory.
+    assert done.last_checkpoint is not None
+    saved = sorted(p.name for p in Path(done.last_checkpoint.path).iterdir())
+    assert saved == ["rank-0", "rank-1"]
+    for rank in (0, 1):
+        log = (tmp_path / f"{job}-{rank}.log").read_text()
+        assert "epoch 1 train" in log, f"rank {rank} did not train epoch 1"
+
+
 def test_stop_signal_finishes_the_epoch_and_checkpoints(
     address: str, job_workers: Callable[..., Any], group: str
 ) -> None:
