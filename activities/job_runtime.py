@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -91,8 +91,13 @@ class JobRuntime:
         self._epochs_done: int | None = None
         self._sampled: int | None = None
         self._rewarded: int | None = None
-        self._busy = asyncio.Lock()
-        self.snapshots = SnapshotActivities(None, self._busy)
+        # One lock per backend: GPU work and snapshots of the same state never overlap, while
+        # a switch of one group (say the trainer's) need not wait for a phase on another.
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._all_backends = list(
+            dict.fromkeys([*workload.sampler_backends, *workload.trainer_backends])
+        )
+        self.snapshots = SnapshotActivities(None, self._holding)
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
@@ -161,7 +166,7 @@ class JobRuntime:
             group_size=inp.spec.group_size,
             options=dict(inp.spec.options),
         )
-        async with self._busy:
+        async with _keep_alive(), self._holding(self._all_backends):
             if self._spec is not None and self._spec != spec:
                 raise ApplicationError(
                     f"job {self.job_id}: this process was prepared with {self._spec}, now asked "
@@ -172,7 +177,7 @@ class JobRuntime:
             if inp.checkpoint is None and self._spec is not None and self._epochs_done != 0:
                 raise _state_lost(f"job {self.job_id}: no checkpoint to rewind to; {self._where()}")
 
-            await self._ensure_resident()
+            await self._ensure_resident(self._all_backends)
 
             def build() -> PrepareResult:
                 if self._spec is None:
@@ -225,9 +230,9 @@ class JobRuntime:
     async def save_checkpoint(self, inp: CheckpointInput) -> CheckpointRef:
         self._check_job(inp.job_id)
         epoch_dir = self.checkpoint_dir / self.job_id / f"epoch-{inp.epochs_done:06d}"
-        async with self._busy:
+        async with _keep_alive(), self._holding(inp.backends):
             self._expect(inp.epochs_done)
-            await self._ensure_resident()
+            await self._ensure_resident(inp.backends)
 
             def save() -> None:
                 final = self._rank_dir(epoch_dir)
@@ -254,10 +259,17 @@ class JobRuntime:
         self._check_job(inp.job_id)
         # Only GPU phases exclude snapshots: the rewards phase runs while other jobs hold the
         # group, and a switch that evicts this job must not wait for it.
-        guard = self._busy if inp.group_id is not None else contextlib.nullcontext()
-        async with guard:
+        leased = inp.group_id is not None and inp.token is not None
+        async with _keep_alive(), self._holding(inp.group_backends if leased else []):
             check()
-            restored = await self._ensure_resident() if inp.group_id is not None else []
+            if leased and inp.verify_lease and not await self._holds(inp.group_id, inp.token):
+                raise ApplicationError(
+                    f"job {self.job_id}: the lease on {inp.group_id} (token {inp.token}) is no "
+                    "longer held; not starting the phase",
+                    type=LEASE_REVOKED,
+                    non_retryable=True,
+                )
+            restored = await self._ensure_resident(inp.group_backends) if leased else []
             ctx = PhaseContext(inp.epoch, inp.phase)
             started = time.monotonic()
             try:
@@ -367,13 +379,24 @@ class JobRuntime:
     def _backends(self) -> dict[str, SnapshotBackend]:
         return self.snapshots.backends or {}
 
-    async def _ensure_resident(self) -> list[SnapshotReport]:
-        """Restore whatever of this job's state is out, before it uses the group.
+    @contextlib.asynccontextmanager
+    async def _holding(self, names: list[str]) -> AsyncIterator[None]:
+        """Exclusive use of the named backends' state (locks taken in one order: no deadlock)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for name in sorted(set(names)):
+                await stack.enter_async_context(self._locks.setdefault(name, asyncio.Lock()))
+            yield
+
+    async def _ensure_resident(self, names: list[str]) -> list[SnapshotReport]:
+        """Restore the named state if it is out, before the job uses the group it lives on.
 
         The job asks for its leases with ``restores_itself``: the group grants at once and the
-        restore happens here, in the process that owns the state, off the group's path.
+        restore happens here, in the process that owns the state, off the group's path. Only
+        the leased group's state comes back: the other group's may belong on a device another
+        job holds now.
         """
-        out = [b for b in self._backends().values() if getattr(b, "evicted", False)]
+        backends = self._backends()
+        out = [backends[n] for n in names if n in backends and getattr(backends[n], "evicted", 0)]
         return [await backend.restore(self.job_id) for backend in reversed(out)]
 
     async def _release_after(
@@ -400,11 +423,13 @@ class JobRuntime:
             return False, []  # revoked meanwhile: nothing of ours to release
         if inp.release == "if_contended" and holder.waiting == 0:
             return False, []
-        evict = bool(holder.waiting and inp.evict_backends)
+        evict = bool(holder.waiting and inp.group_backends)
         # When the group's memory holds both states, release first and evict after: the next
         # holder's restore overlaps this eviction (the lock keeps our next use after it).
         after = evict and holder.next_fits
-        evicted = [] if after or not evict else await self._evict(inp.evict_backends)
+        evicted: list[SnapshotReport] = []
+        if evict and not after:
+            evicted, _ = await self._evict(inp.group_backends)
         handle = activity.client().get_workflow_handle(group_workflow_id(inp.group_id))
         release = ReleaseRequest(
             request_id=inp.request_id,
@@ -417,21 +442,25 @@ class JobRuntime:
             await handle.signal("release", release)
         except Exception as err:  # the workflow's own release will follow
             log.warning("cannot release %s from the job process: %s", inp.group_id, err)
+            if after:  # it may have arrived all the same: moving out is always safe
+                await self._evict(inp.group_backends)
             return False, evicted
         if after:
-            evicted = await self._evict(inp.evict_backends)
-            with contextlib.suppress(Exception):  # accounting only
-                await handle.signal("moved", MovedReport(job_id=self.job_id, evicted=evicted))
+            evicted, error = await self._evict(inp.group_backends)
+            report = MovedReport(job_id=self.job_id, evicted=evicted, error=error)
+            try:  # the group waits for this before restoring a job that does not fit beside us
+                await handle.signal("moved", report)
+            except Exception as err:  # it falls back to its own snapshot activity
+                log.warning("cannot tell %s the eviction is done: %s", inp.group_id, err)
         return True, evicted
 
-    async def _evict(self, names: list[str]) -> list[SnapshotReport]:
+    async def _evict(self, names: list[str]) -> tuple[list[SnapshotReport], str | None]:
         try:
-            return [
-                await b.snapshot(self.job_id) for b in resolve_backends(names, self._backends())
-            ]
-        except SnapshotError as err:  # the group's own switch will evict, or fault us
+            backends = resolve_backends(names, self._backends())
+            return [await backend.snapshot(self.job_id) for backend in backends], None
+        except SnapshotError as err:  # the group faults us, or evicts through its activity
             log.warning("co-operative eviction of %s failed: %s", self.job_id, err)
-            return []
+            return [], str(err)
 
     # ---------------------------------------------------------------- checkpoints on disk
 
@@ -445,3 +474,21 @@ class JobRuntime:
             shutil.rmtree(self._rank_dir(old), ignore_errors=True)
             with contextlib.suppress(OSError):
                 old.rmdir()  # only once every rank has pruned it
+
+
+@contextlib.asynccontextmanager
+async def _keep_alive(every_s: float = HEARTBEAT_EVERY_S) -> AsyncIterator[None]:
+    """Heartbeat for the whole activity: lock waits, restores and evictions included."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            activity.heartbeat()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

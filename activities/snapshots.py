@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -18,24 +17,27 @@ from timeslice.workflows.protocol import (
     SnapshotReport,
 )
 
+Guard = Callable[[list[str]], contextlib.AbstractAsyncContextManager[None]]
+
 
 class SnapshotActivities:
     """``backends`` None means the process holds no state yet (a restarted job process that
     has not been prepared): there is nothing to move, and that is not an error.
-    ``lock``, when given, keeps snapshots from racing the process's own GPU work."""
+    ``guard``, when given, is entered with the names of the backends a call moves: it keeps a
+    snapshot from racing the process's own GPU work on that state (and only that state)."""
 
     def __init__(
-        self, backends: dict[str, SnapshotBackend] | None, lock: asyncio.Lock | None = None
+        self, backends: dict[str, SnapshotBackend] | None, guard: Guard | None = None
     ) -> None:
         self.backends = backends
-        self._lock = lock
+        self._guard_fn = guard
 
     @contextlib.asynccontextmanager
-    async def _guard(self) -> AsyncIterator[None]:
-        if self._lock is None:
+    async def _guard(self, names: list[str]) -> AsyncIterator[None]:
+        if self._guard_fn is None:
             yield
         else:
-            async with self._lock:
+            async with self._guard_fn(names):
                 yield
 
     def _resolve(self, call: SnapshotCall) -> list[SnapshotBackend]:
@@ -54,7 +56,7 @@ class SnapshotActivities:
     async def snapshot(self, call: SnapshotCall) -> list[SnapshotReport]:
         # Composed backends snapshot in order and restore in reverse.
         with span("timeslice.snapshot", _attributes(call)) as current:
-            async with self._guard():
+            async with self._guard(call.backends):
                 reports = [await _run(b.snapshot, call) for b in self._resolve(call)]
             _record(current, "snapshot", reports)
         activity.logger.info("evicted %s: %s", call.job_id, _summary(reports))
@@ -63,7 +65,7 @@ class SnapshotActivities:
     @activity.defn(name=RESTORE_ACTIVITY)
     async def restore(self, call: SnapshotCall) -> list[SnapshotReport]:
         with span("timeslice.restore", _attributes(call)) as current:
-            async with self._guard():
+            async with self._guard(call.backends):
                 reports = [await _run(b.restore, call) for b in reversed(self._resolve(call))]
             _record(current, "restore", reports)
         activity.logger.info("restored %s: %s", call.job_id, _summary(reports))

@@ -358,6 +358,10 @@ class GpuGroupWorkflow:
             return None
         if request.job_id in state.faulted_jobs:
             return state.faulted_jobs[request.job_id]
+        await self._await_own_eviction(request)
+        if request.job_id in state.faulted_jobs:
+            return state.faulted_jobs[request.job_id]
+        resident = state.resident
         evict = resident is not None and resident.snapshot is not None
         restore = request.snapshot is not None and request.job_id in state.evicted_jobs
         restores_itself = restore and request.restores_itself
@@ -403,6 +407,30 @@ class GpuGroupWorkflow:
             )
         )
         return fault
+
+    async def _await_own_eviction(self, request: AcquireRequest) -> None:
+        """A previous holder still moving its state out: wait for it unless both fit.
+
+        The holder was told the next waiter fits beside it, but the waiter granted may differ
+        (priorities, ageing, cancellations). If its `moved` report does not come in time, the
+        group evicts it through its own snapshot activity."""
+        evicting = self._state.evicting
+        if evicting is None or evicting.job_id == request.job_id:
+            return
+        if self._both_fit(evicting, request):
+            return
+        with contextlib.suppress(TimeoutError):
+            await workflow.wait_condition(
+                lambda: self._state.evicting is None, timeout=self._config.snapshot_timeout_s
+            )
+        evicting = self._state.evicting
+        if evicting is not None:
+            self._state.evicting = None
+            if evicting.snapshot is not None:
+                workflow.logger.warning(
+                    "job %s did not report its own eviction; evicting it", evicting.job_id
+                )
+                await self._run_snapshot(SNAPSHOT_ACTIVITY, evicting.job_id, evicting.snapshot)
 
     def _record_switch(self, record: SwitchRecord) -> None:
         if self._config.history_keep:
@@ -454,6 +482,8 @@ class GpuGroupWorkflow:
             state.resident = None
         if job_id in state.evicted_jobs:
             state.evicted_jobs.remove(job_id)
+        if state.evicting is not None and state.evicting.job_id == job_id:
+            state.evicting = None
         state.faulted_jobs.pop(job_id, None)
         state.stats.departed += 1
 
@@ -569,8 +599,10 @@ class GpuGroupWorkflow:
         if release.restored:
             stats.restores += 1
         if release.evicting and state.resident is not None and state.resident.job_id == job_id:
-            # Its own eviction runs from now on; the bytes come with its `moved` signal.
+            # Its own eviction runs from now on; the bytes come with its `moved` signal, and
+            # until then only a job whose state fits beside it may be restored.
             stats.evictions += 1
+            state.evicting = state.resident
             state.resident = None
             if job_id not in state.evicted_jobs:
                 state.evicted_jobs.append(job_id)
@@ -609,9 +641,32 @@ class GpuGroupWorkflow:
     def moved(self, report: MovedReport) -> None:
         """A holder's eviction after an ``evicting`` release finished: count its bytes.
 
-        Its time is not switching time: it overlapped the next holder's restore and work."""
-        self._state.stats.bytes_moved += sum(r.bytes for r in report.evicted)
-        self._metrics.bytes_moved.add(sum(r.bytes for r in report.evicted), {"direction": "evict"})
+        Its time is not switching time: it overlapped the next holder's restore and work, so
+        its mark on the timeline has no width. A failed eviction faults the job: its state may
+        still be on the device."""
+        state = self._state
+        if state.evicting is not None and state.evicting.job_id == report.job_id:
+            state.evicting = None
+            self._wake = True
+        moved = sum(r.bytes for r in report.evicted)
+        state.stats.bytes_moved += moved
+        self._metrics.bytes_moved.add(moved, {"direction": "evict"})
+        now = workflow.now()
+        if moved:
+            self._record_switch(
+                SwitchRecord(
+                    from_job=report.job_id,
+                    to_job=None,
+                    start=now,
+                    end=now,
+                    bytes=moved,
+                    overlapped=True,
+                    by_holder=True,
+                )
+            )
+        if report.error is not None:
+            state.stats.snapshot_failures += 1
+            self._fault(report.job_id, f"its own eviction failed: {report.error}")
 
     @workflow.signal
     def depart(self, depart: DepartRequest) -> None:

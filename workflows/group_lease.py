@@ -93,6 +93,10 @@ class GroupLeases:
         rid = request.request_id
         try:
             await workflow.wait_condition(lambda: rid in self._grants, timeout=timeout)
+        except asyncio.CancelledError:
+            # The requester is being cancelled: take the request (or a racing grant) back.
+            await self._signal(group_id, "cancel", CancelRequest(request_id=rid))
+            raise
         except TimeoutError:
             # The group drops it too (and ends a grant that raced this), so it never leaks.
             await self._signal(group_id, "cancel", CancelRequest(request_id=rid))
@@ -121,13 +125,25 @@ class GroupLeases:
                 await renewer
 
     async def release(
-        self, lease: GrantNotice, *, restored: list[SnapshotReport] | None = None
+        self,
+        lease: GrantNotice,
+        *,
+        restored: list[SnapshotReport] | None = None,
+        evicted: list[SnapshotReport] | None = None,
     ) -> None:
+        """Release; ``restored`` / ``evicted``: what the holder moved itself, for accounting."""
         await self.forget(lease)
         release = ReleaseRequest(request_id=lease.request_id, token=lease.token)
         # As plain data, like the snapshot target above.
-        reports = [r.model_dump() for r in restored or []]
-        await self._signal(lease.group_id, "release", {**release.model_dump(), "restored": reports})
+        await self._signal(
+            lease.group_id,
+            "release",
+            {
+                **release.model_dump(),
+                "restored": [r.model_dump() for r in restored or []],
+                "evicted": [r.model_dump() for r in evicted or []],
+            },
+        )
 
 
 def _plain(target: SnapshotTarget | None) -> dict | None:

@@ -182,6 +182,7 @@ class MovedReport(_Model):
 
     job_id: str
     evicted: list[SnapshotReport]
+    error: str | None = Field(None, description="the eviction failed: the state is still there")
 
 
 class CancelRequest(_Model):
@@ -355,6 +356,8 @@ class GroupState(_Model):
     recent_done: list[str] = Field(default_factory=list)
     history: list[LeaseRecord] = Field(default_factory=list)
     switch_history: list[SwitchRecord] = Field(default_factory=list)
+    # A holder that released with ``evicting`` and has not reported its eviction done yet.
+    evicting: ResidentJob | None = None
 
 
 class GroupInput(_Model):
@@ -397,3 +400,16 @@ class GroupStatus(_Model):
     stats: GroupStats
     history: list[LeaseRecord]
     switch_history: list[SwitchRecord] = Field(default_factory=list)
+
+
+def _resolve_forward_references() -> None:
+    """Resolve every model's references to models defined further down, at import.
+
+    Left lazy, the first use would resolve them, and inside the workflow sandbox that can fail
+    ("ReleaseRequest is not fully defined")."""
+    for value in list(globals().values()):
+        if isinstance(value, type) and issubclass(value, _Model) and value is not _Model:
+            value.model_rebuild()
+
+
+_resolve_forward_references()

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from timeslice.workflows.group_lease import GroupLeases
@@ -110,11 +111,12 @@ class RLJobWorkflow:
         self._state = inp.state or RLJobState()
         self._status = "starting"
         self._phase = "starting"
-        self._stop_requested = False
         self._epochs_this_run = 0
         self._held: dict[str, GrantNotice] = {}
         # A trainer lease kept for the next epoch's sampling (same group, nobody waiting).
         self._carried: GrantNotice | None = None
+        # Restores done under a carried lease, reported to the group when it is released.
+        self._unreported: dict[str, list[SnapshotReport]] = {}
         self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
@@ -137,28 +139,29 @@ class RLJobWorkflow:
     async def _run(self) -> RLJobResult:
         cfg, state = self._config, self._state
         await self._describe()
-        self._status = "running"
-        failures = 0
+        self._status = "stopping" if state.stop_requested else "running"
         while True:
             try:
                 if not state.prepared:
                     await self._prepare()
-                if state.epochs_done >= cfg.epochs or self._stop_requested:
+                if state.epochs_done >= cfg.epochs or state.stop_requested:
                     await self._release_all()
                     break
                 if self._epochs_this_run >= cfg.continue_as_new_every or (
                     workflow.info().is_continue_as_new_suggested()
                 ):
                     await self._continue_as_new()
+                    continue  # a stop that came while handlers drained ends the job instead
                 await self._run_epoch(state.epochs_done)
-                failures = 0
+                state.failures = 0
             except _EpochFailed as failed:
                 await self._release_all()
-                failures += 1
-                if failures > cfg.max_failures:
+                state.failures += 1
+                if state.failures > cfg.max_failures:
                     raise ApplicationError(
-                        f"job {cfg.job_id}: epoch {state.epochs_done} failed {failures} times "
-                        f"in a row (max_failures={cfg.max_failures}); last failure: {failed}",
+                        f"job {cfg.job_id}: epoch {state.epochs_done} failed {state.failures} "
+                        f"times in a row (max_failures={cfg.max_failures}); last failure: "
+                        f"{failed}",
                         type="JobFailed",
                         non_retryable=True,
                     ) from None
@@ -171,7 +174,14 @@ class RLJobWorkflow:
                 self._rewind()
                 await self._describe()
         if state.last_checkpoint is None or state.last_checkpoint.epochs_done != state.epochs_done:
-            await self._final_checkpoint()
+            try:
+                await self._final_checkpoint()
+            except _EpochFailed as failed:
+                # The process lost what it trained since the last checkpoint: the job ends
+                # there, stopped, rather than failing.
+                workflow.logger.warning("final checkpoint failed (%s); ending at the last", failed)
+                await self._release_all()
+                self._rewind()
         self._status = "stopped" if state.epochs_done < cfg.epochs else "completed"
         self._set_phase(self._status)
         return RLJobResult(
@@ -190,13 +200,22 @@ class RLJobWorkflow:
         done = epoch + 1
 
         # The process releases the sampler group itself the moment sampling ends.
-        lease = self._carried or await self._acquire(cfg.sampler_group, "sample", record)
-        if self._carried is not None:
+        carried = self._carried
+        lease = carried or await self._acquire(cfg.sampler_group, "sample", record)
+        if carried is not None:
             record.wait_s["sample"] = 0.0
             self._carried = None
+        # With several ranks the workflow releases, once all of them are done.
+        solo = cfg.ranks == 1
         sampled: PhaseResult | None = None
         try:
-            sampled = await self._run_phase(epoch, "sample", lease, release="always")
+            sampled = await self._run_phase(
+                epoch,
+                "sample",
+                lease,
+                release="always" if solo else "never",
+                verify_lease=carried is not None,
+            )
         finally:
             await self._settle(lease, sampled)
         self._note(record, sampled, hold=True)
@@ -208,17 +227,21 @@ class RLJobWorkflow:
         # Train, then sample the next epoch on the same group: when nobody is waiting there
         # is nothing to yield to, so the lease carries over (no release, no new grant).
         checkpoint_due = done % cfg.checkpoint_every == 0 or done == cfg.epochs
-        may_keep = cfg.sampler_group == cfg.trainer and done < cfg.epochs
-        release = "never" if checkpoint_due else "if_contended" if may_keep else "always"
+        may_keep = cfg.sampler_group == cfg.trainer and done < cfg.epochs and solo
+        release = "always" if solo else "never"
+        if checkpoint_due:
+            release = "never"
+        elif may_keep:
+            release = "if_contended"
         lease = await self._acquire(cfg.trainer, "train", record)
         trained: PhaseResult | None = None
         keep = False
         try:
             trained = await self._run_phase(epoch, "train", lease, release=release)
             self._note(record, trained, hold=True)
-            if checkpoint_due or (self._stop_requested and not trained.released):
+            if checkpoint_due or (self._state.stop_requested and not trained.released):
                 await self._checkpoint(done, lease.group_id)
-            keep = release == "if_contended" and not self._stop_requested
+            keep = release == "if_contended" and not self._state.stop_requested
         finally:
             await self._settle(lease, trained, keep=keep)
         state.epochs_done = done
@@ -233,11 +256,18 @@ class RLJobWorkflow:
         """After a GPU phase: the process released the lease, or we keep it, or release it."""
         if result is not None and result.released:
             self._held.pop(lease.group_id, None)
+            self._unreported.pop(lease.request_id, None)
             await self._leases.forget(lease)
         elif keep and result is not None:
             self._carried = lease
+            # Its restores travel with the lease's eventual release.
+            self._unreported.setdefault(lease.request_id, []).extend(result.restored)
         else:
-            await self._release(lease, restored=result.restored if result else None)
+            await self._release(
+                lease,
+                restored=result.restored if result else None,
+                evicted=result.evicted if result else None,
+            )
 
     # ---------------------------------------------------------------- preparing and rewinding
 
@@ -319,7 +349,11 @@ class RLJobWorkflow:
         self._set_phase("checkpoint")
         refs = await self._on_all_ranks(
             CHECKPOINT_ACTIVITY,
-            CheckpointInput(job_id=self._config.job_id, epochs_done=epochs_done),
+            CheckpointInput(
+                job_id=self._config.job_id,
+                epochs_done=epochs_done,
+                backends=self._backends_for(group_id),
+            ),
             CheckpointRef,
             self._config.checkpoint_timeout_s,
             f"checkpoint · {_checkpoint_label(CheckpointRef(epochs_done=epochs_done, path=''))} "
@@ -330,24 +364,17 @@ class RLJobWorkflow:
     async def _final_checkpoint(self) -> None:
         """Stopped between epochs: save what was trained since the last checkpoint."""
         cfg = self._config
-        for attempt in range(cfg.max_failures + 1):
-            lease = await self._acquire(cfg.trainer, "checkpoint", None)
-            try:
-                await self._checkpoint(self._state.epochs_done, cfg.trainer)
-                return
-            except _EpochFailed as failed:
-                workflow.logger.warning("final checkpoint failed (%s), attempt %d", failed, attempt)
-            finally:
-                await self._release(lease)
-        raise ApplicationError(
-            f"job {cfg.job_id}: the final checkpoint failed {cfg.max_failures + 1} times",
-            type="JobFailed",
-            non_retryable=True,
-        )
+        lease = await self._acquire(cfg.trainer, "checkpoint", None)
+        try:
+            await self._checkpoint(self._state.epochs_done, cfg.trainer)
+        finally:
+            await self._release(lease)
 
     async def _continue_as_new(self) -> None:
         await self._release_all()  # a lease's renewal does not survive the run
         await workflow.wait_condition(workflow.all_handlers_finished)
+        if self._state.stop_requested:
+            return
         self._state.runs += 1
         carried = RLJobInput(config=self._config, state=self._state)
         workflow.continue_as_new(carried.model_dump(mode="json"))
@@ -401,10 +428,16 @@ class RLJobWorkflow:
         return lease
 
     async def _release(
-        self, lease: GrantNotice, restored: list[SnapshotReport] | None = None
+        self,
+        lease: GrantNotice,
+        restored: list[SnapshotReport] | None = None,
+        evicted: list[SnapshotReport] | None = None,
     ) -> None:
-        if self._held.pop(lease.group_id, None) is not None:
-            await self._leases.release(lease, restored=restored)
+        if lease.group_id in self._held:
+            restored = [*self._unreported.pop(lease.request_id, []), *(restored or [])]
+            await self._leases.release(lease, restored=restored, evicted=evicted)
+            # Only now: a cancellation during the signal must not lose the release.
+            self._held.pop(lease.group_id, None)
 
     async def _release_all(self) -> None:
         self._carried = None
@@ -417,6 +450,7 @@ class RLJobWorkflow:
         phase: Phase,
         lease: GrantNotice | None,
         release: Literal["always", "if_contended", "never"] = "never",
+        verify_lease: bool = False,
     ) -> PhaseResult:
         cfg = self._config
         self._set_phase(phase)
@@ -434,7 +468,8 @@ class RLJobWorkflow:
             token=lease.token if lease else None,
             request_id=lease.request_id if lease else None,
             release=release,
-            evict_backends=self._backends_for(lease.group_id) if lease else [],
+            group_backends=self._backends_for(lease.group_id) if lease else [],
+            verify_lease=verify_lease,
             lease_check_s=max(0.5, min(5.0, (lease.ttl_s if lease else 15.0) / 4)),
         )
         results = await self._on_all_ranks(
@@ -457,6 +492,8 @@ class RLJobWorkflow:
                     schedule_to_start_timeout=timedelta(seconds=cfg.heartbeat_timeout_s),
                     heartbeat_timeout=timedelta(seconds=cfg.heartbeat_timeout_s),
                     retry_policy=_NO_RETRY,
+                    # A cancelled rank's work must have stopped before the lease moves on.
+                    cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
                     result_type=result_type,
                     summary=summary if cfg.ranks == 1 else f"{summary} · rank {rank}",
                 )
@@ -468,7 +505,7 @@ class RLJobWorkflow:
         except ActivityError as err:
             for task in tasks:
                 task.cancel()
-            await asyncio.wait(tasks)
+            await workflow.wait(tasks)  # deterministic, unlike asyncio.wait
             raise _EpochFailed(_failure(err)) from None
 
     def _note(self, record: EpochRecord, result: PhaseResult, *, hold: bool) -> None:
@@ -527,7 +564,7 @@ class RLJobWorkflow:
     @workflow.signal
     def stop(self) -> None:
         """Finish the current epoch, checkpoint, and complete."""
-        self._stop_requested = True
+        self._state.stop_requested = True
         if self._status == "running":
             self._status = "stopping"
 

@@ -161,10 +161,13 @@ class PhaseInput(_Model):
     token: int | None = Field(None, description="the lease's fencing token")
     request_id: str | None = Field(None, description="the lease's request, to release it")
     lease_check_s: float = Field(2.0, gt=0)
-    evict_backends: list[str] = Field(
+    group_backends: list[str] = Field(
         default_factory=list,
-        description="when releasing with others waiting, first move these backends' state out "
-        "(co-operative eviction: the next holder's switch need not wait for a snapshot)",
+        description="the job's state on the leased group: restored before the phase if it is "
+        "out, and moved out on a contended release (co-operative switching)",
+    )
+    verify_lease: bool = Field(
+        False, description="check the lease is still held before starting (a carried lease)"
     )
     release: Literal["always", "if_contended", "never"] = Field(
         "never",
@@ -194,6 +197,9 @@ class PhaseResult(_Model):
 class CheckpointInput(_Model):
     job_id: str
     epochs_done: int = Field(ge=0)
+    backends: list[str] = Field(
+        default_factory=list, description="the state the checkpoint reads (made resident first)"
+    )
 
 
 class EpochRecord(_Model):
@@ -218,6 +224,8 @@ class RLJobState(_Model):
     redone_epochs: int = 0
     runs: int = 1
     state_bytes: int | None = None
+    stop_requested: bool = False
+    failures: int = Field(0, description="consecutive failed epochs")
 
 
 class RLJobInput(_Model):
