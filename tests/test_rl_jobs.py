@@ -21,10 +21,17 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
+from timeslice.activities.group_requests import start_group
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.server import temporal_binary
-from timeslice.workflows.protocol import CancelRequest, HolderView, group_workflow_id
+from timeslice.workflows.protocol import (
+    CancelRequest,
+    GroupConfig,
+    GroupStatus,
+    HolderView,
+    group_workflow_id,
+)
 from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
 
 from tests.conftest import start_service, stop_process
@@ -352,6 +359,55 @@ def test_revoked_lease_stops_the_running_phase(
     cause = failed.value.cause
     assert isinstance(cause, ApplicationError) and cause.type == "JobFailed"
     assert "LeaseRevoked" in cause.message and "was revoked" in cause.message
+
+
+def test_cooperative_switches_keep_the_group_accounting_true(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    """With memory for both states declared, holders evict themselves after releasing (the
+    next restore overlaps) and report it; every byte moved is counted exactly once."""
+    size = 1 << 20
+    a, b = job_id("ca"), job_id("cb")
+    for job in (a, b):
+        job_workers(job, "simulated")
+
+    async def create(client: Client) -> None:
+        await start_group(client, GroupConfig(group_id=group, memory_bytes=2 * size))
+
+    run(create, address)
+    options = {"sample_s": 0.3, "reward_s": 0.3, "train_s": 0.1, "state_bytes": size,
+               "snapshot_s": 0.05}  # fmt: skip
+    results = start_many(
+        address,
+        [
+            {
+                "job_id": job,
+                "workload": "simulated",
+                "workload_options": options,
+                "sampler_group": group,
+                "epochs": 4,
+            }
+            for job in (a, b)
+        ],
+    )
+    for result in results:
+        assert_every_epoch_once(result, 4)
+    assert_no_overlap(gpu_holds(results, group))
+    lazy = [h for r in results for rec in r.records for h in rec.holds if h.released and h.evicted]
+    assert lazy, "no holder evicted itself on release"
+
+    def settled() -> GroupStatus | None:
+        async def status(client: Client) -> GroupStatus:
+            handle = client.get_workflow_handle(group_workflow_id(group))
+            return await handle.query("status", result_type=GroupStatus)
+
+        s = run(status, address)
+        moves = s.stats.evictions + s.stats.restores
+        return s if s.stats.bytes_moved == moves * size else None
+
+    status = wait_for(settled, timeout=60, what="every eviction's bytes reported")
+    assert status.stats.evictions >= len(lazy) and status.stats.restores >= 1
+    assert status.stats.snapshot_failures == 0 and not status.faulted_jobs
 
 
 def test_job_with_two_ranks_runs_every_phase_on_both(
