@@ -151,7 +151,7 @@ def main() -> None:
             Path(tmp) / "agent.log",
         )
         try:
-            for old in HERE.glob("*_run*.json"):
+            for old in [*HERE.glob("gpu_group_run*.json"), *HERE.glob("snapshot_job_run*.json")]:
                 old.unlink()
             drive(server.address)
             print(f"wrote {asyncio.run(dump(server.address))} histories to {HERE}")
