@@ -39,6 +39,7 @@ from timeslice.workflows.rl_protocol import (
     RL_JOB_WORKFLOW_TYPE,
     RLJobProgress,
     RLJobResult,
+    phase_totals,
     rl_job_workflow_id,
 )
 
@@ -233,13 +234,7 @@ def job_report_from_result(
     result: RLJobResult, *, status: JobStatus = "completed", wall_s: float | None = None
 ) -> JobReport:
     """Summarise a finished job from its result (pure: no I/O)."""
-    phase_s: dict[str, float] = {}
-    wait_s: dict[str, float] = {}
-    for record in result.records:
-        for key, value in record.phase_s.items():
-            phase_s[key] = phase_s.get(key, 0.0) + value
-        for key, value in record.wait_s.items():
-            wait_s[key] = wait_s.get(key, 0.0) + value
+    phase_s, wait_s = phase_totals(result.records)
     rewards = [r.reward_mean for r in result.records if r.reward_mean is not None]
     return JobReport(
         job_id=result.job_id,

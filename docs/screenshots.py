@@ -35,6 +35,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.server import EmbeddedServer, free_port
+from timeslice.services import ServiceStartError, start_service, stop_service
 from timeslice.workflows.protocol import group_workflow_id
 from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
 
@@ -44,31 +45,11 @@ JOBS = ("grpo-a", "grpo-b")
 TIMEOUT_MS = 60_000
 
 
-def start_service(args: list[str], ready: str, log: Path) -> subprocess.Popen[str]:
-    """Start a `timeslice` command and wait for the line that says it is serving."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "timeslice.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=log.open("ab"),
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if ready not in line:
-        proc.kill()
-        raise SystemExit(f"`timeslice {' '.join(args[:2])}` failed to start: {line!r}; see {log}")
-    return proc
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def start(args: list[str], ready: str, log: Path) -> subprocess.Popen[str]:
+    try:
+        return start_service(args, ready, log)
+    except ServiceStartError as err:
+        raise SystemExit(str(err)) from None
 
 
 class Jobs:
@@ -231,10 +212,10 @@ def shoot(args: argparse.Namespace, chromium: str, tmp: Path) -> None:
     jobs: Jobs | None = None
     try:
         worker = ["worker", "--address", server.address]
-        procs.append(start_service(worker, "control worker on task queue", tmp / "worker.log"))
+        procs.append(start(worker, "control worker on task queue", tmp / "worker.log"))
         for job in JOBS:
             procs.append(
-                start_service(
+                start(
                     [
                         "job", "worker", "--address", server.address, "--job-id", job,
                         "--workload", args.workload, "--checkpoint-dir", str(tmp / "ckpt"),
@@ -273,7 +254,7 @@ def shoot(args: argparse.Namespace, chromium: str, tmp: Path) -> None:
         if jobs is not None:
             jobs.close()
         for proc in procs:
-            stop(proc)
+            stop_service(proc)
         server.stop()
 
 

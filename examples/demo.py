@@ -26,9 +26,17 @@ from typing import Any
 
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import describe_progress, parse_job_config, start_rl_job
-from timeslice.report import Report, collect_report, format_text, write_report
+from timeslice.report import (
+    GroupReport,
+    Report,
+    collect_report,
+    format_text,
+    human_bytes,
+    write_report,
+)
 from timeslice.server import EmbeddedServer
-from timeslice.workflows.protocol import GroupStatus, group_workflow_id
+from timeslice.services import ServiceStartError, start_service
+from timeslice.workflows.protocol import group_workflow_id
 from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
 
 STATE = Path(".timeslice")
@@ -38,21 +46,10 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 
 def start(args: list[str], ready: str, log: Path) -> subprocess.Popen[str]:
-    """Start a `timeslice` command and wait for the line that says it is serving."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "timeslice.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if ready not in line:
-        proc.kill()
-        raise SystemExit(f"`timeslice {' '.join(args[:2])}` did not start; see {log}")
-    print(f"  {line.strip()}", flush=True)
-    return proc
+    try:
+        return start_service(args, ready, log, append=False, echo=True)
+    except ServiceStartError as err:
+        raise SystemExit(str(err)) from None
 
 
 def sparkline(values: list[float]) -> str:
@@ -61,15 +58,7 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-async def run_jobs(address: str, epochs: int) -> tuple[list[RLJobResult], GroupStatus, Report]:
+async def run_jobs(address: str, epochs: int) -> tuple[list[RLJobResult], Report]:
     client = await connect(connect_config(address))
     handles = []
     for seed, job in enumerate(JOBS):
@@ -104,13 +93,11 @@ async def run_jobs(address: str, epochs: int) -> tuple[list[RLJobResult], GroupS
             print("  ... still running", flush=True)
             last_print = time.monotonic()
     results = [await h.result() for h in handles]
-    group = client.get_workflow_handle(group_workflow_id(GROUP))
-    status = await group.query("status", result_type=GroupStatus)
     report = await collect_report(client, groups=[GROUP], jobs=list(JOBS))
-    return results, status, report
+    return results, report
 
 
-def summarize(results: list[RLJobResult], status: GroupStatus, ui_url: str | None) -> None:
+def summarize(results: list[RLJobResult], group: GroupReport, ui_url: str | None) -> None:
     print("\nreward (mean over each epoch's completions):")
     for result in results:
         rewards = [r.reward_mean for r in result.records if r.reward_mean is not None]
@@ -125,7 +112,7 @@ def summarize(results: list[RLJobResult], status: GroupStatus, ui_url: str | Non
         waited = sum(sum(r.wait_s.values()) for r in result.records)
         print(f"  {result.job_id}: GPU phases {gpu:.1f} s, waited for the group {waited:.1f} s")
     print(
-        f"  ({status.stats.switches} switches, {human_bytes(status.stats.bytes_moved)} moved. "
+        f"  ({group.switches} switches, {human_bytes(group.bytes_moved)} moved. "
         "grpo-toy's phases last tens of milliseconds,\n   so Temporal's round trips dominate "
         "its wall time; with phases of seconds they fade: bench/utilization.py)"
     )
@@ -166,8 +153,8 @@ def main() -> int:
             cmd = ["job", "worker", "--job-id", job, "--workload", "grpo-toy", "--threads", "1"]
             cmd += ["--checkpoint-dir", str(checkpoints), *address]
             procs.append(start(cmd, f"job {job}", STATE / f"{job}.log"))
-        results, status, report = asyncio.run(run_jobs(server.address, args.epochs))
-        summarize(results, status, server.ui_url)
+        results, report = asyncio.run(run_jobs(server.address, args.epochs))
+        summarize(results, report.groups[0], server.ui_url)
         files = write_report(report, STATE / "demo-report")
         print("\nthe report (`timeslice report` prints it for any cluster):\n")
         print(format_text(report))

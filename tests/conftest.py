@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.server import EmbeddedServer, free_port
+from timeslice.services import start_service
+from timeslice.services import stop_service as stop_process
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 _exit_status: list[int] = []
@@ -51,34 +53,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def start_worker(address: str, log: Path) -> subprocess.Popen:
     """Start `timeslice worker` and wait until it says it is serving."""
     return start_service(["worker", "--address", address], "control worker on task queue", log)
-
-
-def start_service(args: list[str], ready: str, log: Path) -> subprocess.Popen:
-    """Start a `timeslice` command and wait for the line that says it is serving."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "timeslice.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=log.open("ab"),
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if ready not in line:
-        proc.kill()
-        raise RuntimeError(f"`timeslice {args[0]}` failed to start: {line!r}; see {log}")
-    return proc
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def start_server(tmp: Path, **kwargs) -> EmbeddedServer:

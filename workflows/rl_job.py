@@ -58,6 +58,7 @@ with workflow.unsafe.imports_passed_through():
         RLJobResult,
         RLJobState,
         explain_validation_error,
+        phase_totals,
     )
 
 JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
@@ -539,13 +540,7 @@ class RLJobWorkflow:
     @workflow.query
     def progress(self) -> RLJobProgress:
         cfg, state = self._config, self._state
-        phase_s: dict[str, float] = {}
-        wait_s: dict[str, float] = {}
-        for record in state.records:
-            for key, value in record.phase_s.items():
-                phase_s[key] = phase_s.get(key, 0.0) + value
-            for key, value in record.wait_s.items():
-                wait_s[key] = wait_s.get(key, 0.0) + value
+        phase_s, wait_s = phase_totals(state.records)
         rewards = [r.reward_mean for r in state.records]
         return RLJobProgress(
             job_id=cfg.job_id,

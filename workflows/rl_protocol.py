@@ -213,6 +213,18 @@ class EpochRecord(_Model):
     )
 
 
+def phase_totals(records: list[EpochRecord]) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per phase, and seconds waited for a lease per phase, over ``records``."""
+    phase_s: dict[str, float] = {}
+    wait_s: dict[str, float] = {}
+    for record in records:
+        for key, value in record.phase_s.items():
+            phase_s[key] = phase_s.get(key, 0.0) + value
+        for key, value in record.wait_s.items():
+            wait_s[key] = wait_s.get(key, 0.0) + value
+    return phase_s, wait_s
+
+
 class RLJobState(_Model):
     """What the job must not lose: carried across continue-as-new."""
 
