@@ -346,9 +346,15 @@ def test_resident_job_killed_is_forgotten_not_waited_for(address, group, tmp_pat
         address, group, "victim", log, "--backend", "noop", "--ttl", "3", "--hold-forever"
     )
     wait_for(lambda: events(log, "acquired", "victim"), what="victim holds the group")
+    next_job = make_client(job_id="next", snapshot_backends=["noop"], lease_ttl=5)
+    # The grant reaches the process before the group hears it was taken (its TTL starts then);
+    # a kill in between would end the lease as an undelivered grant, not by expiry.
+    wait_for(
+        lambda: (h := next_job.group_status(group).holder) and h.expires_in_s is not None,
+        what="the group saw the victim take its grant",
+    )
     victim.kill()  # SIGKILL: no release, no depart; its lease must expire, its state is gone
     victim.wait()
-    next_job = make_client(job_id="next", snapshot_backends=["noop"], lease_ttl=5)
     next_job.release(next_job.acquire(group, timeout=120))
     status = next_job.group_status(group)
     assert status.stats.expired == 1
