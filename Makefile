@@ -20,9 +20,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Every kustomization under deploy/kubernetes: rendered offline and validated against the
+# Kubernetes schemas (oldest supported and newest shipped), as tests/test_deploy.py also does.
+KUSTOMIZATIONS = $(sort $(dir $(wildcard deploy/kubernetes/*/kustomization.yaml deploy/kubernetes/*/*/kustomization.yaml)))
+KUBE_VERSIONS ?= 1.30.0 1.37.0
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/shellcheck deploy/slurm/*.sh deploy/slurm/*.sbatch
+	set -e; for k in $(KUSTOMIZATIONS); do \
+		rendered=$$($(VENV)/bin/kubectl kustomize $$k); \
+		for v in $(KUBE_VERSIONS); do \
+			printf '%s\n' "$$rendered" \
+				| $(VENV)/bin/kubernetes-validate --strict --quiet -k $$v -; \
+		done; \
+		echo "$$k: rendered and valid against Kubernetes $(KUBE_VERSIONS)"; \
+	done
 
 bench: $(STAMP)
 	$(PY) bench/handoff.py
