@@ -11,28 +11,135 @@ registered it. Bytes are measured as the change in each process's resident memor
 from __future__ import annotations
 
 import asyncio
+import inspect
+import sys
 import time
 from enum import IntEnum
-from typing import Protocol
+from types import ModuleType
+from typing import Any, Protocol
 
 from timeslice.snapshot.base import Health, SnapshotError
+from timeslice.snapshot.gpu_env import (
+    MIN_CUDA_VERSION,
+    checkpoint_blockers,
+    cuda_text,
+    install_advice,
+    package_version,
+    probe_driver,
+)
 from timeslice.snapshot.processes import PidRegistry, resident_bytes
 from timeslice.workflows.protocol import SnapshotReport
 
-MIN_DRIVER_VERSION = 12080  # CUDA 12.8, shipped with driver 570: the first with this API
+MIN_DRIVER_VERSION = MIN_CUDA_VERSION  # CUDA 12.8, shipped with driver 570: the first with this API
 
 
 class CudaCheckpointUnavailable(SnapshotError):
-    """cuda-python or a driver with the checkpoint API is missing."""
+    """No cuda-python, no driver with the checkpoint API, or bindings that do not fit it."""
 
 
 class ProcessState(IntEnum):
-    """CUprocessState."""
+    """CUprocessState (CHECKPOINTING and RESTORING are reported by CUDA 13 drivers)."""
 
     RUNNING = 0
     LOCKED = 1
     CHECKPOINTED = 2
     FAILED = 3
+    CHECKPOINTING = 4
+    RESTORING = 5
+
+
+# Every cuda.bindings.driver call this module makes: parameter names, and the names of the
+# values after the CUresult in the tuple it returns (from the "Returns" section cuda-bindings
+# generates into each docstring). `call_shape_drift` checks an installed cuda-bindings against
+# this table; the tests check that the table covers every call below.
+DRIVER_CALLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cuInit": (("Flags",), ()),
+    "cuDriverGetVersion": ((), ("driverVersion",)),
+    "cuGetErrorName": (("error",), ("pStr",)),
+    "cuCheckpointProcessGetState": (("pid",), ("state",)),
+    "cuCheckpointProcessLock": (("pid", "args"), ()),
+    "cuCheckpointProcessCheckpoint": (("pid", "args"), ()),
+    "cuCheckpointProcessRestore": (("pid", "args"), ()),
+    "cuCheckpointProcessUnlock": (("pid", "args"), ()),
+}
+# Struct fields this module sets, and the CUprocessState members it maps by value.
+DRIVER_STRUCT_FIELDS: dict[str, tuple[str, ...]] = {"CUcheckpointLockArgs": ("timeoutMs",)}
+PROCESS_STATE_MEMBERS = {f"CU_PROCESS_STATE_{s.name}": s.value for s in ProcessState}
+
+
+def _returned_names(doc: str | None) -> tuple[str, ...] | None:
+    """Names in a numpydoc "Returns" section after the leading CUresult; None if there is none."""
+    lines = (doc or "").splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.strip() != "Returns" or set(lines[i + 1].strip()) != {"-"}:
+            continue
+        # Entries sit at the header's indent, their descriptions deeper; older releases indent
+        # the whole docstring, so the indent is taken from the header, not assumed.
+        indent = len(line) - len(line.lstrip())
+        names = []
+        for entry in lines[i + 2 :]:
+            if not entry.strip():
+                break
+            if len(entry) - len(entry.lstrip()) == indent:
+                names.append(entry.strip().split(" :")[0])
+        return tuple(names[1:]) if names[:1] == ["CUresult"] else None
+    return None
+
+
+def call_shape_drift(
+    driver: ModuleType,
+    calls: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = DRIVER_CALLS,
+    fields: dict[str, tuple[str, ...]] = DRIVER_STRUCT_FIELDS,
+    states: dict[str, int] = PROCESS_STATE_MEMBERS,
+) -> list[str]:
+    """How an installed ``cuda.bindings.driver`` differs from the calls this backend makes."""
+    drift = []
+    for name, (params, returns) in calls.items():
+        fn = getattr(driver, name, None)
+        if fn is None:
+            drift.append(f"{name} is missing")
+            continue
+        try:
+            found = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            drift.append(f"{name} has no inspectable signature")
+            continue
+        if found != params:
+            drift.append(f"{name}{found} instead of {name}{params}")
+        returned = _returned_names(fn.__doc__)
+        if returned != returns:
+            drift.append(f"{name} returns (CUresult, {returned}) instead of (CUresult, {returns})")
+    for struct, names in fields.items():
+        cls = getattr(driver, struct, None)
+        if cls is None:
+            drift.append(f"{struct} is missing")
+            continue
+        try:
+            instance = cls()
+        except Exception as err:
+            drift.append(f"{struct}() raised {type(err).__name__}: {err}")
+            continue
+        for field in names:
+            try:
+                setattr(instance, field, 1234)
+                ok = int(getattr(instance, field)) == 1234
+            except (AttributeError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                drift.append(f"{struct}.{field} cannot be set to an integer")
+    enum = getattr(driver, "CUprocessState", None)
+    if enum is None:
+        drift.append("CUprocessState is missing")
+    else:
+        for member, value in states.items():
+            found_value = getattr(enum, member, None)
+            if found_value is None:
+                # The CUDA 12 bindings stop at FAILED; the later states are CUDA 13 additions.
+                if value <= ProcessState.FAILED:
+                    drift.append(f"CUprocessState.{member} is missing")
+            elif int(found_value) != value:
+                drift.append(f"CUprocessState.{member} is {int(found_value)}, not {value}")
+    return drift
 
 
 class CheckpointDriver(Protocol):
@@ -44,66 +151,98 @@ class CheckpointDriver(Protocol):
 
 
 class CudaDriverApi:
-    """The real driver, through cuda-python."""
+    """The real driver, through cuda-python's ``cuda.bindings.driver``.
+
+    Construction checks, in order: the bindings import, their call shapes match this module's,
+    they fit the driver's CUDA major, ``cuInit`` succeeds and the driver has the checkpoint API.
+    Any failure, whatever the bindings raise, becomes ``CudaCheckpointUnavailable`` saying why
+    and what to install.
+    """
 
     def __init__(self) -> None:
+        found = probe_driver()
+        bindings = package_version("cuda-bindings")
+        advice = install_advice(found, bindings)
         try:
             from cuda.bindings import driver
-        except ImportError as err:
+        except Exception as err:  # an ImportError, or a broken install raising anything else
+            why = "; ".join(checkpoint_blockers(bindings, found))
             raise CudaCheckpointUnavailable(
-                "the cuda-checkpoint backend needs cuda-python: pip install 'timeslice[cuda]'"
+                f"cannot import cuda.bindings.driver ({type(err).__name__}: {err}); {why}. "
+                f"To use it: {advice}"
             ) from err
         self._d = driver
-        missing = [
-            name
-            for name in (
-                "cuCheckpointProcessLock",
-                "cuCheckpointProcessCheckpoint",
-                "cuCheckpointProcessRestore",
-                "cuCheckpointProcessUnlock",
-                "cuCheckpointProcessGetState",
-            )
-            if not hasattr(driver, name)
-        ]
-        if missing:
+        self.bindings_version = bindings or str(
+            getattr(sys.modules.get("cuda.bindings"), "__version__", "unknown")
+        )
+        drift = call_shape_drift(driver)
+        if drift:
             raise CudaCheckpointUnavailable(
-                f"this cuda-python lacks {missing}; install cuda-python >= 12.8"
+                f"cuda-bindings {self.bindings_version} does not have the calls this backend "
+                f"makes: {'; '.join(drift)}. To use it: {advice}"
             )
-        self._check("cuInit", driver.cuInit(0))
-        version = self._check("cuDriverGetVersion", driver.cuDriverGetVersion())
+        blockers = checkpoint_blockers(self.bindings_version, found)
+        if found.cuda_version is not None and blockers:
+            raise CudaCheckpointUnavailable(f"{'; '.join(blockers)}. To use it: {advice}")
+        try:
+            self._call("cuInit", 0)
+            version = self._call("cuDriverGetVersion")
+        except SnapshotError as err:
+            # Without a driver, cuda-bindings 12.9+ raises cuda.pathfinder's
+            # DynamicLibNotFoundError from cuInit and 12.8 a RuntimeError: neither is an
+            # ImportError nor a CUresult; _call turns both into a SnapshotError.
+            why = "; ".join(blockers) or found.describe()
+            raise CudaCheckpointUnavailable(f"{err}; {why}. To use it: {advice}") from err
         if version < MIN_DRIVER_VERSION:
             raise CudaCheckpointUnavailable(
-                f"the CUDA driver supports CUDA {version // 1000}.{version % 1000 // 10}; the "
-                "checkpoint API needs 12.8 (driver 570) or newer"
+                f"the CUDA driver supports CUDA {cuda_text(version)}; the checkpoint API needs "
+                f"12.8 (driver 570) or newer. To use it: {advice}"
             )
+        self.found = found
+        self.cuda_version = version
 
-    def _check(self, what: str, result: tuple) -> int:
+    def describe(self) -> str:
+        module = self.found.kernel_module or "(kernel module version unknown)"
+        return (
+            f"NVIDIA driver {module} (CUDA {cuda_text(self.cuda_version)}), "
+            f"cuda-bindings {self.bindings_version}"
+        )
+
+    def _check(self, what: str, result: Any) -> int:
         err, *value = result
         if int(err) != 0:
             _, name = self._d.cuGetErrorName(err)
             raise SnapshotError(f"{what} failed: {name.decode() if name else int(err)}")
         return int(value[0]) if value else 0
 
+    def _call(self, what: str, *args: Any) -> int:
+        try:
+            return self._check(what, getattr(self._d, what)(*args))
+        except SnapshotError:
+            raise
+        except Exception as err:  # the bindings raise, not return, when the library is gone
+            raise SnapshotError(f"{what} raised {type(err).__name__}: {err}") from err
+
     def state(self, pid: int) -> ProcessState:
-        return ProcessState(
-            self._check("cuCheckpointProcessGetState", self._d.cuCheckpointProcessGetState(pid))
-        )
+        value = self._call("cuCheckpointProcessGetState", pid)
+        try:
+            return ProcessState(value)
+        except ValueError:
+            raise SnapshotError(f"process {pid} is in unknown CUDA state {value}") from None
 
     def lock(self, pid: int, timeout_ms: int) -> None:
         args = self._d.CUcheckpointLockArgs()
         args.timeoutMs = timeout_ms
-        self._check("cuCheckpointProcessLock", self._d.cuCheckpointProcessLock(pid, args))
+        self._call("cuCheckpointProcessLock", pid, args)
 
     def checkpoint(self, pid: int) -> None:
-        self._check(
-            "cuCheckpointProcessCheckpoint", self._d.cuCheckpointProcessCheckpoint(pid, None)
-        )
+        self._call("cuCheckpointProcessCheckpoint", pid, None)
 
     def restore(self, pid: int) -> None:
-        self._check("cuCheckpointProcessRestore", self._d.cuCheckpointProcessRestore(pid, None))
+        self._call("cuCheckpointProcessRestore", pid, None)
 
     def unlock(self, pid: int) -> None:
-        self._check("cuCheckpointProcessUnlock", self._d.cuCheckpointProcessUnlock(pid, None))
+        self._call("cuCheckpointProcessUnlock", pid, None)
 
 
 class CudaCheckpointBackend:
@@ -130,10 +269,11 @@ class CudaCheckpointBackend:
 
     def health(self) -> Health:
         try:
-            self.driver  # noqa: B018 - constructing the driver is the check
-        except SnapshotError as err:
+            driver = self.driver
+        except Exception as err:  # a health check reports; it never stops the agent
             return Health(self.name, False, str(err))
-        return Health(self.name, True, "CUDA driver checkpoint API available")
+        found = driver.describe() if isinstance(driver, CudaDriverApi) else type(driver).__name__
+        return Health(self.name, True, f"{found}: checkpoint API available")
 
     def _expect(self, pid: int, expected: ProcessState, step: str) -> None:
         state = self.driver.state(pid)

@@ -2,38 +2,93 @@
 
 Level 1 offloads the weights to host memory and drops the KV cache; level 2 drops both, and the
 job re-provisions the weights after wake-up (e.g. the trainer's fresh ones) through
-``reprovision``. The engine must be built with ``LLM(..., enable_sleep_mode=True)``. This module
-imports nothing from vLLM: it drives the engine object it is given, so the package works without
-vLLM installed.
+``reprovision``. With ``wake_tags`` the wake-up is staged: those tags first, then
+``reprovision``, then the remaining tags (vLLM's pattern for loading new weights before the KV
+cache takes its memory). The engine must be built with ``LLM(..., enable_sleep_mode=True)``;
+the constructor checks that its ``sleep`` / ``wake_up`` take the keywords this backend passes.
+This module imports nothing from vLLM: it drives the engine object it is given, so the package
+works without vLLM installed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
 
 from timeslice.snapshot.base import Health, SnapshotError
+from timeslice.snapshot.gpu_env import package_version, version_tuple
 from timeslice.workflows.protocol import SnapshotReport
+
+# The vLLM releases whose sleep-mode API this backend was checked against (pyproject's `vllm`
+# extra pins the same range): `LLM.wake_up(tags=...)` arrived in 0.8.3 (vllm-project/vllm#15500);
+# 0.33 is the newest release line read. Both calls keep these keyword names throughout.
+VLLM_MIN = (0, 8, 3)
+VLLM_BELOW = (0, 34)
+VLLM_REQUIREMENT = f"vllm>={'.'.join(map(str, VLLM_MIN))},<{'.'.join(map(str, VLLM_BELOW))}"
+# What this backend passes to the engine, by keyword: `llm.sleep(level=...)`,
+# `llm.wake_up(tags=...)`.
+SLEEP_KEYWORDS = {"sleep": ("level",), "wake_up": ("tags",)}
+# The memory tags vLLM's sleep mode allocates under; a staged wake-up must cover all of them.
+MEMORY_TAGS = ("weights", "kv_cache")
 
 
 def _device_free_bytes() -> int | None:
     try:
         import torch
-    except ImportError:
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info()[0])
+    except Exception:  # no torch, or a driver that fails: nothing can be measured
         return None
-    if not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.mem_get_info()[0])
 
 
-def _sleep_mode_enabled(llm: Any) -> bool | None:
+def _engine_config_flag(llm: Any) -> bool | None:
     """The engine's enable_sleep_mode setting, where this vLLM version exposes it."""
     engine = getattr(llm, "llm_engine", None)
-    config = getattr(getattr(engine, "vllm_config", None), "model_config", None)
-    value = getattr(config, "enable_sleep_mode", None)
-    return None if value is None else bool(value)
+    # V0 and V1 engines keep model_config on the engine; later V1 releases also on vllm_config.
+    for config in (
+        getattr(engine, "model_config", None),
+        getattr(getattr(engine, "vllm_config", None), "model_config", None),
+    ):
+        value = getattr(config, "enable_sleep_mode", None)
+        if value is not None:
+            return bool(value)
+    return None
+
+
+def missing_keywords(method: Callable[..., Any], names: tuple[str, ...]) -> list[str]:
+    """The keyword arguments in ``names`` that ``method`` does not accept."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return []  # not inspectable (a C extension): the call itself will tell
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return []
+    accepted = {
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return [n for n in names if n not in accepted]
+
+
+def vllm_in_range(version: str) -> bool:
+    release = version_tuple(version)
+    return release >= VLLM_MIN and release[: len(VLLM_BELOW)] < VLLM_BELOW
+
+
+def vllm_version_note(llm: Any) -> str:
+    """The installed vLLM version and whether it is in the range this backend was checked on."""
+    version = package_version("vllm")
+    if version is None:
+        return f"vLLM not installed, driving a {type(llm).__name__}"
+    if vllm_in_range(version):
+        return f"vLLM {version}"
+    return f"vLLM {version}, outside the checked range {VLLM_REQUIREMENT}"
 
 
 class VllmSleepBackend:
@@ -52,10 +107,20 @@ class VllmSleepBackend:
                 f"{type(llm).__name__} has no sleep() / wake_up(): pass a vllm.LLM built with "
                 "enable_sleep_mode=True"
             )
-        if _sleep_mode_enabled(llm) is False:
+        for method, names in SLEEP_KEYWORDS.items():
+            missing = missing_keywords(getattr(llm, method), names)
+            if missing:
+                raise TypeError(
+                    f"{type(llm).__name__}.{method}() takes no {missing} argument: this "
+                    f"backend drives vLLM's sleep mode as in {VLLM_REQUIREMENT}"
+                )
+        if _engine_config_flag(llm) is False:
             raise SnapshotError("this vllm.LLM was built without enable_sleep_mode=True")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard), not {level}")
+        unknown = sorted(set(wake_tags or ()) - set(MEMORY_TAGS))
+        if unknown:
+            raise ValueError(f"wake_tags {unknown} are not vLLM memory tags {list(MEMORY_TAGS)}")
         if level == 2 and reprovision is None:
             raise ValueError(
                 "level 2 discards the weights: pass reprovision= to load them after wake-up"
@@ -66,9 +131,26 @@ class VllmSleepBackend:
         self.reprovision = reprovision
 
     def health(self) -> Health:
-        sleeping = getattr(self.llm, "is_sleeping", None)
-        state = "" if not callable(sleeping) else (" (asleep)" if sleeping() else " (awake)")
-        return Health(self.name, True, f"sleep level {self.level}{state}")
+        # Where LLM itself has no is_sleeping(), its engine may.
+        sleeping = getattr(self.llm, "is_sleeping", None) or getattr(
+            getattr(self.llm, "llm_engine", None), "is_sleeping", None
+        )
+        state = ""
+        if callable(sleeping):
+            try:
+                state = ", asleep" if sleeping() else ", awake"
+            except Exception as err:  # a health check reports; it never stops the worker
+                state = f", sleep state unknown ({type(err).__name__}: {err})"
+        device = (
+            ""
+            if _device_free_bytes() is not None
+            else "; no CUDA device visible to torch, so bytes moved read 0"
+        )
+        return Health(
+            self.name,
+            True,
+            f"sleep level {self.level}{state}; {vllm_version_note(self.llm)}{device}",
+        )
 
     async def snapshot(self, job_id: str) -> SnapshotReport:
         return await asyncio.to_thread(self._sleep, job_id)
@@ -89,6 +171,11 @@ class VllmSleepBackend:
             self.llm.wake_up(tags=self.wake_tags)
         if self.reprovision is not None and self.level == 2:
             self.reprovision(self.llm)
+        # A staged wake-up (weights first, so new weights load before the KV cache takes its
+        # memory) must end with every tag awake, or the next step runs on released memory.
+        rest = [t for t in MEMORY_TAGS if self.wake_tags is not None and t not in self.wake_tags]
+        if rest:
+            self.llm.wake_up(tags=rest)
         return self._report(job_id, "wake-up", started, free_before, released=False)
 
     def _report(

@@ -1,17 +1,30 @@
-"""vllm backend: argument checks and the sleep / wake-up sequence.
+"""vllm backend: argument checks, the sleep / wake-up sequence and vLLM's call shapes.
 
 The sequence tests drive a stand-in engine that records calls (vLLM itself needs a GPU); the
-`gpu` test runs a real vllm.LLM with dummy weights from a local config (no downloads).
+call-shape test reads the installed vLLM's signatures where vLLM is installed; the `gpu` test
+runs a real vllm.LLM with dummy weights from a local config (no downloads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 from timeslice.snapshot import SnapshotError
-from timeslice.snapshot.vllm_backend import VllmSleepBackend
+from timeslice.snapshot.gpu_env import package_version
+from timeslice.snapshot.vllm_backend import (
+    SLEEP_KEYWORDS,
+    VLLM_REQUIREMENT,
+    VllmSleepBackend,
+    missing_keywords,
+    vllm_in_range,
+)
+
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
 class Engine:
@@ -28,6 +41,13 @@ class Engine:
         self.calls.append(("wake_up", tags))
 
 
+class OldEngine(Engine):
+    """An engine from before wake_up took tags (vLLM < 0.8.3)."""
+
+    def wake_up(self) -> None:  # type: ignore[override]
+        self.calls.append(("wake_up", None))
+
+
 def test_level_one_offloads_and_wakes():
     engine = Engine()
     backend = VllmSleepBackend(engine)
@@ -37,14 +57,29 @@ def test_level_one_offloads_and_wakes():
     assert (snap.backend, snap.mode, wake.mode) == ("vllm", "sleep-1", "wake-up")
 
 
-def test_level_two_reprovisions_after_wake_up_by_tags():
+def test_level_two_wakes_weights_reprovisions_then_wakes_the_kv_cache():
     engine = Engine()
-    loaded: list[object] = []
-    backend = VllmSleepBackend(engine, level=2, wake_tags=["weights"], reprovision=loaded.append)
+
+    def reprovision(llm: Engine) -> None:
+        llm.calls.append(("reprovision", llm is engine))
+
+    backend = VllmSleepBackend(engine, level=2, wake_tags=["weights"], reprovision=reprovision)
     asyncio.run(backend.snapshot("sampler"))
     asyncio.run(backend.restore("sampler"))
-    assert engine.calls == [("sleep", 2), ("wake_up", ["weights"])]
-    assert loaded == [engine]
+    assert engine.calls == [
+        ("sleep", 2),
+        ("wake_up", ["weights"]),
+        ("reprovision", True),
+        ("wake_up", ["kv_cache"]),
+    ]
+
+
+def test_a_staged_wake_up_ends_with_every_tag_awake():
+    engine = Engine()
+    backend = VllmSleepBackend(engine, wake_tags=["kv_cache", "weights"])
+    asyncio.run(backend.snapshot("sampler"))
+    asyncio.run(backend.restore("sampler"))
+    assert engine.calls == [("sleep", 1), ("wake_up", ["kv_cache", "weights"])]
 
 
 def test_bad_arguments_are_clear():
@@ -56,6 +91,55 @@ def test_bad_arguments_are_clear():
         VllmSleepBackend(Engine(), level=3)
     with pytest.raises(ValueError, match="pass reprovision="):
         VllmSleepBackend(Engine(), level=2)
+    with pytest.raises(ValueError, match=r"\['scheduling'\] are not vLLM memory tags"):
+        VllmSleepBackend(Engine(), wake_tags=["weights", "scheduling"])
+
+
+def test_an_engine_without_the_keywords_the_backend_passes_is_refused():
+    with pytest.raises(TypeError, match=r"OldEngine.wake_up\(\) takes no \['tags'\] argument"):
+        VllmSleepBackend(OldEngine())
+    assert missing_keywords(Engine().sleep, ("level",)) == []
+    assert missing_keywords(OldEngine().wake_up, ("tags",)) == ["tags"]
+    assert missing_keywords(lambda **kwargs: None, ("tags",)) == []
+
+
+def test_health_says_what_it_drives_and_survives_a_failing_engine():
+    class Broken(Engine):
+        def is_sleeping(self) -> bool:
+            raise RuntimeError("engine core died")
+
+    health = VllmSleepBackend(Broken()).health()
+    assert health.ok and health.detail.startswith("sleep level 1, sleep state unknown")
+    assert "RuntimeError: engine core died" in health.detail
+    installed = package_version("vllm")
+    if installed is None:
+        assert "vLLM not installed, driving a Broken" in health.detail
+    else:
+        assert f"vLLM {installed}" in health.detail
+
+
+def test_extras_pin_the_checked_ranges():
+    from timeslice.snapshot.gpu_env import CUDA_EXTRAS
+
+    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == [VLLM_REQUIREMENT] == ["vllm>=0.8.3,<0.34"]
+    assert vllm_in_range("0.8.3") and vllm_in_range("0.33.1rc1") and vllm_in_range("0.10.0")
+    assert not vllm_in_range("0.8.2") and not vllm_in_range("0.34.0")
+    assert extras["cuda"] == [CUDA_EXTRAS["cuda"]]
+    assert extras["cuda13"] == [CUDA_EXTRAS["cuda13"]]
+
+
+def test_installed_vllm_takes_the_calls_this_backend_makes():
+    """Fails when an installed vLLM in the pinned range drifts from the backend's calls."""
+    vllm = pytest.importorskip(
+        "vllm",
+        reason="vLLM is not installed here (a GPU build; tests/gpu/run.sh installs it where it "
+        "can): the expected call shapes are checked wherever it is",
+    )
+    assert vllm_in_range(vllm.__version__), f"{vllm.__version__} is outside {VLLM_REQUIREMENT}"
+    for method, names in SLEEP_KEYWORDS.items():
+        assert missing_keywords(getattr(vllm.LLM, method), names) == [], f"LLM.{method}"
+    assert "enable_sleep_mode" in {f.name for f in dataclasses.fields(vllm.EngineArgs)}
 
 
 @pytest.mark.gpu

@@ -47,7 +47,16 @@ class NodeAgent:
     activities: NodeSnapshotActivities
 
     def health(self) -> list[Health]:
-        return [b.health() for b in self.activities.backends.values()]
+        """Each backend's health; one whose check raises is reported, never let through."""
+        found = []
+        for name, backend in self.activities.backends.items():
+            try:
+                found.append(backend.health())
+            except Exception as err:
+                found.append(
+                    Health(name, False, f"health check raised {type(err).__name__}: {err}")
+                )
+        return found
 
 
 def build_node_agent(
