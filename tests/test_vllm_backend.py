@@ -167,8 +167,18 @@ def test_real_vllm_sleep_frees_device_memory(tmp_path):
         gpu_memory_utilization=0.3,
         enforce_eager=True,
     )
-    backend = VllmSleepBackend(llm)
+    # Staged: weights first, then the KV cache, as for a weight update; the engine must then
+    # generate, which it cannot with a tag still asleep.
+    backend = VllmSleepBackend(llm, wake_tags=["weights"])
+    print(f"vllm health: {backend.health().detail}")
     snap = asyncio.run(backend.snapshot("sampler"))
     assert snap.bytes > 0
     wake = asyncio.run(backend.restore("sampler"))
     assert wake.bytes > 0
+    print(
+        f"vllm sleep level 1: released {snap.bytes / 2**30:.2f} GiB in {snap.seconds:.2f} s; "
+        f"staged wake-up took back {wake.bytes / 2**30:.2f} GiB in {wake.seconds:.2f} s"
+    )
+    params = vllm.SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], params, use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 4
