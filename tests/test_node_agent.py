@@ -108,7 +108,7 @@ def test_failed_checkpoint_faults_only_that_job(address, group, node, tmp_path, 
         for _ in range(2):  # the first grant must evict cuda-job through the agent: it fails
             other.release(other.acquire(group, timeout=60))
         status = other.group_status(group)
-        assert "cuda-python" in status.faulted_jobs["cuda-job"]
+        assert "cuda-bindings" in status.faulted_jobs["cuda-job"]
         assert status.stats.snapshot_failures == 1
         assert status.stats.released == 3  # the group kept serving "other"
         # The faulted job's next acquire (from its rank 1) fails at once with the reason.
@@ -214,7 +214,7 @@ def test_backends_report_their_health():
     assert NoopBackend().health().ok and SimulatedBackend(nbytes=5).health().ok
     ckpt = CudaCheckpointBackend(PidRegistry()).health()
     if importlib.util.find_spec("cuda") is None:  # no cuda-python here: a clear "why not"
-        assert not ckpt.ok and "cuda-python" in ckpt.detail
+        assert not ckpt.ok and "cuda-bindings" in ckpt.detail
     torch = pytest.importorskip("torch")
     from timeslice.snapshot.torch_backend import TorchBackend
 
