@@ -30,6 +30,7 @@ COPY activities ./activities
 COPY workers ./workers
 COPY snapshot ./snapshot
 COPY workloads ./workloads
+COPY plan ./plan
 # A non-editable install: the final image has no /src.
 RUN set -eu; \
     case "${VARIANT}" in \

@@ -1,4 +1,7 @@
-"""Grant delivery: the group workflow wakes a waiting acquire by an activity on its process's queue.
+"""Grant delivery by activity: the group wakes a waiting acquire on its process's own queue.
+
+Most grants travel as the result of the waiter's parked ``acquire`` update; this activity
+carries the rest (the group parks only a few waits at a time).
 
 The activity's answer closes the race between a grant and a give-up: whichever of the two reaches
 the waiting future first wins, on one event loop with no await in between; a grant that finds its
@@ -21,10 +24,6 @@ class GrantInbox:
         self._waiting: dict[str, asyncio.Future[GrantNotice]] = {}
         # A group that continued as new re-delivers a grant it had not yet seen taken.
         self._accepted: OrderedDict[str, int] = OrderedDict()
-        # Grants taken from a parked update whose confirming activity is still on its way;
-        # the worker must not shut down under it.
-        self._unconfirmed: set[str] = set()
-        self._all_confirmed: asyncio.Event | None = None
 
     def expect(self, request_id: str) -> asyncio.Future[GrantNotice]:
         future: asyncio.Future[GrantNotice] = asyncio.get_running_loop().create_future()
@@ -40,19 +39,8 @@ class GrantInbox:
             future.cancel()
         return None
 
-    def accept(self, notice: GrantNotice, *, confirming: bool) -> bool:
-        """Hand a grant to its waiting acquire; False if nobody waits for it (any more).
-
-        ``confirming`` is True for the activity, which the group sends for every grant.
-        """
-        if confirming:
-            self._unconfirmed.discard(notice.request_id)
-            if not self._unconfirmed and self._all_confirmed is not None:
-                self._all_confirmed.set()
-        elif notice.fault is None:
-            self._unconfirmed.add(notice.request_id)
-            if self._all_confirmed is not None:
-                self._all_confirmed.clear()
+    def accept(self, notice: GrantNotice) -> bool:
+        """Hand a grant to its waiting acquire; False if nobody waits for it (any more)."""
         if self._accepted.get(notice.request_id) == notice.token:
             return True  # the same grant delivered again (e.g. after continue-as-new)
         future = self._waiting.get(notice.request_id)
@@ -66,22 +54,9 @@ class GrantInbox:
             self._accepted.popitem(last=False)
         return True
 
-    async def confirmed(self, timeout: float) -> bool:
-        """Wait until every grant taken from an update has had its confirming activity."""
-        if self._all_confirmed is None:
-            self._all_confirmed = asyncio.Event()
-        if not self._unconfirmed:
-            return True
-        self._all_confirmed.clear()
-        try:
-            await asyncio.wait_for(self._all_confirmed.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
-
     @activity.defn(name=DELIVER_GRANT_ACTIVITY)
     async def deliver_grant(self, notice: GrantNotice) -> GrantAck:
-        accepted = self.accept(notice, confirming=True)
+        accepted = self.accept(notice)
         if not accepted and notice.fault is None:
             activity.logger.info(
                 "grant of %s (token %s) arrived after the acquire gave up; declining",

@@ -11,13 +11,18 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError, RPCStatusCode
 from timeslice.workflows.protocol import (
     CONTROL_TASK_QUEUE,
     GROUP_WORKFLOW_TYPE,
     REQUEST_GROUP_ACTIVITY,
+    AcquireAnswer,
+    AcquireCall,
     GroupConfig,
     GroupInput,
     GroupRequest,
+    GroupSignal,
+    GroupUpdate,
     group_workflow_id,
 )
 
@@ -39,9 +44,22 @@ async def start_group(client: Client, config: GroupConfig, **signal: Any) -> Non
 
 @activity.defn(name=REQUEST_GROUP_ACTIVITY)
 async def request_group(req: GroupRequest) -> None:
+    """Queue a requester workflow's request: an update to a running group (one that meets the
+    group's continue-as-new is retried on the next run), signal-with-start of a new one."""
+    client = activity.client()
+    try:
+        await client.get_workflow_handle(group_workflow_id(req.group_id)).execute_update(
+            GroupUpdate.ACQUIRE,
+            AcquireCall(request=req.request, park=False),
+            result_type=AcquireAnswer,
+        )
+        return
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise
     await start_group(
-        activity.client(),
+        client,
         GroupConfig(group_id=req.group_id),
-        start_signal="request",
+        start_signal=GroupSignal.REQUEST,
         start_signal_args=[req.request],
     )

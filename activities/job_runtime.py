@@ -6,6 +6,11 @@ epoch N, with epoch N sampled" — and answers ``JobStateLost`` when it is not (
 phase failed midway). The workflow then rewinds to its last checkpoint. GPU phases,
 preparation, checkpoints and snapshots take one lock, so a snapshot never races the process's
 own GPU work; the rewards phase (no lease, CPU only) does not, so a switch never waits for it.
+
+GPU phases take their lease themselves: the workflow hands the activity a lease order, the
+process asks the group through the same engine as the embedded client (the grant is the result
+of a parked update), runs the phase, and releases — so the group's hand-off from one job's phase
+to the next involves one workflow task of the group and nothing of either job's workflow.
 """
 
 from __future__ import annotations
@@ -21,16 +26,23 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from temporalio import activity
+from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from timeslice.activities.snapshots import SnapshotActivities
-from timeslice.snapshot.base import SnapshotBackend, SnapshotError, resolve_backends
+from timeslice.activities.state_homes import StateHomes
+from timeslice.engine import Engine
+from timeslice.errors import TimesliceError
+from timeslice.lease import Lease
 from timeslice.telemetry import meter, span
 from timeslice.workflows.protocol import (
+    GroupQuery,
     HolderView,
     MovedReport,
-    ReleaseRequest,
+    QueueTarget,
     SnapshotReport,
+    SnapshotTarget,
     group_workflow_id,
+    job_task_queue,
 )
 from timeslice.workflows.rl_protocol import (
     CHECKPOINT_ACTIVITY,
@@ -43,7 +55,9 @@ from timeslice.workflows.rl_protocol import (
     TRAIN_ACTIVITY,
     CheckpointInput,
     CheckpointRef,
+    DescribeInput,
     DescribeResult,
+    LeaseOrder,
     PhaseInput,
     PhaseResult,
     PrepareInput,
@@ -91,13 +105,33 @@ class JobRuntime:
         self._epochs_done: int | None = None
         self._sampled: int | None = None
         self._rewarded: int | None = None
-        # One lock per backend: GPU work and snapshots of the same state never overlap, while
-        # a switch of one group (say the trainer's) need not wait for a phase on another.
-        self._locks: dict[str, asyncio.Lock] = {}
         self._all_backends = list(
             dict.fromkeys([*workload.sampler_backends, *workload.trainer_backends])
         )
-        self.snapshots = SnapshotActivities(None, self._holding)
+        # The same engine as the embedded client, on this worker's event loop: it asks groups
+        # for leases, renews them and releases them; its inbox takes grants that come as
+        # activities on this rank's queue.
+        self.engine = Engine(
+            connect_config={"target_host": "(the job worker's Temporal client)"},
+            job_id=job_id,
+            task_queue=job_task_queue(job_id, rank),
+            priority=0,
+            lease_ttl_s=None,
+            backends={},
+            snapshot_target=None,
+            state_bytes=None,
+            rpc_retry_s=60.0,
+            own_thread=False,
+        )
+        self.homes = StateHomes(job_id, self.engine.report_moved)
+        self.snapshots = SnapshotActivities(None, self.homes)
+        # Restores done under a lease this process keeps, reported when it is released.
+        self._unreported: dict[str, list[SnapshotReport]] = {}
+
+    def attach(self, client: Client) -> None:
+        """Use the job worker's client (call from its event loop, before serving)."""
+        self.engine.connect_config = {"target_host": client.service_client.config.target_host}
+        self.engine.attach(client)
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
@@ -107,6 +141,7 @@ class JobRuntime:
             self.compute_rewards,
             self.train,
             self.save_checkpoint,
+            self.engine.inbox.deliver_grant,
             self.snapshots.snapshot,
             self.snapshots.restore,
         ]
@@ -145,12 +180,17 @@ class JobRuntime:
     # ---------------------------------------------------------------- activities
 
     @activity.defn(name=DESCRIBE_ACTIVITY)
-    async def describe(self, job_id: str) -> DescribeResult:
-        self._check_job(job_id)
+    async def describe(self, inp: DescribeInput) -> DescribeResult:
+        self._check_job(inp.job_id)
+        try:
+            sampler, trainer = self.workload.state_names(inp.options)
+        except ValueError as err:
+            raise ApplicationError(str(err), type="InvalidConfig", non_retryable=True) from None
+        self._all_backends = list(dict.fromkeys([*sampler, *trainer]))
         return DescribeResult(
             workload=self.workload_ref,
-            sampler_backends=list(self.workload.sampler_backends),
-            trainer_backends=list(self.workload.trainer_backends),
+            sampler_backends=list(sampler),
+            trainer_backends=list(trainer),
             pid=os.getpid(),
             ready=self._spec is not None,
             epochs_done=self._epochs_done,
@@ -166,7 +206,7 @@ class JobRuntime:
             group_size=inp.spec.group_size,
             options=dict(inp.spec.options),
         )
-        async with _keep_alive(), self._holding(self._all_backends):
+        async with _keep_alive(), self.homes.using(self._all_backends, None):
             if self._spec is not None and self._spec != spec:
                 raise ApplicationError(
                     f"job {self.job_id}: this process was prepared with {self._spec}, now asked "
@@ -176,8 +216,8 @@ class JobRuntime:
                 )
             if inp.checkpoint is None and self._spec is not None and self._epochs_done != 0:
                 raise _state_lost(f"job {self.job_id}: no checkpoint to rewind to; {self._where()}")
-
-            await self._ensure_resident(self._all_backends)
+            # A re-preparation (a rewind) loads into the states where the job holds its groups.
+            await self.homes.bring(inp.homes)
 
             def build() -> PrepareResult:
                 if self._spec is None:
@@ -185,7 +225,7 @@ class JobRuntime:
                     self.workload.setup(spec)
                     self._spec = spec
                     self._epochs_done = 0
-                    self.snapshots.backends = self.workload.snapshot_backends()
+                    self.homes.settle(self.workload.snapshot_backends(), dict(inp.homes))
                 if inp.checkpoint is not None:
                     path = self._rank_dir(Path(inp.checkpoint.path))
                     log.info("loading checkpoint %s", path)
@@ -193,7 +233,12 @@ class JobRuntime:
                     self._epochs_done = inp.checkpoint.epochs_done
                 self._sampled = self._rewarded = None
                 return PrepareResult(
-                    epochs_done=self._epochs_done or 0, state_bytes=self.workload.state_bytes()
+                    epochs_done=self._epochs_done or 0,
+                    state_bytes=self.workload.state_bytes(),
+                    backend_bytes={
+                        name: getattr(backend, "registered_bytes", None)
+                        for name, backend in self.workload.snapshot_backends().items()
+                    },
                 )
 
             return await self._supervise(build, PhaseContext(0, "prepare"), None, None, 5.0)
@@ -230,21 +275,30 @@ class JobRuntime:
     async def save_checkpoint(self, inp: CheckpointInput) -> CheckpointRef:
         self._check_job(inp.job_id)
         epoch_dir = self.checkpoint_dir / self.job_id / f"epoch-{inp.epochs_done:06d}"
-        async with _keep_alive(), self._holding(inp.backends):
-            self._expect(inp.epochs_done)
-            await self._ensure_resident(inp.backends)
+        group_id = inp.lease.group_id if inp.lease is not None else None
+        lease = self._owned(inp.lease) if inp.release else None
+        try:
+            async with _keep_alive(), self.homes.using(inp.backends, group_id):
+                self._expect(inp.epochs_done)
 
-            def save() -> None:
-                final = self._rank_dir(epoch_dir)
-                partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-                shutil.rmtree(partial, ignore_errors=True)
-                partial.mkdir(parents=True)
-                self.workload.save(partial)
-                shutil.rmtree(final, ignore_errors=True)  # a re-save after a rewind
-                partial.rename(final)
-                self._prune()
+                def save() -> None:
+                    final = self._rank_dir(epoch_dir)
+                    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
+                    shutil.rmtree(partial, ignore_errors=True)
+                    partial.mkdir(parents=True)
+                    self.workload.save(partial)
+                    shutil.rmtree(final, ignore_errors=True)  # a re-save after a rewind
+                    partial.rename(final)
+                    self._prune()
 
-            await self._supervise(save, PhaseContext(inp.epochs_done, "checkpoint"), None, None, 5)
+                ctx = PhaseContext(inp.epochs_done, "checkpoint")
+                await self._supervise(save, ctx, None, None, 5)
+                if lease is not None:
+                    await self._yield(lease, inp.backends, keep_if_uncontended=False)
+                    lease = None
+        finally:
+            if lease is not None:  # failed: the group must not wait for this lease's TTL
+                await self._abandon(lease)
         log.info("checkpoint after %d epochs: %s", inp.epochs_done, epoch_dir)
         return CheckpointRef(epochs_done=inp.epochs_done, path=str(epoch_dir.resolve()))
 
@@ -257,33 +311,53 @@ class JobRuntime:
         step: Callable[[int, PhaseContext], dict[str, float]],
     ) -> PhaseResult:
         self._check_job(inp.job_id)
-        # Only GPU phases exclude snapshots: the rewards phase runs while other jobs hold the
-        # group, and a switch that evicts this job must not wait for it.
-        leased = inp.group_id is not None and inp.token is not None
-        async with _keep_alive(), self._holding(inp.group_backends if leased else []):
+        async with _keep_alive():
             check()
-            if leased and inp.verify_lease and not await self._holds(inp.group_id, inp.token):
-                raise ApplicationError(
-                    f"job {self.job_id}: the lease on {inp.group_id} (token {inp.token}) is no "
-                    "longer held; not starting the phase",
-                    type=LEASE_REVOKED,
-                    non_retryable=True,
-                )
-            restored = await self._ensure_resident(inp.group_backends) if leased else []
-            ctx = PhaseContext(inp.epoch, inp.phase)
-            started = time.monotonic()
+            order = inp.lease
+            lease, asked, granted = await self._lease_for(order, inp.group_backends)
+            owned = lease is not None
+            token = lease.token if lease is not None else (order.token if order else None)
             try:
-                metrics = await self._supervise(
-                    lambda: step(inp.epoch, ctx), ctx, inp.group_id, inp.token, inp.lease_check_s
-                )
-            except BaseException:
-                # Whatever ran may have changed the state halfway: only a checkpoint fixes that.
-                self._sampled = self._rewarded = None
-                if inp.phase == "train":
-                    self._epochs_done = None
-                raise
-            ended = time.monotonic()
-            released, evicted = await self._release_after(inp, restored)
+                # Only GPU phases use the state: the rewards phase runs while other jobs hold
+                # the group, and a switch that evicts this job must not wait for it.
+                names = inp.group_backends if order is not None else []
+                async with self.homes.using(names, inp.group_id) as restored:
+                    ctx = PhaseContext(inp.epoch, inp.phase)
+                    started = time.monotonic()
+                    try:
+                        metrics = await self._supervise(
+                            lambda: step(inp.epoch, ctx),
+                            ctx,
+                            inp.group_id,
+                            token,
+                            inp.lease_check_s,
+                            inp.timeout_s,
+                        )
+                    except BaseException:
+                        # Whatever ran may have changed the state halfway: only a checkpoint
+                        # fixes that.
+                        self._sampled = self._rewarded = None
+                        if inp.phase == "train":
+                            self._epochs_done = None
+                        raise
+                    ended = time.monotonic()
+                    released_at = time.monotonic()
+                    released = kept = False
+                    evicted: list[SnapshotReport] = []
+                    if lease is not None and inp.release != "never":
+                        released, kept, evicted = await self._yield(
+                            lease,
+                            names,
+                            restored=restored,
+                            keep_if_uncontended=inp.release == "if_contended",
+                        )
+                    elif lease is not None:
+                        kept = True
+                        self._unreported.setdefault(lease.request_id, []).extend(restored)
+                    lease = None
+            finally:
+                if lease is not None:  # the phase failed: hand the group on now, not at its TTL
+                    await self._abandon(lease)
         log.info(
             "epoch %d %s: %.2f s %s",
             inp.epoch,
@@ -299,11 +373,114 @@ class JobRuntime:
             mono_start=started,
             mono_end=ended,
             group_id=inp.group_id,
-            token=inp.token,
+            token=token,
+            request_id=order.request_id if order is not None else None,
+            waited_s=(granted - asked) if asked is not None and granted is not None else 0.0,
+            asked_mono=asked,
+            granted_mono=granted,
+            released_mono=released_at if released else None,
             released=released,
+            kept=kept and owned,
             restored=restored,
             evicted=evicted,
         )
+
+    # ---------------------------------------------------------------- leases
+
+    async def _lease_for(
+        self, order: LeaseOrder | None, names: list[str]
+    ) -> tuple[Lease | None, float | None, float | None]:
+        """The lease a phase runs under: (this process's lease or None, asked, granted).
+
+        A new order is acquired here — the grant comes straight to this process; a carried
+        one must still be valid; a workflow's lease is the workflow's to renew and release."""
+        if order is None or order.held_by == "workflow":
+            return None, None, None
+        if order.token is not None:
+            return self._owned(order), None, None
+        stale = self.engine.held.get(order.group_id)
+        if stale is not None:
+            # The workflow moved on from it (a failure, a rewind): hand it back first.
+            await self._abandon(stale)
+        asked = time.monotonic()
+        try:
+            lease = await self.engine.acquire(
+                order.group_id,
+                order.timeout_s,
+                order.priority,
+                order.ttl_s,
+                request_id=order.request_id,
+                snapshot=SnapshotTarget(
+                    queues=[QueueTarget(task_queue=self.engine.task_queue, backends=names)]
+                )
+                if names
+                else None,
+                state_bytes=order.state_bytes,
+                restores_itself=True,
+            )
+        except TimesliceError as err:
+            raise ApplicationError(
+                f"job {self.job_id}: {err}", type=type(err).__name__, non_retryable=True
+            ) from None
+        return lease, asked, time.monotonic()
+
+    def _owned(self, order: LeaseOrder | None) -> Lease:
+        """A lease this process holds and still may use (carried from the previous phase)."""
+        lease = self.engine.held.get(order.group_id) if order is not None else None
+        if order is None or lease is None or lease.token != order.token or not lease.valid:
+            where = "no lease" if order is None else f"the lease on {order.group_id}"
+            raise ApplicationError(
+                f"job {self.job_id}: {where} (token {order.token if order else None}) is no "
+                "longer held by this process; not starting",
+                type=LEASE_REVOKED,
+                non_retryable=True,
+            )
+        return lease
+
+    async def _yield(
+        self,
+        lease: Lease,
+        names: list[str],
+        *,
+        restored: list[SnapshotReport] | None = None,
+        keep_if_uncontended: bool,
+    ) -> tuple[bool, bool, list[SnapshotReport]]:
+        """Release ``lease`` (or keep it when nobody waits and that was asked); if another job
+        takes the group, move this job's state out and report it (co-operative eviction).
+
+        The group decides in the workflow task that grants the next holder; when both states
+        fit in the group's declared memory the next holder's restore overlaps this eviction,
+        otherwise the group waits for the report. Returns (released, kept, evicted)."""
+        restored = [*self._unreported.get(lease.request_id, []), *(restored or [])]
+        try:
+            answer = await self.engine.release_lease(
+                lease,
+                restored=restored,
+                keep_if_uncontended=keep_if_uncontended,
+                evicts_itself=bool(names),
+            )
+        except Exception as err:  # the workflow cancels it if this failed
+            log.warning("cannot release %s from the job process: %s", lease.group_id, err)
+            return False, False, []
+        if not answer.valid:
+            self._unreported.pop(lease.request_id, None)
+            return False, False, []
+        if not answer.released:
+            self._unreported.setdefault(lease.request_id, []).extend(restored or [])
+            return False, True, []
+        self._unreported.pop(lease.request_id, None)
+        evicted: list[SnapshotReport] = []
+        if answer.evict:
+            evicted, error = await self.homes.evict_owned(names)
+            await self.engine.report_moved(
+                lease.group_id, MovedReport(job_id=self.job_id, evicted=evicted, error=error)
+            )
+        return True, False, evicted
+
+    async def _abandon(self, lease: Lease) -> None:
+        self._unreported.pop(lease.request_id, None)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.engine.release_lease(lease))
 
     async def _supervise(
         self,
@@ -312,6 +489,7 @@ class JobRuntime:
         group_id: str | None,
         token: int | None,
         lease_check_s: float,
+        timeout_s: float | None = None,
     ) -> T:
         """:meth:`_supervised` in a ``timeslice.phase.<phase>`` span (under the activity's)."""
         attributes = {
@@ -323,7 +501,7 @@ class JobRuntime:
         }
         started = time.monotonic()
         with span(f"timeslice.phase.{ctx.phase}", attributes):
-            result = await self._supervised(work, ctx, group_id, token, lease_check_s)
+            result = await self._supervised(work, ctx, group_id, token, lease_check_s, timeout_s)
         _PHASE_SECONDS.record(time.monotonic() - started, {"phase": ctx.phase, "job": self.job_id})
         return result
 
@@ -334,17 +512,22 @@ class JobRuntime:
         group_id: str | None,
         token: int | None,
         lease_check_s: float,
+        timeout_s: float | None,
     ) -> T:
-        """Run ``work`` in a thread; heartbeat; stop it if the lease goes or we are cancelled."""
+        """Run ``work`` in a thread; heartbeat; stop it if the lease goes, its time is up or
+        we are cancelled."""
         loop = asyncio.get_running_loop()
         running = asyncio.ensure_future(asyncio.to_thread(work))
         next_check = loop.time() + lease_check_s
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         try:
             while True:
                 done, _ = await asyncio.wait({running}, timeout=HEARTBEAT_EVERY_S)
                 if done:
                     break
                 activity.heartbeat(ctx.latest_progress())
+                if deadline is not None and loop.time() >= deadline and not ctx.stopped:
+                    ctx.stop(f"its time ran out ({timeout_s:g} s)")
                 if group_id is not None and token is not None and loop.time() >= next_check:
                     next_check = loop.time() + lease_check_s
                     if not await self._holds(group_id, token):
@@ -366,7 +549,7 @@ class JobRuntime:
 
     async def _holder(self, group_id: str) -> HolderView | None:
         handle = activity.client().get_workflow_handle(group_workflow_id(group_id))
-        return await handle.query("holder", result_type=HolderView | None)  # type: ignore[arg-type]
+        return await handle.query(GroupQuery.HOLDER, result_type=HolderView | None)  # type: ignore[arg-type]
 
     async def _holds(self, group_id: str, token: int) -> bool:
         try:
@@ -375,92 +558,6 @@ class JobRuntime:
             log.warning("cannot check the lease on %s: %s", group_id, err)
             return True
         return holder is not None and holder.token == token
-
-    def _backends(self) -> dict[str, SnapshotBackend]:
-        return self.snapshots.backends or {}
-
-    @contextlib.asynccontextmanager
-    async def _holding(self, names: list[str]) -> AsyncIterator[None]:
-        """Exclusive use of the named backends' state (locks taken in one order: no deadlock)."""
-        async with contextlib.AsyncExitStack() as stack:
-            for name in sorted(set(names)):
-                await stack.enter_async_context(self._locks.setdefault(name, asyncio.Lock()))
-            yield
-
-    async def _ensure_resident(self, names: list[str]) -> list[SnapshotReport]:
-        """Restore the named state if it is out, before the job uses the group it lives on.
-
-        The job asks for its leases with ``restores_itself``: the group grants at once and the
-        restore happens here, in the process that owns the state, off the group's path. Only
-        the leased group's state comes back: the other group's may belong on a device another
-        job holds now.
-        """
-        backends = self._backends()
-        out = [backends[n] for n in names if n in backends and getattr(backends[n], "evicted", 0)]
-        return [await backend.restore(self.job_id) for backend in reversed(out)]
-
-    async def _release_after(
-        self, inp: PhaseInput, restored: list[SnapshotReport]
-    ) -> tuple[bool, list[SnapshotReport]]:
-        """Yield the lease straight from here when the phase is done, if the workflow asked.
-
-        The next holder's switch starts one workflow round trip sooner than if the workflow
-        released after seeing this activity complete, and when someone is waiting the process
-        first moves its own state out (co-operative eviction), so the group hands over without
-        running a snapshot activity. Releases are fenced by the token: one the workflow also
-        sends later is ignored by the group. Returns (released, what was evicted).
-        """
-        if inp.release == "never" or inp.group_id is None or inp.token is None:
-            return False, []
-        if inp.request_id is None:
-            return False, []
-        try:
-            holder = await self._holder(inp.group_id)
-        except Exception as err:  # unknown: leave it to the workflow
-            log.warning("cannot see who waits on %s: %s", inp.group_id, err)
-            return False, []
-        if holder is None or holder.token != inp.token:
-            return False, []  # revoked meanwhile: nothing of ours to release
-        if inp.release == "if_contended" and holder.waiting == 0:
-            return False, []
-        evict = bool(holder.waiting and inp.group_backends)
-        # When the group's memory holds both states, release first and evict after: the next
-        # holder's restore overlaps this eviction (the lock keeps our next use after it).
-        after = evict and holder.next_fits
-        evicted: list[SnapshotReport] = []
-        if evict and not after:
-            evicted, _ = await self._evict(inp.group_backends)
-        handle = activity.client().get_workflow_handle(group_workflow_id(inp.group_id))
-        release = ReleaseRequest(
-            request_id=inp.request_id,
-            token=inp.token,
-            evicted=evicted,
-            restored=restored,
-            evicting=after,
-        )
-        try:
-            await handle.signal("release", release)
-        except Exception as err:  # the workflow's own release will follow
-            log.warning("cannot release %s from the job process: %s", inp.group_id, err)
-            if after:  # it may have arrived all the same: moving out is always safe
-                await self._evict(inp.group_backends)
-            return False, evicted
-        if after:
-            evicted, error = await self._evict(inp.group_backends)
-            report = MovedReport(job_id=self.job_id, evicted=evicted, error=error)
-            try:  # the group waits for this before restoring a job that does not fit beside us
-                await handle.signal("moved", report)
-            except Exception as err:  # it falls back to its own snapshot activity
-                log.warning("cannot tell %s the eviction is done: %s", inp.group_id, err)
-        return True, evicted
-
-    async def _evict(self, names: list[str]) -> tuple[list[SnapshotReport], str | None]:
-        try:
-            backends = resolve_backends(names, self._backends())
-            return [await backend.snapshot(self.job_id) for backend in backends], None
-        except SnapshotError as err:  # the group faults us, or evicts through its activity
-            log.warning("co-operative eviction of %s failed: %s", self.job_id, err)
-            return [], str(err)
 
     # ---------------------------------------------------------------- checkpoints on disk
 

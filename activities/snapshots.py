@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from opentelemetry.trace import Span
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
+from timeslice.activities.state_homes import StateHomes
 from timeslice.snapshot.base import SnapshotBackend, SnapshotError, resolve_backends
 from timeslice.telemetry import meter, span
 from timeslice.workflows.protocol import (
@@ -17,35 +17,27 @@ from timeslice.workflows.protocol import (
     SnapshotReport,
 )
 
-Guard = Callable[[list[str]], contextlib.AbstractAsyncContextManager[None]]
-
 
 class SnapshotActivities:
     """``backends`` None means the process holds no state yet (a restarted job process that
     has not been prepared): there is nothing to move, and that is not an error.
-    ``guard``, when given, is entered with the names of the backends a call moves: it keeps a
-    snapshot from racing the process's own GPU work on that state (and only that state)."""
+    ``homes``, when given (a job process), moves the state instead: it knows which group's
+    device each state is on, so an eviction for one group never waits for the job's work on
+    another, and never races the job's own use of the state on the same group."""
 
     def __init__(
-        self, backends: dict[str, SnapshotBackend] | None, guard: Guard | None = None
+        self, backends: dict[str, SnapshotBackend] | None, homes: StateHomes | None = None
     ) -> None:
         self.backends = backends
-        self._guard_fn = guard
-
-    @contextlib.asynccontextmanager
-    async def _guard(self, names: list[str]) -> AsyncIterator[None]:
-        if self._guard_fn is None:
-            yield
-        else:
-            async with self._guard_fn(names):
-                yield
+        self._homes = homes
 
     def _resolve(self, call: SnapshotCall) -> list[SnapshotBackend]:
-        if self.backends is None:
+        available = self._homes.backends if self._homes is not None else self.backends
+        if not available:
             return []
         try:
             self.prepare(call)
-            return resolve_backends(call.backends, self.backends)
+            return resolve_backends(call.backends, available)
         except SnapshotError as err:
             raise ApplicationError(str(err), type="SnapshotError", non_retryable=True) from err
 
@@ -56,8 +48,11 @@ class SnapshotActivities:
     async def snapshot(self, call: SnapshotCall) -> list[SnapshotReport]:
         # Composed backends snapshot in order and restore in reverse.
         with span("timeslice.snapshot", _attributes(call)) as current:
-            async with self._guard(call.backends):
-                reports = [await _run(b.snapshot, call) for b in self._resolve(call)]
+            backends = self._resolve(call)
+            if self._homes is not None:
+                reports = await _checked(self._homes.evict_for(call.backends, call.group_id))
+            else:
+                reports = [await _run(b.snapshot, call) for b in backends]
             _record(current, "snapshot", reports)
         activity.logger.info("evicted %s: %s", call.job_id, _summary(reports))
         return reports
@@ -65,11 +60,21 @@ class SnapshotActivities:
     @activity.defn(name=RESTORE_ACTIVITY)
     async def restore(self, call: SnapshotCall) -> list[SnapshotReport]:
         with span("timeslice.restore", _attributes(call)) as current:
-            async with self._guard(call.backends):
-                reports = [await _run(b.restore, call) for b in reversed(self._resolve(call))]
+            backends = self._resolve(call)
+            if self._homes is not None:
+                reports = await _checked(self._homes.restore_for(call.backends, call.group_id))
+            else:
+                reports = [await _run(b.restore, call) for b in reversed(backends)]
             _record(current, "restore", reports)
         activity.logger.info("restored %s: %s", call.job_id, _summary(reports))
         return reports
+
+
+async def _checked(moving: Awaitable[list[SnapshotReport]]) -> list[SnapshotReport]:
+    try:
+        return await moving
+    except SnapshotError as err:  # the backend's own verdict: retrying will not change it
+        raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from err
 
 
 async def _run(

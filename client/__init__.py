@@ -1,22 +1,51 @@
 """Timeslice: co-operative GPU time-slicing for RL post-training jobs, built on Temporal.
 
 from timeslice import TimeSliceOrchestratorClient
+
+The names below load on first use (PEP 562): importing a subpackage such as
+``timeslice.workflows.protocol`` — which every workflow does, inside Temporal's sandbox, on every
+run — must not drag in the client, its Temporal worker, OpenTelemetry and the snapshot backends.
 """
 
-from timeslice.errors import (
-    AcquireTimeoutError,
-    InvalidArgumentError,
-    JobFaultedError,
-    LeaseRevokedError,
-    NotHolderError,
-    ServerUnreachableError,
-    SnapshotFailedError,
-    TimesliceError,
-    UnknownGroupError,
-)
-from timeslice.lease import Lease
-from timeslice.orchestrator import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
-from timeslice.workflows.protocol import GroupStatus
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from timeslice.errors import (
+        AcquireTimeoutError,
+        InvalidArgumentError,
+        JobFaultedError,
+        LeaseRevokedError,
+        NotHolderError,
+        ServerUnreachableError,
+        SnapshotFailedError,
+        TimesliceError,
+        UnknownGroupError,
+    )
+    from timeslice.lease import Lease
+    from timeslice.orchestrator import (
+        AsyncTimeSliceOrchestratorClient,
+        TimeSliceOrchestratorClient,
+    )
+    from timeslice.workflows.protocol import GroupStatus
+
+_EXPORTS: dict[str, str] = {
+    "AcquireTimeoutError": "timeslice.errors",
+    "AsyncTimeSliceOrchestratorClient": "timeslice.orchestrator",
+    "GroupStatus": "timeslice.workflows.protocol",
+    "InvalidArgumentError": "timeslice.errors",
+    "JobFaultedError": "timeslice.errors",
+    "Lease": "timeslice.lease",
+    "LeaseRevokedError": "timeslice.errors",
+    "NotHolderError": "timeslice.errors",
+    "ServerUnreachableError": "timeslice.errors",
+    "SnapshotFailedError": "timeslice.errors",
+    "TimeSliceOrchestratorClient": "timeslice.orchestrator",
+    "TimesliceError": "timeslice.errors",
+    "UnknownGroupError": "timeslice.errors",
+}
 
 __all__ = [
     "AcquireTimeoutError",
@@ -33,3 +62,16 @@ __all__ = [
     "TimesliceError",
     "UnknownGroupError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'timeslice' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

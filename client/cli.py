@@ -269,7 +269,7 @@ async def _run_job_start(args: argparse.Namespace) -> int:
         print(f"follow it with: timeslice job progress {config.job_id}")
         return 0
     result = await follow_job(client, config.job_id, lambda line: print(line, flush=True))
-    rewards = [r.reward_mean for r in result.records if r.reward_mean is not None]
+    rewards = [r for r in result.rewards if r is not None]
     state = "stopped" if result.stopped else "completed"
     print(f"job {config.job_id} {state} after {result.epochs_done} epochs", end="")
     print(f"; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "")

@@ -50,27 +50,40 @@ from timeslice.snapshot.base import SnapshotBackend
 from timeslice.telemetry import detached, end_span, tracer
 from timeslice.workflows.protocol import (
     CONTROL_TASK_QUEUE,
+    AcquireAnswer,
+    AcquireCall,
+    AcquireOutcome,
     AcquireRequest,
     CancelRequest,
     DepartRequest,
-    GrantWait,
-    GrantWaitOutcome,
+    GrantNotice,
     GroupConfig,
+    GroupQuery,
+    GroupSignal,
     GroupStatus,
-    ReleaseRequest,
+    GroupUpdate,
+    LeaseReturn,
+    MovedReport,
     RenewRequest,
     RenewResult,
+    ReturnAnswer,
     SnapshotJobInput,
     SnapshotJobResult,
     SnapshotReport,
     SnapshotTarget,
-    WaitGrant,
     group_workflow_id,
 )
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 log = logging.getLogger("timeslice.client")
 T = TypeVar("T")
+
+
+class _Default:
+    """Marks an argument left out (None is a meaningful value for it)."""
+
+
+DEFAULT = _Default()
 
 _TRANSIENT = {
     RPCStatusCode.UNAVAILABLE,
@@ -119,7 +132,10 @@ class Engine:
         snapshot_target: SnapshotTarget | None,
         state_bytes: int | None,
         rpc_retry_s: float,
+        own_thread: bool = True,
     ) -> None:
+        """``own_thread``: run on a private event-loop thread (the client facades) or on the
+        caller's loop (a job process, whose worker already serves this job's queue)."""
         self.connect_config = connect_config
         self.job_id = job_id
         self.task_queue = task_queue
@@ -130,8 +146,10 @@ class Engine:
         self.state_bytes = state_bytes
         self.rpc_retry_s = rpc_retry_s
         self.held: dict[str, Lease] = {}
-        self.thread = LoopThread(f"timeslice-{job_id}")
-        self._inbox = GrantInbox()
+        self.thread: LoopThread | None = LoopThread(f"timeslice-{job_id}") if own_thread else None
+        self.inbox = GrantInbox()
+        # A job process's worker serves the inbox itself; the facades' engine starts its own.
+        self._serves_own_queue = own_thread
         self._client: Client | None = None
         self._connecting: asyncio.Future[Client] | None = None
         self._worker: Worker | None = None
@@ -146,6 +164,7 @@ class Engine:
     # ------------------------------------------------------------ plumbing
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        assert self.thread is not None, "this engine runs on its caller's event loop"
         if self.thread.in_loop_thread:
             coro.close()
             raise TimesliceError("blocking client call made from the client's own event loop")
@@ -158,7 +177,16 @@ class Engine:
             raise
 
     async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.thread is None:
+            return await coro
         return await asyncio.wrap_future(self.thread.submit(coro))
+
+    def attach(self, client: Client) -> None:
+        """Use ``client`` (a job process's) instead of connecting; its worker serves the queue."""
+        future: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
+        future.set_result(client)
+        self._connecting = future
+        self._client = client
 
     async def connected(self) -> Client:
         """The Temporal client, connected on first use (no worker: enough for queries)."""
@@ -177,12 +205,12 @@ class Engine:
     async def start(self) -> Client:
         """Connect and serve this job's task queue (grants, snapshots)."""
         client = await self.connected()
-        if self._worker is None:
+        if self._worker is None and self._serves_own_queue:
             snapshots = SnapshotActivities(self.backends)
             self._worker = Worker(
                 client,
                 task_queue=self.task_queue,
-                activities=[self._inbox.deliver_grant, snapshots.snapshot, snapshots.restore],
+                activities=[self.inbox.deliver_grant, snapshots.snapshot, snapshots.restore],
                 max_concurrent_activities=16,
                 graceful_shutdown_timeout=timedelta(seconds=2),
             )
@@ -222,10 +250,18 @@ class Engine:
     # ------------------------------------------------------------ acquire / release
 
     async def acquire(
-        self, group_id: str, timeout: float | None, priority: int | None, ttl_s: float | None
+        self,
+        group_id: str,
+        timeout: float | None,
+        priority: int | None,
+        ttl_s: float | None,
+        **request: Any,
     ) -> Lease:
         """Traced as a ``timeslice.lease`` span (under the caller's current span) holding
-        ``timeslice.acquire`` (request to grant) and ``timeslice.hold`` (grant to release)."""
+        ``timeslice.acquire`` (request to grant) and ``timeslice.hold`` (grant to release).
+
+        ``request``: what a job process sets per lease (``request_id``, ``snapshot``,
+        ``state_bytes``, ``restores_itself``); see :meth:`_acquire`."""
         attributes = {"timeslice.group_id": group_id, "timeslice.job_id": self.job_id}
         lease_span = tracer().start_span("timeslice.lease", attributes=attributes)
         in_lease = trace.set_span_in_context(lease_span)
@@ -233,7 +269,7 @@ class Engine:
             with tracer().start_as_current_span(
                 "timeslice.acquire", context=in_lease, attributes=attributes
             ) as acquire_span:
-                lease = await self._acquire(group_id, timeout, priority, ttl_s)
+                lease = await self._acquire(group_id, timeout, priority, ttl_s, **request)
                 acquire_span.set_attributes(
                     {"timeslice.token": lease.token, "timeslice.waited_s": lease.waited_s}
                 )
@@ -252,40 +288,56 @@ class Engine:
         return lease
 
     async def _acquire(
-        self, group_id: str, timeout: float | None, priority: int | None, ttl_s: float | None
+        self,
+        group_id: str,
+        timeout: float | None,
+        priority: int | None,
+        ttl_s: float | None,
+        *,
+        request_id: str | None = None,
+        snapshot: SnapshotTarget | _Default | None = DEFAULT,
+        state_bytes: int | _Default | None = DEFAULT,
+        restores_itself: bool = False,
     ) -> Lease:
         if group_id in self.held:
             raise InvalidArgumentError(
                 f"job {self.job_id} already holds group {group_id!r} (token "
                 f"{self.held[group_id].token}); release it before acquiring it again"
             )
-        client = await self.start()
+        await self.start()
         request = AcquireRequest(
-            request_id=f"{self.job_id}:{uuid.uuid4().hex}",
+            request_id=request_id or f"{self.job_id}:{uuid.uuid4().hex}",
             job_id=self.job_id,
             reply_task_queue=self.task_queue,
             priority=self.priority if priority is None else priority,
             ttl_s=ttl_s if ttl_s is not None else self.lease_ttl_s,
             timeout_s=timeout,
-            snapshot=self.snapshot_target,
-            state_bytes=self.state_bytes,
+            snapshot=self.snapshot_target if isinstance(snapshot, _Default) else snapshot,
+            state_bytes=self.state_bytes if isinstance(state_bytes, _Default) else state_bytes,
+            restores_itself=restores_itself,
         )
-        granted = self._inbox.expect(request.request_id)
+        rid = request.request_id
+        asked = time.monotonic()
+        granted = self.inbox.expect(rid)
+        # The ask is not cancelled when the acquire ends: the group answers a parked wait as
+        # soon as the request is granted or gone, and an RPC abandoned mid-flight would outlive
+        # its event loop. close() waits for it.
+        asking = self._track(self._ask(group_id, request, granted))
         try:
-            await self._send_request(client, group_id, request)
-            # Not cancelled when the acquire ends: the group answers a parked wait as soon as
-            # the request is granted or gone, and an RPC abandoned mid-flight would outlive
-            # its event loop. close() waits for these.
-            self._track(self._park(group_id, request.request_id, granted))
-            await asyncio.wait({granted}, timeout=timeout)
+            await asyncio.wait({granted, asking}, timeout=timeout, return_when="FIRST_COMPLETED")
+            if asking.done() and not granted.done():
+                asking.result()  # raises what stopped the request from being queued
+                remaining = None if timeout is None else timeout - (time.monotonic() - asked)
+                if remaining is None or remaining > 0:
+                    await asyncio.wait({granted}, timeout=remaining)
         except BaseException:
-            self._inbox.withdraw(request.request_id)
+            self.inbox.withdraw(rid)
             # Shielded and tracked: a cancelled acquire still withdraws, and close() waits for it.
-            await asyncio.shield(self._track(self._withdraw(group_id, request.request_id)))
+            await asyncio.shield(self._track(self._withdraw(group_id, rid)))
             raise
-        notice = self._inbox.withdraw(request.request_id)
+        notice = self.inbox.withdraw(rid)
         if notice is None:
-            await self._withdraw(group_id, request.request_id)
+            await self._withdraw(group_id, rid)
             raise AcquireTimeoutError(
                 f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
                 "the request was withdrawn"
@@ -299,33 +351,69 @@ class Engine:
             request_id=notice.request_id,
             ttl_s=notice.ttl_s,
             waited_s=notice.waited_s,
+            confirm_within_s=notice.confirm_within_s,
+            asked_at=asked,
         )
         self.held[group_id] = lease
         return lease
 
-    async def _send_request(self, client: Client, group_id: str, request: AcquireRequest) -> None:
+    async def _ask(
+        self, group_id: str, request: AcquireRequest, granted: asyncio.Future[Any]
+    ) -> None:
+        """Queue ``request`` and park on the group until it is granted (the fast path).
 
-        async def signal_with_start() -> None:
-            await start_group(
-                client,
-                GroupConfig(group_id=group_id),
-                start_signal="request",
-                start_signal_args=[request],
-            )
-
-        async def signal() -> None:
-            await self._group_handle(group_id).signal("request", request)
-
-        try:
-            if group_id in self._known_groups:
-                try:
-                    await self._rpc(f"acquire {group_id}", signal)
-                    return
-                except RPCError as err:
-                    if err.status != RPCStatusCode.NOT_FOUND:
-                        raise
-            await self._rpc(f"acquire {group_id}", signal_with_start)
+        An ``acquire`` update carries the request and, if the group has a free parking place,
+        waits there: the grant is its result. Asking again is safe (idempotent by request id),
+        so a retry after the group continued as new, or after a dropped RPC, parks again. When
+        the group parks no more waits, the grant comes as an activity on this process's queue.
+        A group that does not exist yet is created by signal-with-start of the request.
+        """
+        call = AcquireCall(request=request)
+        delay = 0.2
+        while not granted.done():
+            try:
+                answer = await self._group_handle(group_id).execute_update(
+                    GroupUpdate.ACQUIRE, call, result_type=AcquireAnswer
+                )
+            except RPCError as err:
+                if err.status == RPCStatusCode.NOT_FOUND:
+                    await self._create_with_request(group_id, request)
+                    continue
+                if err.status not in _TRANSIENT:
+                    raise
+                log.debug("asking %s: %s; retrying in %.1f s", group_id, err, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            except WorkflowUpdateFailedError as err:
+                raise InvalidArgumentError(
+                    f"group {group_id!r} refused the request: {err.cause or err}"
+                ) from err
             self._known_groups.add(group_id)
+            if answer.outcome == AcquireOutcome.GRANTED and answer.notice is not None:
+                self._take(answer.notice)
+                return
+            if answer.outcome in (AcquireOutcome.QUEUED, AcquireOutcome.GONE):
+                return
+
+    def _take(self, notice: GrantNotice) -> None:
+        """A grant that came as an update's result; one nobody waits for any more is handed
+        back at once (the acquire gave up, and its cancel may have crossed the grant)."""
+        if not self.inbox.accept(notice) and notice.fault is None:
+            self._track(self._withdraw(notice.group_id, notice.request_id))
+
+    async def _create_with_request(self, group_id: str, request: AcquireRequest) -> None:
+        client = await self.connected()
+        try:
+            await self._rpc(
+                f"acquire {group_id}",
+                lambda: start_group(
+                    client,
+                    GroupConfig(group_id=group_id),
+                    start_signal=GroupSignal.REQUEST,
+                    start_signal_args=[request],
+                ),
+            )
         except RPCError as err:
             if "TimesliceGroup" in str(err):
                 raise TimesliceError(
@@ -333,11 +421,26 @@ class Engine:
                     "run `timeslice setup` once against this cluster"
                 ) from err
             raise
+        self._known_groups.add(group_id)
+
+    async def _update(
+        self, what: str, group_id: str, name: GroupUpdate, arg: Any, result_type: type[T]
+    ) -> T:
+        return await self._rpc(
+            what,
+            lambda: self._group_handle(group_id).execute_update(name, arg, result_type=result_type),
+        )
 
     async def _depart(self, group_id: str) -> None:
         try:
-            await self._group_handle(group_id).signal("depart", DepartRequest(job_id=self.job_id))
-        except RPCError as err:
+            await self._update(
+                f"depart {group_id}",
+                group_id,
+                GroupUpdate.DEPART,
+                DepartRequest(job_id=self.job_id),
+                bool,
+            )
+        except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
             log.debug("depart from %s: %s", group_id, err)
 
     def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
@@ -345,34 +448,6 @@ class Engine:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
-
-    async def _park(self, group_id: str, request_id: str, granted: asyncio.Future[Any]) -> None:
-        """Wait for the grant as the result of a parked update (the fast path).
-
-        The group admits a few parked waits; when it refuses one, or anything goes wrong
-        here, the grant still comes as an activity on this process's queue.
-        """
-        handle = self._group_handle(group_id)
-        delay = 0.2
-        while not granted.done():
-            try:
-                answer = await handle.execute_update(
-                    "wait_grant", WaitGrant(request_id=request_id), result_type=GrantWait
-                )
-            except WorkflowUpdateFailedError:
-                return  # refused (enough parked waits): the activity path delivers
-            except RPCError as err:
-                if err.status not in _TRANSIENT:
-                    log.debug("parking %s on %s failed: %s", request_id, group_id, err)
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            if answer.outcome == GrantWaitOutcome.GRANTED and answer.notice is not None:
-                self._inbox.accept(answer.notice, confirming=False)
-                return
-            if answer.outcome == GrantWaitOutcome.GONE:
-                return
 
     async def snapshot_job(self, action: str) -> list[SnapshotReport]:
         """Snapshot or restore this job on all its queues and wait (no group involved)."""
@@ -413,13 +488,14 @@ class Engine:
     async def _withdraw(self, group_id: str, request_id: str) -> None:
         """Tell the group to drop a request; a grant that raced with it is released at once."""
         try:
-            await self._rpc(
+            await self._update(
                 f"cancel {group_id}",
-                lambda: self._group_handle(group_id).signal(
-                    "cancel", CancelRequest(request_id=request_id)
-                ),
+                group_id,
+                GroupUpdate.CANCEL,
+                CancelRequest(request_id=request_id),
+                type(None),
             )
-        except (RPCError, TimesliceError) as err:
+        except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
             log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)
 
     def resolve_lease(self, lease: Lease | None) -> Lease:
@@ -439,48 +515,104 @@ class Engine:
         return lease
 
     async def release(self, lease: Lease | None) -> None:
+        """Yield the lease; LeaseRevokedError if the group had revoked it meanwhile."""
         lease = self.resolve_lease(lease)
-        del self.held[lease.group_id]
-        lease.released = True
-        heartbeat = self._heartbeats.pop(lease.group_id, None)
-        if heartbeat is not None:
-            heartbeat.cancel()
-        spans = self._spans.pop(lease.group_id, None)
-        try:
-            with (
-                trace.use_span(spans[1], record_exception=False, set_status_on_exception=False)
-                if spans
-                else contextlib.nullcontext()
-            ):
-                await self._rpc(
-                    f"release {lease.group_id}",
-                    lambda: self._group_handle(lease.group_id).signal(
-                        "release", ReleaseRequest(request_id=lease.request_id, token=lease.token)
-                    ),
-                )
-        except BaseException as err:
-            for span in reversed(spans or ()):
-                end_span(span, err)
-            raise
-        revoked = None if lease.revoked_reason is None else f"revoked: {lease.revoked_reason}"
-        for span in reversed(spans or ()):
-            end_span(span, message=revoked)
+        answer = await self.release_lease(lease)
+        if lease.revoked_reason is None and not answer.valid:
+            lease.revoked_reason = "the group no longer held it when it was released"
         if lease.revoked_reason is not None:
             raise LeaseRevokedError(
                 f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "
                 f"{lease.revoked_reason}"
             )
 
+    async def release_lease(
+        self,
+        lease: Lease,
+        *,
+        restored: list[SnapshotReport] | None = None,
+        evicted: list[SnapshotReport] | None = None,
+        keep_if_uncontended: bool = False,
+        evicts_itself: bool = False,
+    ) -> ReturnAnswer:
+        """End ``lease`` (or keep it, if asked and nobody waits); the answer says whether the
+        group wants this process to move its state out (``evicts_itself``)."""
+        ret = LeaseReturn(
+            request_id=lease.request_id,
+            token=lease.token,
+            restored=list(restored or []),
+            evicted=list(evicted or []),
+            keep_if_uncontended=keep_if_uncontended,
+            evicts_itself=evicts_itself,
+        )
+        spans = self._spans.get(lease.group_id)
+        attempts = 0
+
+        async def call() -> ReturnAnswer:
+            nonlocal attempts
+            attempts += 1
+            return await self._group_handle(lease.group_id).execute_update(
+                GroupUpdate.RELEASE, ret, result_type=ReturnAnswer
+            )
+
+        try:
+            with (
+                trace.use_span(spans[1], record_exception=False, set_status_on_exception=False)
+                if spans
+                else contextlib.nullcontext()
+            ):
+                answer = await self._rpc(f"release {lease.group_id}", call)
+        except BaseException as err:
+            self._drop(lease, err)
+            raise
+        if not answer.valid and attempts > 1:
+            # An earlier attempt may have landed before its answer was lost: the group then
+            # knows the request as done, which is all a retry can learn.
+            answer = ReturnAnswer(valid=True, released=True)
+        if answer.released or not answer.valid:
+            self._drop(lease)
+        else:
+            lease.valid_until = time.monotonic() + lease.ttl_s  # kept: the group renewed it
+        return answer
+
+    def _drop(self, lease: Lease, err: BaseException | None = None) -> None:
+        """This process no longer holds ``lease``: stop renewing it, close its spans."""
+        if self.held.get(lease.group_id) is lease:
+            del self.held[lease.group_id]
+        lease.released = True
+        heartbeat = self._heartbeats.pop(lease.group_id, None)
+        if heartbeat is not None:
+            heartbeat.cancel()
+        spans = self._spans.pop(lease.group_id, None)
+        revoked = None if lease.revoked_reason is None else f"revoked: {lease.revoked_reason}"
+        for span in reversed(spans or ()):
+            end_span(span, err, message=revoked)
+
+    async def report_moved(self, group_id: str, report: MovedReport) -> None:
+        """Tell ``group_id`` that this job's state left its device."""
+        try:
+            await self._update(
+                f"report to {group_id}", group_id, GroupUpdate.MOVED, report, type(None)
+            )
+        except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
+            # The group falls back on its own snapshot activity, which finds nothing to move.
+            log.warning("cannot tell %s that %s's state moved: %s", group_id, self.job_id, err)
+
     async def _heartbeat(self, lease: Lease) -> None:
+        """Renew every TTL/3; the first renewal also confirms a grant taken from an update,
+        so it comes before the group's confirmation deadline (holds shorter than that are
+        confirmed by their release and never renew)."""
         interval = lease.ttl_s / 3
         handle = self._group_handle(lease.group_id)
         wait = interval
+        if lease.confirm_within_s is not None:
+            wait = min(interval, lease.confirm_within_s / 3)
         while True:
             await asyncio.sleep(wait)
             sent = time.monotonic()
             try:
                 result: RenewResult = await handle.execute_update(
-                    "renew",
+                    GroupUpdate.RENEW,
                     RenewRequest(request_id=lease.request_id, token=lease.token),
                     result_type=RenewResult,
                 )
@@ -506,7 +638,9 @@ class Engine:
         try:
             return await self._rpc(
                 f"status {group_id}",
-                lambda: self._group_handle(group_id).query("status", result_type=GroupStatus),
+                lambda: self._group_handle(group_id).query(
+                    GroupQuery.STATUS, result_type=GroupStatus
+                ),
             )
         except RPCError as err:
             if err.status == RPCStatusCode.NOT_FOUND:
@@ -533,10 +667,6 @@ class Engine:
             self._track(self._depart(group_id))
         if self._background:
             await asyncio.wait(self._background, timeout=10)
-        # Short and best-effort: a group that continued as new after the lease was released
-        # sends no confirmation for it.
-        if not await self._inbox.confirmed(timeout=2):
-            log.debug("closing before the group confirmed every grant")
         if self._worker is not None:
             await self._worker.shutdown()
         if self._worker_task is not None:

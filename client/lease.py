@@ -17,6 +17,11 @@ class Lease:
     ttl_s: float
     waited_s: float
     acquired_at: float = field(default_factory=time.monotonic)
+    # A grant taken from a parked update: the group counts it delivered once it is renewed
+    # or released, and takes the holder for dead if neither comes within this many seconds.
+    confirm_within_s: float | None = None
+    # When the request was sent (monotonic clock), for timing the wait.
+    asked_at: float | None = None
     revoked_reason: str | None = None
     released: bool = False
     # Local validity is conservative: it runs from when a renewal was *sent*, so it always ends

@@ -261,9 +261,10 @@ class TimeSliceOrchestratorClient(_ClientBase):
 
     def close(self) -> None:
         """Release held leases and stop the client's worker."""
-        if self._engine.thread.loop.is_running():
+        thread = self._engine.thread
+        if thread is not None and thread.loop.is_running():
             self._engine.run_sync(self._engine.close())
-            self._engine.thread.stop()
+            thread.stop()
 
     def __enter__(self) -> TimeSliceOrchestratorClient:
         return self
@@ -310,9 +311,10 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         return await self._engine.run_async(self._engine.create_group(config))
 
     async def close(self) -> None:
-        if self._engine.thread.loop.is_running():
+        thread = self._engine.thread
+        if thread is not None and thread.loop.is_running():
             await self._engine.run_async(self._engine.close())
-            self._engine.thread.stop()
+            thread.stop()
 
     async def __aenter__(self) -> AsyncTimeSliceOrchestratorClient:
         return self

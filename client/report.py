@@ -39,7 +39,6 @@ from timeslice.workflows.rl_protocol import (
     RL_JOB_WORKFLOW_TYPE,
     RLJobProgress,
     RLJobResult,
-    phase_totals,
     rl_job_workflow_id,
 )
 
@@ -234,14 +233,13 @@ def job_report_from_result(
     result: RLJobResult, *, status: JobStatus = "completed", wall_s: float | None = None
 ) -> JobReport:
     """Summarise a finished job from its result (pure: no I/O)."""
-    phase_s, wait_s = phase_totals(result.records)
-    rewards = [r.reward_mean for r in result.records if r.reward_mean is not None]
+    rewards = [r for r in result.rewards if r is not None]
     return JobReport(
         job_id=result.job_id,
         status=status,
         epochs_done=result.epochs_done,
-        phase_s=phase_s,
-        wait_s=wait_s,
+        phase_s=dict(result.phase_s),
+        wait_s=dict(result.wait_s),
         reward_first=rewards[0] if rewards else None,
         reward_last=rewards[-1] if rewards else None,
         rewinds=result.rewinds,

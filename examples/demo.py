@@ -100,7 +100,7 @@ async def run_jobs(address: str, epochs: int) -> tuple[list[RLJobResult], Report
 def summarize(results: list[RLJobResult], group: GroupReport, ui_url: str | None) -> None:
     print("\nreward (mean over each epoch's completions):")
     for result in results:
-        rewards = [r.reward_mean for r in result.records if r.reward_mean is not None]
+        rewards = [r for r in result.rewards if r is not None]
         head = sum(rewards[:5]) / len(rewards[:5])
         tail = sum(rewards[-5:]) / len(rewards[-5:])
         print(
@@ -108,8 +108,8 @@ def summarize(results: list[RLJobResult], group: GroupReport, ui_url: str | None
             f"last 5 {tail:.3f} ({result.epochs_done} epochs)"
         )
     for result in results:
-        gpu = sum(r.phase_s.get("sample", 0) + r.phase_s.get("train", 0) for r in result.records)
-        waited = sum(sum(r.wait_s.values()) for r in result.records)
+        gpu = result.phase_s.get("sample", 0) + result.phase_s.get("train", 0)
+        waited = sum(result.wait_s.values())
         print(f"  {result.job_id}: GPU phases {gpu:.1f} s, waited for the group {waited:.1f} s")
     print(
         f"  ({group.switches} switches, {human_bytes(group.bytes_moved)} moved. "

@@ -30,6 +30,10 @@ class SimulatedBackend:
         self._out: set[str] = set()  # jobs whose (simulated) state is in host memory
 
     @property
+    def registered_bytes(self) -> int:
+        return self.nbytes
+
+    @property
     def evicted(self) -> bool:
         """Whether any job's state is out (a job process serves one job)."""
         return bool(self._out)

@@ -19,8 +19,16 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 _exit_status: list[int] = []
 
 
+UNIT_TESTS = Path(__file__).resolve().parent / "unit"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests run only where CUDA is present (tests/gpu/run.sh on a lent device)."""
+    """Mark each test `unit` (tests/unit: no server, no process, milliseconds) or `process`
+    (real servers and processes), so either set runs alone (`pytest -m unit`); `gpu` tests run
+    only where CUDA is present (tests/gpu/run.sh on a lent device)."""
+    for item in items:
+        unit = UNIT_TESTS in Path(str(item.fspath)).parents
+        item.add_marker(pytest.mark.unit if unit else pytest.mark.process)
     try:
         import torch
 

@@ -31,6 +31,9 @@ def main() -> int:
     p.add_argument("--linger", action="store_true", help="after the work, wait for stdin EOF")
     p.add_argument("--node-backend", action="append", default=[])
     p.add_argument("--torch-mb", type=int, default=0, help="register this much state (torch)")
+    p.add_argument(
+        "--start-with", type=int, default=1, help="start once this many contenders are ready"
+    )
     p.add_argument("--log", required=True)
     args = p.parse_args()
     backends: list = list(args.backend)
@@ -62,6 +65,7 @@ def main() -> int:
             log.write(json.dumps(record) + "\n")
 
         emit("ready")
+        _await_ready(args.log, args.start_with)
         for _ in range(args.iterations):
             try:
                 lease = client.acquire(args.group, timeout=args.timeout)
@@ -87,6 +91,18 @@ def main() -> int:
             sys.stdin.read()  # stay registered (resident, faulted ...) until the test lets go
     client.close()
     return 0
+
+
+def _await_ready(log: str, count: int) -> None:
+    """A start line for contenders that load slowly (torch): all contend from the first grant."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with open(log) as lines:
+            ready = sum(1 for line in lines if json.loads(line)["event"] == "ready")
+        if ready >= count:
+            return
+        time.sleep(0.01)
+    raise SystemExit(f"fewer than {count} contenders got ready within 120 s")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
-
-with workflow.unsafe.imports_passed_through():
-    from timeslice.workflows.group_lease import GroupLeases
+from timeslice.workflows.group_lease import GroupLeases
 
 
 @workflow.defn(name="LeaseTakingWorkflow")

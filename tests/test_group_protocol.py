@@ -306,12 +306,10 @@ def test_waiting_ages_priority_so_nothing_starves(address, group, tmp_path, make
 def test_torch_state_is_evicted_and_restored_on_every_switch(address, group, tmp_path):
     pytest.importorskip("torch")
     log = tmp_path / "torch.jsonl"
-    procs = [
-        spawn_contender(
-            address, group, job, log, "--iterations", "4", "--hold", "0.05", "--torch-mb", "4"
-        )
-        for job in ("ta", "tb")
-    ]
+    # Both start contending together (loading torch takes a while), so every release has a
+    # waiter and the holder alternates.
+    args = ["--iterations", "4", "--hold", "0.05", "--torch-mb", "4", "--start-with", "2"]
+    procs = [spawn_contender(address, group, job, log, *args) for job in ("ta", "tb")]
     finish(procs)
     assert not events(log, "corrupt")  # each process checks its state after every grant
     intervals = hold_intervals(read_log(log))

@@ -10,6 +10,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 from timeslice.workers.control import WORKFLOWS
+from timeslice.workers.sandbox import workflow_runner
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 
@@ -22,6 +23,10 @@ def test_histories_are_stored():
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
 def test_stored_history_replays(path: Path):
     history = WorkflowHistory.from_json(path.stem, path.read_text())
-    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+    replayer = Replayer(
+        workflows=WORKFLOWS,
+        data_converter=pydantic_data_converter,
+        workflow_runner=workflow_runner(),
+    )
     result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"

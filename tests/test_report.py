@@ -128,6 +128,9 @@ def hand_built_result() -> RLJobResult:
         rewinds=0,
         redone_epochs=0,
         records=records,
+        rewards=[r.reward_mean for r in records],
+        phase_s={"sample": 2.0, "rewards": 1.0, "train": 2.0},
+        wait_s={"sample": 0.5, "train": 1.0},
     )
 
 

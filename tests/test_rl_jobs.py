@@ -364,15 +364,16 @@ def test_revoked_lease_stops_the_running_phase(
 def test_cooperative_switches_keep_the_group_accounting_true(
     address: str, job_workers: Callable[..., Any], group: str
 ) -> None:
-    """With memory for both states declared, holders evict themselves after releasing (the
-    next restore overlaps) and report it; every byte moved is counted exactly once."""
+    """With memory for both jobs' states declared, holders evict themselves after releasing
+    (the next restore overlaps) and report it; every byte moved is counted exactly once."""
     size = 1 << 20
+    per_job = 2 * size  # simulated jobs have a sampler and a trainer state; one group holds both
     a, b = job_id("ca"), job_id("cb")
     for job in (a, b):
         job_workers(job, "simulated")
 
     async def create(client: Client) -> None:
-        await start_group(client, GroupConfig(group_id=group, memory_bytes=2 * size))
+        await start_group(client, GroupConfig(group_id=group, memory_bytes=2 * per_job))
 
     run(create, address)
     options = {"sample_s": 0.3, "reward_s": 0.3, "train_s": 0.1, "state_bytes": size,
@@ -403,7 +404,7 @@ def test_cooperative_switches_keep_the_group_accounting_true(
 
         s = run(status, address)
         moves = s.stats.evictions + s.stats.restores
-        return s if s.stats.bytes_moved == moves * size else None
+        return s if s.stats.bytes_moved == moves * per_job else None
 
     status = wait_for(settled, timeout=60, what="every eviction's bytes reported")
     assert status.stats.evictions >= len(lazy) and status.stats.restores >= 1

@@ -37,6 +37,7 @@ from timeslice.workflows.protocol import (
     GROUP_WORKFLOW_TYPE,
     REQUEST_GROUP_ACTIVITY,
     SNAPSHOT_ACTIVITY,
+    GroupUpdate,
     ReleaseRequest,
     RenewRequest,
     RenewResult,
@@ -374,7 +375,7 @@ def test_acquire_phase_release_span_tree(
     assert acquire.attributes["timeslice.token"] == hold.attributes["timeslice.token"]
     # the interceptor's client spans hang under ours
     assert f"SignalWithStartWorkflow:{GROUP_WORKFLOW_TYPE}" in children(acquire)
-    assert "SignalWorkflow:release" in children(hold)
+    assert f"StartWorkflowUpdate:{GroupUpdate.RELEASE}" in children(hold)
     # the group is started outside the requester's trace: nothing of it joins this one
     assert not [s.name for s in finished if s.context.trace_id == trace_id and "Run" in s.name]
 
@@ -402,11 +403,28 @@ def test_acquire_phase_release_span_tree(
     assert phase in rl_trace
     assert phase.attributes["timeslice.group_id"] == f"{group}-rl"
     assert phase.attributes["timeslice.token"] >= 1
-    requested = min(
-        s.start_time for s in rl_trace if s.name == f"StartActivity:{REQUEST_GROUP_ACTIVITY}"
-    )
-    # released by the workflow (an external signal) or straight from the phase's process
-    releases = ("SignalExternalWorkflow:release", "SignalWorkflow:release")
-    released = max(s.start_time for s in rl_trace if s.name in releases)
-    assert requested < phase.start_time < phase.end_time <= released
+
+    def within(span: ReadableSpan, ancestor: ReadableSpan) -> bool:
+        while (span := parent(span)) is not None:  # type: ignore[assignment]
+            if span is ancestor:
+                return True
+        return False
+
+    # The phase's process asked for its lease, ran the phase, then released it: updates sent
+    # from inside the phase's activity.
+    asked = [
+        s
+        for s in rl_trace
+        if s.name == f"StartWorkflowUpdate:{GroupUpdate.ACQUIRE}" and within(s, run_phase)
+    ]
+    released = [
+        s
+        for s in rl_trace
+        if s.name == f"StartWorkflowUpdate:{GroupUpdate.RELEASE}" and within(s, run_phase)
+    ]
+    assert asked and released
+    assert max(s.end_time for s in asked) <= phase.start_time < phase.end_time
+    assert phase.end_time <= min(s.start_time for s in released)
+    # Preparing took the job's groups through the workflow's own requests (a local activity).
+    assert f"StartActivity:{REQUEST_GROUP_ACTIVITY}" in names
     assert "timeslice.phase.prepare" in names and "timeslice.phase.train" in names

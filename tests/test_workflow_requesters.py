@@ -9,6 +9,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import request_group
+from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.protocol import LeaseOutcome
 
 from .helpers import Interval, assert_no_overlap
@@ -20,7 +21,11 @@ QUEUE = "test-requesters"
 async def _run_jobs(address: str, jobs: list[tuple[str, str, int, float, float | None]]) -> list:
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     async with Worker(
-        client, task_queue=QUEUE, workflows=[LeaseTakingWorkflow], activities=[request_group]
+        client,
+        task_queue=QUEUE,
+        workflows=[LeaseTakingWorkflow],
+        activities=[request_group],
+        workflow_runner=workflow_runner(),
     ):
         handles = [
             await client.start_workflow(

@@ -11,6 +11,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import request_group
 from timeslice.errors import TimesliceError
+from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.protocol import CONTROL_TASK_QUEUE, SEARCH_ATTRIBUTES
 from timeslice.workflows.rl_job import RLJobWorkflow
@@ -61,4 +62,5 @@ def build_control_worker(client: Client, *, max_cached_workflows: int = 1000) ->
         workflows=WORKFLOWS,
         activities=[request_group],
         max_cached_workflows=max_cached_workflows,
+        workflow_runner=workflow_runner(),
     )

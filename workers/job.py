@@ -35,10 +35,13 @@ def build_job_runtime(
 
 
 def build_job_worker(client: Client, runtime: JobRuntime) -> Worker:
+    """Call from the event loop the worker will run on (the runtime's engine lives there)."""
+    runtime.attach(client)
     return Worker(
         client,
         task_queue=job_task_queue(runtime.job_id, runtime.rank),
         activities=runtime.activities(),
-        # Phases run one at a time (the runtime's lock); snapshots and describes may queue.
-        max_concurrent_activities=8,
+        # Phases run one at a time (the workflow's order); grants, snapshots and describes
+        # arrive beside them.
+        max_concurrent_activities=16,
     )

@@ -14,21 +14,20 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
-
-with workflow.unsafe.imports_passed_through():
-    from timeslice.workflows.protocol import (
-        GRANT_SIGNAL,
-        REQUEST_GROUP_ACTIVITY,
-        AcquireRequest,
-        CancelRequest,
-        GrantNotice,
-        GroupRequest,
-        ReleaseRequest,
-        RenewRequest,
-        SnapshotReport,
-        SnapshotTarget,
-        group_workflow_id,
-    )
+from timeslice.workflows.protocol import (
+    GRANT_SIGNAL,
+    REQUEST_GROUP_ACTIVITY,
+    AcquireRequest,
+    CancelRequest,
+    GrantNotice,
+    GroupRequest,
+    GroupSignal,
+    ReleaseRequest,
+    RenewRequest,
+    SnapshotReport,
+    SnapshotTarget,
+    group_workflow_id,
+)
 
 
 class GroupLeases:
@@ -55,7 +54,7 @@ class GroupLeases:
     def _on_grant(self, notice: GrantNotice) -> None:
         self._grants[notice.request_id] = notice
 
-    async def _signal(self, group_id: str, name: str, arg: object) -> None:
+    async def _signal(self, group_id: str, name: GroupSignal, arg: object) -> None:
         await workflow.get_external_workflow_handle(group_workflow_id(group_id)).signal(name, arg)
 
     async def acquire(
@@ -79,8 +78,7 @@ class GroupLeases:
             priority=self.priority,
             ttl_s=self.ttl_s,
             timeout_s=timeout,
-            # As plain data: a model built in another workflow module may be another copy's class.
-            snapshot=_plain(snapshot or self.snapshot),
+            snapshot=snapshot or self.snapshot,
             state_bytes=state_bytes if state_bytes is not None else self.state_bytes,
             restores_itself=restores_itself,
         )
@@ -95,11 +93,11 @@ class GroupLeases:
             await workflow.wait_condition(lambda: rid in self._grants, timeout=timeout)
         except asyncio.CancelledError:
             # The requester is being cancelled: take the request (or a racing grant) back.
-            await self._signal(group_id, "cancel", CancelRequest(request_id=rid))
+            await self._signal(group_id, GroupSignal.CANCEL, CancelRequest(request_id=rid))
             raise
         except TimeoutError:
             # The group drops it too (and ends a grant that raced this), so it never leaks.
-            await self._signal(group_id, "cancel", CancelRequest(request_id=rid))
+            await self._signal(group_id, GroupSignal.CANCEL, CancelRequest(request_id=rid))
             raise ApplicationError(
                 f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s",
                 type="AcquireTimeout",
@@ -114,7 +112,7 @@ class GroupLeases:
         renew = RenewRequest(request_id=notice.request_id, token=notice.token)
         while True:
             await workflow.sleep(notice.ttl_s / 3)
-            await self._signal(group_id, "renew_lease", renew)
+            await self._signal(group_id, GroupSignal.RENEW, renew)
 
     async def forget(self, lease: GrantNotice) -> None:
         """Stop renewing ``lease`` without releasing it (someone else already released it)."""
@@ -133,18 +131,10 @@ class GroupLeases:
     ) -> None:
         """Release; ``restored`` / ``evicted``: what the holder moved itself, for accounting."""
         await self.forget(lease)
-        release = ReleaseRequest(request_id=lease.request_id, token=lease.token)
-        # As plain data, like the snapshot target above.
-        await self._signal(
-            lease.group_id,
-            "release",
-            {
-                **release.model_dump(),
-                "restored": [r.model_dump() for r in restored or []],
-                "evicted": [r.model_dump() for r in evicted or []],
-            },
+        release = ReleaseRequest(
+            request_id=lease.request_id,
+            token=lease.token,
+            restored=list(restored or []),
+            evicted=list(evicted or []),
         )
-
-
-def _plain(target: SnapshotTarget | None) -> dict | None:
-    return None if target is None else target.model_dump()
+        await self._signal(lease.group_id, GroupSignal.RELEASE, release)

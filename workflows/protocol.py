@@ -25,6 +25,36 @@ GRANT_SIGNAL = "timeslice_grant"
 SNAPSHOT_ACTIVITY = "timeslice.snapshot"
 RESTORE_ACTIVITY = "timeslice.restore"
 
+
+class GroupUpdate(StrEnum):
+    """Updates of the group workflow: what processes send.
+
+    Processes talk to the group by update, never by signal: an update that reaches a group while
+    it continues as new is retried on the next run, while a signal arriving then fails the
+    continue-as-new and makes the worker replay the whole run (docs/architecture.md)."""
+
+    ACQUIRE = "acquire"
+    RELEASE = "release_lease"
+    RENEW = "renew"
+    CANCEL = "cancel_request"
+    MOVED = "report_moved"
+    DEPART = "depart_job"
+
+
+class GroupSignal(StrEnum):
+    """Signals of the group workflow: what requester *workflows* send (they cannot update)."""
+
+    REQUEST = "request"
+    RELEASE = "release"
+    RENEW = "renew_lease"
+    CANCEL = "cancel"
+
+
+class GroupQuery(StrEnum):
+    HOLDER = "holder"
+    STATUS = "status"
+
+
 SEARCH_ATTRIBUTES: dict[str, str] = {
     "TimesliceGroup": "Keyword",
     "TimesliceJob": "Keyword",
@@ -170,15 +200,11 @@ class ReleaseRequest(_Model):
     restored: list[SnapshotReport] = Field(
         default_factory=list, description="the holder restored its own state during the lease"
     )
-    evicting: bool = Field(
-        False,
-        description="the holder moves its state out right after this release, while the next "
-        "holder restores (only when the holder view said both fit); a `moved` signal follows",
-    )
 
 
 class MovedReport(_Model):
-    """What a holder that released with ``evicting`` moved out afterwards (for accounting)."""
+    """A job's state left the group's device: after a release answered ``evict``, or because the
+    job's next phase needs it on another group's device (one state, two groups)."""
 
     job_id: str
     evicted: list[SnapshotReport]
@@ -216,25 +242,69 @@ class GrantNotice(_Model):
     ttl_s: float
     waited_s: float
     fault: str | None = None
+    confirm_within_s: float | None = Field(
+        None,
+        description="a grant taken from a parked update counts as delivered once the holder "
+        "renews or releases; if neither comes within this time the holder is taken for dead",
+    )
 
 
 class GrantAck(_Model):
     accepted: bool
 
 
-class WaitGrant(_Model):
-    request_id: str
+class AcquireCall(_Model):
+    """The ``acquire`` update: queue ``request`` (idempotent by request id) and, with ``park``,
+    wait in the group until it is granted, so the grant comes back as this update's result."""
+
+    request: AcquireRequest
+    park: bool = True
 
 
-class GrantWaitOutcome(StrEnum):
+class AcquireOutcome(StrEnum):
     GRANTED = "granted"  # ``notice`` carries the grant (or its fault)
-    RETRY = "retry"  # the group continued as new, or the wait ran long: wait again
+    QUEUED = "queued"  # not parked: the grant comes by activity (or, to a workflow, by signal)
+    RETRY = "retry"  # the group continued as new, or the wait ran long: send the call again
     GONE = "gone"  # the request is no longer queued (cancelled, timed out, done)
 
 
-class GrantWait(_Model):
-    outcome: GrantWaitOutcome
+class AcquireAnswer(_Model):
+    outcome: AcquireOutcome
     notice: GrantNotice | None = None
+
+
+class LeaseReturn(_Model):
+    """The ``release_lease`` update: end a lease, and learn whether to move the state out.
+
+    The group decides in the same workflow task that grants the next waiter, so a holder never
+    asks who waits before releasing (a query) and never races a waiter that arrives meanwhile."""
+
+    request_id: str
+    token: int
+    restored: list[SnapshotReport] = Field(
+        default_factory=list, description="the holder restored its own state during the lease"
+    )
+    evicted: list[SnapshotReport] = Field(
+        default_factory=list, description="the holder moved its state out before releasing"
+    )
+    keep_if_uncontended: bool = Field(
+        False, description="keep the lease instead when nobody waits (the job's next phase uses it)"
+    )
+    evicts_itself: bool = Field(
+        False,
+        description="the holder moves its own state out (in-process backends) when another job "
+        "takes the group next; the answer says whether to, and a `report_moved` follows",
+    )
+
+
+class ReturnAnswer(_Model):
+    valid: bool = Field(description="the lease was held under this token")
+    released: bool = Field(description="False: kept (nobody waits) or not valid")
+    evict: bool = Field(
+        False,
+        description="another job takes the group: move the state out now and report it; the "
+        "group restores the next job at once when both states fit, else after the report",
+    )
 
 
 class SnapshotCall(_Model):
@@ -286,6 +356,9 @@ class HeldLease(_Model):
     waited_s: float = 0.0
     delivered: bool = False
     expires_at: datetime | None = None  # set once the process has taken the grant
+    # A grant handed out as a parked update's result: the holder confirms it by its first
+    # renewal or its release before this time, or is taken for dead.
+    confirm_by: datetime | None = None
 
 
 class ResidentJob(_Model):
@@ -353,7 +426,9 @@ class GroupState(_Model):
     resident: ResidentJob | None = None
     evicted_jobs: list[str] = Field(default_factory=list)
     faulted_jobs: dict[str, str] = Field(default_factory=dict)
-    recent_done: list[str] = Field(default_factory=list)
+    recent_done: list[str] = Field(
+        default_factory=list, description="fingerprints of recently finished requests"
+    )
     history: list[LeaseRecord] = Field(default_factory=list)
     switch_history: list[SwitchRecord] = Field(default_factory=list)
     # A holder that released with ``evicting`` and has not reported its eviction done yet.
@@ -372,11 +447,6 @@ class HolderView(_Model):
     expires_in_s: float | None
     waiting: int = Field(0, description="requests queued behind this lease")
     request_id: str = ""
-    next_fits: bool = Field(
-        False,
-        description="the group's declared memory holds this holder's state and the next "
-        "waiter's at once: the holder may evict after releasing, overlapping the next restore",
-    )
 
 
 class WaiterView(_Model):

@@ -23,43 +23,45 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from temporalio.workflow import ActivityCancellationType
-
-with workflow.unsafe.imports_passed_through():
-    from timeslice.workflows.group_lease import GroupLeases
-    from timeslice.workflows.protocol import (
-        GrantNotice,
-        QueueTarget,
-        SnapshotReport,
-        SnapshotTarget,
-        job_task_queue,
-    )
-    from timeslice.workflows.rl_protocol import (
-        CHECKPOINT_ACTIVITY,
-        DESCRIBE_ACTIVITY,
-        MAX_EPOCH_RECORDS,
-        PREPARE_ACTIVITY,
-        REWARDS_ACTIVITY,
-        RL_JOB_WORKFLOW_TYPE,
-        SAMPLE_ACTIVITY,
-        TRAIN_ACTIVITY,
-        CheckpointInput,
-        CheckpointRef,
-        DescribeResult,
-        EpochRecord,
-        JobSpecModel,
-        Phase,
-        PhaseInput,
-        PhaseResult,
-        PrepareInput,
-        PrepareResult,
-        RLJobConfig,
-        RLJobInput,
-        RLJobProgress,
-        RLJobResult,
-        RLJobState,
-        explain_validation_error,
-        phase_totals,
-    )
+from timeslice.workflows.group_lease import GroupLeases
+from timeslice.workflows.protocol import (
+    CancelRequest,
+    GrantNotice,
+    GroupSignal,
+    QueueTarget,
+    ReleaseRequest,
+    SnapshotReport,
+    SnapshotTarget,
+    group_workflow_id,
+    job_task_queue,
+)
+from timeslice.workflows.rl_protocol import (
+    CHECKPOINT_ACTIVITY,
+    DESCRIBE_ACTIVITY,
+    PREPARE_ACTIVITY,
+    REWARDS_ACTIVITY,
+    RL_JOB_WORKFLOW_TYPE,
+    SAMPLE_ACTIVITY,
+    TRAIN_ACTIVITY,
+    CheckpointInput,
+    CheckpointRef,
+    DescribeInput,
+    DescribeResult,
+    EpochRecord,
+    JobSpecModel,
+    LeaseOrder,
+    Phase,
+    PhaseInput,
+    PhaseResult,
+    PrepareInput,
+    PrepareResult,
+    RLJobConfig,
+    RLJobInput,
+    RLJobProgress,
+    RLJobResult,
+    RLJobState,
+    explain_validation_error,
+)
 
 JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
 PHASE_KEY = SearchAttributeKey.for_keyword("TimeslicePhase")
@@ -70,6 +72,12 @@ _PHASE_ACTIVITIES: dict[str, str] = {
     "train": TRAIN_ACTIVITY,
 }
 _NO_RETRY = RetryPolicy(maximum_attempts=1)
+# A phase that waits for its lease without a limit still needs an activity time-out; its
+# heartbeat, not this, is what notices a dead process.
+_NO_WAIT_LIMIT_S = 30 * 86_400.0
+_DEFAULT_TTL_S = 20.0
+# Failures inside a phase's own acquire that no rewind would cure.
+_ENDS_THE_JOB = {"AcquireTimeoutError": "AcquireTimeout", "JobFaultedError": "JobFaulted"}
 
 
 class _EpochFailed(Exception):
@@ -113,11 +121,14 @@ class RLJobWorkflow:
         self._status = "starting"
         self._phase = "starting"
         self._epochs_this_run = 0
+        # Leases this workflow took and holds itself (preparing, final checkpoints, several
+        # ranks), by group.
         self._held: dict[str, GrantNotice] = {}
+        # Leases the job process takes and releases itself, by group: asked for (no token
+        # yet) or held (a phase kept it, for its checkpoint or the next phase).
+        self._orders: dict[str, LeaseOrder] = {}
         # A trainer lease kept for the next epoch's sampling (same group, nobody waiting).
-        self._carried: GrantNotice | None = None
-        # Restores done under a carried lease, reported to the group when it is released.
-        self._unreported: dict[str, list[SnapshotReport]] = {}
+        self._carried: LeaseOrder | None = None
         self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
@@ -185,6 +196,7 @@ class RLJobWorkflow:
                 self._rewind()
         self._status = "stopped" if state.epochs_done < cfg.epochs else "completed"
         self._set_phase(self._status)
+        phase_s, wait_s = state.totals()
         return RLJobResult(
             job_id=cfg.job_id,
             epochs_done=state.epochs_done,
@@ -193,82 +205,99 @@ class RLJobWorkflow:
             rewinds=state.rewinds,
             redone_epochs=state.redone_epochs,
             records=state.records,
+            rewards=state.rewards,
+            rewards_from=state.rewards_from,
+            phase_s=phase_s,
+            wait_s=wait_s,
         )
 
     async def _run_epoch(self, epoch: int) -> None:
         cfg, state = self._config, self._state
         record = EpochRecord(epoch=epoch, reward_mean=None)
         done = epoch + 1
-
-        # The process releases the sampler group itself the moment sampling ends.
-        carried = self._carried
-        lease = carried or await self._acquire(cfg.sampler_group, "sample", record)
-        if carried is not None:
-            record.wait_s["sample"] = 0.0
-            self._carried = None
-        # With several ranks the workflow releases, once all of them are done.
+        # One rank: the process takes, releases and may keep its leases itself. Several: the
+        # workflow holds them, and releases once every rank is done.
         solo = cfg.ranks == 1
+
+        carried, self._carried = self._carried, None
+        order = carried or await self._order(cfg.sampler_group, "sample", record)
         sampled: PhaseResult | None = None
         try:
             sampled = await self._run_phase(
-                epoch,
-                "sample",
-                lease,
-                release="always" if solo else "never",
-                verify_lease=carried is not None,
+                epoch, "sample", order, release="always" if solo else "never"
             )
         finally:
-            await self._settle(lease, sampled)
-        self._note(record, sampled, hold=True)
+            await self._settle(order, sampled)
+        self._note(record, sampled, "sample", carried is not None)
 
         rewarded = await self._run_phase(epoch, "rewards", None)
-        self._note(record, rewarded, hold=False)
+        self._note(record, rewarded, "rewards", False)
         record.reward_mean = rewarded.metrics.get("reward_mean")
 
         # Train, then sample the next epoch on the same group: when nobody is waiting there
         # is nothing to yield to, so the lease carries over (no release, no new grant).
         checkpoint_due = done % cfg.checkpoint_every == 0 or done == cfg.epochs
         may_keep = cfg.sampler_group == cfg.trainer and done < cfg.epochs and solo
-        release = "always" if solo else "never"
+        release: Literal["always", "if_contended", "never"] = "always" if solo else "never"
         if checkpoint_due:
             release = "never"
-        elif may_keep:
+        elif may_keep and not state.stop_requested:
             release = "if_contended"
-        lease = await self._acquire(cfg.trainer, "train", record)
+        order = await self._order(cfg.trainer, "train", record)
         trained: PhaseResult | None = None
-        keep = False
         try:
-            trained = await self._run_phase(epoch, "train", lease, release=release)
-            self._note(record, trained, hold=True)
-            if checkpoint_due or (self._state.stop_requested and not trained.released):
-                await self._checkpoint(done, lease.group_id)
-            keep = release == "if_contended" and not self._state.stop_requested
+            trained = await self._run_phase(epoch, "train", order, release=release)
+            self._note(record, trained, "train", False)
+            if order.held_by == "process":
+                await self._settle(order, trained, keep=release == "if_contended")
+            if checkpoint_due or (state.stop_requested and not trained.released):
+                held = (
+                    self._orders.get(cfg.trainer)
+                    if order.held_by == "process"
+                    else self._held_order(cfg.trainer)
+                )
+                if held is not None and held.token is not None:
+                    await self._checkpoint(done, held)
         finally:
-            await self._settle(lease, trained, keep=keep)
+            if order.held_by == "workflow" or trained is None:
+                await self._settle(order, trained)
         state.epochs_done = done
         self._epochs_this_run += 1
-        state.records.append(record)
-        del state.records[:-MAX_EPOCH_RECORDS]
+        state.add_record(record)
         self._publish_details()
 
     async def _settle(
-        self, lease: GrantNotice, result: PhaseResult | None, *, keep: bool = False
+        self, order: LeaseOrder, result: PhaseResult | None, *, keep: bool = False
     ) -> None:
-        """After a GPU phase: the process released the lease, or we keep it, or release it."""
+        """After a GPU phase: forget a lease the process released, note one it kept, end the
+        rest (a failed phase's lease, a workflow-held lease)."""
+        group = order.group_id
+        if order.held_by == "workflow":
+            lease = self._held.get(group)
+            if lease is not None and group not in self._orders:
+                await self._release(
+                    lease,
+                    restored=result.restored if result else None,
+                    evicted=result.evicted if result else None,
+                )
+            return
         if result is not None and result.released:
-            self._held.pop(lease.group_id, None)
-            self._unreported.pop(lease.request_id, None)
-            await self._leases.forget(lease)
-        elif keep and result is not None:
-            self._carried = lease
-            # Its restores travel with the lease's eventual release.
-            self._unreported.setdefault(lease.request_id, []).extend(result.restored)
-        else:
-            await self._release(
-                lease,
-                restored=result.restored if result else None,
-                evicted=result.evicted if result else None,
-            )
+            self._orders.pop(group, None)
+        elif result is not None and result.kept and group in self._orders:
+            kept = order.model_copy(update={"token": result.token})
+            self._orders[group] = kept
+            if keep:
+                self._carried = kept
+        elif group in self._orders:
+            await self._end_order(self._orders[group])
+
+    def _held_order(self, group_id: str) -> LeaseOrder | None:
+        lease = self._held.get(group_id)
+        if lease is None:
+            return None
+        return LeaseOrder(
+            group_id=group_id, request_id=lease.request_id, token=lease.token, held_by="workflow"
+        )
 
     # ---------------------------------------------------------------- preparing and rewinding
 
@@ -280,7 +309,7 @@ class RLJobWorkflow:
             *(
                 workflow.execute_activity(
                     DESCRIBE_ACTIVITY,
-                    cfg.job_id,
+                    DescribeInput(job_id=cfg.job_id, options=cfg.workload_options),
                     task_queue=job_task_queue(cfg.job_id, rank),
                     schedule_to_close_timeout=timedelta(seconds=cfg.process_wait_s),
                     start_to_close_timeout=timedelta(seconds=30),
@@ -322,16 +351,24 @@ class RLJobWorkflow:
             self._set_phase("prepare")
             results = await self._on_all_ranks(
                 PREPARE_ACTIVITY,
-                PrepareInput(spec=spec, checkpoint=checkpoint),
+                PrepareInput(spec=spec, checkpoint=checkpoint, homes=self._homes()),
                 PrepareResult,
                 cfg.train_timeout_s,
                 f"prepare · from {_checkpoint_label(checkpoint)}",
             )
             sizes = [r.state_bytes for r in results]
             state.state_bytes = None if None in sizes else sum(s or 0 for s in sizes)
+            state.backend_bytes = {
+                name: None
+                if any(r.backend_bytes.get(name) is None for r in results)
+                else sum(r.backend_bytes[name] or 0 for r in results)
+                for name in results[0].backend_bytes
+            }
             state.epochs_done = results[0].epochs_done
             if checkpoint is None:  # a rewind needs somewhere to go back to, even epoch 0
-                await self._checkpoint(state.epochs_done, cfg.trainer)
+                held = self._held_order(cfg.trainer)
+                assert held is not None
+                await self._checkpoint(state.epochs_done, held)
         finally:
             await self._release_all()
         state.prepared = True
@@ -339,27 +376,44 @@ class RLJobWorkflow:
     def _rewind(self) -> None:
         state = self._state
         back_to = state.last_checkpoint.epochs_done if state.last_checkpoint else 0
-        lost = [r for r in state.records if r.epoch >= back_to]
-        state.records = [r for r in state.records if r.epoch < back_to]
+        lost = state.drop_records_from(back_to)
         state.redone_epochs += len(lost) + 1  # + the epoch that failed midway
         state.rewinds += 1
         state.epochs_done = back_to
         state.prepared = False
 
-    async def _checkpoint(self, epochs_done: int, group_id: str) -> None:
+    def _homes(self) -> dict[str, str]:
+        """Where each state lives once prepared: the trainer's on the trainer group, the rest
+        on the sampler group."""
+        cfg = self._config
+        homes = {name: cfg.sampler_group for name in self._backends["sampler"]}
+        homes.update({name: cfg.trainer for name in self._backends["trainer"]})
+        return homes
+
+    async def _checkpoint(self, epochs_done: int, lease: LeaseOrder) -> None:
+        """Save under ``lease`` (its state lives there); a lease the process holds is released
+        by the process once the checkpoint is written."""
+        group_id = lease.group_id
         self._set_phase("checkpoint")
+        release = lease.held_by == "process"
         refs = await self._on_all_ranks(
             CHECKPOINT_ACTIVITY,
             CheckpointInput(
                 job_id=self._config.job_id,
                 epochs_done=epochs_done,
                 backends=self._backends_for(group_id),
+                lease=lease,
+                release=release,
             ),
             CheckpointRef,
             self._config.checkpoint_timeout_s,
             f"checkpoint · {_checkpoint_label(CheckpointRef(epochs_done=epochs_done, path=''))} "
             f"· {group_id}",
         )
+        if release:
+            self._orders.pop(group_id, None)
+            if self._carried is not None and self._carried.group_id == group_id:
+                self._carried = None
         self._state.last_checkpoint = refs[0]
 
     async def _final_checkpoint(self) -> None:
@@ -367,7 +421,9 @@ class RLJobWorkflow:
         cfg = self._config
         lease = await self._acquire(cfg.trainer, "checkpoint", None)
         try:
-            await self._checkpoint(self._state.epochs_done, cfg.trainer)
+            held = self._held_order(cfg.trainer)
+            assert held is not None
+            await self._checkpoint(self._state.epochs_done, held)
         finally:
             await self._release(lease)
 
@@ -392,6 +448,16 @@ class RLJobWorkflow:
             names += [n for n in self._backends["trainer"] if n not in names]
         return names
 
+    def _bytes_on(self, group_id: str) -> int | None:
+        """What the job's states on ``group_id`` occupy on its device (None: unknown)."""
+        sizes = self._state.backend_bytes
+        names = self._backends_for(group_id)
+        if not sizes:  # not prepared yet (or prepared by an older worker): the whole state
+            return self._state.state_bytes
+        if any(sizes.get(name) is None for name in names):
+            return None
+        return sum(sizes[name] or 0 for name in names)
+
     def _snapshot_target(self, group_id: str) -> SnapshotTarget | None:
         cfg = self._config
         names = self._backends_for(group_id)
@@ -404,9 +470,32 @@ class RLJobWorkflow:
             ]
         )
 
+    async def _order(self, group_id: str, purpose: str, record: EpochRecord) -> LeaseOrder:
+        """The lease for a GPU phase on ``group_id``.
+
+        With one rank, an order the process fills itself when the phase's activity starts
+        (nothing is awaited here); with several, a lease this workflow acquires now."""
+        cfg = self._config
+        if cfg.ranks > 1:
+            await self._acquire(group_id, purpose, record)
+            held = self._held_order(group_id)
+            assert held is not None
+            return held
+        order = LeaseOrder(
+            group_id=group_id,
+            request_id=f"{cfg.job_id}:{workflow.uuid4()}",
+            timeout_s=cfg.acquire_timeout_s,
+            priority=cfg.priority,
+            ttl_s=cfg.lease_ttl_s,
+            state_bytes=self._bytes_on(group_id),
+        )
+        self._orders[group_id] = order
+        return order
+
     async def _acquire(
         self, group_id: str, purpose: str, record: EpochRecord | None
     ) -> GrantNotice:
+        """Take a lease this workflow holds (grant by signal, renewal by timer)."""
         self._set_phase(f"waiting for {group_id} ({purpose})", search=False)
         asked = workflow.now()
         try:
@@ -414,7 +503,7 @@ class RLJobWorkflow:
                 group_id,
                 self._config.acquire_timeout_s,
                 snapshot=self._snapshot_target(group_id),
-                state_bytes=self._state.state_bytes,
+                state_bytes=self._bytes_on(group_id),
                 # The job process restores its in-process state itself before each leased
                 # activity, so a grant never waits for a restore activity.
                 restores_itself=True,
@@ -435,13 +524,28 @@ class RLJobWorkflow:
         evicted: list[SnapshotReport] | None = None,
     ) -> None:
         if lease.group_id in self._held:
-            restored = [*self._unreported.pop(lease.request_id, []), *(restored or [])]
             await self._leases.release(lease, restored=restored, evicted=evicted)
             # Only now: a cancellation during the signal must not lose the release.
             self._held.pop(lease.group_id, None)
 
+    async def _end_order(self, order: LeaseOrder) -> None:
+        """End a lease the process took (or asked for) when the process cannot: a failed
+        phase, a stop, a continue-as-new. A known token releases it; otherwise cancel takes
+        the request back, or ends a grant it had (both are no-ops if the process did it)."""
+        handle = workflow.get_external_workflow_handle(group_workflow_id(order.group_id))
+        if order.token is not None:
+            await handle.signal(
+                GroupSignal.RELEASE, ReleaseRequest(request_id=order.request_id, token=order.token)
+            )
+        else:
+            await handle.signal(GroupSignal.CANCEL, CancelRequest(request_id=order.request_id))
+        if self._orders.get(order.group_id) is order:
+            del self._orders[order.group_id]
+
     async def _release_all(self) -> None:
         self._carried = None
+        for order in list(self._orders.values()):
+            await self._end_order(order)
         for lease in reversed(list(self._held.values())):
             await self._release(lease)
 
@@ -449,9 +553,8 @@ class RLJobWorkflow:
         self,
         epoch: int,
         phase: Phase,
-        lease: GrantNotice | None,
+        lease: LeaseOrder | None,
         release: Literal["always", "if_contended", "never"] = "never",
-        verify_lease: bool = False,
     ) -> PhaseResult:
         cfg = self._config
         self._set_phase(phase)
@@ -461,20 +564,22 @@ class RLJobWorkflow:
             "train": cfg.train_timeout_s,
         }[phase]
         where = f" · {lease.group_id}" if lease else " · no GPU"
+        # A phase that takes its own lease waits for it inside the activity.
+        waits = lease is not None and lease.token is None
+        budget = timeout + ((cfg.acquire_timeout_s or _NO_WAIT_LIMIT_S) if waits else 0.0)
+        ttl = (lease.ttl_s if lease else None) or _DEFAULT_TTL_S
         inp = PhaseInput(
             job_id=cfg.job_id,
             epoch=epoch,
             phase=phase,
-            group_id=lease.group_id if lease else None,
-            token=lease.token if lease else None,
-            request_id=lease.request_id if lease else None,
+            lease=lease,
+            timeout_s=timeout,
             release=release,
             group_backends=self._backends_for(lease.group_id) if lease else [],
-            verify_lease=verify_lease,
-            lease_check_s=max(0.5, min(5.0, (lease.ttl_s if lease else 15.0) / 4)),
+            lease_check_s=max(0.5, min(5.0, ttl / 4)),
         )
         results = await self._on_all_ranks(
-            _PHASE_ACTIVITIES[phase], inp, PhaseResult, timeout, f"epoch {epoch} · {phase}{where}"
+            _PHASE_ACTIVITIES[phase], inp, PhaseResult, budget, f"epoch {epoch} · {phase}{where}"
         )
         return results[0]
 
@@ -507,13 +612,23 @@ class RLJobWorkflow:
             for task in tasks:
                 task.cancel()
             await workflow.wait(tasks)  # deterministic, unlike asyncio.wait
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type in _ENDS_THE_JOB:
+                # Waiting longer or rewinding would not change these: the job fails.
+                raise ApplicationError(
+                    f"job {cfg.job_id}: {cause.message}",
+                    type=_ENDS_THE_JOB[cause.type],
+                    non_retryable=True,
+                ) from None
             raise _EpochFailed(_failure(err)) from None
 
-    def _note(self, record: EpochRecord, result: PhaseResult, *, hold: bool) -> None:
+    def _note(self, record: EpochRecord, result: PhaseResult, phase: str, carried: bool) -> None:
         record.phase_s[result.phase] = result.seconds
         record.metrics.update({f"{result.phase}.{k}": v for k, v in result.metrics.items()})
-        if hold:
+        if result.group_id is not None:
             record.holds.append(result)
+            if phase not in record.wait_s:  # else the workflow timed its own acquire
+                record.wait_s[phase] = 0.0 if carried else result.waited_s
 
     # ---------------------------------------------------------------- visibility
 
@@ -540,8 +655,8 @@ class RLJobWorkflow:
     @workflow.query
     def progress(self) -> RLJobProgress:
         cfg, state = self._config, self._state
-        phase_s, wait_s = phase_totals(state.records)
-        rewards = [r.reward_mean for r in state.records]
+        phase_s, wait_s = state.totals()
+        rewards = list(state.rewards)
         return RLJobProgress(
             job_id=cfg.job_id,
             status=self._status,  # type: ignore[arg-type]
@@ -550,6 +665,7 @@ class RLJobWorkflow:
             phase=self._phase,
             reward_mean=rewards[-1] if rewards else None,
             rewards=rewards,
+            rewards_from=state.rewards_from,
             phase_s=phase_s,
             wait_s=wait_s,
             rewinds=state.rewinds,

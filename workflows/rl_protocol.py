@@ -36,7 +36,9 @@ LEASE_REVOKED = "LeaseRevoked"
 Phase = Literal["sample", "rewards", "train"]
 
 # Kept small: records travel in the workflow's continue-as-new input and its progress query.
-MAX_EPOCH_RECORDS = 1000
+# Older epochs live on as running totals (and in the workflow runs' histories).
+RECENT_EPOCH_RECORDS = 32
+MAX_REWARDS = 2000
 
 
 def explain_validation_error(err: ValidationError) -> str:
@@ -134,6 +136,13 @@ class CheckpointRef(_Model):
     path: str
 
 
+class DescribeInput(_Model):
+    job_id: str
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the job's workload options (they may name its states)"
+    )
+
+
 class DescribeResult(_Model):
     workload: str
     sampler_backends: list[str]
@@ -146,34 +155,60 @@ class DescribeResult(_Model):
 class PrepareInput(_Model):
     spec: JobSpecModel
     checkpoint: CheckpointRef | None = None
+    homes: dict[str, str] = Field(
+        default_factory=dict,
+        description="backend name -> the group whose device holds that state after preparing",
+    )
 
 
 class PrepareResult(_Model):
     epochs_done: int
     state_bytes: int | None
+    backend_bytes: dict[str, int | None] = Field(
+        default_factory=dict, description="device bytes of each state (None: unknown)"
+    )
+
+
+class LeaseOrder(_Model):
+    """The lease a GPU phase runs under, as the job workflow hands it to the job process.
+
+    With no ``token`` the process acquires it itself when the activity starts: the grant comes
+    straight to the process that runs the phase (the group's parked ``acquire`` update), so no
+    workflow task and no activity dispatch lie between the previous holder's release and this
+    phase. With a ``token`` the lease is already held: by this process (carried from the
+    previous phase) or by the workflow (jobs with several ranks)."""
+
+    group_id: str
+    request_id: str = Field(min_length=1, max_length=200)
+    token: int | None = Field(None, ge=1)
+    held_by: Literal["process", "workflow"] = "process"
+    timeout_s: float | None = Field(None, gt=0, description="give up waiting after this long")
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    ttl_s: float | None = Field(None, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
+    state_bytes: int | None = Field(None, ge=0)
 
 
 class PhaseInput(_Model):
     job_id: str
     epoch: int = Field(ge=0)
     phase: Phase
-    group_id: str | None = Field(None, description="the group leased for this phase, if any")
-    token: int | None = Field(None, description="the lease's fencing token")
-    request_id: str | None = Field(None, description="the lease's request, to release it")
+    lease: LeaseOrder | None = Field(None, description="a GPU phase's lease; None: no GPU")
+    timeout_s: float = Field(1800.0, gt=0, description="the phase's own work, once granted")
     lease_check_s: float = Field(2.0, gt=0)
     group_backends: list[str] = Field(
         default_factory=list,
-        description="the job's state on the leased group: restored before the phase if it is "
-        "out, and moved out on a contended release (co-operative switching)",
-    )
-    verify_lease: bool = Field(
-        False, description="check the lease is still held before starting (a carried lease)"
+        description="the job's state on the leased group: brought to its device before the "
+        "phase, and moved out on a contended release (co-operative switching)",
     )
     release: Literal["always", "if_contended", "never"] = Field(
         "never",
-        description="release the lease as soon as the phase's work is done (saves the "
-        "workflow a round trip per hand-off); if_contended: only when others are waiting",
+        description="a lease the process holds: release it as soon as the phase's work is done; "
+        "if_contended: keep it when nobody waits (the job's next phase is on the same group)",
     )
+
+    @property
+    def group_id(self) -> str | None:
+        return None if self.lease is None else self.lease.group_id
 
 
 class PhaseResult(_Model):
@@ -185,12 +220,18 @@ class PhaseResult(_Model):
     mono_end: float
     group_id: str | None = None
     token: int | None = Field(None, description="the fencing token of the lease it ran under")
+    request_id: str | None = None
+    waited_s: float = Field(0.0, description="from asking for the lease to its grant")
+    asked_mono: float | None = Field(None, description="CLOCK_MONOTONIC when the lease was asked")
+    granted_mono: float | None = None
+    released_mono: float | None = Field(None, description="when the release was sent")
     released: bool = Field(False, description="the process released the lease itself")
+    kept: bool = Field(False, description="the process still holds the lease (nobody waited)")
     restored: list[SnapshotReport] = Field(
-        default_factory=list, description="state the process restored before the phase"
+        default_factory=list, description="state the process brought back before the phase"
     )
     evicted: list[SnapshotReport] = Field(
-        default_factory=list, description="state the process moved out before releasing"
+        default_factory=list, description="state the process moved out after releasing"
     )
 
 
@@ -200,6 +241,10 @@ class CheckpointInput(_Model):
     backends: list[str] = Field(
         default_factory=list, description="the state the checkpoint reads (made resident first)"
     )
+    lease: LeaseOrder | None = Field(
+        None, description="the held lease the checkpoint runs under (its state lives there)"
+    )
+    release: bool = Field(False, description="release the lease (held by the process) after it")
 
 
 class EpochRecord(_Model):
@@ -225,19 +270,68 @@ def phase_totals(records: list[EpochRecord]) -> tuple[dict[str, float], dict[str
     return phase_s, wait_s
 
 
+class EpochTotals(_Model):
+    """Running totals of epochs whose records were folded away (bounded carried state)."""
+
+    epochs: int = 0
+    phase_s: dict[str, float] = Field(default_factory=dict)
+    wait_s: dict[str, float] = Field(default_factory=dict)
+
+
 class RLJobState(_Model):
-    """What the job must not lose: carried across continue-as-new."""
+    """What the job must not lose: carried across continue-as-new. Bounded: the records of
+    the recent epochs and of every epoch since the last checkpoint (a rewind may drop them),
+    totals for the rest, and the last ``MAX_REWARDS`` rewards."""
 
     epochs_done: int = 0
     prepared: bool = False
     last_checkpoint: CheckpointRef | None = None
     records: list[EpochRecord] = Field(default_factory=list)
+    folded: EpochTotals = Field(default_factory=EpochTotals)
+    rewards: list[float | None] = Field(default_factory=list)
+    rewards_from: int = Field(0, description="the epoch of rewards[0]")
     rewinds: int = 0
     redone_epochs: int = 0
     runs: int = 1
     state_bytes: int | None = None
+    backend_bytes: dict[str, int | None] = Field(
+        default_factory=dict, description="device bytes of each state, summed over ranks"
+    )
     stop_requested: bool = False
     failures: int = Field(0, description="consecutive failed epochs")
+
+    def add_record(self, record: EpochRecord) -> None:
+        self.records.append(record)
+        self.rewards.append(record.reward_mean)
+        if len(self.rewards) > MAX_REWARDS:
+            drop = len(self.rewards) - MAX_REWARDS
+            del self.rewards[:drop]
+            self.rewards_from += drop
+        kept_from = self.last_checkpoint.epochs_done if self.last_checkpoint else 0
+        while len(self.records) > RECENT_EPOCH_RECORDS and self.records[0].epoch < kept_from:
+            old = self.records.pop(0)
+            self.folded.epochs += 1
+            for key, value in old.phase_s.items():
+                self.folded.phase_s[key] = self.folded.phase_s.get(key, 0.0) + value
+            for key, value in old.wait_s.items():
+                self.folded.wait_s[key] = self.folded.wait_s.get(key, 0.0) + value
+
+    def drop_records_from(self, epoch: int) -> list[EpochRecord]:
+        """A rewind: forget the epochs from ``epoch`` on (never folded: newer than the
+        checkpoint it rewinds to). Returns the records dropped."""
+        lost = [r for r in self.records if r.epoch >= epoch]
+        self.records = [r for r in self.records if r.epoch < epoch]
+        del self.rewards[max(0, epoch - self.rewards_from) :]
+        return lost
+
+    def totals(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Seconds per phase and seconds waited per phase, over every epoch done."""
+        phase_s, wait_s = phase_totals(self.records)
+        for key, value in self.folded.phase_s.items():
+            phase_s[key] = phase_s.get(key, 0.0) + value
+        for key, value in self.folded.wait_s.items():
+            wait_s[key] = wait_s.get(key, 0.0) + value
+        return phase_s, wait_s
 
 
 class RLJobInput(_Model):
@@ -253,6 +347,7 @@ class RLJobProgress(_Model):
     phase: str
     reward_mean: float | None
     rewards: list[float | None]
+    rewards_from: int = Field(0, description="the epoch of rewards[0]")
     phase_s: dict[str, float]
     wait_s: dict[str, float]
     rewinds: int
@@ -266,4 +361,8 @@ class RLJobResult(_Model):
     last_checkpoint: CheckpointRef | None
     rewinds: int
     redone_epochs: int
-    records: list[EpochRecord]
+    records: list[EpochRecord] = Field(description="the most recent epochs' records")
+    rewards: list[float | None] = Field(default_factory=list, description="per epoch")
+    rewards_from: int = Field(0, description="the epoch of rewards[0]")
+    phase_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
+    wait_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")

@@ -8,19 +8,17 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 
+from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 from temporalio.exceptions import TimeoutType
-
-with workflow.unsafe.imports_passed_through():
-    from pydantic import ValidationError
-    from timeslice.workflows.protocol import (
-        SNAPSHOT_ACTIVITY,
-        SnapshotCall,
-        SnapshotReport,
-        SnapshotTarget,
-    )
+from timeslice.workflows.protocol import (
+    SNAPSHOT_ACTIVITY,
+    SnapshotCall,
+    SnapshotReport,
+    SnapshotTarget,
+)
 
 Outcome = list[SnapshotReport] | BaseException
 
@@ -43,16 +41,12 @@ async def run_on_queues(
     calls = [
         workflow.execute_activity(
             activity,
-            # Built from plain data: the caller's models may come from the sandbox's own copy
-            # of the protocol module, which pydantic would not accept as this copy's classes.
-            SnapshotCall.model_validate(
-                {
-                    "group_id": context,
-                    "job_id": job_id,
-                    "backends": list(queue.backends),
-                    "processes": [p.model_dump() for p in queue.processes],
-                    "reason": f"{verb} for {context}",
-                }
+            SnapshotCall(
+                group_id=context,
+                job_id=job_id,
+                backends=list(queue.backends),
+                processes=list(queue.processes),
+                reason=f"{verb} for {context}",
             ),
             task_queue=queue.task_queue,
             # A dead process never picks the task up: learn that fast.

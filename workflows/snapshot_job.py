@@ -8,18 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
-
-with workflow.unsafe.imports_passed_through():
-    from pydantic import ValidationError
-    from timeslice.workflows.protocol import (
-        RESTORE_ACTIVITY,
-        SNAPSHOT_ACTIVITY,
-        SnapshotJobInput,
-        SnapshotJobResult,
-    )
-    from timeslice.workflows.snapshot_calls import run_on_queues
+from timeslice.workflows.protocol import (
+    RESTORE_ACTIVITY,
+    SNAPSHOT_ACTIVITY,
+    SnapshotJobInput,
+    SnapshotJobResult,
+)
+from timeslice.workflows.snapshot_calls import run_on_queues
 
 SNAPSHOT_JOB_WORKFLOW_TYPE = "SnapshotJobWorkflow"
 
@@ -52,6 +50,4 @@ class SnapshotJobWorkflow:
                 type="SnapshotFailed",
                 non_retryable=True,
             )
-        return SnapshotJobResult.model_validate(
-            {"reports": [r.model_dump() for rs in outcomes if isinstance(rs, list) for r in rs]}
-        )
+        return SnapshotJobResult(reports=[r for rs in outcomes if isinstance(rs, list) for r in rs])

@@ -90,6 +90,11 @@ class Workload(ABC):
     sampler_backends: tuple[str, ...] = ()
     trainer_backends: tuple[str, ...] = ()
 
+    def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The backends the sampler group's switches move and the trainer group's, for a job
+        with these options (raise ValueError naming a bad option). Default: the class's."""
+        return self.sampler_backends, self.trainer_backends
+
     @abstractmethod
     def setup(self, spec: JobSpec) -> None:
         """Create the initial state from ``spec`` (model from its seed, optimizer, data)."""

@@ -2,8 +2,13 @@
 
 For benchmarks and utilization studies: nothing is computed, but each phase takes its configured
 duration, and every switch moves a simulated state of configured size and time. Options (all
-optional): ``sample_s`` 1.0, ``reward_s`` 1.5, ``train_s`` 0.5, ``state_bytes`` 0,
-``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``).
+optional): ``sample_s`` 1.0, ``reward_s`` 1.5, ``train_s`` 0.5, ``state_bytes`` 0 (per state),
+``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``), ``shared_state`` false.
+
+Like a real sampler + trainer pair, the job has two states by default — the sampler's (moved by
+switches of the sampler group) and the trainer's (the trainer group's). ``shared_state: true``
+keeps one state that both groups move, for studying workloads whose state follows the lease
+from group to group.
 """
 
 from __future__ import annotations
@@ -25,15 +30,21 @@ DEFAULTS: dict[str, float] = {
 }
 
 
+SHARED_STATE = "shared_state"
+
+
 def parse_options(options: dict[str, Any]) -> dict[str, float]:
-    unknown = sorted(set(options) - {*DEFAULTS, "restore_s"})
+    known = {*DEFAULTS, "restore_s", SHARED_STATE}
+    unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(
-            f"simulated workload: unknown option(s) {unknown}; "
-            f"known: {sorted({*DEFAULTS, 'restore_s'})}"
-        )
+        raise ValueError(f"simulated workload: unknown option(s) {unknown}; known: {sorted(known)}")
+    shared = options.get(SHARED_STATE, False)
+    if not isinstance(shared, bool):
+        raise ValueError(f"simulated workload: option {SHARED_STATE} must be true or false")
     values: dict[str, float] = {**DEFAULTS, "restore_s": options.get("snapshot_s", 0.0)}
     for key, value in options.items():
+        if key == SHARED_STATE:
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ValueError(
                 f"simulated workload: option {key} must be a number >= 0, not {value!r}"
@@ -44,8 +55,8 @@ def parse_options(options: dict[str, Any]) -> dict[str, float]:
 
 class SimulatedWorkload(Workload):
     name = "simulated"
-    sampler_backends = ("simulated",)
-    trainer_backends = ("simulated",)
+    sampler_backends = ("sampler",)
+    trainer_backends = ("trainer",)
 
     def __init__(self) -> None:
         self._options: dict[str, float] = {}
@@ -53,15 +64,23 @@ class SimulatedWorkload(Workload):
         self._spec: JobSpec | None = None
         self.epochs_trained = 0
 
+    def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        parse_options(options)
+        if options.get(SHARED_STATE, False):
+            return ("simulated",), ("simulated",)
+        return self.sampler_backends, self.trainer_backends
+
     def setup(self, spec: JobSpec) -> None:
         self._options = parse_options(spec.options)
         self._spec = spec
+        sampler, trainer = self.state_names(spec.options)
         self._backends = {
-            "simulated": SimulatedBackend(
+            name: SimulatedBackend(
                 nbytes=int(self._options["state_bytes"]),
                 snapshot_s=self._options["snapshot_s"],
                 restore_s=self._options["restore_s"],
             )
+            for name in dict.fromkeys([*sampler, *trainer])
         }
 
     def _hold(self, ctx: PhaseContext, key: str) -> None:
@@ -91,9 +110,6 @@ class SimulatedWorkload(Workload):
 
     def snapshot_backends(self) -> dict[str, SnapshotBackend]:
         return self._backends
-
-    def state_bytes(self) -> int | None:
-        return int(self._options.get("state_bytes", 0)) or None
 
 
 def create() -> SimulatedWorkload:

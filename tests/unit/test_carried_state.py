@@ -1,0 +1,125 @@
+"""What a group and an RL job carry into their next run stays bounded, however long they live."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.protocol import (
+    AcquireRequest,
+    GroupConfig,
+    GroupInput,
+    GroupState,
+    GroupStats,
+    LeaseReturn,
+    QueueTarget,
+    SnapshotReport,
+    SnapshotTarget,
+)
+from timeslice.workflows.rl_protocol import (
+    RECENT_EPOCH_RECORDS,
+    CheckpointRef,
+    EpochRecord,
+    PhaseResult,
+    RLJobConfig,
+    RLJobInput,
+    RLJobState,
+)
+
+LIMIT = 256 * 1024
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _size(model: object) -> int:
+    return len(json.dumps(model.model_dump(mode="json")).encode())  # type: ignore[attr-defined]
+
+
+def _hold(epoch: int, phase: str, t: float) -> PhaseResult:
+    moved = [
+        SnapshotReport(job_id="j", backend="trainer", mode="offload", bytes=2**32, seconds=0.1)
+    ]
+    return PhaseResult(
+        epoch=epoch,
+        phase=phase,  # type: ignore[arg-type]
+        metrics={"loss": 0.1, "kl": 0.01, "grad_norm": 1.0, "clip_frac": 0.2},
+        seconds=1.0,
+        mono_start=t,
+        mono_end=t + 1,
+        group_id="group-with-a-long-name",
+        token=epoch * 2 + 1,
+        request_id=f"a-job-with-a-long-id:{'f' * 36}",
+        waited_s=0.5,
+        asked_mono=t - 0.5,
+        granted_mono=t - 0.1,
+        released_mono=t + 1,
+        released=True,
+        restored=moved,
+        evicted=moved,
+    )
+
+
+def test_a_thousand_epoch_job_carries_under_256_kb():
+    config = RLJobConfig(job_id="a-job-with-a-long-id", workload="simulated", sampler_group="g",
+                         epochs=1000)  # fmt: skip
+    state = RLJobState()
+    for epoch in range(1000):
+        record = EpochRecord(
+            epoch=epoch,
+            reward_mean=0.5,
+            metrics={f"train.m{i}": float(i) for i in range(8)},
+            wait_s={"sample": 0.1, "train": 0.2},
+            phase_s={"sample": 1.0, "rewards": 1.0, "train": 1.0},
+            holds=[_hold(epoch, "sample", epoch * 4.0), _hold(epoch, "train", epoch * 4.0 + 2)],
+        )
+        if (epoch + 1) % 5 == 0:
+            state.last_checkpoint = CheckpointRef(epochs_done=epoch + 1, path="/ckpt/" + "x" * 80)
+        state.add_record(record)
+    carried = RLJobInput(config=config, state=state)
+    assert _size(carried) < LIMIT, _size(carried)
+    assert len(state.records) == RECENT_EPOCH_RECORDS
+    # Nothing is lost from the totals or the reward curve.
+    phase_s, wait_s = state.totals()
+    assert phase_s == {"sample": 1000.0, "rewards": 1000.0, "train": 1000.0}
+    assert wait_s == pytest.approx({"sample": 100.0, "train": 200.0})
+    assert len(state.rewards) == 1000 and state.rewards_from == 0
+
+
+def test_records_since_the_last_checkpoint_are_kept_for_a_rewind():
+    state = RLJobState(last_checkpoint=CheckpointRef(epochs_done=10, path="/c"))
+    for epoch in range(100):
+        state.add_record(EpochRecord(epoch=epoch, reward_mean=float(epoch), phase_s={"train": 1.0}))
+    # Every record from the checkpoint on is still there, so a rewind can drop them exactly.
+    assert [r.epoch for r in state.records] == list(range(10, 100))
+    lost = state.drop_records_from(10)
+    assert [r.epoch for r in lost] == list(range(10, 100))
+    assert state.totals()[0] == {"train": 10.0}
+    assert state.rewards == [float(e) for e in range(10)]
+
+
+def test_a_group_at_its_bounds_carries_under_256_kb():
+    config = GroupConfig(group_id="g" * 100, history_keep=256, wait_samples_keep=512)
+    book = GroupBook(config, GroupState(stats=GroupStats(created_at=T0)))
+    target = SnapshotTarget(
+        queues=[QueueTarget(task_queue="timeslice-job-" + "j" * 90 + "-0", backends=["torch"])]
+    )
+    now = T0
+    for i in range(5000):  # far more leases than any bound
+        job = f"{'j' * 90}{i % 7}"
+        rid = f"{job}:{i:032x}"
+        book.enqueue(
+            AcquireRequest(request_id=rid, job_id=job, reply_task_queue="q" * 300, snapshot=target),
+            now,
+        )
+        waiter = book.take_next(now)
+        assert waiter is not None
+        plan = book.plan_switch(waiter.request)
+        later = now + timedelta(seconds=1)
+        book.finish_switch(plan, waiter.request, started=now, ended=later, moved_bytes=1,
+                           waited_for=None)  # fmt: skip
+        book.grant(waiter, later, parked=False)
+        now = later + timedelta(seconds=1)
+        book.release(LeaseReturn(request_id=rid, token=book.state.next_token - 1), now)
+    carried = GroupInput(config=config, state=book.state)
+    assert _size(carried) < LIMIT, _size(carried)

@@ -1,0 +1,333 @@
+"""The group's decisions without Temporal: GroupBook driven with a hand-set clock."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.protocol import (
+    AcquireRequest,
+    GroupConfig,
+    GroupState,
+    GroupStats,
+    LeaseOutcome,
+    LeaseReturn,
+    MovedReport,
+    QueueTarget,
+    RenewRequest,
+    SnapshotReport,
+    SnapshotTarget,
+)
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def book(**config: object) -> GroupBook:
+    return GroupBook(
+        GroupConfig(group_id="g", **config),  # type: ignore[arg-type]
+        GroupState(stats=GroupStats(created_at=T0)),
+    )
+
+
+def request(job: str, rid: str | None = None, **fields: object) -> AcquireRequest:
+    return AcquireRequest(
+        request_id=rid or f"{job}:r",
+        job_id=job,
+        reply_task_queue=f"timeslice-job-{job}-0",
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def target(job: str) -> SnapshotTarget:
+    return SnapshotTarget(queues=[QueueTarget(task_queue=f"q-{job}", backends=["x"])])
+
+
+def report(job: str, nbytes: int = 100, seconds: float = 0.5) -> SnapshotReport:
+    return SnapshotReport(job_id=job, backend="x", mode="t", bytes=nbytes, seconds=seconds)
+
+
+def grant_next(b: GroupBook, now: datetime, *, parked: bool = False) -> str:
+    waiter = b.take_next(now)
+    assert waiter is not None
+    plan = b.plan_switch(waiter.request)
+    b.finish_switch(plan, waiter.request, started=now, ended=now, moved_bytes=0, waited_for=None)
+    notice = b.grant(waiter, now, parked=parked)
+    if not parked:
+        b.confirm(notice.token, now)
+    return waiter.request.job_id
+
+
+# ---------------------------------------------------------------------------- who is next
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "picks_at", "expected"),
+    [
+        # (job, priority, enqueued at s); FIFO among equals
+        ([("a", 0, 0), ("b", 0, 1), ("c", 0, 2)], 3, ["a", "b", "c"]),
+        # higher priority first, whatever the order of arrival
+        ([("a", 0, 0), ("b", 5, 1), ("c", 1, 2)], 3, ["b", "c", "a"]),
+        # ageing: 60 s of waiting is worth one level (aging_s 60)
+        ([("old", 0, 0), ("new", 1, 119)], 120, ["old", "new"]),
+        ([("old", 0, 0), ("new", 2, 119)], 120, ["new", "old"]),
+        # priorities below zero wait for everyone else
+        ([("low", -3, 0), ("mid", 0, 10)], 11, ["mid", "low"]),
+    ],
+)
+def test_queue_order(arrivals, picks_at, expected):
+    b = book()
+    for job, priority, t in arrivals:
+        assert b.enqueue(request(job, priority=priority), at(t))
+    order = []
+    while (w := b.take_next(at(picks_at))) is not None:
+        order.append(w.request.job_id)
+        b.switching_for = None
+    assert order == expected
+
+
+def test_enqueue_is_idempotent_by_request_id():
+    b = book()
+    assert b.enqueue(request("a"), at(0))
+    assert not b.enqueue(request("a"), at(1))  # a retry across a dropped RPC
+    assert len(b.state.queue) == 1
+    grant_next(b, at(2))
+    assert not b.enqueue(request("a"), at(3))  # the holder's own request
+    b.release(LeaseReturn(request_id="a:r", token=1), at(4))
+    assert not b.enqueue(request("a"), at(5))  # done: a late duplicate is not a new request
+
+
+# ---------------------------------------------------------------------------- deadlines
+
+
+def test_holder_expires_at_its_ttl_unless_renewed():
+    b = book(default_ttl_s=10)
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    assert b.next_deadline() == at(10)
+    assert b.renew(RenewRequest(request_id="a:r", token=1), at(8)).valid
+    assert b.next_deadline() == at(18)
+    b.expire(at(17.9))
+    assert b.state.holder is not None
+    b.expire(at(18))
+    assert b.state.holder is None
+    assert b.state.history[-1].outcome is LeaseOutcome.EXPIRED
+    assert b.state.stats.expired == 1
+
+
+def test_a_renewal_after_the_deadline_does_not_revive_the_lease():
+    """The control worker was down longer than the TTL: the expiry was not processed yet."""
+    b = book(default_ttl_s=10)
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    result = b.renew(RenewRequest(request_id="a:r", token=1), at(25))
+    assert not result.valid and "expired" in result.reason
+    assert b.state.holder is None and b.state.stats.expired == 1
+
+
+def test_a_parked_grant_is_confirmed_by_renewal_or_release_else_the_holder_is_dead():
+    b = book(grant_ack_timeout_s=15, default_ttl_s=20)
+    for job in ("a", "b"):
+        b.enqueue(request(job), at(0))
+    grant_next(b, at(0), parked=True)
+    assert b.next_deadline() == at(15)  # until confirmed, the confirmation deadline
+    assert b.renew(RenewRequest(request_id="a:r", token=1), at(5)).valid
+    assert b.state.holder is not None and b.state.holder.delivered
+    assert b.next_deadline() == at(25)  # now the TTL runs
+    b.release(LeaseReturn(request_id="a:r", token=1), at(6))
+    grant_next(b, at(6), parked=True)  # b never confirms
+    b.expire(at(20.9))
+    assert b.state.holder is not None
+    b.expire(at(21))
+    assert b.state.holder is None and b.state.stats.dead_waiters == 1
+    assert b.state.history[-1].outcome is LeaseOutcome.DEAD
+
+
+def test_waiters_time_out_and_huge_timeouts_never_overflow():
+    b = book()
+    b.enqueue(request("quick", timeout_s=5), at(0))
+    # 1e12 s cannot be added to a date: such a waiter simply has no deadline.
+    b.enqueue(request("patient", timeout_s=1e12), at(0))
+    b.enqueue(request("forever"), at(0))
+    assert b.next_deadline() == at(5)
+    b.expire(at(5))
+    assert [w.request.job_id for w in b.state.queue] == ["patient", "forever"]
+    assert b.state.stats.timed_out == 1
+    assert b.next_deadline() is None
+
+
+# ---------------------------------------------------------------------------- releases
+
+
+def test_release_is_fenced_by_token_and_request():
+    b = book()
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    for rid, token in (("a:r", 2), ("forged", 1), ("a:r", 0)):
+        answer = b.release(LeaseReturn(request_id=rid, token=token), at(1))
+        assert not answer.valid and not answer.released
+    assert b.state.holder is not None and b.state.stats.stale_messages == 3
+    assert b.release(LeaseReturn(request_id="a:r", token=1), at(2)).released
+    # A retried release of a lease already ended is not counted as stale.
+    assert not b.release(LeaseReturn(request_id="a:r", token=1), at(3)).valid
+    assert b.state.stats.stale_messages == 3 and b.state.stats.released == 1
+
+
+@pytest.mark.parametrize(
+    ("waiting", "keep", "released"),
+    [([], True, False), (["b"], True, True), ([], False, True), (["b"], False, True)],
+)
+def test_a_lease_is_kept_only_when_asked_and_nobody_waits(waiting, keep, released):
+    b = book()
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    for job in waiting:
+        b.enqueue(request(job), at(1))
+    answer = b.release(LeaseReturn(request_id="a:r", token=1, keep_if_uncontended=keep), at(2))
+    assert answer.valid and answer.released is released
+    assert (b.state.holder is None) is released
+
+
+def test_holder_evicts_itself_only_for_another_job_and_the_next_waits_unless_both_fit():
+    b = book(memory_bytes=300)
+    b.enqueue(request("a", snapshot=target("a"), state_bytes=200), at(0))
+    grant_next(b, at(0))
+    assert b.state.resident is not None and b.state.resident.job_id == "a"
+    # Nobody waits: sticky residency, nothing moves.
+    b.enqueue(request("a", "a:2", snapshot=target("a"), state_bytes=200), at(1))
+    answer = b.release(LeaseReturn(request_id="a:r", token=1, evicts_itself=True), at(1))
+    assert not answer.evict
+    grant_next(b, at(1))
+    big = request("big", snapshot=target("big"), state_bytes=200)
+    small = request("small", snapshot=target("small"), state_bytes=100)
+    b.enqueue(big, at(2))
+    answer = b.release(LeaseReturn(request_id="a:2", token=2, evicts_itself=True), at(3))
+    assert answer.evict and b.state.evicting is not None and b.state.resident is None
+    assert b.eviction_to_await(big) is not None  # 200 + 200 > 300: wait for the report
+    assert b.eviction_to_await(small) is None  # 200 + 100 fit: restore alongside
+    b.moved(MovedReport(job_id="a", evicted=[report("a", 200)]), at(3.2))
+    assert b.state.evicting is None and b.eviction_to_await(big) is None
+    assert b.state.stats.bytes_moved == 200 and "a" in b.state.evicted_jobs
+
+
+# ---------------------------------------------------------------------------- cancel
+
+
+def test_cancel_dequeues_or_ends_a_raced_grant():
+    b = book()
+    for job in ("a", "b", "c"):
+        b.enqueue(request(job), at(0))
+    grant_next(b, at(0))
+    b.cancel("b:r", at(1))  # queued
+    assert [w.request.job_id for w in b.state.queue] == ["c"]
+    b.cancel("a:r", at(2))  # holding: the grant raced the give-up
+    assert b.state.holder is None and b.state.history[-1].outcome is LeaseOutcome.CANCELLED
+    waiter = b.take_next(at(3))
+    assert waiter is not None
+    b.cancel("c:r", at(3))  # mid-switch: the switch finishes, the grant is dropped
+    assert b.switch_cancelled and b.known("c:r")
+    assert b.state.stats.cancelled == 3
+
+
+# ---------------------------------------------------------------------------- switches
+
+
+@pytest.mark.parametrize(
+    ("resident", "evicted", "restores_itself", "memory", "expect"),
+    [
+        # (resident job, jobs evicted before, requester restores itself, memory, plan)
+        ("b", [], False, None, {"evict": None, "restore": False, "overlapped": False}),
+        ("a", [], False, None, {"evict": "a", "restore": False, "overlapped": False}),
+        ("a", ["b"], False, None, {"evict": "a", "restore": True, "overlapped": False}),
+        ("a", ["b"], False, 1000, {"evict": "a", "restore": True, "overlapped": True}),
+        ("a", ["b"], True, 1000, {"evict": "a", "restore": False, "overlapped": False}),
+        (None, ["b"], False, None, {"evict": None, "restore": True, "overlapped": False}),
+    ],
+)
+def test_switch_plans(resident, evicted, restores_itself, memory, expect):
+    b = book(memory_bytes=memory)
+    if resident is not None:
+        b.enqueue(request(resident, snapshot=target(resident), state_bytes=400), at(0))
+        grant_next(b, at(0))
+        b.release(LeaseReturn(request_id=f"{resident}:r", token=1), at(1))
+    b.state.evicted_jobs.extend(evicted)
+    req = request(
+        "b", "b:2", snapshot=target("b"), state_bytes=400, restores_itself=restores_itself
+    )
+    plan = b.plan_switch(req)
+    assert (plan.evict.job_id if plan.evict else None) == expect["evict"]
+    assert (plan.restore, plan.overlapped) == (expect["restore"], expect["overlapped"])
+    assert plan.restores_itself == (restores_itself and "b" in evicted)
+
+
+def test_a_faulted_job_is_refused_and_others_served():
+    b = book()
+    b.fault("bad", "snapshot failed")
+    b.enqueue(request("bad"), at(0))
+    b.enqueue(request("good"), at(0))
+    waiter = b.take_next(at(1))
+    assert waiter is not None
+    plan = b.plan_switch(waiter.request)
+    assert plan.fault is not None and "snapshot failed" in plan.fault
+    notice = b.refuse(waiter, plan.fault, at(1))
+    assert notice.fault is not None and b.state.holder is None
+    assert grant_next(b, at(2)) == "good"
+
+
+def test_moved_state_leaves_the_group_and_a_failed_move_faults_the_job():
+    b = book()
+    b.enqueue(request("a", snapshot=target("a")), at(0))
+    grant_next(b, at(0))
+    b.release(LeaseReturn(request_id="a:r", token=1), at(1))
+    # The job's next phase needs the state on another group's device.
+    b.moved(MovedReport(job_id="a", evicted=[report("a", 64)]), at(2))
+    assert b.state.resident is None and b.state.evicted_jobs == ["a"]
+    assert b.state.switch_history[-1].bytes == 64
+    b.moved(MovedReport(job_id="a", evicted=[], error="disk full"), at(3))
+    assert "disk full" in b.state.faulted_jobs["a"]
+
+
+def test_depart_forgets_a_job_but_not_while_it_holds():
+    b = book()
+    b.enqueue(request("a", snapshot=target("a")), at(0))
+    grant_next(b, at(0))
+    assert not b.depart("a")
+    b.release(LeaseReturn(request_id="a:r", token=1), at(1))
+    assert b.depart("a") and b.state.resident is None and b.state.stats.departed == 1
+    assert not b.depart("never-seen")
+
+
+# ---------------------------------------------------------------------------- accounting
+
+
+def test_busy_switching_and_idle_add_up_to_the_wall():
+    b = book()
+    b.enqueue(request("a", snapshot=target("a")), at(0))
+    grant_next(b, at(0))
+    # The holder restored itself for 0.5 s of its 4-s lease: switching, not busy.
+    b.release(LeaseReturn(request_id="a:r", token=1, restored=[report("a")]), at(4))
+    status = b.status(at(10))
+    assert status.wall_s == 10
+    assert status.stats.busy_s == pytest.approx(3.5)
+    assert status.stats.switching_s == pytest.approx(0.5)
+    assert status.idle_s == pytest.approx(6.0)
+    assert status.utilization == pytest.approx(0.35)
+    # A lease held now counts up to the query.
+    b.enqueue(request("b"), at(10))
+    grant_next(b, at(10))
+    assert b.status(at(12)).utilization == pytest.approx(5.5 / 12)
+
+
+def test_wait_samples_are_bounded_and_give_percentiles():
+    b = book(wait_samples_keep=3)
+    for i, job in enumerate(["a", "b", "c", "d"]):
+        b.enqueue(request(job), at(0))
+        grant_next(b, at(i + 1))
+        b.release(LeaseReturn(request_id=f"{job}:r", token=i + 1), at(i + 1))
+    assert b.state.stats.wait_samples_s == [2.0, 3.0, 4.0]
+    status = b.status(at(5))
+    assert (status.wait_p50_s, status.wait_p99_s) == (3.0, 4.0)
