@@ -37,7 +37,6 @@ from timeslice.telemetry import meter, span
 from timeslice.workflows.protocol import (
     GroupQuery,
     HolderView,
-    MovedReport,
     QueueTarget,
     SnapshotReport,
     SnapshotTarget,
@@ -469,13 +468,11 @@ class JobRuntime:
             self._unreported.setdefault(lease.request_id, []).extend(restored or [])
             return False, True, []
         self._unreported.pop(lease.request_id, None)
-        evicted: list[SnapshotReport] = []
         if answer.evict:
-            evicted, error = await self.homes.evict_owned(names)
-            await self.engine.report_moved(
-                lease.group_id, MovedReport(job_id=self.job_id, evicted=evicted, error=error)
-            )
-        return True, False, evicted
+            # The copy runs after this activity returns: the job's next step (rewards, or a
+            # phase on another group) does not wait for it; the next use of this state does.
+            self.homes.evict_in_background(names, lease.group_id)
+        return True, False, []
 
     async def _abandon(self, lease: Lease) -> None:
         self._unreported.pop(lease.request_id, None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from timeslice.snapshot.base import SnapshotBackend, SnapshotError
@@ -34,9 +35,12 @@ class StateHomes:
         self._tell_moved = tell_moved
         # backend name -> the group whose device holds its state; None: host memory
         self._home: dict[str, str | None] = {}
-        self._busy: set[str] = set()
+        # name -> uses in progress (a phase, a checkpoint, a move, an eviction in the background)
+        self._busy: Counter[str] = Counter()
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
+        # group id -> the last report of a move off its device, still on its way
+        self._reports: dict[str, asyncio.Task[None]] = {}
 
     def home(self, name: str) -> str | None:
         return self._home.get(name)
@@ -54,15 +58,18 @@ class StateHomes:
         None: wherever they are, nothing moves). Yields what was restored."""
         wanted = {n for n in names if n in self.backends}
         async with self._changed:
-            await self._changed.wait_for(lambda: not (wanted & self._busy))
-            self._busy |= wanted
+            await self._changed.wait_for(lambda: not any(self._busy[n] for n in wanted))
+            self._busy.update(wanted)
         try:
             restored = await self._bring(sorted(wanted), group_id)
             yield restored
         finally:
-            async with self._changed:
-                self._busy -= wanted
-                self._changed.notify_all()
+            await self._done_with(wanted)
+
+    async def _done_with(self, names: set[str]) -> None:
+        async with self._changed:
+            self._busy.subtract(names)
+            self._changed.notify_all()
 
     async def bring(self, placement: dict[str, str]) -> list[SnapshotReport]:
         """Move each named state to its group's device; the caller holds their use."""
@@ -77,6 +84,10 @@ class StateHomes:
         moved_out: dict[str, list[SnapshotReport]] = {}
         if group_id is None:
             return restored
+        pending = self._reports.get(group_id)
+        if pending is not None:
+            # This group must hear that the state left before it sees it come back.
+            await asyncio.gather(pending, return_exceptions=True)
         for name in names:
             home = self._home.get(name)
             if home == group_id:
@@ -93,7 +104,7 @@ class StateHomes:
                 self._changed.notify_all()  # an eviction waiting for this state has nothing to do
             for home, reports in moved_out.items():
                 report = MovedReport(job_id=self.job_id, evicted=reports)
-                self._spawn(self._tell_moved(home, report))
+                self._reports[home] = self._spawn(self._tell_moved(home, report))
         return restored
 
     async def evict_for(self, names: list[str], group_id: str) -> list[SnapshotReport]:
@@ -102,16 +113,14 @@ class StateHomes:
         wanted = [n for n in names if n in self.backends]
         async with self._changed:
             await self._changed.wait_for(
-                lambda: all(self._home.get(n) != group_id or n not in self._busy for n in wanted)
+                lambda: all(self._home.get(n) != group_id or not self._busy[n] for n in wanted)
             )
             here = [n for n in wanted if self._home.get(n) == group_id]
-            self._busy |= set(here)
+            self._busy.update(here)
         try:
             return await self.move_out(here)
         finally:
-            async with self._changed:
-                self._busy -= set(here)
-                self._changed.notify_all()
+            await self._done_with(set(here))
 
     async def move_out(self, names: list[str]) -> list[SnapshotReport]:
         """Snapshot the named states to host memory; the caller holds their use."""
@@ -128,18 +137,39 @@ class StateHomes:
         async with self.using(names, group_id) as restored:
             return restored
 
-    async def evict_owned(self, names: list[str]) -> tuple[list[SnapshotReport], str | None]:
-        """Move out states the caller is using (after a release answered ``evict``)."""
-        try:
-            return await self.move_out([n for n in names if n in self.backends]), None
-        except SnapshotError as err:  # the group faults us, or evicts through its activity
-            log.warning("co-operative eviction of %s failed: %s", self.job_id, err)
-            return [], str(err)
+    def evict_in_background(self, names: list[str], group_id: str) -> None:
+        """Move out states the caller is using, after the caller is done, and report it to
+        ``group_id`` (a release answered ``evict``). The job's next step need not wait for
+        the copy: whatever uses these states next waits for it instead."""
+        owned = {n for n in names if n in self.backends}
+        self._busy.update(owned)  # the caller's claim is still held: nobody slips in between
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def evict() -> None:
+            try:
+                try:
+                    evicted, error = await self.move_out(sorted(owned)), None
+                except SnapshotError as err:  # the group faults us or evicts by its activity
+                    log.warning("co-operative eviction of %s failed: %s", self.job_id, err)
+                    evicted, error = [], str(err)
+                # Reported before the state is free again: the group must hear of this
+                # eviction before any later restore of the same state.
+                report = MovedReport(job_id=self.job_id, evicted=evicted, error=error)
+                await self._tell_moved(group_id, report)
+            finally:
+                await self._done_with(owned)
+
+        self._spawn(evict())
+
+    async def settled(self) -> None:
+        """Wait for evictions running in the background (before the process exits)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         async def run() -> None:
             await coro
 
         task = asyncio.ensure_future(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
