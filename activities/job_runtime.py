@@ -126,6 +126,9 @@ class JobRuntime:
         self.snapshots = SnapshotActivities(None, self.homes)
         # Restores done under a lease this process keeps, reported when it is released.
         self._unreported: dict[str, list[SnapshotReport]] = {}
+        # request id -> the acquire of a lease asked for ahead of its phase (see _prefetch)
+        self._prefetched: dict[str, asyncio.Future[tuple[Lease, float, float]]] = {}
+        self._background: set[asyncio.Future[None]] = set()
 
     def attach(self, client: Client) -> None:
         """Use the job worker's client (call from its event loop, before serving)."""
@@ -293,11 +296,13 @@ class JobRuntime:
                 ctx = PhaseContext(inp.epochs_done, "checkpoint")
                 await self._supervise(save, ctx, None, None, 5)
                 if lease is not None:
-                    await self._yield(lease, inp.backends, keep_if_uncontended=False)
+                    self._yield_in_background(lease, inp.backends, [])
                     lease = None
         finally:
             if lease is not None:  # failed: the group must not wait for this lease's TTL
                 await self._abandon(lease)
+        if inp.prefetch is not None:
+            self._prefetch(inp.prefetch, inp.prefetch_backends)
         log.info("checkpoint after %d epochs: %s", inp.epochs_done, epoch_dir)
         return CheckpointRef(epochs_done=inp.epochs_done, path=str(epoch_dir.resolve()))
 
@@ -342,13 +347,14 @@ class JobRuntime:
                     ended = time.monotonic()
                     released_at = time.monotonic()
                     released = kept = False
-                    evicted: list[SnapshotReport] = []
-                    if lease is not None and inp.release != "never":
-                        released, kept, evicted = await self._yield(
-                            lease,
-                            names,
-                            restored=restored,
-                            keep_if_uncontended=inp.release == "if_contended",
+                    if lease is not None and inp.release == "always":
+                        # Sent now, answered after this activity returns: the job's next step
+                        # does not wait for the group's answer (nor for an eviction it asks).
+                        self._yield_in_background(lease, names, restored)
+                        released = True
+                    elif lease is not None and inp.release == "if_contended":
+                        released, kept = await self._yield(
+                            lease, names, restored=restored, keep_if_uncontended=True
                         )
                     elif lease is not None:
                         kept = True
@@ -357,6 +363,8 @@ class JobRuntime:
             finally:
                 if lease is not None:  # the phase failed: hand the group on now, not at its TTL
                     await self._abandon(lease)
+            if inp.prefetch is not None:
+                self._prefetch(inp.prefetch, inp.prefetch_backends)
         log.info(
             "epoch %d %s: %.2f s %s",
             inp.epoch,
@@ -381,7 +389,6 @@ class JobRuntime:
             released=released,
             kept=kept and owned,
             restored=restored,
-            evicted=evicted,
         )
 
     # ---------------------------------------------------------------- leases
@@ -397,6 +404,14 @@ class JobRuntime:
             return None, None, None
         if order.token is not None:
             return self._owned(order), None, None
+        asking = self._prefetched.pop(order.request_id, None)
+        if asking is not None:  # asked for when the job's previous step ended
+            return await asking
+        return await self._acquire_order(order, names)
+
+    async def _acquire_order(
+        self, order: LeaseOrder, names: list[str]
+    ) -> tuple[Lease, float, float]:
         stale = self.engine.held.get(order.group_id)
         if stale is not None:
             # The workflow moved on from it (a failure, a rewind): hand it back first.
@@ -436,6 +451,41 @@ class JobRuntime:
             )
         return lease
 
+    def _prefetch(self, order: LeaseOrder, names: list[str]) -> None:
+        """Ask for the job's next GPU phase's lease now, as this step ends: the request
+        reaches the group one workflow round trip sooner than if the next phase's activity
+        asked when it starts, and the grant waits in this process for that activity. The
+        workflow cancels the request if the phase never comes."""
+        if order.request_id in self._prefetched or order.token is not None:
+            return
+        if order.group_id in self.engine.held:
+            return  # the job kept its lease on that group: the next phase carries it
+        asking = asyncio.ensure_future(self._acquire_order(order, names))
+        # Retrieved by the phase; a failure is raised there (or the workflow cancels it).
+        asking.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._prefetched[order.request_id] = asking
+
+    def _yield_in_background(
+        self, lease: Lease, names: list[str], restored: list[SnapshotReport]
+    ) -> None:
+        """Release ``lease`` without waiting for the answer; the states it covers stay
+        claimed until the answer (and the eviction it may ask for) is done."""
+        claim = self.homes.claim(names)
+        # No longer this process's to use: a lease asked for next on the same group must not
+        # find it and hand it back a second time.
+        if self.engine.held.get(lease.group_id) is lease:
+            del self.engine.held[lease.group_id]
+
+        async def release() -> None:
+            try:
+                await self._yield(lease, names, restored=restored, keep_if_uncontended=False)
+            finally:
+                await claim.done()
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _yield(
         self,
         lease: Lease,
@@ -443,13 +493,13 @@ class JobRuntime:
         *,
         restored: list[SnapshotReport] | None = None,
         keep_if_uncontended: bool,
-    ) -> tuple[bool, bool, list[SnapshotReport]]:
+    ) -> tuple[bool, bool]:
         """Release ``lease`` (or keep it when nobody waits and that was asked); if another job
         takes the group, move this job's state out and report it (co-operative eviction).
 
         The group decides in the workflow task that grants the next holder; when both states
         fit in the group's declared memory the next holder's restore overlaps this eviction,
-        otherwise the group waits for the report. Returns (released, kept, evicted)."""
+        otherwise the group waits for the report. Returns (released, kept)."""
         restored = [*self._unreported.get(lease.request_id, []), *(restored or [])]
         try:
             answer = await self.engine.release_lease(
@@ -458,21 +508,22 @@ class JobRuntime:
                 keep_if_uncontended=keep_if_uncontended,
                 evicts_itself=bool(names),
             )
-        except Exception as err:  # the workflow cancels it if this failed
+        except Exception as err:  # the group revokes it at its TTL (renewals stopped)
             log.warning("cannot release %s from the job process: %s", lease.group_id, err)
-            return False, False, []
+            self.engine.forget(lease)
+            return False, False
         if not answer.valid:
             self._unreported.pop(lease.request_id, None)
-            return False, False, []
+            return False, False
         if not answer.released:
             self._unreported.setdefault(lease.request_id, []).extend(restored or [])
-            return False, True, []
+            return False, True
         self._unreported.pop(lease.request_id, None)
         if answer.evict:
             # The copy runs after this activity returns: the job's next step (rewards, or a
             # phase on another group) does not wait for it; the next use of this state does.
             self.homes.evict_in_background(names, lease.group_id)
-        return True, False, []
+        return True, False
 
     async def _abandon(self, lease: Lease) -> None:
         self._unreported.pop(lease.request_id, None)

@@ -137,6 +137,13 @@ class StateHomes:
         async with self.using(names, group_id) as restored:
             return restored
 
+    def claim(self, names: list[str]) -> _Claim:
+        """Keep the named states in use after the caller's own use ends (the caller holds
+        them now), until the returned claim is done."""
+        owned = {n for n in names if n in self.backends}
+        self._busy.update(owned)
+        return _Claim(self, owned)
+
     def evict_in_background(self, names: list[str], group_id: str) -> None:
         """Move out states the caller is using, after the caller is done, and report it to
         ``group_id`` (a release answered ``evict``). The job's next step need not wait for
@@ -173,3 +180,14 @@ class StateHomes:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+class _Claim:
+    def __init__(self, homes: StateHomes, names: set[str]) -> None:
+        self._homes = homes
+        self._names: set[str] | None = names
+
+    async def done(self) -> None:
+        names, self._names = self._names, None
+        if names is not None:
+            await self._homes._done_with(names)

@@ -575,6 +575,11 @@ class Engine:
             lease.valid_until = time.monotonic() + lease.ttl_s  # kept: the group renewed it
         return answer
 
+    def forget(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` and let it go without a release (the group revokes it when
+        its TTL runs out): what is left when even the release could not be sent."""
+        self._drop(lease)
+
     def _drop(self, lease: Lease, err: BaseException | None = None) -> None:
         """This process no longer holds ``lease``: stop renewing it, close its spans."""
         if self.held.get(lease.group_id) is lease:

@@ -124,11 +124,13 @@ class RLJobWorkflow:
         # Leases this workflow took and holds itself (preparing, final checkpoints, several
         # ranks), by group.
         self._held: dict[str, GrantNotice] = {}
-        # Leases the job process takes and releases itself, by group: asked for (no token
-        # yet) or held (a phase kept it, for its checkpoint or the next phase).
+        # Leases the job process takes and releases itself, by request id: asked for (no
+        # token yet) or held (a phase kept it, for its checkpoint or the next phase).
         self._orders: dict[str, LeaseOrder] = {}
         # A trainer lease kept for the next epoch's sampling (same group, nobody waiting).
         self._carried: LeaseOrder | None = None
+        # The next sampling's lease, asked for by the process as the epoch's last step ended.
+        self._next_sample: LeaseOrder | None = None
         self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
@@ -215,12 +217,17 @@ class RLJobWorkflow:
         cfg, state = self._config, self._state
         record = EpochRecord(epoch=epoch, reward_mean=None)
         done = epoch + 1
-        # One rank: the process takes, releases and may keep its leases itself. Several: the
-        # workflow holds them, and releases once every rank is done.
+        # One rank: the process takes, releases and may keep its leases itself, and asks for
+        # the next GPU phase's lease as each step ends. Several: the workflow holds them, and
+        # releases once every rank is done.
         solo = cfg.ranks == 1
 
         carried, self._carried = self._carried, None
-        order = carried or await self._order(cfg.sampler_group, "sample", record)
+        prefetched, self._next_sample = self._next_sample, None
+        if carried is not None and prefetched is not None:
+            await self._end_order(prefetched)  # the lease was kept: never asked for
+            prefetched = None
+        order = carried or prefetched or await self._order(cfg.sampler_group, "sample", record)
         sampled: PhaseResult | None = None
         try:
             sampled = await self._run_phase(
@@ -230,7 +237,9 @@ class RLJobWorkflow:
             await self._settle(order, sampled)
         self._note(record, sampled, "sample", carried is not None)
 
-        rewarded = await self._run_phase(epoch, "rewards", None)
+        # The trainer lease is asked for as soon as the rewards are computed.
+        order = await self._order(cfg.trainer, "train", record) if solo else None
+        rewarded = await self._run_phase(epoch, "rewards", None, prefetch=order)
         self._note(record, rewarded, "rewards", False)
         record.reward_mean = rewarded.metrics.get("reward_mean")
 
@@ -243,53 +252,72 @@ class RLJobWorkflow:
             release = "never"
         elif may_keep and not state.stop_requested:
             release = "if_contended"
-        order = await self._order(cfg.trainer, "train", record)
+        following = self._sample_to_ask_ahead(done)
+        if order is None:
+            order = await self._order(cfg.trainer, "train", record)
         trained: PhaseResult | None = None
         try:
-            trained = await self._run_phase(epoch, "train", order, release=release)
+            trained = await self._run_phase(
+                epoch,
+                "train",
+                order,
+                release=release,
+                prefetch=None if checkpoint_due else following,
+            )
             self._note(record, trained, "train", False)
             if order.held_by == "process":
                 await self._settle(order, trained, keep=release == "if_contended")
             if checkpoint_due or (state.stop_requested and not trained.released):
                 held = (
-                    self._orders.get(cfg.trainer)
+                    self._orders.get(order.request_id)
                     if order.held_by == "process"
                     else self._held_order(cfg.trainer)
                 )
                 if held is not None and held.token is not None:
-                    await self._checkpoint(done, held)
+                    await self._checkpoint(done, held, prefetch=following)
         finally:
             if order.held_by == "workflow" or trained is None:
                 await self._settle(order, trained)
+        self._next_sample = following
         state.epochs_done = done
         self._epochs_this_run += 1
         state.add_record(record)
         self._publish_details()
+
+    def _sample_to_ask_ahead(self, done: int) -> LeaseOrder | None:
+        """The next epoch's sampling lease, for the process to ask for as this epoch's last
+        step ends — unless there is no next epoch in this run."""
+        cfg, state = self._config, self._state
+        if cfg.ranks > 1 or done >= cfg.epochs or state.stop_requested:
+            return None
+        if self._epochs_this_run + 1 >= cfg.continue_as_new_every:
+            return None  # the next run asks for its own
+        return self._new_order(cfg.sampler_group)
 
     async def _settle(
         self, order: LeaseOrder, result: PhaseResult | None, *, keep: bool = False
     ) -> None:
         """After a GPU phase: forget a lease the process released, note one it kept, end the
         rest (a failed phase's lease, a workflow-held lease)."""
-        group = order.group_id
         if order.held_by == "workflow":
-            lease = self._held.get(group)
-            if lease is not None and group not in self._orders:
+            lease = self._held.get(order.group_id)
+            if lease is not None:
                 await self._release(
                     lease,
                     restored=result.restored if result else None,
                     evicted=result.evicted if result else None,
                 )
             return
+        rid = order.request_id
         if result is not None and result.released:
-            self._orders.pop(group, None)
-        elif result is not None and result.kept and group in self._orders:
+            self._orders.pop(rid, None)
+        elif result is not None and result.kept and rid in self._orders:
             kept = order.model_copy(update={"token": result.token})
-            self._orders[group] = kept
+            self._orders[rid] = kept
             if keep:
                 self._carried = kept
-        elif group in self._orders:
-            await self._end_order(self._orders[group])
+        elif rid in self._orders:
+            await self._end_order(self._orders[rid])
 
     def _held_order(self, group_id: str) -> LeaseOrder | None:
         lease = self._held.get(group_id)
@@ -390,7 +418,9 @@ class RLJobWorkflow:
         homes.update({name: cfg.trainer for name in self._backends["trainer"]})
         return homes
 
-    async def _checkpoint(self, epochs_done: int, lease: LeaseOrder) -> None:
+    async def _checkpoint(
+        self, epochs_done: int, lease: LeaseOrder, *, prefetch: LeaseOrder | None = None
+    ) -> None:
         """Save under ``lease`` (its state lives there); a lease the process holds is released
         by the process once the checkpoint is written."""
         group_id = lease.group_id
@@ -404,6 +434,8 @@ class RLJobWorkflow:
                 backends=self._backends_for(group_id),
                 lease=lease,
                 release=release,
+                prefetch=prefetch,
+                prefetch_backends=self._backends_for(prefetch.group_id) if prefetch else [],
             ),
             CheckpointRef,
             self._config.checkpoint_timeout_s,
@@ -411,8 +443,8 @@ class RLJobWorkflow:
             f"· {group_id}",
         )
         if release:
-            self._orders.pop(group_id, None)
-            if self._carried is not None and self._carried.group_id == group_id:
+            self._orders.pop(lease.request_id, None)
+            if self._carried is not None and self._carried.request_id == lease.request_id:
                 self._carried = None
         self._state.last_checkpoint = refs[0]
 
@@ -481,6 +513,12 @@ class RLJobWorkflow:
             held = self._held_order(group_id)
             assert held is not None
             return held
+        return self._new_order(group_id)
+
+    def _new_order(self, group_id: str) -> LeaseOrder:
+        """A lease the job process will ask for (the workflow keeps its request id, to take
+        it back if the phase never runs)."""
+        cfg = self._config
         order = LeaseOrder(
             group_id=group_id,
             request_id=f"{cfg.job_id}:{workflow.uuid4()}",
@@ -489,7 +527,7 @@ class RLJobWorkflow:
             ttl_s=cfg.lease_ttl_s,
             state_bytes=self._bytes_on(group_id),
         )
-        self._orders[group_id] = order
+        self._orders[order.request_id] = order
         return order
 
     async def _acquire(
@@ -539,11 +577,10 @@ class RLJobWorkflow:
             )
         else:
             await handle.signal(GroupSignal.CANCEL, CancelRequest(request_id=order.request_id))
-        if self._orders.get(order.group_id) is order:
-            del self._orders[order.group_id]
+        self._orders.pop(order.request_id, None)
 
     async def _release_all(self) -> None:
-        self._carried = None
+        self._carried = self._next_sample = None
         for order in list(self._orders.values()):
             await self._end_order(order)
         for lease in reversed(list(self._held.values())):
@@ -555,6 +592,7 @@ class RLJobWorkflow:
         phase: Phase,
         lease: LeaseOrder | None,
         release: Literal["always", "if_contended", "never"] = "never",
+        prefetch: LeaseOrder | None = None,
     ) -> PhaseResult:
         cfg = self._config
         self._set_phase(phase)
@@ -577,6 +615,8 @@ class RLJobWorkflow:
             release=release,
             group_backends=self._backends_for(lease.group_id) if lease else [],
             lease_check_s=max(0.5, min(5.0, ttl / 4)),
+            prefetch=prefetch,
+            prefetch_backends=self._backends_for(prefetch.group_id) if prefetch else [],
         )
         results = await self._on_all_ranks(
             _PHASE_ACTIVITIES[phase], inp, PhaseResult, budget, f"epoch {epoch} · {phase}{where}"

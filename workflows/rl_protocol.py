@@ -205,6 +205,14 @@ class PhaseInput(_Model):
         description="a lease the process holds: release it as soon as the phase's work is done; "
         "if_contended: keep it when nobody waits (the job's next phase is on the same group)",
     )
+    prefetch: LeaseOrder | None = Field(
+        None,
+        description="the job's next GPU phase's lease: ask for it as soon as this step is done, "
+        "one workflow round trip before that phase's activity starts",
+    )
+    prefetch_backends: list[str] = Field(
+        default_factory=list, description="the job's state on the prefetched lease's group"
+    )
 
     @property
     def group_id(self) -> str | None:
@@ -245,6 +253,8 @@ class CheckpointInput(_Model):
         None, description="the held lease the checkpoint runs under (its state lives there)"
     )
     release: bool = Field(False, description="release the lease (held by the process) after it")
+    prefetch: LeaseOrder | None = Field(None, description="as in PhaseInput")
+    prefetch_backends: list[str] = Field(default_factory=list)
 
 
 class EpochRecord(_Model):
