@@ -61,6 +61,7 @@ from timeslice.workflows.protocol import (
     ResidentJob,
     ReturnAnswer,
     SnapshotTarget,
+    SwitchRecord,
 )
 from timeslice.workflows.snapshot_calls import never_started, run_on_queues
 
@@ -156,6 +157,8 @@ class GpuGroupWorkflow:
         # delivery activity (its completion arriving during continue-as-new would fail it).
         self._fault_notices_in_flight = 0
         self._delivery_tasks: set[asyncio.Task[None]] = set()
+        # Evictions running beside the holder's lease (both states fit).
+        self._evictions: set[asyncio.Task[None]] = set()
         # request id -> the answer for its parked `acquire` update (None while undecided)
         self._parked: dict[str, AcquireAnswer | None] = {}
         self._closing = False
@@ -195,6 +198,7 @@ class GpuGroupWorkflow:
             self._fault_notices_in_flight == 0
             and self._book.switching_for is None
             and not self._delivery_tasks
+            and not self._evictions
         )
 
     async def _continue_as_new(self) -> None:
@@ -312,12 +316,11 @@ class GpuGroupWorkflow:
             return plan.fault
         fault: str | None = None
         if plan.overlapped:
-            _, fault = await asyncio.gather(self._evict(plan), self._restore(request))
-        else:
-            if plan.evict is not None:
-                await self._evict(plan)
-            if plan.restore:
-                fault = await self._restore(request)
+            self._evict_beside(plan)
+        elif plan.evict is not None:
+            await self._evict(plan)
+        if plan.restore:
+            fault = await self._restore(request)
         book.finish_switch(
             dataclasses.replace(plan, fault=fault),
             request,
@@ -354,6 +357,39 @@ class GpuGroupWorkflow:
                 )
                 await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
         return evicting
+
+    def _evict_beside(self, plan: SwitchPlan) -> None:
+        """Evict the previous resident while the next holder is granted and works: both
+        states fit in the group's declared memory. The copy's bytes get a mark of no width
+        (it overlapped the holder's lease, which is not switching time)."""
+        resident = plan.evict
+        assert resident is not None and resident.snapshot is not None
+        target = resident.snapshot
+
+        async def evict() -> None:
+            bytes_before = self._book.state.stats.bytes_moved
+            result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, target)
+            now = workflow.now()
+            self._book.eviction_done(
+                resident.job_id, gone=result is _Moved.GONE, ok=result is _Moved.OK, now=now
+            )
+            moved = self._book.state.stats.bytes_moved - bytes_before
+            if moved:
+                self._book.record_switch(
+                    SwitchRecord(
+                        from_job=resident.job_id,
+                        to_job=None,
+                        start=now,
+                        end=now,
+                        bytes=moved,
+                        overlapped=True,
+                    )
+                )
+            self._wake = True
+
+        task = asyncio.create_task(evict())
+        self._evictions.add(task)
+        task.add_done_callback(self._evictions.discard)
 
     async def _evict(self, plan: SwitchPlan) -> None:
         resident = plan.evict

@@ -70,11 +70,14 @@ class SwitchPlan:
     evict: ResidentJob | None = None
     restore: bool = False
     restores_itself: bool = False
+    # The resident's eviction runs beside the grant (both states fit in the group's declared
+    # memory): nobody waits for it, and a later request that does not fit beside it does.
     overlapped: bool = False
 
     @property
     def moves(self) -> bool:
-        return self.evict is not None or self.restore
+        """Something moves before the grant (an overlapped eviction does not hold it up)."""
+        return (self.evict is not None and not self.overlapped) or self.restore
 
 
 def _fingerprint(request_id: str) -> str:
@@ -411,8 +414,10 @@ class GroupBook:
     def eviction_to_await(self, request: AcquireRequest) -> ResidentJob | None:
         """A previous holder still moving its state out, that ``request`` must wait for."""
         evicting = self.state.evicting
-        if evicting is None or evicting.job_id == request.job_id:
+        if evicting is None:
             return None
+        if evicting.job_id == request.job_id:
+            return evicting  # its own state is still on its way out: restore after
         if self.both_fit(evicting, request):
             return None
         return evicting
@@ -434,10 +439,31 @@ class GroupBook:
             # Granted at once; the holder restores its own state before it uses the group.
             state.evicted_jobs.remove(request.job_id)
             restore = False
-        overlapped = evict is not None and restore and self.both_fit(evict, request)
+        overlapped = (
+            evict is not None and state.evicting is None and self.both_fit(evict, request)
+        )
+        if overlapped:
+            assert evict is not None
+            state.evicting = evict
+            state.resident = None
+            if evict.job_id not in state.evicted_jobs:
+                state.evicted_jobs.append(evict.job_id)
         return SwitchPlan(
             evict=evict, restore=restore, restores_itself=restores_itself, overlapped=overlapped
         )
+
+    def eviction_done(self, job_id: str, *, gone: bool, ok: bool, now: datetime) -> None:
+        """An eviction that ran beside a grant finished: ``ok`` (moved out), ``gone`` (the
+        job's processes are gone, and its device memory with them), or failed (faulted)."""
+        state = self.state
+        if state.evicting is not None and state.evicting.job_id == job_id:
+            state.evicting = None
+        if ok:
+            self.evicted(job_id)
+        elif gone:
+            self.forget(job_id)
+        elif job_id in state.evicted_jobs:  # failed: the job is faulted, its state unknown
+            state.evicted_jobs.remove(job_id)
 
     def evicted(self, job_id: str) -> None:
         state = self.state
@@ -468,7 +494,7 @@ class GroupBook:
     ) -> None:
         """Count one switch, however its moves were split between the group and the holders."""
         state = self.state
-        if plan.moves or plan.restores_itself or waited_for is not None:
+        if plan.moves or plan.evict is not None or plan.restores_itself or waited_for is not None:
             state.stats.switches += 1
         if plan.overlapped:
             state.stats.overlapped_switches += 1

@@ -209,6 +209,8 @@ def test_holder_evicts_itself_only_for_another_job_and_the_next_waits_unless_bot
     assert answer.evict and b.state.evicting is not None and b.state.resident is None
     assert b.eviction_to_await(big) is not None  # 200 + 200 > 300: wait for the report
     assert b.eviction_to_await(small) is None  # 200 + 100 fit: restore alongside
+    # The evicting job itself asking again waits for its own state to be out first.
+    assert b.eviction_to_await(request("a", "a:3", snapshot=target("a"), state_bytes=200))
     b.moved(MovedReport(job_id="a", evicted=[report("a", 200)]), at(3.2))
     assert b.state.evicting is None and b.eviction_to_await(big) is None
     assert b.state.stats.bytes_moved == 200 and "a" in b.state.evicted_jobs
@@ -243,8 +245,11 @@ def test_cancel_dequeues_or_ends_a_raced_grant():
         ("b", [], False, None, {"evict": None, "restore": False, "overlapped": False}),
         ("a", [], False, None, {"evict": "a", "restore": False, "overlapped": False}),
         ("a", ["b"], False, None, {"evict": "a", "restore": True, "overlapped": False}),
+        # both fit: the eviction runs beside the grant (nobody waits for it)
         ("a", ["b"], False, 1000, {"evict": "a", "restore": True, "overlapped": True}),
-        ("a", ["b"], True, 1000, {"evict": "a", "restore": False, "overlapped": False}),
+        ("a", ["b"], True, 1000, {"evict": "a", "restore": False, "overlapped": True}),
+        ("a", [], False, 1000, {"evict": "a", "restore": False, "overlapped": True}),
+        ("a", [], False, 700, {"evict": "a", "restore": False, "overlapped": False}),
         (None, ["b"], False, None, {"evict": None, "restore": True, "overlapped": False}),
     ],
 )
@@ -262,6 +267,24 @@ def test_switch_plans(resident, evicted, restores_itself, memory, expect):
     assert (plan.evict.job_id if plan.evict else None) == expect["evict"]
     assert (plan.restore, plan.overlapped) == (expect["restore"], expect["overlapped"])
     assert plan.restores_itself == (restores_itself and "b" in evicted)
+    if plan.overlapped:  # the evicting job is tracked until its eviction is done
+        assert b.state.evicting is not None and b.state.resident is None
+        bigger = request("c", "c:1", snapshot=target("c"), state_bytes=700)
+        assert b.eviction_to_await(bigger) is not None
+        b.eviction_done("a", gone=False, ok=True, now=at(2))
+        assert b.state.evicting is None and "a" in b.state.evicted_jobs
+
+
+def test_one_eviction_beside_a_grant_at_a_time():
+    b = book(memory_bytes=1000)
+    for job in ("a", "b"):
+        b.enqueue(request(job, snapshot=target(job), state_bytes=300), at(0))
+        grant_next(b, at(0))
+        b.release(LeaseReturn(request_id=f"{job}:r", token=b.state.next_token - 1), at(0))
+    # b's grant evicted a beside it; a is still moving out when c takes the group from b
+    assert b.state.evicting is not None and b.state.evicting.job_id == "a"
+    plan = b.plan_switch(request("c", snapshot=target("c"), state_bytes=300))
+    assert plan.evict is not None and plan.evict.job_id == "b" and not plan.overlapped
 
 
 def test_a_faulted_job_is_refused_and_others_served():
