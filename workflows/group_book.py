@@ -439,9 +439,7 @@ class GroupBook:
             # Granted at once; the holder restores its own state before it uses the group.
             state.evicted_jobs.remove(request.job_id)
             restore = False
-        overlapped = (
-            evict is not None and state.evicting is None and self.both_fit(evict, request)
-        )
+        overlapped = evict is not None and state.evicting is None and self.both_fit(evict, request)
         if overlapped:
             assert evict is not None
             state.evicting = evict
