@@ -12,6 +12,7 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
+from timeslice.updates import send_update
 from timeslice.workflows.protocol import (
     CONTROL_TASK_QUEUE,
     GROUP_WORKFLOW_TYPE,
@@ -48,10 +49,12 @@ async def request_group(req: GroupRequest) -> None:
     group's continue-as-new is retried on the next run), signal-with-start of a new one."""
     client = activity.client()
     try:
-        await client.get_workflow_handle(group_workflow_id(req.group_id)).execute_update(
+        await send_update(
+            client,
+            group_workflow_id(req.group_id),
             GroupUpdate.ACQUIRE,
             AcquireCall(request=req.request, park=False),
-            result_type=AcquireAnswer,
+            AcquireAnswer,
         )
         return
     except RPCError as err:

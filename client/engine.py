@@ -48,6 +48,7 @@ from timeslice.errors import (
 from timeslice.lease import Lease
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.telemetry import detached, end_span, tracer
+from timeslice.updates import send_update
 from timeslice.workflows.protocol import (
     CONTROL_TASK_QUEUE,
     AcquireAnswer,
@@ -243,6 +244,10 @@ class Engine:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
+    def _client_now(self) -> Client:
+        assert self._client is not None
+        return self._client
+
     def _group_handle(self, group_id: str) -> WorkflowHandle[Any, Any]:
         assert self._client is not None
         return self._client.get_workflow_handle(group_workflow_id(group_id))
@@ -372,8 +377,13 @@ class Engine:
         delay = 0.2
         while not granted.done():
             try:
-                answer = await self._group_handle(group_id).execute_update(
-                    GroupUpdate.ACQUIRE, call, result_type=AcquireAnswer
+                answer = await send_update(
+                    self._client_now(),
+                    group_workflow_id(group_id),
+                    GroupUpdate.ACQUIRE,
+                    call,
+                    AcquireAnswer,
+                    wait_for_completion=False,  # it parks until granted
                 )
             except RPCError as err:
                 if err.status == RPCStatusCode.NOT_FOUND:
@@ -428,7 +438,9 @@ class Engine:
     ) -> T:
         return await self._rpc(
             what,
-            lambda: self._group_handle(group_id).execute_update(name, arg, result_type=result_type),
+            lambda: send_update(
+                self._client_now(), group_workflow_id(group_id), name, arg, result_type
+            ),
         )
 
     async def _depart(self, group_id: str) -> None:
@@ -551,8 +563,12 @@ class Engine:
         async def call() -> ReturnAnswer:
             nonlocal attempts
             attempts += 1
-            return await self._group_handle(lease.group_id).execute_update(
-                GroupUpdate.RELEASE, ret, result_type=ReturnAnswer
+            return await send_update(
+                self._client_now(),
+                group_workflow_id(lease.group_id),
+                GroupUpdate.RELEASE,
+                ret,
+                ReturnAnswer,
             )
 
         try:
@@ -608,7 +624,6 @@ class Engine:
         so it comes before the group's confirmation deadline (holds shorter than that are
         confirmed by their release and never renew)."""
         interval = lease.ttl_s / 3
-        handle = self._group_handle(lease.group_id)
         wait = interval
         if lease.confirm_within_s is not None:
             wait = min(interval, lease.confirm_within_s / 3)
@@ -616,10 +631,12 @@ class Engine:
             await asyncio.sleep(wait)
             sent = time.monotonic()
             try:
-                result: RenewResult = await handle.execute_update(
+                result = await send_update(
+                    self._client_now(),
+                    group_workflow_id(lease.group_id),
                     GroupUpdate.RENEW,
                     RenewRequest(request_id=lease.request_id, token=lease.token),
-                    result_type=RenewResult,
+                    RenewResult,
                 )
             except Exception as err:  # any failure to renew is retried until the lease runs out
                 if time.monotonic() >= lease.valid_until:

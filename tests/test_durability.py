@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from temporalio.api.enums.v1 import WorkflowTaskFailedCause
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import TimeSliceOrchestratorClient
@@ -20,6 +21,29 @@ from .helpers import (
     spawn_contender,
     wait_for,
 )
+
+
+def _runs(address: str, group: str) -> list[tuple[int, list[str]]]:
+    """Each run's continue-as-new input size (bytes) and the causes of its failed tasks."""
+
+    async def fetch() -> list[tuple[int, list[str]]]:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        found = []
+        async for run in client.list_workflows(f"WorkflowId = '{group_workflow_id(group)}'"):
+            history = await client.get_workflow_handle(run.id, run_id=run.run_id).fetch_history()
+            carried, failed = 0, []
+            for event in history.events:
+                if event.HasField("workflow_execution_continued_as_new_event_attributes"):
+                    attrs = event.workflow_execution_continued_as_new_event_attributes
+                    carried = attrs.input.ByteSize()
+                if event.HasField("workflow_task_failed_event_attributes"):
+                    failed.append(WorkflowTaskFailedCause.Name(
+                        event.workflow_task_failed_event_attributes.cause
+                    ))  # fmt: skip
+            found.append((carried, failed))
+        return found
+
+    return asyncio.run(fetch())
 
 
 def _run_count(address: str, group: str) -> int:
@@ -55,6 +79,12 @@ def test_continue_as_new_under_contention_loses_nothing(tmp_path: Path):
         assert _run_count(server.address, "can") == status.stats.runs
         assert status.stats.leases == 75 and status.stats.released == 75
         assert status.holder is None and status.queue == []
+        runs = _runs(server.address, "can")
+        # The carried state is small and bounded, and no continue-as-new was rejected (a
+        # rejected one makes the worker replay the whole run: the hand-off stalls).
+        assert all(0 < size < 256 * 1024 for size, _ in runs if size), runs
+        assert sum(1 for size, _ in runs if size) == len(runs) - 1  # all but the last continued
+        assert [cause for _, failed in runs for cause in failed] == []
     finally:
         stop_process(worker)
         server.stop()
