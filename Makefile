@@ -40,7 +40,7 @@ lint: $(STAMP)
 	done
 
 bench: $(STAMP)
-	$(PY) bench/handoff.py
+	$(PY) bench/handoff.py --handoffs 2000
 
 clean:
 	rm -rf $(VENV) .timeslice test-artifacts

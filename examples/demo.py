@@ -114,7 +114,7 @@ def summarize(results: list[RLJobResult], group: GroupReport, ui_url: str | None
     print(
         f"  ({group.switches} switches, {human_bytes(group.bytes_moved)} moved. "
         "grpo-toy's phases last tens of milliseconds,\n   so Temporal's round trips dominate "
-        "its wall time; with phases of seconds they fade: bench/utilization.py)"
+        "its wall time; with phases of seconds they fade: bench/replay.py)"
     )
     if ui_url:
         print("\nWeb UI:")
