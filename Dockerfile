@@ -31,6 +31,7 @@ COPY workers ./workers
 COPY snapshot ./snapshot
 COPY workloads ./workloads
 COPY plan ./plan
+COPY report ./report
 # A non-editable install: the final image has no /src.
 RUN set -eu; \
     case "${VARIANT}" in \

@@ -379,6 +379,7 @@ class JobRuntime:
             seconds=ended - started,
             mono_start=started,
             mono_end=ended,
+            wall_offset_s=time.time() - time.monotonic(),
             group_id=inp.group_id,
             token=token,
             request_id=order.request_id if order is not None else None,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from timeslice.connection import connect, connect_config
 from timeslice.errors import TimesliceError
+from timeslice.plan import cli as plan_cli
 from timeslice.server import DEFAULT_DB, EmbeddedServer
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_connection_args(setup)
 
     _add_job_parsers(sub)
+    plan_cli.add_parser(sub)
 
     report = sub.add_parser(
         "report", help="utilization, switches and waits per group; phase times per job"
@@ -110,7 +112,14 @@ def _parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=Path(".timeslice/report"),
-        help="folder for report.txt, report.html and timeline.png (default .timeslice/report)",
+        help="folder for report.txt, report.html (interactive), timeline.png and trace.json "
+        "(default .timeslice/report)",
+    )
+    report.add_argument(
+        "--trace",
+        type=Path,
+        help="also write the timeline here in Chrome's trace-event format (Perfetto, "
+        "chrome://tracing)",
     )
     report.add_argument("--text-only", action="store_true", help="print the tables, write nothing")
     _add_connection_args(report)
@@ -420,15 +429,17 @@ async def _run_setup(args: argparse.Namespace) -> int:
 
 
 async def _run_report(args: argparse.Namespace) -> int:
-    from timeslice.report import collect_report, format_text, write_report
+    from timeslice.report import collect_report, format_text, write_report, write_trace
 
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     print("reading groups and jobs from Temporal ...", file=sys.stderr, flush=True)
     report = await collect_report(client, groups=args.group or None, jobs=args.job or None)
     print(format_text(report))
+    if args.trace is not None:
+        print(f"wrote {write_trace(report, args.trace)}")
     if not args.text_only:
         files = write_report(report, args.out)
-        print(f"wrote {files.text}, {files.html} and {files.png}")
+        print(f"wrote {files.text}, {files.html}, {files.png} and {files.trace}")
     return 0
 
 
@@ -484,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             "setup": _run_setup,
             "status": _run_status,
             "report": _run_report,
+            "plan": plan_cli.run,
         }[args.command]
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(runner(args))

@@ -1,15 +1,19 @@
-"""`make demo`: two real GRPO jobs time-slicing one GPU group, on the embedded Temporal server.
+"""`make demo`: what time-slicing buys — two real GRPO jobs, first each on its own GPU group, then
+both sharing one, on the embedded Temporal server.
 
-Starts `timeslice server` (gRPC 7233, Web UI 8233), the control worker, a node agent, and two
-`timeslice job worker` processes running the `grpo-toy` workload (a small transformer learning
-to sort digits with GRPO, on torch, on the CPU). Two `RLJobWorkflow`s then share one group:
-each job holds it only to sample and to train, yields it during reward computation, and every
-switch moves the resident job's state out (torch backend) and the next one's back in.
+Starts `timeslice server` (gRPC 7233, Web UI 8233), the control worker and one `timeslice job
+worker` per job and run, each running the `grpo-toy` workload (a small transformer learning to
+sort digits with GRPO, torch on the CPU, one thread each). Every epoch samples (a GPU phase),
+computes rewards — here with a verifier latency, as real verifiers and tools have, during which
+the group is free for the other job — and trains (a GPU phase). The same two jobs, with the same
+seeds, run **dedicated** (two groups, one each) and then **shared** (one group, taking turns,
+every switch moving a job's state out and the next one's in). The demo ends with the two runs side
+by side — group utilization, each job's completion time and reward curve, switches and bytes
+moved — read from the runs' own records, and the shared run's report: its tables, a timeline
+picture, an interactive HTML page and a trace file (Perfetto) under .timeslice/demo-report/.
 
-Live progress while they run, then a summary: each job's reward curve, the group's utilization,
-switches and bytes moved, links into the Web UI, and the report (`timeslice report`): its text
-tables, a timeline picture (PNG) and an HTML version under .timeslice/demo-report/. `--keep`
-leaves everything running so the UI can be browsed.
+    .venv/bin/python examples/demo.py            # 20 epochs, about 3 minutes on 2 cores
+    .venv/bin/python examples/demo.py --quick    # 6 epochs
 """
 
 from __future__ import annotations
@@ -21,28 +25,41 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import describe_progress, parse_job_config, start_rl_job
-from timeslice.report import (
-    GroupReport,
-    Report,
-    collect_report,
-    format_text,
-    human_bytes,
-    write_report,
-)
+from timeslice.report import Report, collect_report, format_text, human_bytes, write_report
 from timeslice.server import EmbeddedServer
 from timeslice.services import ServiceStartError, start_service
 from timeslice.workflows.protocol import group_workflow_id
 from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
 
 STATE = Path(".timeslice")
-GROUP = "shared-gpus"
-JOBS = ("grpo-a", "grpo-b")
 SPARK = "▁▂▃▄▅▆▇█"
+SEEDS = (0, 1)
+# Phases of about a second on one CPU thread (sampling 1,536 completions, training 4 PPO steps
+# over them), and a 1.5-s verifier: each job alone keeps its group busy about half the time.
+OPTIONS: dict[str, Any] = {"reward_latency_s": 1.5}
+BATCH, GROUP_SIZE = 96, 16
+
+
+@dataclass(frozen=True)
+class Run:
+    """One of the two runs: its jobs and the groups they sample and train on."""
+
+    name: str
+    jobs: tuple[str, ...]
+    groups: tuple[str, ...]
+
+    def group_of(self, index: int) -> str:
+        return self.groups[index % len(self.groups)]
+
+
+DEDICATED = Run("dedicated", ("alone-a", "alone-b"), ("gpus-a", "gpus-b"))
+SHARED = Run("shared", ("shared-a", "shared-b"), ("shared-gpus",))
 
 
 def start(args: list[str], ready: str, log: Path) -> subprocess.Popen[str]:
@@ -53,112 +70,188 @@ def start(args: list[str], ready: str, log: Path) -> subprocess.Popen[str]:
 
 
 def sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
     lo, hi = min(values), max(values)
     span = (hi - lo) or 1.0
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
 
 
-async def run_jobs(address: str, epochs: int) -> tuple[list[RLJobResult], Report]:
+async def run_jobs(
+    address: str, run: Run, epochs: int, batch: int
+) -> tuple[list[RLJobResult], dict[str, float]]:
+    """Run the two jobs of ``run`` at once; their results and wall times (start to result)."""
     client = await connect(connect_config(address))
+    started = time.monotonic()
     handles = []
-    for seed, job in enumerate(JOBS):
+    for index, (job, seed) in enumerate(zip(run.jobs, SEEDS, strict=True)):
         config = parse_job_config(
             {
                 "job_id": job,
                 "workload": "grpo-toy",
-                "sampler_group": GROUP,
+                "workload_options": OPTIONS,
+                "batch_size": batch,
+                "group_size": GROUP_SIZE,
+                "sampler_group": run.group_of(index),
                 "epochs": epochs,
                 "seed": seed,
-                "checkpoint_every": 10,
+                "checkpoint_every": epochs,
             }
         )
         handles.append(await start_rl_job(client, config))
-    print(f"started {len(JOBS)} RL jobs sharing group {GROUP!r}; progress:", flush=True)
-    shown: dict[str, str] = {}
-    last_print = time.monotonic()
-    pending = {asyncio.ensure_future(h.result()) for h in handles}
+    where = " and ".join(run.groups)
+    print(f"\n{run.name}: {len(run.jobs)} jobs on {where}; one line per epoch", flush=True)
+    shown: dict[str, int] = {}
+    wall: dict[str, float] = {}
+    pending = {asyncio.ensure_future(h.result()): h for h in handles}
     while pending:
-        _, pending = await asyncio.wait(pending, timeout=1.0)
+        done, _ = await asyncio.wait(pending, timeout=1.0)
+        for future in done:
+            wall[pending.pop(future).id] = time.monotonic() - started
         for handle in handles:
             with contextlib.suppress(Exception):  # a job between runs answers a moment later
                 p = await handle.query("progress", result_type=RLJobProgress)
-                line = describe_progress(p)
-                # One line per finished epoch, so the output stays readable.
-                key = f"{p.epoch}"
-                if shown.get(p.job_id) != key:
-                    shown[p.job_id] = key
-                    print(f"  {line}", flush=True)
-                    last_print = time.monotonic()
-        if time.monotonic() - last_print > 10:
-            print("  ... still running", flush=True)
-            last_print = time.monotonic()
+                if shown.get(p.job_id) != p.epoch:
+                    shown[p.job_id] = p.epoch
+                    print(f"  {describe_progress(p)}", flush=True)
     results = [await h.result() for h in handles]
-    report = await collect_report(client, groups=[GROUP], jobs=list(JOBS))
-    return results, report
+    return results, {
+        rl_job_workflow_id(r.job_id): wall[rl_job_workflow_id(r.job_id)] for r in results
+    }
 
 
-def summarize(results: list[RLJobResult], group: GroupReport, ui_url: str | None) -> None:
-    print("\nreward (mean over each epoch's completions):")
-    for result in results:
-        rewards = [r for r in result.rewards if r is not None]
-        head = sum(rewards[:5]) / len(rewards[:5])
-        tail = sum(rewards[-5:]) / len(rewards[-5:])
-        print(
-            f"  {result.job_id}: {sparkline(rewards)}  first 5 epochs {head:.3f} -> "
-            f"last 5 {tail:.3f} ({result.epochs_done} epochs)"
-        )
-    for result in results:
-        gpu = result.phase_s.get("sample", 0) + result.phase_s.get("train", 0)
-        waited = sum(result.wait_s.values())
-        print(f"  {result.job_id}: GPU phases {gpu:.1f} s, waited for the group {waited:.1f} s")
-    print(
-        f"  ({group.switches} switches, {human_bytes(group.bytes_moved)} moved. "
-        "grpo-toy's phases last tens of milliseconds,\n   so Temporal's round trips dominate "
-        "its wall time; with phases of seconds they fade: bench/replay.py)"
+async def read_report(
+    address: str, run: Run, dedicated_s: dict[str, float] | None = None
+) -> Report:
+    client = await connect(connect_config(address))
+    return await collect_report(
+        client, groups=list(run.groups), jobs=list(run.jobs), dedicated_s=dedicated_s
     )
-    if ui_url:
-        print("\nWeb UI:")
-        print(f"  {ui_url}/namespaces/default/workflows")
-        for job in JOBS:
-            print(f"  {ui_url}/namespaces/default/workflows/{rl_job_workflow_id(job)}")
-        print(f"  {ui_url}/namespaces/default/workflows/{group_workflow_id(GROUP)}")
+
+
+def side_by_side(
+    alone: Report, shared: Report, alone_wall: dict[str, float], shared_wall: dict[str, float]
+) -> str:
+    """The two runs' figures in two columns, read from their own records."""
+    rows: list[tuple[str, str, str]] = []
+
+    def groups(report: Report) -> str:
+        return ", ".join(f"{g.group_id} {g.utilization:.0%}" for g in report.groups)
+
+    rows.append(("GPU groups", str(len(alone.groups)), str(len(shared.groups))))
+    rows.append(("GPU phase time / group wall time", groups(alone), groups(shared)))
+    for index in range(len(SEEDS)):
+        a, s = alone.jobs[index], shared.jobs[index]
+        a_wall = alone_wall[rl_job_workflow_id(a.job_id)]
+        s_wall = shared_wall[rl_job_workflow_id(s.job_id)]
+        rows.append(
+            (
+                f"job {index + 1}: completion",
+                f"{a_wall:.1f} s",
+                f"{s_wall:.1f} s ({s_wall / a_wall:.2f}x)",
+            )
+        )
+        rows.append(
+            (
+                f"job {index + 1}: reward",
+                f"{sparkline([r for r in a.rewards if r is not None])} "
+                f"{a.reward_first:.2f} → {a.reward_last:.2f}",
+                f"{sparkline([r for r in s.rewards if r is not None])} "
+                f"{s.reward_first:.2f} → {s.reward_last:.2f}",
+            )
+        )
+        rows.append(
+            (
+                f"job {index + 1}: GPU phases / waiting",
+                f"{a.gpu_s:.1f} s / {a.waiting_s:.1f} s",
+                f"{s.gpu_s:.1f} s / {s.waiting_s:.1f} s",
+            )
+        )
+    rows.append(
+        (
+            "switches, bytes moved",
+            f"{sum(g.switches for g in alone.groups)}, "
+            f"{human_bytes(sum(g.bytes_moved for g in alone.groups))}",
+            f"{sum(g.switches for g in shared.groups)}, "
+            f"{human_bytes(sum(g.bytes_moved for g in shared.groups))}",
+        )
+    )
+    widths = [max(len(r[i]) for r in [("", "dedicated", "shared"), *rows]) for i in range(3)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(("", "dedicated", "shared"), widths, strict=True))
+    ]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="6 epochs instead of 20")
     parser.add_argument("--keep", action="store_true", help="leave everything running")
+    parser.add_argument("--out", type=Path, default=STATE / "demo-report")
+    parser.add_argument("--state", type=Path, default=STATE, help="server database, logs")
+    parser.add_argument("--port", type=int, default=7233)
+    parser.add_argument("--ui-port", type=int, default=8233)
+    parser.add_argument(
+        "--batch-size", type=int, default=BATCH, help="prompts per epoch (smaller: shorter phases)"
+    )
     args = parser.parse_args()
-    if args.epochs < 5:
-        raise SystemExit("--epochs must be >= 5 (the summary compares first and last 5)")
+    epochs = 6 if args.quick else args.epochs
+    if epochs < 2:
+        raise SystemExit("--epochs must be >= 2")
 
-    STATE.mkdir(exist_ok=True)
+    state = args.state
+    state.mkdir(parents=True, exist_ok=True)
     # A fresh database and checkpoints per demo, so the figures cover this run alone.
-    db = STATE / "demo.db"
+    db = state / "demo.db"
     for stale in db.parent.glob(db.name + "*"):
         stale.unlink()
-    checkpoints = STATE / "demo-checkpoints"
+    checkpoints = state / "demo-checkpoints"
     print("starting the embedded Temporal server ...", flush=True)
-    server = EmbeddedServer(port=7233, ui_port=8233, db=db, log_path=STATE / "server.log")
+    server = EmbeddedServer(
+        port=args.port, ui_port=args.ui_port, db=db, log_path=state / "server.log"
+    )
     server.start()
     print(f"  Temporal at {server.address}, Web UI {server.ui_url}", flush=True)
     procs: list[subprocess.Popen[str]] = []
     try:
         address = ["--address", server.address]
-        procs.append(start(["worker", *address], "control worker", STATE / "worker.log"))
-        procs.append(
-            start(["agent", "--node", "demo-node", *address], "node agent", STATE / "agent.log")
-        )
-        for job in JOBS:
+        procs.append(start(["worker", *address], "control worker", state / "worker.log"))
+        for job in (*DEDICATED.jobs, *SHARED.jobs):
             cmd = ["job", "worker", "--job-id", job, "--workload", "grpo-toy", "--threads", "1"]
             cmd += ["--checkpoint-dir", str(checkpoints), *address]
-            procs.append(start(cmd, f"job {job}", STATE / f"{job}.log"))
-        results, report = asyncio.run(run_jobs(server.address, args.epochs))
-        summarize(results, report.groups[0], server.ui_url)
-        files = write_report(report, STATE / "demo-report")
-        print("\nthe report (`timeslice report` prints it for any cluster):\n")
-        print(format_text(report))
-        print(f"\ntimeline picture: {files.png}\nHTML report:      {files.html}")
+            procs.append(start(cmd, f"job {job}", state / f"{job}.log"))
+        _, alone_wall = asyncio.run(run_jobs(server.address, DEDICATED, epochs, args.batch_size))
+        # Read now: a group's figures run from its creation to the report's query.
+        alone = asyncio.run(read_report(server.address, DEDICATED))
+        _, shared_wall = asyncio.run(run_jobs(server.address, SHARED, epochs, args.batch_size))
+        # The shared jobs' slowdown is against the same job's measured wall time alone.
+        baseline = {
+            s: alone_wall[rl_job_workflow_id(a)]
+            for a, s in zip(DEDICATED.jobs, SHARED.jobs, strict=True)
+        }
+        shared = asyncio.run(read_report(server.address, SHARED, baseline))
+        print("\nthe same two jobs, dedicated groups vs one shared group:\n")
+        print(side_by_side(alone, shared, alone_wall, shared_wall))
+        print(
+            "\n(the CPU stands in for the GPUs: the two dedicated jobs computed at once on this "
+            "machine's cores,\n so their phases ran slower than on a GPU each; the same seeds "
+            "give the same rewards either way)"
+        )
+        files = write_report(shared, args.out)
+        print("\nthe shared run's report (`timeslice report` prints it for any cluster):\n")
+        print(format_text(shared))
+        print(f"timeline picture:  {files.png}")
+        print(f"interactive page:  {files.html}")
+        print(f"trace (Perfetto):  {files.trace}")
+        if server.ui_url:
+            print("\nWeb UI (each job's Timeline tab is its phase timeline):")
+            workflows = f"{server.ui_url}/namespaces/default/workflows"
+            for job in (*SHARED.jobs, *DEDICATED.jobs):
+                print(f"  {workflows}/{rl_job_workflow_id(job)}")
+            print(f"  {workflows}/{group_workflow_id(SHARED.groups[0])}")
         if args.keep:
             print("\neverything keeps running; press Ctrl-C to stop", flush=True)
             with contextlib.suppress(KeyboardInterrupt):

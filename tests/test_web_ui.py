@@ -169,3 +169,49 @@ def test_timeline_tab_shows_the_jobs_phase_activities_with_their_summaries(
     finally:
         page.screenshot(path=str(SCREENSHOTS / "job-timeline.png"), full_page=True)
         page.close()
+
+
+def test_interactive_report_shows_a_lane_per_job_and_a_phase_on_hover(
+    browser: Any, tmp_path: Path
+) -> None:
+    """`timeslice report`'s page, opened from a file with no network: the timeline draws a
+    lane per job and per group, and hovering a phase shows its job, epoch and duration."""
+    from playwright.sync_api import expect
+    from timeslice.report import write_html
+
+    from tests.unit.test_report_figures import report
+
+    page_path = write_html(report(), tmp_path / "report.html")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    # Nothing may come from the network: any request but the file itself fails the test.
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    try:
+        page.goto(page_path.as_uri())
+        wait = {"timeout": UI_TIMEOUT_MS}
+        chart = page.locator("#timeline")
+        expect(chart.locator(".main-svg").first).to_be_visible(**wait)
+        lanes = chart.locator(".ytick text").all_text_contents()
+        assert set(lanes) == {"a (job)", "g (group)"}
+        # Move the mouse over each bar of the main plot (plotly listens on a layer above the
+        # bars) until the sampling phase's: plotly shows the span's details.
+        bars = chart.locator(".cartesianlayer .barlayer .point path")
+        expect(bars.first).to_be_visible(**wait)
+        box = None
+        for i in range(bars.count()):
+            where = bars.nth(i).bounding_box()
+            if where is None or where["width"] < 2:
+                continue
+            page.mouse.move(where["x"] + where["width"] / 2, where["y"] + where["height"] / 2)
+            hover = chart.locator(".hoverlayer .hovertext")
+            if hover.count() and "sample on g" in (hover.first.text_content() or ""):
+                box = hover.first.text_content()
+                break
+        assert box is not None, "no hover text for the sampling phase"
+        assert "job a" in box and "epoch 0" in box and "1.000 s" in box
+        assert requests == [page_path.as_uri()], requests
+    finally:
+        page.screenshot(path=str(SCREENSHOTS / "report-timeline.png"), full_page=True)
+        page.close()

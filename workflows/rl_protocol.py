@@ -226,6 +226,11 @@ class PhaseResult(_Model):
     seconds: float
     mono_start: float = Field(description="CLOCK_MONOTONIC at the phase's start (same host)")
     mono_end: float
+    wall_offset_s: float | None = Field(
+        None,
+        description="the process's wall clock minus its monotonic clock (seconds since the "
+        "epoch): what places the monotonic times on a shared timeline (timeslice report)",
+    )
     group_id: str | None = None
     token: int | None = Field(None, description="the fencing token of the lease it ran under")
     request_id: str | None = None

@@ -64,6 +64,10 @@ class GrpoToyOptions:
     max_grad_norm: float = 1.0
     temperature: float = 1.0
     device: str = "cpu"  # "cpu", "cuda" or "auto" (cuda where available)
+    # Seconds the rewards phase also waits, standing in for an external verifier (a code
+    # sandbox, a judge model, a tool) whose latency leaves the GPU idle; the toy's own check
+    # takes microseconds, which would make every job GPU-bound.
+    reward_latency_s: float = 0.0
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> GrpoToyOptions:
@@ -122,6 +126,11 @@ class GrpoToyOptions:
             "a finite float > 0",
         )
         need(0.05 <= self.temperature <= 10.0, "temperature", "a float in [0.05, 10]")
+        need(
+            0.0 <= self.reward_latency_s <= 3600.0 and math.isfinite(self.reward_latency_s),
+            "reward_latency_s",
+            "a float in [0, 3600]",
+        )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 "grpo-toy: option 'device' = 'cuda' but CUDA is not available here; "
@@ -344,6 +353,8 @@ class GrpoToyWorkload(Workload):
         ctx.check()
         correct = ro.completions == self._targets(ro.prompts)
         rewards = correct.float().mean(dim=1)
+        if self.opts.reward_latency_s:
+            ctx.wait(self.opts.reward_latency_s)
         ro.rewards = rewards
         grouped = rewards.view(spec.batch_size, spec.group_size)
         ctx.progress(step=1, of=1)

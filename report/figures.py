@@ -1,0 +1,216 @@
+"""The report's figures and lanes, computed from what the groups and jobs recorded (no I/O).
+
+Group figures come from the group's ``status`` (its lease, switch and wait accounting) and the
+phases of the RL jobs that held it (each phase's own interval, reported by its process); job
+figures from the job's phase results. docs/report.md defines every figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Span
+from timeslice.workflows.protocol import GroupStatus
+from timeslice.workflows.rl_protocol import PhaseResult
+
+
+@dataclass
+class JobRecord:
+    """What was read about one RL job: every phase it ran (all runs, rewinds included)."""
+
+    job_id: str
+    status: JobStatus
+    epochs_done: int = 0
+    epochs: int | None = None
+    groups: list[str] = field(default_factory=list)
+    phases: list[PhaseResult] = field(default_factory=list)
+    # The server's time each phase's activity completed: places phases recorded without a
+    # wall-clock anchor (older job processes) on the timeline.
+    completed_at: list[datetime | None] = field(default_factory=list)
+    rewards: list[float | None] = field(default_factory=list)
+    rewinds: int = 0
+    started: datetime | None = None
+    ended: datetime | None = None
+    note: str | None = None
+
+
+def _wall(phase: PhaseResult, completed_at: datetime | None) -> float | None:
+    """Seconds to add to the phase's monotonic times to get POSIX time."""
+    if phase.wall_offset_s is not None:
+        return phase.wall_offset_s
+    if completed_at is not None:
+        return completed_at.timestamp() - phase.mono_end
+    return None
+
+
+def _at(mono: float, offset: float) -> datetime:
+    return datetime.fromtimestamp(mono + offset, tz=UTC)
+
+
+def job_spans(job: JobRecord) -> list[Span]:
+    """The job's lane: each phase, each wait for a grant, each restore of its own state."""
+    spans: list[Span] = []
+    for phase, completed in zip(job.phases, job.completed_at, strict=True):
+        offset = _wall(phase, completed)
+        if offset is None:
+            continue
+        common = {"lane": job.job_id, "job_id": job.job_id, "epoch": phase.epoch}
+        group = phase.group_id
+        if phase.asked_mono is not None and phase.granted_mono is not None:
+            spans.append(
+                Span(
+                    kind="waiting",
+                    start=_at(phase.asked_mono, offset),
+                    end=_at(phase.granted_mono, offset),
+                    group_id=group,
+                    label=f"waiting for {group}",
+                    **common,
+                )
+            )
+        if phase.restored and phase.granted_mono is not None:
+            moved = sum(r.bytes for r in phase.restored)
+            spans.append(
+                Span(
+                    kind="switching",
+                    start=_at(phase.granted_mono, offset),
+                    end=_at(phase.mono_start, offset),
+                    group_id=group,
+                    label=f"state back onto {group} ({moved} B)",
+                    **common,
+                )
+            )
+        spans.append(
+            Span(
+                kind=phase.phase,
+                start=_at(phase.mono_start, offset),
+                end=_at(phase.mono_end, offset),
+                group_id=group,
+                label=phase.phase if group is None else f"{phase.phase} on {group}",
+                **common,
+            )
+        )
+    return spans
+
+
+def job_figures(job: JobRecord, spans: list[Span], dedicated_s: float | None = None) -> JobFigures:
+    phase_s: dict[str, float] = {}
+    for phase in job.phases:
+        phase_s[phase.phase] = phase_s.get(phase.phase, 0.0) + (phase.mono_end - phase.mono_start)
+    waiting = sum(s.seconds for s in spans if s.kind == "waiting")
+    switching = sum(r.seconds for phase in job.phases for r in phase.restored)
+    wall = None
+    if job.started is not None:
+        wall = ((job.ended or datetime.now(UTC)) - job.started).total_seconds()
+    return JobFigures(
+        job_id=job.job_id,
+        status=job.status,
+        epochs_done=job.epochs_done,
+        epochs=job.epochs,
+        groups=job.groups,
+        phase_s=phase_s,
+        waiting_s=waiting,
+        switching_s=switching,
+        wall_s=wall,
+        dedicated_s=dedicated_s,
+        rewards=job.rewards,
+        rewinds=job.rewinds,
+        note=job.note,
+    )
+
+
+def group_figures(
+    status: GroupStatus, now: datetime | None, phases: list[Span], rl_jobs: set[str]
+) -> tuple[GroupFigures, list[Span]]:
+    """The group's figures over its life, and its lane.
+
+    A status runs to the group's last event (a query sees the workflow's clock, which stands
+    still between events); ``now``, the time of the query, extends it: the time since then
+    was held by the holder, or idle. ``phases``: the RL jobs' GPU phases on this group; the
+    leases of jobs that report no phases (embedded clients) count as phase time whole."""
+    stats = status.stats
+    end = stats.created_at + timedelta(seconds=status.wall_s)
+    since = max(0.0, (now - end).total_seconds()) if now is not None else 0.0
+    end += timedelta(seconds=since)
+    held_s = status.holder.held_s + since if status.holder is not None else 0.0
+    wall = max(status.wall_s + since, 0.0)
+    busy = min(wall, max(0.0, stats.busy_s + held_s))
+    switching = min(wall - busy, stats.switching_s)
+    lane = status.group_id
+    spans = [
+        Span(
+            lane=lane,
+            kind="lease",
+            start=r.start,
+            end=r.end,
+            job_id=r.job_id,
+            group_id=status.group_id,
+            label=f"{r.job_id} · token {r.token} · {r.outcome}",
+        )
+        for r in status.history
+    ]
+    if status.holder is not None:
+        spans.append(
+            Span(
+                lane=lane,
+                kind="lease",
+                start=end - timedelta(seconds=held_s),
+                end=end,
+                job_id=status.holder.job_id,
+                group_id=status.group_id,
+                label=f"{status.holder.job_id} · token {status.holder.token} · held now",
+            )
+        )
+    spans += [
+        Span(
+            lane=lane,
+            kind="switching",
+            start=s.start,
+            end=s.end,
+            job_id=s.to_job or s.from_job,
+            group_id=status.group_id,
+            label=f"switch {s.from_job or '-'} → {s.to_job or '-'} · {s.bytes} B"
+            + (" · overlapped" if s.overlapped else "")
+            + (" · by the holder" if s.by_holder else ""),
+        )
+        for s in status.switch_history
+    ]
+    notes: list[str] = []
+    phase = sum(s.seconds for s in phases)
+    client_leases = [s for s in spans if s.kind == "lease" and s.job_id not in rl_jobs]
+    phase += sum(s.seconds for s in client_leases)
+    if client_leases and stats.leases > len(status.history):
+        notes.append(
+            f"keeps its last {len(status.history)} of {stats.leases} leases: embedded clients' "
+            "earlier leases count as overhead"
+        )
+    if phase > busy + 1e-3:
+        notes.append(f"phases reported {phase - busy:.3f} s more than the leases held (clocks?)")
+    phase = min(phase, busy)
+    figures = GroupFigures(
+        group_id=status.group_id,
+        start=stats.created_at,
+        end=end,
+        wall_s=wall,
+        phase_s=phase,
+        overhead_s=busy - phase,
+        switching_s=switching,
+        idle_s=max(0.0, wall - busy - switching),
+        leases=stats.leases,
+        switches=stats.switches,
+        overlapped_switches=stats.overlapped_switches,
+        bytes_moved=stats.bytes_moved,
+        wait_p50_s=status.wait_p50_s,
+        wait_p99_s=status.wait_p99_s,
+        holder=status.holder.job_id if status.holder is not None else None,
+        queued=len(status.queue),
+        notes=notes,
+    )
+    return figures, spans
+
+
+def build_lanes(job_lanes: list[Lane], group_lanes: list[Lane]) -> list[Lane]:
+    """Jobs first (in the order given), then groups; spans in time order."""
+    for lane in [*job_lanes, *group_lanes]:
+        lane.spans.sort(key=lambda s: s.start)
+    return [*job_lanes, *group_lanes]

@@ -1,0 +1,231 @@
+"""Reading a report from a Temporal cluster: the groups' status, the RL jobs' phases.
+
+A group answers its ``status`` query. An RL job is read from the histories of all its runs
+(continue-as-new chains them): every ``sample``, ``rewards`` and ``train`` activity's result is a
+``PhaseResult`` with the phase's own interval, so the report has every phase however long the job
+ran; its rewards come from its result, or its ``progress`` query while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+from timeslice.errors import InvalidArgumentError, UnknownGroupError
+from timeslice.report.figures import (
+    JobRecord,
+    build_lanes,
+    group_figures,
+    job_figures,
+    job_spans,
+)
+from timeslice.report.model import JobFigures, JobStatus, Lane, Report
+from timeslice.workflows.protocol import (
+    GROUP_WORKFLOW_TYPE,
+    GroupQuery,
+    GroupStatus,
+    check_id,
+    group_workflow_id,
+)
+from timeslice.workflows.rl_protocol import (
+    REWARDS_ACTIVITY,
+    RL_JOB_WORKFLOW_TYPE,
+    SAMPLE_ACTIVITY,
+    TRAIN_ACTIVITY,
+    PhaseResult,
+    RLJobConfig,
+    RLJobInput,
+    RLJobProgress,
+    RLJobResult,
+    rl_job_workflow_id,
+)
+
+DEFAULT_MAX_JOBS = 50
+QUERY_TIMEOUT = timedelta(seconds=15)  # a workflow no worker serves never answers
+PHASE_ACTIVITIES = {SAMPLE_ACTIVITY, REWARDS_ACTIVITY, TRAIN_ACTIVITY}
+
+_STATUS_NAMES: dict[WorkflowExecutionStatus, JobStatus] = {
+    WorkflowExecutionStatus.RUNNING: "running",
+    WorkflowExecutionStatus.COMPLETED: "completed",
+    WorkflowExecutionStatus.FAILED: "failed",
+    WorkflowExecutionStatus.CANCELED: "cancelled",
+    WorkflowExecutionStatus.TERMINATED: "terminated",
+    WorkflowExecutionStatus.TIMED_OUT: "timed_out",
+}
+
+
+async def collect_report(
+    client: Client,
+    *,
+    groups: list[str] | None = None,
+    jobs: list[str] | None = None,
+    max_jobs: int = DEFAULT_MAX_JOBS,
+    dedicated_s: dict[str, float] | None = None,
+) -> Report:
+    """Read groups and RL jobs into a :class:`Report`.
+
+    ``groups``: group ids; None: every running group. ``jobs``: job ids; None: the ``max_jobs``
+    most recently started RL jobs. ``dedicated_s``: each job's wall time alone on its own group,
+    where it was measured (the slowdown is then against it).
+
+    A named group that does not exist raises UnknownGroupError, a malformed id
+    InvalidArgumentError; a discovered group that does not answer, and a named job that does not
+    exist, are noted in ``Report.problems`` / the job's ``note`` instead."""
+    for kind, ids in (("group id", groups), ("job id", jobs)):
+        for value in ids or []:
+            try:
+                check_id(kind, value)
+            except ValueError as err:
+                raise InvalidArgumentError(str(err)) from None
+    now = datetime.now(UTC)
+    named = groups is not None
+    if groups is None:
+        groups = await _discover(client, GROUP_WORKFLOW_TYPE, "gpu-group-", running_only=True)
+    if jobs is None:
+        jobs = (await _discover(client, RL_JOB_WORKFLOW_TYPE, "rl-job-"))[:max_jobs]
+    records = await asyncio.gather(*(_job(client, j, now) for j in jobs))
+    answers = await asyncio.gather(
+        *(_group_status(client, g) for g in groups), return_exceptions=True
+    )
+    queried = datetime.now(UTC)
+    problems: list[str] = []
+    job_lanes: list[Lane] = []
+    job_reports: list[JobFigures] = []
+    for record in records:
+        spans = job_spans(record)
+        job_lanes.append(Lane(name=record.job_id, kind="job", spans=spans))
+        job_reports.append(job_figures(record, spans, (dedicated_s or {}).get(record.job_id)))
+    rl_jobs = {r.job_id for r in records}
+    group_reports = []
+    group_lanes: list[Lane] = []
+    for group_id, answer in zip(groups, answers, strict=True):
+        if isinstance(answer, GroupStatus):
+            phases = [
+                s
+                for lane in job_lanes
+                for s in lane.spans
+                if s.group_id == group_id and s.kind in ("sample", "train")
+            ]
+            figures, spans = group_figures(answer, queried, phases, rl_jobs)
+            group_reports.append(figures)
+            group_lanes.append(Lane(name=group_id, kind="group", spans=spans))
+        elif named or not isinstance(answer, Exception):
+            raise answer
+        else:
+            problems.append(f"group {group_id}: no status ({answer})")
+    return Report(
+        generated_at=now,
+        groups=group_reports,
+        jobs=job_reports,
+        lanes=build_lanes(job_lanes, group_lanes),
+        problems=problems,
+    )
+
+
+async def _discover(
+    client: Client, workflow_type: str, prefix: str, *, running_only: bool = False
+) -> list[str]:
+    """Ids (without ``prefix``) of workflows of a type, most recently started first, once each."""
+    query = f'WorkflowType="{workflow_type}"'
+    if running_only:
+        query += ' AND ExecutionStatus="Running"'
+    seen: dict[str, datetime] = {}
+    async for execution in client.list_workflows(query):
+        if not execution.id.startswith(prefix):
+            continue
+        key = execution.id[len(prefix) :]
+        started = execution.start_time
+        if key not in seen or started > seen[key]:
+            seen[key] = started
+    return sorted(seen, key=lambda k: seen[k], reverse=True)
+
+
+async def _group_status(client: Client, group_id: str) -> GroupStatus:
+    handle = client.get_workflow_handle(group_workflow_id(group_id))
+    try:
+        return await handle.query(
+            GroupQuery.STATUS, result_type=GroupStatus, rpc_timeout=QUERY_TIMEOUT
+        )
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            raise UnknownGroupError(
+                f"no GPU group {group_id!r} (no workflow {group_workflow_id(group_id)})"
+            ) from err
+        raise
+
+
+async def _job(client: Client, job_id: str, now: datetime) -> JobRecord:
+    workflow_id = rl_job_workflow_id(job_id)
+    try:
+        latest = await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            return JobRecord(job_id=job_id, status="unknown", note=f"no workflow {workflow_id}")
+        raise
+    status = _STATUS_NAMES.get(latest.status, "unknown") if latest.status else "unknown"
+    record = JobRecord(job_id=job_id, status=status, ended=latest.close_time)
+    runs = [execution async for execution in client.list_workflows(f"WorkflowId = '{workflow_id}'")]
+    runs.sort(key=lambda e: e.start_time)
+    for run in runs:
+        history = await client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history()
+        await _read_run(client, history.events, record)
+    if runs:
+        record.started = runs[0].start_time
+    handle = client.get_workflow_handle(workflow_id, run_id=latest.run_id, result_type=RLJobResult)
+    if status == "completed":
+        result = await handle.result()
+        record.epochs_done = result.epochs_done
+        record.rewards = list(result.rewards)
+        record.rewinds = result.rewinds
+        if result.stopped:
+            record.note = "stopped early"
+        return record
+    try:
+        progress = await handle.query(
+            "progress", result_type=RLJobProgress, rpc_timeout=QUERY_TIMEOUT
+        )
+    except Exception as err:  # a closed run needs a worker to answer; report what we know
+        record.note = f"no progress: {err}"
+        return record
+    record.epochs_done = progress.epoch
+    record.epochs = progress.epochs
+    record.rewards = list(progress.rewards)
+    record.rewinds = progress.rewinds
+    if status != "running":
+        record.note = f"phase: {progress.phase}"
+    return record
+
+
+async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
+    """Add one run's phases (and, from the first run, the job's groups) to ``record``."""
+    converter = client.data_converter
+    scheduled: dict[int, str] = {}
+    for event in events:
+        if (
+            event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
+            and not record.groups
+        ):
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            if payloads:
+                (raw,) = await converter.decode(payloads, [dict])
+                config = (
+                    RLJobInput.model_validate(raw).config
+                    if "config" in raw
+                    else RLJobConfig.model_validate(raw)
+                )
+                record.groups = sorted({config.sampler_group, config.trainer})
+                record.epochs = config.epochs
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            attrs = event.activity_task_scheduled_event_attributes
+            scheduled[event.event_id] = attrs.activity_type.name
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            attrs = event.activity_task_completed_event_attributes
+            if scheduled.get(attrs.scheduled_event_id) not in PHASE_ACTIVITIES:
+                continue
+            (phase,) = await converter.decode(attrs.result.payloads, [PhaseResult])
+            record.phases.append(phase)
+            record.completed_at.append(event.event_time.ToDatetime(tzinfo=UTC))

@@ -1,0 +1,145 @@
+"""What a report holds: figures per group and per job, and the timeline's lanes.
+
+Every figure is defined once in docs/report.md; the text tables, the HTML page, the picture and
+the trace file all read these models.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PHASES = ("sample", "rewards", "train")
+
+SpanKind = Literal[
+    "sample",  # job lanes: a GPU phase running
+    "train",
+    "rewards",  # the job computing rewards, holding no group
+    "waiting",  # the job waiting for a group's grant
+    "switching",  # job lanes: its state coming back in; group lanes: a switch
+    "lease",  # group lanes: held by ``job_id``
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Span(_Model):
+    lane: str = Field(description="the job's or the group's lane")
+    kind: SpanKind
+    start: datetime
+    end: datetime
+    job_id: str | None = None
+    group_id: str | None = None
+    epoch: int | None = None
+    label: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return (self.end - self.start).total_seconds()
+
+
+class Lane(_Model):
+    name: str
+    kind: Literal["job", "group"]
+    spans: list[Span] = Field(default_factory=list)
+
+
+class GroupFigures(_Model):
+    """One GPU group over ``start`` (its creation) to ``end`` (its close, or the query).
+
+    ``phase_s`` + ``overhead_s`` + ``switching_s`` + ``idle_s`` = ``wall_s``: the time GPU phases
+    ran, the time it was leased while none ran, the time state moved, and the rest."""
+
+    group_id: str
+    start: datetime
+    end: datetime
+    wall_s: float
+    phase_s: float
+    overhead_s: float
+    switching_s: float
+    idle_s: float
+    leases: int
+    switches: int
+    overlapped_switches: int
+    bytes_moved: int
+    wait_p50_s: float | None
+    wait_p99_s: float | None
+    holder: str | None = None
+    queued: int = 0
+    notes: list[str] = Field(default_factory=list)
+
+    def fraction(self, seconds: float) -> float:
+        return seconds / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """Phase time / wall time: the share of the group's life its GPU phases ran."""
+        return self.fraction(self.phase_s)
+
+
+JobStatus = Literal[
+    "running", "completed", "failed", "cancelled", "terminated", "timed_out", "unknown"
+]
+
+
+class JobFigures(_Model):
+    """One RL job (all its runs): its own phases, what waiting and switching cost it, and how
+    much longer it took than alone."""
+
+    job_id: str
+    status: JobStatus
+    epochs_done: int
+    epochs: int | None = None
+    groups: list[str] = Field(default_factory=list)
+    phase_s: dict[str, float] = Field(default_factory=dict)
+    waiting_s: float = 0.0
+    switching_s: float = 0.0
+    wall_s: float | None = None
+    dedicated_s: float | None = Field(
+        None, description="the same job alone on its own group (measured), when known"
+    )
+    rewards: list[float | None] = Field(default_factory=list, description="per epoch")
+    rewinds: int = 0
+    note: str | None = None
+
+    @property
+    def gpu_s(self) -> float:
+        return self.phase_s.get("sample", 0.0) + self.phase_s.get("train", 0.0)
+
+    @property
+    def own_s(self) -> float:
+        """The job's own phase time, sample + rewards + train: its wall time with no waiting,
+        no switching and no overhead at all."""
+        return sum(self.phase_s.get(p, 0.0) for p in PHASES)
+
+    @property
+    def slowdown(self) -> float | None:
+        """Wall time / the same job's wall time alone (measured), else / its own phase time."""
+        base = self.dedicated_s if self.dedicated_s else self.own_s
+        if self.wall_s is None or not base:
+            return None
+        return self.wall_s / base
+
+    @property
+    def reward_first(self) -> float | None:
+        return next((r for r in self.rewards if r is not None), None)
+
+    @property
+    def reward_last(self) -> float | None:
+        return next((r for r in reversed(self.rewards) if r is not None), None)
+
+
+class Report(_Model):
+    generated_at: datetime
+    groups: list[GroupFigures]
+    jobs: list[JobFigures]
+    lanes: list[Lane] = Field(default_factory=list)
+    problems: list[str] = Field(default_factory=list, description="what could not be read")
+
+    @property
+    def spans(self) -> list[Span]:
+        return [s for lane in self.lanes for s in lane.spans]

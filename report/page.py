@@ -1,0 +1,132 @@
+"""The report as one self-contained HTML page: tables and an interactive timeline.
+
+The timeline is a plotly figure with plotly.js inlined (opens from a file, no network): zoom by
+dragging or with the range slider, hover a bar for its job, epoch, phase and duration.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from timeslice.errors import TimesliceError
+from timeslice.report.colours import KIND_COLOURS, KIND_NAMES, job_colours
+from timeslice.report.model import Report
+from timeslice.report.text import GROUP_HEADERS, JOB_HEADERS, group_row, job_row
+
+
+class MissingPlotlyError(TimesliceError, ImportError):
+    """plotly (the `report` extra) is not installed."""
+
+
+def timeline_figure(report: Report) -> object:
+    try:
+        import plotly.graph_objects as go
+    except ImportError as err:
+        raise MissingPlotlyError(
+            "the interactive report needs plotly: pip install 'timeslice[report]'"
+        ) from err
+    spans = report.spans
+    origin = min((s.start for s in spans), default=report.generated_at)
+    lanes = [f"{lane.name} ({lane.kind})" for lane in report.lanes]
+    lane_of = {lane.name: label for lane, label in zip(report.lanes, lanes, strict=True)}
+    colours = job_colours(report)
+    fig = go.Figure()
+    groups: dict[str, list] = {}
+    for span in spans:
+        key = f"held by {span.job_id}" if span.kind == "lease" else KIND_NAMES[span.kind]
+        groups.setdefault(key, []).append(span)
+    for key, members in groups.items():
+        first = members[0]
+        colour = (
+            colours.get(first.job_id or "", "#7f7f7f")
+            if first.kind == "lease"
+            else KIND_COLOURS[first.kind]
+        )
+        fig.add_trace(
+            go.Bar(
+                name=key,
+                orientation="h",
+                y=[lane_of[s.lane] for s in members],
+                base=[(s.start - origin).total_seconds() for s in members],
+                x=[max(s.seconds, 1e-4) for s in members],
+                marker={"color": colour, "line": {"width": 0}},
+                width=0.9 if first.kind == "switching" else 0.5 if first.kind == "waiting" else 0.7,
+                customdata=[
+                    [
+                        s.job_id or "-",
+                        "-" if s.epoch is None else str(s.epoch),
+                        s.label,
+                        f"{s.seconds:.3f}",
+                        f"{(s.start - origin).total_seconds():.3f}",
+                    ]
+                    for s in members
+                ],
+                hovertemplate=(
+                    "<b>%{customdata[2]}</b><br>job %{customdata[0]} · epoch %{customdata[1]}"
+                    "<br>%{customdata[3]} s from %{customdata[4]} s<extra>%{fullData.name}</extra>"
+                ),
+            )
+        )
+    fig.update_layout(
+        barmode="overlay",
+        height=220 + 48 * max(1, len(lanes)),
+        margin={"l": 10, "r": 10, "t": 90, "b": 10},
+        title={"text": "GPU phases per job, holders and switches per group", "y": 0.98},
+        legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
+        hoverlabel={"align": "left"},
+    )
+    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)))
+    fig.update_xaxes(title="seconds from the first span", rangeslider={"visible": True})
+    return fig
+
+
+def _table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def write_html(report: Report, path: Path) -> Path:
+    fig = timeline_figure(report)
+    chart = fig.to_html(  # type: ignore[attr-defined]
+        include_plotlyjs=True, full_html=False, div_id="timeline", config={"displaylogo": False}
+    )
+    when = f"{report.generated_at:%Y-%m-%d %H:%M:%S} UTC"
+    problems = "".join(f"<li>{html.escape(p)}</li>" for p in report.problems)
+    notes = "".join(
+        f"<li>{html.escape(g.group_id)}: {html.escape(n)}</li>"
+        for g in report.groups
+        for n in g.notes
+    )
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>timeslice report · {when}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
+table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; }}
+th, td {{ padding: 0.25em 0.7em; border-bottom: 1px solid #ddd; text-align: right; }}
+th:first-child, td:first-child {{ text-align: left; }}
+p.note {{ color: #555; max-width: 60em; }}
+</style></head><body>
+<h1>timeslice report</h1><p>generated {when}</p>
+<h2>GPU groups</h2>
+<p class="note">Shares of each group's wall time: <b>phases</b> (its holders' GPU phases running),
+<b>lease overhead</b> (leased, no phase running), <b>switching</b> (moving state), <b>idle</b>.
+They add up to 100%. Definitions: docs/report.md.</p>
+{_table(GROUP_HEADERS, [group_row(g) for g in report.groups])}
+{f"<ul>{notes}</ul>" if notes else ""}
+<h2>RL jobs</h2>
+<p class="note">Each job's own phase times, its time waiting for grants and moving its state back,
+its wall time, and its slowdown: wall time over the same job's wall time alone (measured), or over
+its own phase time.</p>
+{_table(JOB_HEADERS, [job_row(j) for j in report.jobs])}
+<h2>Timeline</h2>
+{chart}
+{f"<h2>Problems</h2><ul>{problems}</ul>" if problems else ""}
+</body></html>
+"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    return path

@@ -1,0 +1,106 @@
+"""The timeline as a picture (PNG, matplotlib): the whole run above, a zoomed window below.
+
+One lane per job — its phases coloured (sample, rewards, train), its waits for a group and its
+state moving back — and one per group: who held it (coloured by job) and its switches.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from timeslice.errors import TimesliceError
+from timeslice.report.colours import KIND_COLOURS, KIND_NAMES, job_colours
+from timeslice.report.model import Lane, Report, Span
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+
+class MissingDependencyError(TimesliceError, ImportError):
+    """An optional library the report needs is not installed."""
+
+
+def zoom_window(report: Report, seconds: float = 20.0) -> tuple[float, float]:
+    """A window of ``seconds`` in the middle of the run (past the start-up), in seconds from
+    the first span: what the lower panel shows in detail."""
+    spans = [s for s in report.spans if s.kind in ("sample", "train")]
+    if not spans:
+        return 0.0, seconds
+    origin = min(s.start for s in report.spans)
+    first = min(s.start for s in spans)
+    last = max(s.end for s in spans)
+    middle = ((first - origin).total_seconds() + (last - origin).total_seconds()) / 2
+    start = max((first - origin).total_seconds(), middle - seconds / 2)
+    return start, start + seconds
+
+
+def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as err:
+        raise MissingDependencyError(
+            "timeline.png needs matplotlib: pip install 'timeslice[report]'"
+        ) from err
+    lanes = report.lanes
+    origin = min((s.start for s in report.spans), default=report.generated_at)
+    colours = job_colours(report)
+    ends = [(s.end - origin).total_seconds() for s in report.spans]
+    span_s = max([1.0, *ends])
+    # A run longer than the window gets a second panel: a window in its middle, in detail.
+    zoomed = span_s > 1.5 * zoom_s
+    height = 1.2 + 0.45 * max(1, len(lanes))
+    fig = Figure(figsize=(13, 1.0 + (2 if zoomed else 1) * height), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2 if zoomed else 1, 1, squeeze=False)[:, 0]
+    overview = axes[0]
+    _draw(overview, lanes, origin, colours)
+    overview.set_title("the whole run", loc="left", fontsize="medium")
+    overview.set_xlim(0, span_s * 1.01)
+    if zoomed:
+        window = zoom_window(report, zoom_s)
+        _draw(axes[1], lanes, origin, colours)
+        axes[1].set_title(f"{window[0]:.0f} to {window[1]:.0f} s in detail", loc="left",
+                          fontsize="medium")  # fmt: skip
+        axes[1].set_xlim(*window)
+    axes[-1].set_xlabel("seconds from the first span")
+    handles = [Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in KIND_COLOURS]
+    handles += [Patch(facecolor=c, label=f"held by {job}") for job, c in colours.items()]
+    overview.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    if not report.spans:
+        overview.text(0.5, 0.5, "nothing recorded", transform=overview.transAxes, ha="center")
+    fig.suptitle("GPU phases per job, holders and switches per group", x=0.01, ha="left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def _draw(ax: Axes, lanes: list[Lane], origin: datetime, colours: dict[str, str]) -> None:
+    def sec(t: datetime) -> float:
+        return (t - origin).total_seconds()
+
+    def colour(span: Span) -> str:
+        if span.kind == "lease":
+            return colours.get(span.job_id or "", "#7f7f7f")
+        return KIND_COLOURS[span.kind]
+
+    for y, lane in enumerate(lanes):
+        # Draw waits first, phases over them, switches last (thin, so they show on top).
+        for kinds, height in ((("waiting",), 0.5), (("lease", "sample", "rewards", "train"), 0.7),
+                              (("switching",), 0.9)):  # fmt: skip
+            spans = [s for s in lane.spans if s.kind in kinds]
+            if spans:
+                ax.broken_barh(
+                    [(sec(s.start), max(s.seconds, 1e-4)) for s in spans],
+                    (y - height / 2, height),
+                    facecolors=[colour(s) for s in spans],
+                    linewidth=0,
+                )
+    ax.set_yticks(range(len(lanes)), [f"{lane.name} ({lane.kind})" for lane in lanes])
+    ax.set_ylim(-0.6, max(1, len(lanes)) - 0.4)
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)

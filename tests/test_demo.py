@@ -1,0 +1,47 @@
+"""`make demo`, short: the dedicated-vs-shared table comes from the two runs' own records."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from timeslice.server import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_demo_compares_dedicated_and_shared_from_the_runs_records(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    demo = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--epochs", "2", "--batch-size",
+         "8", "--port", str(free_port()), "--ui-port", str(free_port()), "--state",
+         str(tmp_path / "state"), "--out", str(out)],
+        capture_output=True, text=True, timeout=420, cwd=REPO,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    text = demo.stdout
+    table = text[text.index("dedicated groups vs one shared group") :]
+    # The shared group's share in the table is the one the shared run's report computed.
+    shared_share = re.search(r"GPU phase time / group wall time .*shared-gpus (\d+)%", table)
+    assert shared_share is not None
+    report = (out / "report.txt").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("shared-gpus"))
+    assert round(float(row.split()[2].rstrip("%"))) == int(shared_share.group(1))
+    # Each job: a completion time in both runs, the shared one as a multiple of the other, and
+    # the same rewards either way (same seeds, deterministic jobs).
+    for job in (1, 2):
+        completion = re.search(
+            rf"job {job}: completion +([\d.]+) s +([\d.]+) s \(([\d.]+)x\)", table
+        )
+        assert completion is not None
+        alone, shared, ratio = (float(x) for x in completion.groups())
+        assert abs(shared / alone - ratio) < 0.01
+        rewards = re.search(rf"job {job}: reward +\S+ (\S+ → \S+) +\S+ (\S+ → \S+)", table)
+        assert rewards is not None and rewards.group(1) == rewards.group(2)
+    # The shared run moved state at every switch; the dedicated runs never switched.
+    switches = re.search(r"switches, bytes moved +0, 0 B +(\d+), ", table)
+    assert switches is not None and int(switches.group(1)) > 0
+    for name in ("report.txt", "report.html", "timeline.png", "trace.json"):
+        assert (out / name).stat().st_size > 0

@@ -1,0 +1,267 @@
+"""The report's figures, lanes, tables, trace and files, on hand-built data (no server)."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from timeslice.report import Lane, Report, format_text, human_bytes, trace_events, write_report
+from timeslice.report.figures import (
+    JobRecord,
+    build_lanes,
+    group_figures,
+    job_figures,
+    job_spans,
+)
+from timeslice.workflows.protocol import (
+    GroupStats,
+    GroupStatus,
+    HolderView,
+    LeaseOutcome,
+    LeaseRecord,
+    SnapshotReport,
+    SwitchRecord,
+)
+from timeslice.workflows.rl_protocol import PhaseResult
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+GIB = 2**30
+# The job process's clocks: monotonic 1000.0 is T0 on the wall.
+OFFSET = T0.timestamp() - 1000.0
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def lease(job: str, token: int, start: float, end: float) -> LeaseRecord:
+    return LeaseRecord(
+        job_id=job, token=token, start=at(start), end=at(end), outcome=LeaseOutcome.RELEASED
+    )
+
+
+def status(holder: HolderView | None = None, *, client_lease: bool = False) -> GroupStatus:
+    """A group 10 s old: job a held 0-2 s (its phase ran 0.5-1.5 s), a switch 2-2.5 s, job b
+    held 3-5 s (an embedded client, or an RL job whose phase ran 3-4 s)."""
+    return GroupStatus(
+        group_id="g",
+        holder=holder,
+        queue=[],
+        resident_job="b",
+        faulted_jobs={},
+        utilization=0.4,
+        wall_s=10.0,
+        idle_s=5.5,
+        wait_p50_s=0.25,
+        wait_p99_s=1.5,
+        stats=GroupStats(
+            created_at=T0,
+            leases=2,
+            released=2,
+            switches=1,
+            busy_s=4.0,
+            switching_s=0.5,
+            bytes_moved=3 * GIB,
+            wait_samples_s=[0.25, 1.5],
+        ),
+        history=[lease("a", 1, 0.0, 2.0), lease("b", 2, 3.0, 5.0)],
+        switch_history=[
+            SwitchRecord(from_job="a", to_job="b", start=at(2.0), end=at(2.5), bytes=3 * GIB)
+        ],
+    )
+
+
+def phase(
+    epoch: int, name: str, start: float, seconds: float, *, asked: float | None = None,
+    restored_s: float = 0.0, group: str | None = "g",
+) -> PhaseResult:  # fmt: skip
+    leased = name != "rewards"
+    return PhaseResult(
+        epoch=epoch,
+        phase=name,  # type: ignore[arg-type]
+        metrics={},
+        seconds=seconds,
+        mono_start=1000.0 + start,
+        mono_end=1000.0 + start + seconds,
+        wall_offset_s=OFFSET,
+        group_id=group if leased else None,
+        token=1 if leased else None,
+        asked_mono=None if asked is None else 1000.0 + asked,
+        granted_mono=None if asked is None else 1000.0 + start - restored_s,
+        restored=[SnapshotReport(job_id="a", backend="t", mode="m", bytes=5, seconds=restored_s)]
+        if restored_s
+        else [],
+    )
+
+
+def job_a() -> JobRecord:
+    """Job a: sampled 0.5-1.5 s after waiting 0.2-0.4 s and restoring 0.4-0.5 s, rewards
+    1.5-2.5 s; epoch 1's train 6-7 s."""
+    phases = [
+        phase(0, "sample", 0.5, 1.0, asked=0.2, restored_s=0.1),
+        phase(0, "rewards", 1.5, 1.0),
+        phase(1, "train", 6.0, 1.0, asked=6.0),
+    ]
+    return JobRecord(
+        job_id="a",
+        status="completed",
+        epochs_done=2,
+        epochs=2,
+        groups=["g"],
+        phases=phases,
+        completed_at=[None] * len(phases),
+        rewards=[0.1, 0.4],
+        started=at(0.0),
+        ended=at(8.0),
+    )
+
+
+def test_job_lane_and_figures_come_from_the_phases_own_intervals():
+    job = job_a()
+    spans = job_spans(job)
+    kinds = [(s.kind, s.start, s.end) for s in spans]
+    assert kinds == [
+        ("waiting", at(0.2), at(0.4)),
+        ("switching", at(0.4), at(0.5)),
+        ("sample", at(0.5), at(1.5)),
+        ("rewards", at(1.5), at(2.5)),
+        ("waiting", at(6.0), at(6.0)),
+        ("train", at(6.0), at(7.0)),
+    ]
+    figures = job_figures(job, spans)
+    assert figures.phase_s == {"sample": 1.0, "rewards": 1.0, "train": 1.0}
+    assert figures.waiting_s == pytest.approx(0.2)
+    assert figures.switching_s == pytest.approx(0.1)
+    assert figures.wall_s == 8.0 and figures.own_s == 3.0
+    assert figures.slowdown == pytest.approx(8.0 / 3.0)  # no measured baseline: own phases
+    assert job_figures(job, spans, dedicated_s=4.0).slowdown == 2.0  # measured baseline
+    assert (figures.reward_first, figures.reward_last) == (0.1, 0.4)
+
+
+def test_a_phase_without_a_wall_anchor_is_placed_by_its_activity_completion():
+    job = job_a()
+    job.phases = [job.phases[1].model_copy(update={"wall_offset_s": None})]
+    job.completed_at = [at(2.5)]  # the server recorded the completion as the phase ended
+    (rewards,) = job_spans(job)
+    assert (rewards.start, rewards.end) == (at(1.5), at(2.5))
+
+
+def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
+    job = job_a()
+    phases = [s for s in job_spans(job) if s.kind in ("sample", "train") and s.group_id == "g"]
+    b_phase = job_spans(
+        JobRecord(job_id="b", status="completed", phases=[phase(0, "train", 3.0, 1.0)],
+                  completed_at=[None])
+    )  # fmt: skip
+    g, spans = group_figures(status(), None, [phases[0], *b_phase], {"a", "b"})
+    # a's sample (1 s) and b's train (1 s) ran inside leases of 4 s: 2 s of overhead.
+    assert (g.phase_s, g.overhead_s, g.switching_s, g.idle_s) == (2.0, 2.0, 0.5, 5.5)
+    assert g.fraction(g.phase_s) + g.fraction(g.overhead_s) + g.fraction(g.switching_s) + (
+        g.fraction(g.idle_s)
+    ) == pytest.approx(1.0)
+    assert g.utilization == 0.2
+    assert [(s.kind, s.job_id, s.start, s.end) for s in spans] == [
+        ("lease", "a", at(0), at(2)),
+        ("lease", "b", at(3), at(5)),
+        ("switching", "b", at(2.0), at(2.5)),
+    ]
+
+
+def test_a_client_lease_is_all_phase():
+    job = job_a()
+    phases = [s for s in job_spans(job) if s.kind == "sample"]
+    g, _ = group_figures(status(), None, phases, {"a"})  # b reports no phases: a client
+    assert (g.phase_s, g.overhead_s) == (3.0, 1.0)
+
+
+def test_a_lease_held_now_counts_up_to_the_query():
+    holder = HolderView(job_id="a", token=3, held_s=1.0, expires_in_s=19.0)
+    g, spans = group_figures(status(holder), at(12.0), [], set())
+    # Held 9-10 s by the group's last event, and 10-12 s since: 7 s busy, all client leases.
+    assert (g.wall_s, g.phase_s, g.overhead_s, g.idle_s) == (12.0, 7.0, 0.0, 4.5)
+    (held,) = [s for s in spans if s.label.endswith("held now")]
+    assert (held.start, held.end) == (at(9.0), at(12.0))
+    assert g.holder == "a"
+    # A query clock behind the group's never shortens the status.
+    assert group_figures(status(), at(5.0), [], set())[0].wall_s == 10.0
+
+
+def report() -> Report:
+    job = job_a()
+    jspans = job_spans(job)
+    g, gspans = group_figures(status(), at(10.0), [s for s in jspans if s.group_id], {"a"})
+    lanes = build_lanes(
+        [Lane(name="a", kind="job", spans=jspans)], [Lane(name="g", kind="group", spans=gspans)]
+    )
+    return Report(generated_at=at(10.0), groups=[g], jobs=[job_figures(job, jspans)], lanes=lanes)
+
+
+def test_text_tables_name_every_figure_and_line_up():
+    text = format_text(report())
+    lines = text.splitlines()
+    row = next(line for line in lines if line.startswith("g "))
+    # 10 s: a's two phases (1 s each) and b's client lease (2 s) fill the 4 s held.
+    assert row.split()[:6] == ["g", "10.0", "40.0%", "0.0%", "5.0%", "55.0%"]
+    header = next(i for i, line in enumerate(lines) if line.startswith("group "))
+    assert len(lines[header]) == len(lines[header + 1]) == len(row)
+    job = next(line for line in lines if line.startswith("a "))
+    assert job.split()[:11] == [
+        "a", "completed", "2/2", "1.00", "1.00", "1.00", "0.20", "0.10", "8.0", "3.0", "2.67x",
+    ]  # fmt: skip
+
+
+def test_human_bytes():
+    assert [human_bytes(n) for n in (0, 1023, 1536, 3 * GIB, 5 * 2**40)] == [
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "3.0 GiB",
+        "5.0 TiB",
+    ]
+
+
+def test_trace_has_a_track_per_lane_and_the_same_intervals():
+    r = report()
+    trace = json.loads(json.dumps(trace_events(r)))  # plain JSON, as written
+    names = {
+        (e["pid"], e["args"]["name"])
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
+    assert names == {(1, "a"), (2, "g")}
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(r.spans)
+    origin = min(s.start for s in r.spans)
+    expected = sorted(
+        (round((s.start - origin).total_seconds() * 1e6, 1), round(s.seconds * 1e6, 1))
+        for s in r.spans
+    )
+    assert sorted((e["ts"], e["dur"]) for e in complete) == expected
+    sample = next(e for e in complete if e["cat"] == "sample")
+    assert sample["args"]["epoch"] == 0 and sample["args"]["job_id"] == "a"
+
+
+def test_files_are_written_and_the_page_is_self_contained(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("plotly")
+    files = write_report(report(), tmp_path / "out")
+    assert files.png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert files.text.read_text() == format_text(report())
+    assert json.loads(files.trace.read_text())["traceEvents"]
+    page = files.html.read_text()
+    assert page.startswith("<!doctype html>") and "timeline" in page
+    # plotly.js is inlined: the page loads no script, style or font from the network.
+    assert not re.search(r"<script[^>]*\bsrc=|<link\b|@import", page)
+    assert "a (job)" in page and "g (group)" in page
+
+
+def test_an_empty_report_renders(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("plotly")
+    empty = Report(generated_at=T0, groups=[], jobs=[])
+    assert "none" in format_text(empty)
+    files = write_report(empty, tmp_path)
+    assert files.png.stat().st_size > 1000 and files.html.stat().st_size > 1000
