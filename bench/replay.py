@@ -92,24 +92,28 @@ def switch_overheads(holds: list[Any], both_fit: bool) -> list[float]:
 
 
 def ideal(results: list[Any], configs: list[dict[str, Any]], profile: dict[str, float]) -> Any:
-    from timeslice.plan.simulator import JobProfile, simulate
+    from timeslice.plan.profile import Overheads
+    from timeslice.plan.simulator import Placement, rl_profile, simulate
 
     firsts = {r.job_id: min(h.mono_start for rec in r.records for h in rec.holds) for r in results}
     origin = min(firsts.values())
     return simulate(
         [
-            JobProfile(
-                job_id=c["job_id"],
-                sample_s=profile["sample_s"],
-                rewards_s=profile["reward_s"],
-                train_s=profile["train_s"],
+            Placement(
+                rl_profile(
+                    c["job_id"],
+                    sample_s=profile["sample_s"],
+                    rewards_s=profile["reward_s"],
+                    train_s=profile["train_s"],
+                    epochs=c["epochs"],
+                ),
                 sampler_group=c["sampler_group"],
                 trainer_group=c["trainer_group"],
-                epochs=c["epochs"],
                 start_s=firsts[c["job_id"]] - origin,
             )
             for c in configs
-        ]
+        ],
+        overheads=Overheads.zero(),
     )
 
 

@@ -1,42 +1,89 @@
-"""A discrete-event simulator of RL jobs taking turns on GPU groups.
+"""A discrete-event simulator of jobs taking turns on GPU groups, by the real protocol's rules.
 
-Each job runs ``epochs`` times: sample (holding its sampler group), compute rewards (holding
-nothing), train (holding its trainer group). A group serves its requests first come, first
-served, the way ``GpuGroupWorkflow`` does for equal priorities. ``switch_s`` charges a fixed
-cost whenever a group passes to a different job than its last holder; with 0 the result is the
-*ideal*: what the same jobs would reach if switches were free. The benchmarks compare measured
-runs against it (bench/replay.py), with the same ramp-up and tail as the real run.
+What it models, each rule taken from the code it stands for:
+
+- **the group** (``workflows/group_book.py``): one holder at a time; the next holder is the
+  waiter with the highest ``priority + waited / aging_s``, first come first served among
+  equals; sticky residency (a release with nobody waiting leaves the state on the device);
+  when the group's ``memory_bytes`` holds both jobs' states the next holder is granted at once
+  and its restore overlaps the eviction, otherwise the grant waits for the eviction's report.
+- **RL jobs** (``workflows/rl_job.py``, ``activities/job_runtime.py``): each GPU phase takes its
+  own lease; the lease of a job's next GPU phase is asked for as its previous step ends
+  (prefetch); a GPU phase releases as it ends, except that a phase followed by a GPU phase on
+  the same group releases *if contended* — nobody waiting, the job keeps the lease (carry-over);
+  a checkpoint runs under the trainer lease after train every ``checkpoint_every`` epochs and
+  at the end; the job moves its own state: it restores before its phase and, when its release
+  is answered "evict", evicts after it (co-operative switching); a state another group holds
+  is moved out of there first (states move with the lease).
+- **client jobs** (``timeslice.TimeSliceOrchestratorClient``): acquire, hold, release (the
+  release is awaited), work off the GPU, acquire again; the group evicts and restores their
+  state with its own activities.
+- **the protocol's own costs** (:class:`~timeslice.plan.profile.Overheads`): a message's way
+  to the group and back, a job's hop from one activity to the next, the carried lease's gap.
+
+With :meth:`Overheads.zero` and no states it is the *ideal* the benchmarks compare against:
+what the same jobs reach when switching costs nothing (``bench/replay.py``).
+
+Figures: a group's **utilization** = the time GPU phases ran on it / wall time from its first
+phase start to its last phase end (restores, evictions, checkpoints and gaps count as not
+busy); a job's **completion** = its first phase start to its last phase end.
 """
 
 from __future__ import annotations
 
 import heapq
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from timeslice.plan.profile import JobProfile, Overheads, Seconds, StateProfile
+
+DEFAULT_MOVE_BYTES_PER_S = 25e9  # a host <-> device copy over PCIe Gen4 x16, roughly
+SegmentKind = Literal["phase", "restore", "evict", "checkpoint"]
 
 
-class JobProfile(BaseModel):
-    """One job's phases: seconds each, and the groups its GPU phases hold."""
+@dataclass(frozen=True)
+class Placement:
+    """A job on its groups (its sampler and trainer pools may be one group)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    job_id: str
-    sample_s: float = Field(ge=0)
-    rewards_s: float = Field(ge=0)
-    train_s: float = Field(ge=0)
+    profile: JobProfile
     sampler_group: str
     trainer_group: str
-    epochs: int = Field(ge=1)
-    start_s: float = Field(0.0, ge=0, description="when the job asks for its first group")
+    start_s: float = 0.0
+    epochs: int | None = None  # default: the profile's
+
+    def group_of(self, pool: str) -> str:
+        return self.sampler_group if pool == "sampler" else self.trainer_group
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    memory_bytes: int | None = None
+    aging_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One interval of the simulated timeline (a GPU phase on its group, or not)."""
+
+    job_id: str
+    group_id: str | None
+    phase: str
+    epoch: int
+    start: float
+    end: float
+    kind: SegmentKind = "phase"
 
 
 @dataclass
-class GroupOutcome:
+class GroupResult:
     busy_s: float = 0.0
     first_start: float | None = None
     last_end: float = 0.0
+    leases: int = 0
     switches: int = 0
+    bytes_moved: int = 0
     holds: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
@@ -49,44 +96,532 @@ class GroupOutcome:
 
 
 @dataclass
+class JobResult:
+    job_id: str
+    first_start: float | None = None
+    last_end: float = 0.0
+    epochs_done: int = 0
+    waited_s: float = 0.0
+
+    @property
+    def completion_s(self) -> float:
+        return 0.0 if self.first_start is None else self.last_end - self.first_start
+
+
+@dataclass
 class Outcome:
-    groups: dict[str, GroupOutcome]
-    completion_s: dict[str, float]
+    groups: dict[str, GroupResult]
+    jobs: dict[str, JobResult]
+    segments: list[Segment]
+
+    @property
+    def completion_s(self) -> dict[str, float]:
+        return {j: r.completion_s for j, r in self.jobs.items()}
 
 
-def simulate(jobs: list[JobProfile], *, switch_s: float = 0.0) -> Outcome:
-    """Run ``jobs`` to completion; every group FIFO by request time."""
-    groups: dict[str, GroupOutcome] = {}
-    free_at: dict[str, float] = {}
-    last_holder: dict[str, str] = {}
-    completion: dict[str, float] = {}
-    # (request time, tie-break, job index, epoch, phase)
-    pending: list[tuple[float, int, int, int, str]] = []
-    seq = 0
-    for index, job in enumerate(jobs):
-        heapq.heappush(pending, (job.start_s, seq, index, 0, "sample"))
-        seq += 1
-    while pending:
-        asked, _, index, epoch, phase = heapq.heappop(pending)
-        job = jobs[index]
-        group = job.sampler_group if phase == "sample" else job.trainer_group
-        hold = job.sample_s if phase == "sample" else job.train_s
-        outcome = groups.setdefault(group, GroupOutcome())
-        start = max(asked, free_at.get(group, 0.0))
-        if last_holder.get(group, job.job_id) != job.job_id:
-            start += switch_s
-            outcome.switches += 1
-        end = start + hold
-        free_at[group], last_holder[group] = end, job.job_id
-        outcome.busy_s += hold
-        outcome.first_start = start if outcome.first_start is None else outcome.first_start
-        outcome.last_end = max(outcome.last_end, end)
-        outcome.holds.append((job.job_id, start, end))
-        if phase == "sample":
-            heapq.heappush(pending, (end + job.rewards_s, seq, index, epoch, "train"))
-        elif epoch + 1 < job.epochs:
-            heapq.heappush(pending, (end, seq, index, epoch + 1, "sample"))
+# ---------------------------------------------------------------- internal state
+
+
+class _State:
+    __slots__ = ("bytes", "free_at", "name", "pool", "restore_s", "snapshot_s", "where")
+
+    def __init__(self, state: StateProfile, move_bps: float) -> None:
+        self.name = state.name
+        self.pool = state.pool
+        self.bytes = state.bytes
+        estimate = state.bytes / move_bps if move_bps > 0 else 0.0
+        self.snapshot_s = estimate if state.snapshot_s is None else state.snapshot_s
+        self.restore_s = estimate if state.restore_s is None else state.restore_s
+        self.where: str | None = None  # the group whose device holds it; None: host memory
+        self.free_at = 0.0  # an eviction in flight ends then
+
+
+class _Step:
+    __slots__ = ("gpu", "group", "last_gpu", "mean", "name", "seconds", "states")
+
+    def __init__(self, name: str, gpu: bool, group: str | None, seconds: Seconds) -> None:
+        self.name = name
+        self.gpu = gpu
+        self.group = group
+        self.seconds = seconds
+        self.mean = seconds.mean
+        self.states: tuple[_State, ...] = ()
+        self.last_gpu = False  # the epoch's last GPU phase (a checkpoint may follow)
+
+
+class _Job:
+    __slots__ = (
+        "asked_at",
+        "ckpt",
+        "ckpt_every",
+        "client",
+        "epoch",
+        "epochs",
+        "grant_at",
+        "held",
+        "id",
+        "index",
+        "priority",
+        "ready_at",
+        "result",
+        "start_s",
+        "states",
+        "steps",
+    )
+
+    def __init__(self, placement: Placement, move_bps: float) -> None:
+        p = placement.profile
+        self.id = p.job_id
+        self.client = p.kind == "client"
+        self.priority = p.priority
+        self.epochs = placement.epochs or p.epochs
+        self.start_s = placement.start_s
+        self.states = [_State(s, move_bps) for s in p.states]
+        self.steps = [
+            _Step(ph.name, ph.gpu, placement.group_of(ph.pool) if ph.pool else None, ph.seconds)
+            for ph in p.phases
+        ]
+        for step in self.steps:
+            if step.group is not None:
+                step.states = tuple(self.states_on(step.group, placement))
+        gpu_steps = [s for s in self.steps if s.gpu]
+        gpu_steps[-1].last_gpu = True
+        self.ckpt_every = p.checkpoint_every
+        self.ckpt = p.checkpoint_s
+        self.epoch = 0
+        self.index = 0
+        self.held: set[str] = set()
+        self.ready_at: float | None = None
+        self.grant_at: float | None = None
+        self.asked_at: float | None = None
+        self.result = JobResult(job_id=self.id)
+
+    def states_on(self, group: str, placement: Placement) -> list[_State]:
+        """The job's states that live on ``group`` (what ``RLJobWorkflow._backends_for``
+        names there): both pools' when one group serves both."""
+        return [s for s in self.states if s.pool == "both" or placement.group_of(s.pool) == group]
+
+    @property
+    def step(self) -> _Step:
+        return self.steps[self.index]
+
+
+class _Waiter:
+    __slots__ = ("asked", "enqueued", "job", "seq")
+
+    def __init__(self, job: _Job, enqueued: float, seq: int, asked: float) -> None:
+        self.job = job
+        self.enqueued = enqueued
+        self.seq = seq
+        self.asked = asked
+
+
+class _Group:
+    __slots__ = (
+        "evicting",
+        "holder",
+        "id",
+        "last_holder",
+        "queue",
+        "resident",
+        "result",
+        "spec",
+        "states",
+        "switching",
+    )
+
+    def __init__(self, group_id: str, spec: GroupSpec) -> None:
+        self.id = group_id
+        self.spec = spec
+        self.holder: _Job | None = None
+        self.last_holder: _Job | None = None
+        self.queue: list[_Waiter] = []
+        self.resident: _Job | None = None
+        # (job, when its eviction's report reaches the group)
+        self.evicting: tuple[_Job, float] | None = None
+        self.switching = False
+        self.states: dict[str, list[_State]] = {}  # job id -> its states that live here
+        self.result = GroupResult()
+
+
+# ---------------------------------------------------------------- the simulation
+
+
+class Simulation:
+    def __init__(
+        self,
+        placements: Sequence[Placement],
+        *,
+        groups: dict[str, GroupSpec] | None = None,
+        overheads: Overheads | None = None,
+        move_bytes_per_s: float = DEFAULT_MOVE_BYTES_PER_S,
+        seed: int | None = None,
+        record: bool = False,
+    ) -> None:
+        ids = [p.profile.job_id for p in placements]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"job ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
+        self.ov = overheads if overheads is not None else Overheads()
+        self.rng = random.Random(seed) if seed is not None else None
+        self.record = record
+        self.segments: list[Segment] = []
+        self.jobs = [_Job(p, move_bytes_per_s) for p in placements]
+        specs = groups or {}
+        self.groups: dict[str, _Group] = {}
+        for job, placement in zip(self.jobs, placements, strict=True):
+            for step in job.steps:
+                if step.group is not None and step.group not in self.groups:
+                    self.groups[step.group] = _Group(step.group, specs.get(step.group, GroupSpec()))
+            for gid in {placement.sampler_group, placement.trainer_group} & self.groups.keys():
+                self.groups[gid].states[job.id] = job.states_on(gid, placement)
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+        self._place_states(placements)
+
+    def _place_states(self, placements: Sequence[Placement]) -> None:
+        """After preparing, each state is at home (its pool's group); one job per group keeps
+        its state on the device there — the first to start — the others' wait in host memory."""
+        order = sorted(range(len(self.jobs)), key=lambda i: (self.jobs[i].start_s, i))
+        for i in order:
+            job, placement = self.jobs[i], placements[i]
+            for state in job.states:
+                home = self.groups.get(
+                    placement.group_of("sampler" if state.pool == "both" else state.pool)
+                )
+                if home is None:
+                    continue
+                if home.resident is None or home.resident is job:
+                    home.resident = job
+                    state.where = home.id
+
+    # ------------------------------------------------------------ event queue
+
+    def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, args))
+
+    def run(self) -> Outcome:
+        for job in self.jobs:
+            self._at(job.start_s, self._ready, job)
+        heap = self._heap
+        while heap:
+            t, _, fn, args = heapq.heappop(heap)
+            fn(t, *args)
+        for job in self.jobs:
+            if job.epoch < job.epochs:
+                raise RuntimeError(f"simulation stalled: job {job.id} at epoch {job.epoch}")
+        return Outcome(
+            groups={g.id: g.result for g in self.groups.values()},
+            jobs={j.id: j.result for j in self.jobs},
+            segments=self.segments,
+        )
+
+    def _duration(self, step: _Step) -> float:
+        if self.rng is None or not step.seconds.stdev:
+            return step.mean
+        seconds = step.seconds
+        low = seconds.min if seconds.min is not None else 0.0
+        high = seconds.max if seconds.max is not None else float("inf")
+        return min(high, max(low, self.rng.gauss(seconds.mean, seconds.stdev)))
+
+    def _segment(
+        self, job: _Job, group: str | None, phase: str, start: float, end: float, kind: SegmentKind
+    ) -> None:
+        if self.record and end > start:
+            self.segments.append(Segment(job.id, group, phase, job.epoch, start, end, kind))
+
+    # ------------------------------------------------------------ a job's steps
+
+    def _ready(self, t: float, job: _Job) -> None:
+        """The job's current step may start (its activity is dispatched, or its loop got there)."""
+        step = job.step
+        if not step.gpu:
+            end = t + self._duration(step)
+            self._ran(job, t, end)
+            if self.record:
+                self._segment(job, None, step.name, t, end, "phase")
+            self._at(end, self._cpu_end, job)
+            return
+        assert step.group is not None
+        if step.group in job.held and job.grant_at is None:
+            self._begin_gpu(t, job)  # a carried lease
+            return
+        if job.asked_at is None and step.group not in job.held:
+            self._ask(t, job, step.group)  # not asked ahead: ask now
+        job.ready_at = t
+        if job.grant_at is not None:
+            self._begin_gpu(max(t, job.grant_at), job)
+
+    def _ask(self, t: float, job: _Job, group: str) -> None:
+        job.asked_at = t
+        self._at(t + self.ov.request_s, self._request, self.groups[group], job, t)
+
+    def _granted(self, t: float, job: _Job, group: _Group) -> None:
+        """The grant reached the job's process."""
+        if job.asked_at is not None:
+            job.result.waited_s += t - job.asked_at
+        job.asked_at = None
+        job.held.add(group.id)
+        job.grant_at = t
+        if job.ready_at is not None:
+            self._begin_gpu(max(t, job.ready_at), job)
+
+    def _begin_gpu(self, t: float, job: _Job) -> None:
+        step = job.step
+        assert step.group is not None
+        group = self.groups[step.group]
+        job.ready_at = job.grant_at = None
+        start = t
+        for state in step.states:
+            if state.where == group.id:
+                continue
+            t = max(t, state.free_at)  # its own eviction still under way: restore after it
+            if state.where is not None:
+                # On another group's device (a state that follows the lease): out of there
+                # first, and that group hears it left.
+                t += state.snapshot_s
+                self._left(self.groups[state.where], job)
+            t += state.restore_s
+            state.where = group.id
+            group.result.bytes_moved += state.bytes
+        if self.record:
+            self._segment(job, group.id, step.name, start, t, "restore")
+        end = t + self._duration(step)
+        result = group.result
+        result.busy_s += end - t
+        result.first_start = t if result.first_start is None else min(result.first_start, t)
+        result.last_end = max(result.last_end, end)
+        result.holds.append((job.id, t, end))
+        self._ran(job, t, end)
+        if self.record:
+            self._segment(job, group.id, step.name, t, end, "phase")
+        self._at(end, self._gpu_end, job)
+
+    def _left(self, group: _Group, job: _Job) -> None:
+        if group.resident is job and all(s.where != group.id for s in group.states[job.id]):
+            group.resident = None
+
+    def _ran(self, job: _Job, start: float, end: float) -> None:
+        r = job.result
+        r.first_start = start if r.first_start is None else min(r.first_start, start)
+        r.last_end = max(r.last_end, end)
+
+    def _next_step(self, job: _Job) -> _Step | None:
+        """The step after the current one (the next epoch's first), None after the last."""
+        if job.index + 1 < len(job.steps):
+            return job.steps[job.index + 1]
+        return job.steps[0] if job.epoch + 1 < job.epochs else None
+
+    def _advance(self, t: float, job: _Job) -> None:
+        """Move to the next step, ready at ``t``."""
+        job.index += 1
+        if job.index == len(job.steps):
+            job.index = 0
+            job.epoch += 1
+            job.result.epochs_done = job.epoch
+            if job.epoch >= job.epochs:
+                return
+        self._at(t, self._ready, job)
+
+    def _prefetch(self, t: float, job: _Job, nxt: _Step | None) -> None:
+        """An RL job asks for its next GPU phase's lease as this step ends."""
+        if not job.client and nxt is not None and nxt.gpu and nxt.group not in job.held:
+            assert nxt.group is not None
+            self._ask(t, job, nxt.group)
+
+    def _cpu_end(self, t: float, job: _Job) -> None:
+        nxt = self._next_step(job)
+        self._prefetch(t, job, nxt)
+        self._advance(t + (0.0 if job.client else self.ov.hop_s), job)
+
+    def _gpu_end(self, t: float, job: _Job) -> None:
+        ov = self.ov
+        step = job.step
+        assert step.group is not None
+        group = self.groups[step.group]
+        nxt = self._next_step(job)
+        if job.client:
+            self._release(t, job, group, keep=False)
+            self._advance(t + ov.request_s + ov.grant_s, job)  # the client awaits its release
+            return
+        done = job.epoch + 1
+        if (
+            step.last_gpu
+            and job.ckpt_every is not None
+            and job.ckpt is not None
+            and (done % job.ckpt_every == 0 or done == job.epochs)
+        ):
+            # The checkpoint is written under the lease, which is released after it.
+            begin = t + ov.hop_s
+            end = begin + job.ckpt.mean
+            self._segment(job, group.id, "checkpoint", begin, end, "checkpoint")
+            self._release(end, job, group, keep=False)
+            self._prefetch(end, job, nxt)
+            self._advance(end + ov.hop_s, job)
+            return
+        if nxt is not None and nxt.gpu and nxt.group == group.id:
+            # Released only if someone waits; the process awaits the answer, then its next
+            # activity is dispatched: the group idles for the carried lease's gap.
+            self._release(t, job, group, keep=True)
+            self._advance(t + max(ov.carry_s, ov.request_s + ov.grant_s), job)
+            return
+        self._release(t, job, group, keep=False)  # sent in the background
+        self._prefetch(t, job, nxt)
+        self._advance(t + ov.hop_s, job)
+
+    def _release(self, t: float, job: _Job, group: _Group, *, keep: bool) -> None:
+        if not keep:
+            # No longer the process's to use from now on: a lease asked for next on the same
+            # group is a new one (``_yield_in_background``).
+            job.held.discard(group.id)
+        self._at(t + self.ov.request_s, self._released, group, job, keep)
+
+    # ------------------------------------------------------------ the group
+
+    def _request(self, t: float, group: _Group, job: _Job, asked: float) -> None:
+        self._seq += 1
+        group.queue.append(_Waiter(job, t, self._seq, asked))
+        self._decide(t, group)
+
+    def _best(self, t: float, group: _Group) -> _Waiter | None:
+        if not group.queue:
+            return None
+        aging = group.spec.aging_s
+        return max(group.queue, key=lambda w: (w.job.priority + (t - w.enqueued) / aging, -w.seq))
+
+    def _released(self, t: float, group: _Group, job: _Job, keep: bool) -> None:
+        if group.holder is not job:
+            return
+        if keep and not group.queue:
+            return  # kept: the job's next phase runs under the same lease
+        group.holder = None
+        job.held.discard(group.id)
+        if keep:
+            # Released after all: the process asks for the next phase's lease once it hears.
+            self._ask(t + self.ov.grant_s, job, group.id)
+        best = self._best(t, group)
+        if best is not None and best.job is not job and group.resident is job and not job.client:
+            # Co-operative eviction: the holder moves its state out once it hears "evict".
+            self._evict(t + self.ov.grant_s, group, job)
+        self._decide(t, group)
+
+    def _fit(self, group: _Group, a: _Job, b: _Job) -> bool:
+        memory = group.spec.memory_bytes
+        if memory is None:
+            return False
+        size = sum(s.bytes for s in group.states.get(a.id, ())) + sum(
+            s.bytes for s in group.states.get(b.id, ())
+        )
+        return size <= memory
+
+    def _evict(self, t: float, group: _Group, job: _Job) -> float:
+        """Move ``job``'s states out of ``group``'s device from ``t``; returns when done."""
+        moving = [s for s in group.states.get(job.id, ()) if s.where == group.id]
+        end = t + sum(s.snapshot_s for s in moving)
+        for state in moving:
+            state.where = None
+            state.free_at = max(state.free_at, end)
+            group.result.bytes_moved += state.bytes
+        if group.resident is job:
+            group.resident = None
+        group.evicting = (job, end + self.ov.request_s)
+        self._segment(job, group.id, "evict", t, end, "evict")
+        return end
+
+    def _decide(self, t: float, group: _Group) -> None:
+        if group.holder is not None or group.switching:
+            return
+        best = self._best(t, group)
+        if best is None:
+            return
+        group.queue.remove(best)
+        job = best.job
+        grant_at = t
+        resident = group.resident
+        if resident is not None and resident is not job:
+            # Sticky residency met a different job: the group evicts with its own activity,
+            # beside the grant when both states fit, else before it.
+            fit = self._fit(group, resident, job)
+            end = self._evict(t + self.ov.group_move_s, group, resident)
+            if not fit:
+                grant_at = end + self.ov.request_s
+        elif group.evicting is not None and group.evicting[1] > t:
+            other, reported = group.evicting
+            if other is not job and not self._fit(group, other, job):
+                grant_at = reported  # wait for the eviction's report
+        if job.client:
+            missing = [s for s in group.states.get(job.id, ()) if s.where != group.id]
+            if missing:
+                begin = max([grant_at, *(s.free_at for s in missing)]) + self.ov.group_move_s
+                grant_at = begin + sum(s.restore_s for s in missing)
+                for state in missing:
+                    state.where = group.id
+                    group.result.bytes_moved += state.bytes
+                self._segment(job, group.id, "restore", begin, grant_at, "restore")
+        group.resident = job
+        if grant_at > t:
+            group.switching = True
+            self._at(grant_at, self._grant, group, job)
         else:
-            completion[job.job_id] = end - job.start_s
-        seq += 1
-    return Outcome(groups=groups, completion_s=completion)
+            self._grant(t, group, job)
+
+    def _grant(self, t: float, group: _Group, job: _Job) -> None:
+        group.switching = False
+        group.holder = job
+        group.result.leases += 1
+        if group.last_holder is not None and group.last_holder is not job:
+            group.result.switches += 1
+        group.last_holder = job
+        self._at(t + self.ov.grant_s, self._granted, job, group)
+
+
+def simulate(
+    placements: Sequence[Placement],
+    *,
+    groups: dict[str, GroupSpec] | None = None,
+    overheads: Overheads | None = None,
+    move_bytes_per_s: float = DEFAULT_MOVE_BYTES_PER_S,
+    seed: int | None = None,
+    record: bool = False,
+) -> Outcome:
+    """Run every placed job to its last epoch. ``overheads`` default: the measured ones
+    (:class:`Overheads`); :meth:`Overheads.zero` with no states gives the ideal. ``seed``
+    draws each phase's duration from its measured spread instead of using its mean."""
+    return Simulation(
+        placements,
+        groups=groups,
+        overheads=overheads,
+        move_bytes_per_s=move_bytes_per_s,
+        seed=seed,
+        record=record,
+    ).run()
+
+
+def rl_profile(
+    job_id: str,
+    *,
+    sample_s: float,
+    rewards_s: float,
+    train_s: float,
+    epochs: int,
+    states: Sequence[StateProfile] = (),
+    priority: int = 0,
+    checkpoint_every: int | None = None,
+    checkpoint_s: float | None = None,
+) -> JobProfile:
+    """A profile of the RL job's three phases from plain numbers (tests, bench/replay.py)."""
+    return JobProfile.model_validate(
+        {
+            "job_id": job_id,
+            "epochs": epochs,
+            "priority": priority,
+            "phases": [
+                {"name": "sample", "gpu": True, "pool": "sampler", "seconds": sample_s},
+                {"name": "rewards", "gpu": False, "seconds": rewards_s},
+                {"name": "train", "gpu": True, "pool": "trainer", "seconds": train_s},
+            ],
+            "states": [s.model_dump() for s in states],
+            "checkpoint_every": checkpoint_every,
+            "checkpoint_s": checkpoint_s,
+        }
+    )

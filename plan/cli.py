@@ -1,0 +1,519 @@
+"""``timeslice plan``: which jobs should share which GPU groups.
+
+    timeslice plan profile JOB... [--group G] [--out DIR]    profiles from real runs
+    timeslice plan schema                                     the profile file's JSON schema
+    timeslice plan PROFILE... --groups N [options]            the best assignments
+
+``client/cli.py`` registers the command with :func:`add_parser` and runs it with :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from timeslice.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from timeslice.plan.profile import JobProfile, Overheads
+    from timeslice.plan.search import Layout, PlanResult
+
+USAGE = """\
+timeslice plan profile JOB... [--group GROUP] [--out DIR] [--format yaml|json]
+       timeslice plan schema
+       timeslice plan PROFILE... (--groups N | --sampler-groups N --trainer-groups N) [options]"""
+
+PROFILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    plan = subparsers.add_parser(
+        "plan",
+        usage=USAGE,
+        help="which jobs should share which GPU groups, predicted from phase profiles",
+        description="Profile jobs from their real runs (`plan profile JOB...`), or search the "
+        "assignments of profiled jobs to GPU groups and print the best few: utilization per "
+        "group, slowdown per job against a group of its own, GPUs saved. docs/plan.md has more.",
+    )
+    plan.add_argument(
+        "items",
+        nargs="+",
+        metavar="PROFILE",
+        help="profile files (YAML / JSON) or folders of them; or `profile JOB...`; or `schema`",
+    )
+    where = plan.add_argument_group("where the jobs may run")
+    where.add_argument("--groups", help="N groups, or their names comma-separated (colocated)")
+    where.add_argument("--sampler-groups", help="N sampler groups, or their names")
+    where.add_argument("--trainer-groups", help="N trainer groups, or their names")
+    where.add_argument(
+        "--group-memory",
+        type=float,
+        metavar="BYTES",
+        help="device memory of a group: where two jobs' states fit, switches overlap "
+        "eviction and restore (default: not declared)",
+    )
+    where.add_argument("--gpus-per-group", type=int, default=1, help="for GPUs saved (default 1)")
+    where.add_argument(
+        "--aging", type=float, default=60.0, metavar="S", help="the groups' aging_s (default 60)"
+    )
+    limits = plan.add_argument_group("limits and priorities")
+    limits.add_argument(
+        "--max-slowdown",
+        action="append",
+        default=[],
+        metavar="[JOB=]X",
+        help="at most X times slower than alone on a group of its own; X alone sets it for "
+        "jobs whose profile has no max_slowdown (default 1.5); repeatable",
+    )
+    limits.add_argument(
+        "--priority",
+        action="append",
+        default=[],
+        metavar="JOB=N",
+        help="the job's priority on its groups (overrides its profile); repeatable",
+    )
+    model = plan.add_argument_group("the model")
+    model.add_argument(
+        "--overheads",
+        type=Path,
+        metavar="FILE",
+        help="the protocol's costs (YAML / JSON, fields of Overheads); default: the median of "
+        "those measured in the profiles, else this project's measurements",
+    )
+    model.add_argument(
+        "--move-gbps",
+        type=float,
+        default=25.0,
+        help="host <-> device copy rate for states with no measured move time (default 25)",
+    )
+    out = plan.add_argument_group("output")
+    out.add_argument("--top", type=int, default=3, help="how many assignments (default 3)")
+    out.add_argument(
+        "--time-limit", type=float, default=5.0, metavar="S", help="search time (default 5 s)"
+    )
+    out.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    out.add_argument("--json", type=Path, metavar="FILE", help="also write the answer as JSON")
+    out.add_argument(
+        "--html",
+        type=Path,
+        metavar="FILE",
+        help="draw the recommended assignment's simulated run as a timeline (and FILE.json)",
+    )
+    prof = plan.add_argument_group("plan profile")
+    prof.add_argument(
+        "--group",
+        action="append",
+        default=[],
+        help="a group whose lease history to read client (non-RL) jobs from; repeatable",
+    )
+    prof.add_argument(
+        "--out",
+        type=Path,
+        default=Path(".timeslice/profiles"),
+        help="folder for the profiles (default .timeslice/profiles)",
+    )
+    prof.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    conn = plan.add_argument_group("Temporal (plan profile)")
+    conn.add_argument(
+        "--address", help="Temporal HOST:PORT (default: $TEMPORAL_ADDRESS, then localhost:7233)"
+    )
+    conn.add_argument("--namespace", help="Temporal namespace (default: $TEMPORAL_NAMESPACE)")
+    conn.add_argument("--profile", help="temporal CLI config profile ($TEMPORAL_PROFILE)")
+
+
+async def run(args: argparse.Namespace) -> int:
+    head, rest = args.items[0], args.items[1:]
+    if head == "profile":
+        if not rest:
+            raise InvalidArgumentError("plan profile: name at least one job")
+        return await _profile(args, rest)
+    if head == "schema":
+        from timeslice.plan.profile import profile_schema
+
+        print(json.dumps(profile_schema(), indent=2))
+        return 0
+    return _plan(args)
+
+
+# ---------------------------------------------------------------- plan profile
+
+
+async def _profile(args: argparse.Namespace, jobs: list[str]) -> int:
+    from timeslice.connection import connect, connect_config
+    from timeslice.plan.collect import (
+        NoSuchJobError,
+        client_profile,
+        read_group,
+        read_rl_job,
+        rl_job_profile,
+    )
+    from timeslice.plan.profile import dump_profile
+
+    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    statuses = {g: await read_group(client, g) for g in args.group}
+    args.out.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[JobProfile, Path]] = []
+    for job in jobs:
+        try:
+            profile = rl_job_profile(await read_rl_job(client, job))
+        except NoSuchJobError:
+            holding = [g for g, s in statuses.items() if any(r.job_id == job for r in s.history)]
+            if not holding:
+                where = (
+                    f" nor in the lease history of {', '.join(args.group)}" if args.group else ""
+                )
+                raise NoSuchJobError(
+                    f"no RL job {job!r} (workflow rl-job-{job}){where}; for a job using the "
+                    "embedded client, name the group it used with --group"
+                ) from None
+            if len(holding) > 1:
+                raise InvalidArgumentError(
+                    f"job {job!r} holds leases in several groups ({', '.join(holding)}): "
+                    "profile it with one --group"
+                ) from None
+            g = holding[0]
+            profile = client_profile(job, g, statuses[g].history)
+        path = args.out / f"{job}.{args.format}"
+        dump_profile(profile, path)
+        written.append((profile, path))
+    for profile, path in written:
+        print(describe_profile(profile))
+        print(f"  -> {path}")
+    return 0
+
+
+def describe_profile(p: JobProfile) -> str:
+    def span(seconds: object) -> str:
+        from timeslice.plan.profile import Seconds
+
+        assert isinstance(seconds, Seconds)
+        if seconds.samples > 1 and seconds.p90 is not None:
+            return f"{seconds.mean:.2f} s (p90 {seconds.p90:.2f}, n={seconds.samples})"
+        return f"{seconds.mean:.2f} s"
+
+    lines = [f"{p.job_id}: {p.kind}, {p.epochs} epochs, GPU share {p.duty:.0%} alone"]
+    for ph in p.phases:
+        where = f"GPU, {ph.pool}" if ph.gpu else "off the GPU"
+        lines.append(f"  {ph.name:<10} {span(ph.seconds):<34} {where}")
+    for s in p.states:
+        moves = (
+            f"snapshot {s.snapshot_s:.3f} s, restore {s.restore_s:.3f} s"
+            if s.snapshot_s is not None and s.restore_s is not None
+            else "move time not measured"
+        )
+        lines.append(f"  state {s.name} ({s.pool}): {_gb(s.bytes)}, {moves}")
+    if p.source is not None:
+        ov = p.source.overheads
+        if ov is not None:
+            lines.append(
+                f"  protocol: hop {ov.hop_s * 1000:.0f} ms, request + grant "
+                f"{(ov.request_s + ov.grant_s) * 1000:.0f} ms, carried lease "
+                f"{ov.carry_s * 1000:.0f} ms ({ov.samples} measurements)"
+            )
+        for note in p.source.notes:
+            lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+# ---------------------------------------------------------------- plan
+
+
+def load_all(items: list[str]) -> list[JobProfile]:
+    from timeslice.plan.profile import load_profiles
+
+    profiles: list[JobProfile] = []
+    for item in items:
+        path = Path(item)
+        if path.is_dir():
+            files = sorted(f for f in path.iterdir() if f.suffix.lower() in PROFILE_SUFFIXES)
+            if not files:
+                raise InvalidArgumentError(f"{path}: no profile files (*.yaml, *.yml, *.json)")
+        elif path.exists():
+            files = [path]
+        else:
+            raise InvalidArgumentError(f"{path}: no such profile file or folder")
+        for f in files:
+            profiles.extend(load_profiles(f))
+    ids = [p.job_id for p in profiles]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise InvalidArgumentError(f"several profiles for job(s) {dup}: give each job once")
+    return profiles
+
+
+def _names(value: str, flag: str, prefix: str) -> tuple[str, ...]:
+    value = value.strip()
+    if value.isdigit():
+        n = int(value)
+        if n < 1:
+            raise InvalidArgumentError(f"{flag} must be at least 1")
+        return tuple(f"{prefix}-{i + 1}" for i in range(n))
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not names:
+        raise InvalidArgumentError(f"{flag}: give a number of groups or their names")
+    return names
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    from timeslice.plan.search import Layout
+
+    pooled = args.sampler_groups is not None or args.trainer_groups is not None
+    if pooled and args.groups is not None:
+        raise InvalidArgumentError("give --groups, or --sampler-groups and --trainer-groups")
+    if pooled and (args.sampler_groups is None or args.trainer_groups is None):
+        raise InvalidArgumentError(
+            "disaggregated pools need both --sampler-groups and --trainer-groups"
+        )
+    if not pooled and args.groups is None:
+        raise InvalidArgumentError(
+            "how many groups? give --groups N (or sampler and trainer pools)"
+        )
+    memory = None
+    if args.group_memory is not None:
+        if args.group_memory <= 0:
+            raise InvalidArgumentError("--group-memory must be > 0 bytes")
+        memory = int(args.group_memory)
+    if args.aging <= 0:
+        raise InvalidArgumentError("--aging must be > 0 seconds")
+    try:
+        if pooled:
+            return Layout(
+                sampler_groups=_names(args.sampler_groups, "--sampler-groups", "sampler"),
+                trainer_groups=_names(args.trainer_groups, "--trainer-groups", "trainer"),
+                memory_bytes=memory,
+                aging_s=args.aging,
+                gpus_per_group=args.gpus_per_group,
+            )
+        return Layout(
+            groups=_names(args.groups, "--groups", "group"),
+            memory_bytes=memory,
+            aging_s=args.aging,
+            gpus_per_group=args.gpus_per_group,
+        )
+    except ValueError as err:
+        raise InvalidArgumentError(str(err)) from None
+
+
+def _limits(items: list[str]) -> tuple[float | None, dict[str, float]]:
+    default: float | None = None
+    per_job: dict[str, float] = {}
+    for item in items:
+        job, sep, raw = item.rpartition("=")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"--max-slowdown {item!r}: use X or JOB=X with X a number, e.g. 1.3"
+            ) from None
+        if not value >= 1.0:
+            raise InvalidArgumentError(f"--max-slowdown {item!r}: X must be >= 1 (1 = no slowdown)")
+        if sep:
+            per_job[job] = value
+        else:
+            default = value
+    return default, per_job
+
+
+def _priorities(items: list[str], profiles: list[JobProfile]) -> list[JobProfile]:
+    known = {p.job_id for p in profiles}
+    changes: dict[str, int] = {}
+    for item in items:
+        job, sep, raw = item.rpartition("=")
+        if not sep or not job:
+            raise InvalidArgumentError(f"--priority {item!r}: use JOB=N, e.g. grpo-a=2")
+        if job not in known:
+            raise InvalidArgumentError(f"--priority {item!r}: no profile for job {job!r}")
+        try:
+            changes[job] = int(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"--priority {item!r}: N must be a whole number") from None
+        if not -100 <= changes[job] <= 100:
+            raise InvalidArgumentError(f"--priority {item!r}: N must be within -100..100")
+    return [
+        p.model_copy(update={"priority": changes[p.job_id]}) if p.job_id in changes else p
+        for p in profiles
+    ]
+
+
+def pick_overheads(profiles: list[JobProfile], path: Path | None) -> tuple[Overheads, str]:
+    """The overheads the simulator uses, and where they came from."""
+    from timeslice.plan.profile import Overheads, load_overheads
+
+    if path is not None:
+        return load_overheads(path), f"from {path}"
+    measured = [
+        p.source.overheads
+        for p in profiles
+        if p.source is not None and p.source.overheads is not None and p.source.overheads.samples
+    ]
+    if not measured:
+        return Overheads(), "defaults: no profile carries measured ones"
+    fields = ("request_s", "grant_s", "hop_s", "carry_s", "group_move_s")
+    median = {f: statistics.median(getattr(o, f) for o in measured) for f in fields}
+    samples = sum(o.samples for o in measured)
+    return Overheads(**median, samples=samples), f"measured in {len(measured)} profile(s)"
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from timeslice.plan.search import DEFAULT_MAX_SLOWDOWN, Planner
+
+    profiles = _priorities(args.priority, load_all(args.items))
+    layout = layout_from_args(args)
+    default, per_job = _limits(args.max_slowdown)
+    overheads, origin = pick_overheads(profiles, args.overheads)
+    if args.move_gbps <= 0:
+        raise InvalidArgumentError("--move-gbps must be > 0")
+    if args.top < 1 or args.time_limit <= 0:
+        raise InvalidArgumentError("--top must be >= 1 and --time-limit > 0")
+    try:
+        planner = Planner(
+            profiles,
+            layout,
+            overheads=overheads,
+            move_bytes_per_s=args.move_gbps * 1e9,
+            max_slowdown=default if default is not None else DEFAULT_MAX_SLOWDOWN,
+            limits=per_job,
+            seed=args.seed,
+        )
+    except ValueError as err:
+        raise InvalidArgumentError(str(err)) from None
+    result = planner.search(top=args.top, time_limit_s=args.time_limit)
+    print(format_plan(result, origin))
+    if args.json is not None:
+        args.json.write_text(json.dumps(plan_json(result, origin), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.html is not None and result.assignments:
+        from timeslice.plan.timeline import write_timeline
+
+        outcome = planner.timeline(result.assignments[0])
+        for path in write_timeline(outcome, result.assignments[0], args.html):
+            print(f"wrote {path}")
+    return 0 if result.assignments and not result.assignments[0].violations else 1
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+def format_plan(result: PlanResult, origin: str) -> str:
+    ov = result.overheads
+    layout = result.layout
+    n_jobs = len(result.assignments[0].jobs) if result.assignments else 0
+    if layout.disaggregated:
+        where = (
+            f"{len(layout.sampler_groups)} sampler + {len(layout.trainer_groups)} trainer groups"
+        )
+    else:
+        where = f"{len(layout.groups)} groups"
+    lines = [
+        f"plan for {n_jobs} jobs on {where} (predicted by simulation)",
+        f"protocol costs ({origin}): request {ov.request_s * 1000:.0f} ms, grant "
+        f"{ov.grant_s * 1000:.0f} ms, hop {ov.hop_s * 1000:.0f} ms, carried lease "
+        f"{ov.carry_s * 1000:.0f} ms",
+        f"searched {result.evaluated} assignments ({result.simulations} simulations) in "
+        f"{result.seconds:.1f} s",
+    ]
+    lines += [f"note: {n}" for n in result.notes]
+    for rank, a in enumerate(result.assignments, 1):
+        lines.append("")
+        verdict = "" if not a.violations else f"; BREAKS {len(a.violations)} LIMIT(S)"
+        lines.append(
+            f"#{rank}  {a.groups_used} group(s) used: {a.gpus_used} of {a.gpus_dedicated} GPUs "
+            f"(saves {a.gpus_saved}), mean utilization {_pct(a.mean_utilization)}{verdict}"
+        )
+        rows = [("group", "role", "utilization", "jobs")]
+        rows += [
+            (g.group_id, g.role, _pct(g.utilization), ", ".join(g.jobs)) for g in a.groups if g.jobs
+        ]
+        lines += _table(rows)
+        rows = [("job", "slowdown", "limit", "alone", "shared", "groups")]
+        for j in a.jobs:
+            groups = (
+                j.sampler_group
+                if j.sampler_group == j.trainer_group
+                else (f"{j.sampler_group} / {j.trainer_group}")
+            )
+            limit = "-" if j.max_slowdown == float("inf") else f"{j.max_slowdown:.2f}x"
+            mark = "" if j.ok else "  over"
+            rows.append(
+                (
+                    j.job_id,
+                    f"{j.slowdown:.2f}x{mark}",
+                    limit,
+                    f"{j.dedicated_s:.1f} s",
+                    f"{j.completion_s:.1f} s",
+                    groups,
+                )
+            )
+        lines += _table(rows)
+    scaled = [j for a in result.assignments[:1] for j in a.jobs if j.epochs_simulated < j.epochs]
+    if scaled:
+        lines.append("")
+        shown = ", ".join(f"{j.job_id} {j.epochs_simulated} of {j.epochs}" for j in scaled[:4])
+        lines.append(
+            "long jobs are simulated on fewer epochs, the same fraction for all (times above "
+            f"are for those): {shown}{' ...' if len(scaled) > 4 else ''}"
+        )
+    if not result.assignments:
+        lines.append("no assignment found")
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
+
+
+def plan_json(result: PlanResult, origin: str) -> dict[str, object]:
+    return {
+        "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "overheads": result.overheads.model_dump(),
+        "overheads_from": origin,
+        "searched": result.evaluated,
+        "simulations": result.simulations,
+        "seconds": round(result.seconds, 3),
+        "notes": result.notes,
+        "assignments": [
+            {
+                "groups_used": a.groups_used,
+                "gpus_used": a.gpus_used,
+                "gpus_saved": a.gpus_saved,
+                "mean_utilization": a.mean_utilization,
+                "violations": [j.job_id for j in a.violations],
+                "groups": [
+                    {
+                        "group": g.group_id,
+                        "role": g.role,
+                        "jobs": g.jobs,
+                        "utilization": g.utilization,
+                    }
+                    for g in a.groups
+                    if g.jobs
+                ],
+                "jobs": [
+                    {
+                        "job": j.job_id,
+                        "sampler_group": j.sampler_group,
+                        "trainer_group": j.trainer_group,
+                        "slowdown": j.slowdown,
+                        "max_slowdown": None if j.max_slowdown == float("inf") else j.max_slowdown,
+                        "dedicated_s": j.dedicated_s,
+                        "shared_s": j.completion_s,
+                        "epochs_simulated": j.epochs_simulated,
+                    }
+                    for j in a.jobs
+                ],
+            }
+            for a in result.assignments
+        ],
+    }

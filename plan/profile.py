@@ -1,0 +1,373 @@
+"""A job's phase profile: what ``timeslice plan`` predicts from.
+
+A profile says, for one job: its phases in the order one epoch runs them (seconds each, as a
+distribution; on the GPU or not; on its sampler or its trainer pool), the states it keeps on a
+group's device (bytes, snapshot and restore seconds), how many epochs it runs, and when it
+checkpoints. ``timeslice plan profile JOB`` writes one from a real run; one can also be written
+by hand, in YAML or JSON, for a job that has not run yet::
+
+    job_id: grpo-7b
+    epochs: 200
+    phases:
+      - {name: sample, gpu: true, pool: sampler, seconds: 40}
+      - {name: rewards, gpu: false, seconds: 55}
+      - {name: train, gpu: true, pool: trainer, seconds: {mean: 20, p90: 24}}
+    states:
+      - {name: sampler, pool: sampler, bytes: 16e9, snapshot_s: 0.7, restore_s: 0.6}
+      - {name: trainer, pool: trainer, bytes: 48e9}
+
+``timeslice plan schema`` prints the JSON schema. Every file crossing into the planner goes
+through :func:`load_profile`, which names the file, the field and the problem.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from timeslice.errors import InvalidArgumentError
+
+PROFILE_VERSION = 1
+Pool = Literal["sampler", "trainer"]
+StatePool = Literal["sampler", "trainer", "both"]
+Kind = Literal["rl-job", "client"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Seconds(_Model):
+    """A phase's duration: the mean the simulator uses, and the spread seen (when measured).
+
+    A plain number is accepted for ``mean`` alone (``seconds: 40``)."""
+
+    mean: float = Field(ge=0, allow_inf_nan=False)
+    stdev: float | None = Field(None, ge=0, allow_inf_nan=False)
+    min: float | None = Field(None, ge=0, allow_inf_nan=False)
+    p50: float | None = Field(None, ge=0, allow_inf_nan=False)
+    p90: float | None = Field(None, ge=0, allow_inf_nan=False)
+    max: float | None = Field(None, ge=0, allow_inf_nan=False)
+    samples: int = Field(0, ge=0, description="how many measurements (0: written by hand)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _number(cls, data: Any) -> Any:
+        if isinstance(data, int | float) and not isinstance(data, bool):
+            return {"mean": data}
+        return data
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Seconds:
+        order = [(k, getattr(self, k)) for k in ("min", "p50", "p90", "max")]
+        known = [(k, v) for k, v in order if v is not None]
+        for (k1, v1), (k2, v2) in itertools.pairwise(known):
+            if v1 > v2:
+                raise ValueError(f"{k1} ({v1}) is above {k2} ({v2})")
+        low, high = self.min, self.max
+        if (low is not None and self.mean < low - 1e-9) or (
+            high is not None and self.mean > high + 1e-9
+        ):
+            raise ValueError(f"mean {self.mean} lies outside min..max ({low}..{high})")
+        return self
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Seconds:
+        """Summarise measured durations."""
+        if not values:
+            raise ValueError("no durations to summarise")
+        ordered = sorted(values)
+        return cls(
+            mean=statistics.fmean(ordered),
+            stdev=statistics.stdev(ordered) if len(ordered) > 1 else 0.0,
+            min=ordered[0],
+            p50=statistics.median(ordered),
+            p90=_quantile(ordered, 0.9),
+            max=ordered[-1],
+            samples=len(ordered),
+        )
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (what numpy calls 'linear')."""
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+class PhaseProfile(_Model):
+    """One step of an epoch. A GPU phase holds a lease of its pool's group while it runs."""
+
+    name: str = Field(min_length=1, max_length=64)
+    gpu: bool
+    pool: Pool | None = Field(
+        None, description="the group a GPU phase runs on: the job's sampler or trainer group"
+    )
+    seconds: Seconds
+
+    @model_validator(mode="after")
+    def _pool(self) -> PhaseProfile:
+        if self.gpu and self.pool is None:
+            raise ValueError(f"GPU phase {self.name!r} needs a pool (sampler or trainer)")
+        if not self.gpu and self.pool is not None:
+            raise ValueError(f"phase {self.name!r} is not on the GPU: leave out its pool")
+        return self
+
+
+class StateProfile(_Model):
+    """A state the job keeps on a group's device, moved out when another job takes the group.
+
+    ``pool``: the group it lives on (``both``: one state that follows the job's lease between
+    its sampler and trainer groups). Move times left out are estimated from ``bytes`` and the
+    planner's move bandwidth (``--move-gbps``)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    pool: StatePool
+    bytes: int = Field(ge=0)
+    snapshot_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    restore_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+    @field_validator("bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any) -> Any:
+        # YAML reads 16e9 as a float (or a string); a byte count written that way is meant.
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                return v
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        return v
+
+
+class Overheads(_Model):
+    """What the protocol itself costs, beyond phases and state moves (seconds).
+
+    The defaults are this project's measurements on the embedded server (BENCHMARKS.md);
+    ``timeslice plan profile`` measures them on the jobs it reads."""
+
+    request_s: float = Field(
+        0.015,
+        ge=0,
+        allow_inf_nan=False,
+        description="a process's acquire or release reaches its group",
+    )
+    grant_s: float = Field(
+        0.015,
+        ge=0,
+        allow_inf_nan=False,
+        description="the group's answer (a grant) reaches the process",
+    )
+    hop_s: float = Field(
+        0.035,
+        ge=0,
+        allow_inf_nan=False,
+        description="one step of an RL job ends -> its next step's activity starts",
+    )
+    carry_s: float = Field(
+        0.075,
+        ge=0,
+        allow_inf_nan=False,
+        description="a kept lease: train ends -> the next sampling starts (the group idles)",
+    )
+    group_move_s: float = Field(
+        0.04,
+        ge=0,
+        allow_inf_nan=False,
+        description="dispatch of a snapshot / restore activity the group runs itself",
+    )
+    samples: int = Field(0, ge=0, description="hand-offs and hops measured (0: defaults)")
+
+    @classmethod
+    def zero(cls) -> Overheads:
+        """Free protocol: the ideal the benchmarks compare against."""
+        return cls(request_s=0, grant_s=0, hop_s=0, carry_s=0, group_move_s=0)
+
+
+class ProfileSource(_Model):
+    """Where a measured profile came from."""
+
+    workflow_id: str | None = None
+    group_id: str | None = Field(None, description="a client job: the group whose leases were read")
+    runs: int = Field(0, ge=0, description="workflow runs read (continue-as-new)")
+    epochs_read: int = Field(0, ge=0)
+    sampler_group: str | None = None
+    trainer_group: str | None = None
+    read_at: str | None = None
+    overheads: Overheads | None = Field(None, description="the protocol's costs seen in this run")
+    notes: list[str] = Field(default_factory=list)
+
+
+class JobProfile(_Model):
+    """One job, as the planner sees it (``timeslice plan schema`` prints this as JSON schema)."""
+
+    version: Literal[1] = PROFILE_VERSION
+    job_id: str = Field(min_length=1, max_length=200)
+    kind: Kind = Field(
+        "rl-job",
+        description="rl-job: an RLJobWorkflow (phases take their own leases, ask ahead, carry "
+        "the lease train -> sample, move their own state); client: a process using the "
+        "embedded client (acquire, hold, release; the group moves its state)",
+    )
+    epochs: int = Field(ge=1, le=10_000_000)
+    priority: int = Field(0, ge=-100, le=100)
+    max_slowdown: float | None = Field(
+        None, ge=1.0, allow_inf_nan=False, description="at most this much slower than dedicated"
+    )
+    phases: list[PhaseProfile] = Field(min_length=1, description="one epoch, in order")
+    states: list[StateProfile] = Field(default_factory=list)
+    checkpoint_every: int | None = Field(None, ge=1)
+    checkpoint_s: Seconds | None = Field(
+        None, description="a checkpoint, written under the trainer lease after train"
+    )
+    source: ProfileSource | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobProfile:
+        names = [p.name for p in self.phases]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"phase names repeat: {dup}")
+        if not any(p.gpu for p in self.phases):
+            raise ValueError("no GPU phase: a job that never holds a group has nothing to plan")
+        states = [s.name for s in self.states]
+        dup = sorted({n for n in states if states.count(n) > 1})
+        if dup:
+            raise ValueError(f"state names repeat: {dup}")
+        if self.kind == "client" and any(p.pool == "trainer" for p in self.phases):
+            raise ValueError("a client job has one group: give its GPU phases pool 'sampler'")
+        if self.checkpoint_every is not None and self.checkpoint_s is None:
+            raise ValueError("checkpoint_every needs checkpoint_s (how long one takes)")
+        return self
+
+    @property
+    def gpu_s(self) -> float:
+        return sum(p.seconds.mean for p in self.phases if p.gpu)
+
+    @property
+    def epoch_s(self) -> float:
+        return sum(p.seconds.mean for p in self.phases)
+
+    @property
+    def duty(self) -> float:
+        """The GPU share of an epoch when the job runs alone (protocol costs left out)."""
+        return self.gpu_s / self.epoch_s if self.epoch_s > 0 else 1.0
+
+    def pools(self) -> set[str]:
+        return {p.pool for p in self.phases if p.pool is not None}
+
+
+def profile_schema() -> dict[str, Any]:
+    return JobProfile.model_json_schema()
+
+
+def explain(err: ValidationError) -> str:
+    """One line per problem, naming the field path: what to fix in the file."""
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(part) for part in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_profile(data: Any, where: str) -> JobProfile:
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(
+            f"{where}: a profile is a mapping (job_id, epochs, phases, ...), not "
+            f"{type(data).__name__}"
+        )
+    try:
+        return JobProfile.model_validate(data)
+    except ValidationError as err:
+        raise InvalidArgumentError(
+            f"{where}: invalid profile ({err.error_count()} problem"
+            f"{'s' if err.error_count() > 1 else ''}):\n{explain(err)}"
+        ) from None
+
+
+def load_profiles(path: Path) -> list[JobProfile]:
+    """Profiles in a YAML or JSON file: one mapping, or a list of them."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise InvalidArgumentError(f"{path}: cannot read ({err.strerror})") from None
+    data = _decode(text, path)
+    items = data if isinstance(data, list) else [data]
+    if not items:
+        raise InvalidArgumentError(f"{path}: no profile in the file")
+    return [
+        parse_profile(item, f"{path}" if len(items) == 1 else f"{path} (profile {i + 1})")
+        for i, item in enumerate(items)
+    ]
+
+
+def load_profile(path: Path) -> JobProfile:
+    profiles = load_profiles(path)
+    if len(profiles) != 1:
+        raise InvalidArgumentError(f"{path}: holds {len(profiles)} profiles, expected one")
+    return profiles[0]
+
+
+def _decode(text: str, path: Path) -> Any:
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InvalidArgumentError(
+                f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})"
+            ) from None
+    try:
+        import yaml
+    except ImportError:
+        raise InvalidArgumentError(
+            f"{path}: reading YAML needs PyYAML (pip install pyyaml), or write the profile as "
+            "JSON (.json)"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise InvalidArgumentError(f"{path}: not valid YAML{at}: {problem}") from None
+
+
+def load_overheads(path: Path) -> Overheads:
+    """The protocol's costs from a YAML / JSON file (the fields of :class:`Overheads`)."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise InvalidArgumentError(f"{path}: cannot read ({err.strerror})") from None
+    data = _decode(text, path)
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{path}: overheads are a mapping (request_s, grant_s, ...)")
+    try:
+        return Overheads.model_validate(data)
+    except ValidationError as err:
+        raise InvalidArgumentError(f"{path}: invalid overheads:\n{explain(err)}") from None
+
+
+def dump_profile(profile: JobProfile, path: Path) -> None:
+    """Write as JSON (.json) or YAML (anything else)."""
+    data = profile.model_dump(mode="json", exclude_none=True)
+    if path.suffix.lower() == ".json":
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        return
+    try:
+        import yaml
+    except ImportError:
+        raise InvalidArgumentError(
+            f"{path}: writing YAML needs PyYAML (pip install pyyaml); use a .json name"
+        ) from None
+    path.write_text(yaml.safe_dump(data, sort_keys=False))

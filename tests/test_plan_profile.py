@@ -1,0 +1,215 @@
+"""`timeslice plan profile` on real runs: two RL jobs sharing a group, and a client's leases.
+
+The jobs are real RLJobWorkflows served by real `timeslice job worker` processes (the
+`simulated` workload: phases hold their lease for set times, switches move a simulated state);
+the profiles are read back through the CLI, from the workflows' histories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from timeslice.activities.group_requests import start_group
+from timeslice.connection import connect, connect_config
+from timeslice.jobs import parse_job_config, start_rl_job
+from timeslice.plan.collect import completion_s, start_for_simulation
+from timeslice.plan.profile import dump_profile, load_profile
+from timeslice.plan.simulator import GroupSpec, Placement, simulate
+from timeslice.workflows.protocol import GroupConfig
+from timeslice.workflows.rl_protocol import RLJobResult
+
+from tests.conftest import start_service, stop_process
+
+OPTIONS = {
+    "sample_s": 0.3,
+    "reward_s": 0.5,
+    "train_s": 0.2,
+    "state_bytes": 1_000_000,
+    "snapshot_s": 0.05,
+}
+EPOCHS = 4
+
+
+@pytest.fixture
+def two_jobs(address: str, tmp_path: Path) -> Iterator[tuple[str, list[RLJobResult], str]]:
+    """Two simulated RL jobs run to completion on one group (which holds both states)."""
+    group = f"plan-{uuid.uuid4().hex[:8]}"
+    jobs = [f"plan-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    serve = ["--workload", "simulated", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    procs = [
+        start_service(
+            ["job", "worker", "--address", address, "--job-id", job, *serve, "--threads", "1"],
+            f"job {job} rank 0",
+            tmp_path / f"{job}.log",
+        )
+        for job in jobs
+    ]
+
+    async def go() -> list[RLJobResult]:
+        client = await connect(connect_config(address))
+        await start_group(client, GroupConfig(group_id=group, memory_bytes=4 * 2_000_000))
+        handles = [
+            await start_rl_job(
+                client,
+                parse_job_config(
+                    {
+                        "job_id": job,
+                        "workload": "simulated",
+                        "workload_options": OPTIONS,
+                        "sampler_group": group,
+                        "epochs": EPOCHS,
+                        "checkpoint_every": 2,
+                    }
+                ),
+            )
+            for job in jobs
+        ]
+        return list(await asyncio.gather(*(h.result() for h in handles)))
+
+    try:
+        yield group, asyncio.run(go()), address
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+def plan_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "timeslice"), "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_profile_round_trips_from_real_finished_jobs(
+    two_jobs: tuple[str, list[RLJobResult], str], tmp_path: Path
+) -> None:
+    group, results, address = two_jobs
+    out = tmp_path / "profiles"
+    ids = [r.job_id for r in results]
+    done = plan_cli("profile", *ids, "--address", address, "--out", str(out), "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert "sample" in done.stdout and "GPU share" in done.stdout
+
+    profiles = [load_profile(out / f"{job}.json") for job in ids]
+    for profile, result in zip(profiles, results, strict=True):
+        assert profile.job_id == result.job_id
+        assert profile.kind == "rl-job" and profile.epochs == EPOCHS
+        phases = {p.name: p for p in profile.phases}
+        assert list(phases) == ["sample", "rewards", "train"]
+        assert [(p.gpu, p.pool) for p in phases.values()] == [
+            (True, "sampler"),
+            (False, None),
+            (True, "trainer"),
+        ]
+        for name, key in (("sample", "sample_s"), ("rewards", "reward_s"), ("train", "train_s")):
+            seconds = phases[name].seconds
+            assert seconds.samples == EPOCHS
+            # Each phase holds for its set time; the clock read around it adds a little.
+            assert OPTIONS[key] <= seconds.mean < OPTIONS[key] + 0.3, (name, seconds)
+        assert profile.checkpoint_every == 2 and profile.checkpoint_s is not None
+        states = {s.name: s for s in profile.states}
+        assert {n: (s.pool, s.bytes) for n, s in states.items()} == {
+            "sampler": ("sampler", OPTIONS["state_bytes"]),
+            "trainer": ("trainer", OPTIONS["state_bytes"]),
+        }
+        # The jobs took turns, so each restored its state: its move times were measured.
+        for s in states.values():
+            assert s.restore_s is not None and OPTIONS["snapshot_s"] <= s.restore_s < 0.5
+        source = profile.source
+        assert source is not None and source.workflow_id == f"rl-job-{profile.job_id}"
+        assert source.runs == 1 and source.epochs_read == EPOCHS
+        assert source.sampler_group == source.trainer_group == group
+        assert source.overheads is not None and source.overheads.samples > 0
+        assert 0 < source.overheads.hop_s < 1.0
+
+        # The file round-trips, in both formats.
+        for suffix in (".json", ".yaml"):
+            again = tmp_path / f"again{suffix}"
+            dump_profile(profile, again)
+            assert load_profile(again) == profile
+
+    # The profiles predict the run they came from: each job's completion (first phase start
+    # to last phase end), within 10% (bench/plan_check.py measures how close, on longer runs).
+    overheads = profiles[0].source.overheads  # type: ignore[union-attr]
+    trip = overheads.request_s + overheads.grant_s  # type: ignore[union-attr]
+    starts = {r.job_id: start_for_simulation(r, trip) for r in results}
+    outcome = simulate(
+        [
+            Placement(p, group, group, start_s=starts[p.job_id] - min(starts.values()))
+            for p in profiles
+        ],
+        groups={group: GroupSpec(memory_bytes=4 * 2_000_000)},
+        overheads=overheads,
+    )
+    for r in results:
+        assert outcome.jobs[r.job_id].completion_s == pytest.approx(completion_s(r), rel=0.10)
+
+
+def test_client_job_profile_from_the_groups_lease_history(
+    make_client: Any, group: str, address: str, tmp_path: Path
+) -> None:
+    job = f"client-{uuid.uuid4().hex[:6]}"
+    client = make_client(job_id=job, group_id=group)
+    for _ in range(4):
+        lease = client.acquire()
+        time.sleep(0.2)
+        client.release(lease)
+        time.sleep(0.3)
+    out = tmp_path / "profiles"
+    done = plan_cli("profile", job, "--group", group, "--address", address, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    profile = load_profile(out / f"{job}.yaml")
+    assert profile.kind == "client" and profile.epochs == 4
+    hold, work = profile.phases
+    assert hold.gpu and hold.seconds.samples == 4 and 0.2 <= hold.seconds.mean < 0.5
+    # The gaps between leases, less the round trips of a release and an acquire.
+    assert not work.gpu and 0.1 < work.seconds.mean < 0.6
+
+
+def test_profile_of_an_unknown_job_says_what_to_do(address: str, tmp_path: Path) -> None:
+    done = plan_cli("profile", "no-such-job-x", "--address", address, "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert "no RL job 'no-such-job-x'" in done.stderr and "--group" in done.stderr
+
+
+def test_plan_cli_answers_from_profile_files(tmp_path: Path) -> None:
+    def job(name: str, s: float, r: float, t: float) -> dict[str, Any]:
+        return {
+            "job_id": name,
+            "epochs": 10,
+            "phases": [
+                {"name": "sample", "gpu": True, "pool": "sampler", "seconds": s},
+                {"name": "rewards", "gpu": False, "seconds": r},
+                {"name": "train", "gpu": True, "pool": "trainer", "seconds": t},
+            ],
+        }
+
+    folder = tmp_path / "p"
+    folder.mkdir()
+    for data in (job("bound-a", 10, 10, 10), job("bound-b", 10, 10, 10), job("light", 3, 30, 3)):
+        (folder / f"{data['job_id']}.json").write_text(json.dumps(data))
+    answer = tmp_path / "plan.json"
+    done = plan_cli(str(folder), "--groups", "3", "--max-slowdown", "1.3", "--json", str(answer))
+    assert done.returncode == 0, done.stderr
+    assert "#1  2 group(s) used" in done.stdout
+    best = json.loads(answer.read_text())["assignments"][0]
+    shared = [g["jobs"] for g in best["groups"] if len(g["jobs"]) > 1]
+    assert len(shared) == 1 and "light" in shared[0]
+
+    bad = folder / "broken.yaml"
+    bad.write_text("job_id: x\nepochs: 3\nphases:\n  - {name: sample, gpu: true, seconds: 1}\n")
+    done = plan_cli(str(bad), "--groups", "1")
+    assert done.returncode == 2
+    assert "broken.yaml: invalid profile" in done.stderr
+    assert "phases.0: GPU phase 'sample' needs a pool" in done.stderr
