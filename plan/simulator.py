@@ -40,7 +40,7 @@ from typing import Any, Literal
 from timeslice.plan.profile import JobProfile, Overheads, Seconds, StateProfile
 
 DEFAULT_MOVE_BYTES_PER_S = 25e9  # a host <-> device copy over PCIe Gen4 x16, roughly
-SegmentKind = Literal["phase", "restore", "evict", "checkpoint"]
+SegmentKind = Literal["phase", "restore", "evict", "checkpoint", "wait", "lease"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class Segment:
-    """One interval of the simulated timeline (a GPU phase on its group, or not)."""
+    """One interval of the simulated timeline: a phase (on its group, or none), a state moving
+    in or out, a checkpoint, a job waiting for its grant, or a group leased to a job."""
 
     job_id: str
     group_id: str | None
@@ -222,6 +223,7 @@ class _Group:
         "holder",
         "id",
         "last_holder",
+        "lease_start",
         "queue",
         "resident",
         "result",
@@ -240,6 +242,7 @@ class _Group:
         # (job, when its eviction's report reaches the group)
         self.evicting: tuple[_Job, float] | None = None
         self.switching = False
+        self.lease_start = 0.0
         self.states: dict[str, list[_State]] = {}  # job id -> its states that live here
         self.result = GroupResult()
 
@@ -370,6 +373,8 @@ class Simulation:
         step = job.step
         assert step.group is not None
         group = self.groups[step.group]
+        if self.record and job.ready_at is not None and t > job.ready_at:
+            self._segment(job, group.id, step.name, job.ready_at, t, "wait")
         job.ready_at = job.grant_at = None
         start = t
         for state in step.states:
@@ -496,6 +501,8 @@ class Simulation:
             return  # kept: the job's next phase runs under the same lease
         group.holder = None
         job.held.discard(group.id)
+        if self.record:
+            self._segment(job, group.id, "lease", group.lease_start, t, "lease")
         if keep:
             # Released after all: the process asks for the next phase's lease once it hears.
             self._ask(t + self.ov.grant_s, job, group.id)
@@ -568,6 +575,7 @@ class Simulation:
     def _grant(self, t: float, group: _Group, job: _Job) -> None:
         group.switching = False
         group.holder = job
+        group.lease_start = t
         group.result.leases += 1
         if group.last_holder is not None and group.last_holder is not job:
             group.result.switches += 1
