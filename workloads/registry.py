@@ -8,6 +8,7 @@ from timeslice.workloads.base import Workload
 
 BUILTIN: dict[str, str] = {
     "grpo-toy": "timeslice.workloads.grpo_toy:create",
+    "hf-grpo": "timeslice.workloads.hf_grpo:create",
     "simulated": "timeslice.workloads.simulated:create",
 }
 

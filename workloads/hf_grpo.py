@@ -1,0 +1,266 @@
+"""``hf-grpo``: grpo-toy's GRPO on a transformers-format policy, sampled by torch or by vLLM.
+
+The policy is the tiny Qwen2 causal LM of :mod:`timeslice.workloads.hf_tiny` (created from a
+config with seeded weights, its tokenizer built locally) and the task is grpo-toy's digit task,
+whose token numbering the tokenizer shares. The algorithm, the split of sampler and trainer
+state, the checkpoints and the determinism are grpo-toy's (this class subclasses it); what
+changes is the model, and the sampler:
+
+* ``sampler: "torch"`` — the sampler is a second copy of the policy, sampled token by token with
+  torch (any device; the CPU in the tests), exactly as grpo-toy samples;
+* ``sampler: "vllm"`` — a ``vllm.LLM`` built from the policy saved in Hub format, with
+  ``enable_sleep_mode=True``. Each epoch's ``sample`` first loads the trainer's latest weights
+  into the engine (``load_weights`` on the worker's model, as TRL's colocate mode does), then
+  generates with the epoch's seeds, digits only; the sampler group's switches put the engine to
+  sleep and wake it through the ``vllm`` snapshot backend. ``train`` computes the old policy's
+  log-probabilities itself (the engine's would be in another precision), so each epoch's first
+  optimizer step is exactly on-policy;
+* ``sampler: "auto"`` (the default) — vLLM where it imports and a CUDA device is present, else
+  torch. Needs a GPU: without one this path is never taken, and its test
+  (``tests/gpu/test_vllm_sampler.py``) is skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from timeslice.snapshot.base import SnapshotBackend
+from timeslice.snapshot.torch_backend import TorchBackend
+from timeslice.snapshot.vllm_backend import VllmSleepBackend
+from timeslice.workloads.base import JobSpec, PhaseContext
+from timeslice.workloads.grpo_toy import GrpoToyOptions, GrpoToyWorkload, _Rollout
+from timeslice.workloads.hf_tiny import (
+    BOS,
+    SEP,
+    TinyModelSpec,
+    build_model,
+    build_tokenizer,
+    save_pretrained,
+    vocabulary,
+)
+from torch import nn
+
+SAMPLERS = ("auto", "torch", "vllm")
+
+
+@dataclass(frozen=True)
+class HfGrpoOptions(GrpoToyOptions):
+    """grpo-toy's options (``d_model`` is the hidden size, ``heads`` the attention heads),
+    with a head size of 64 by default, and the sampler's."""
+
+    d_model: int = 128
+    heads: int = 2
+    sampler: str = "auto"
+    vllm_memory: float = 0.2  # the engine's share of the device memory (gpu_memory_utilization)
+
+    @classmethod
+    def parse(cls, options: dict[str, Any] | None) -> HfGrpoOptions:
+        try:
+            parsed = super().parse(options)
+        except ValueError as err:  # the parent's checks name grpo-toy
+            raise ValueError(str(err).replace("grpo-toy:", "hf-grpo:", 1)) from None
+        assert isinstance(parsed, HfGrpoOptions)
+        return parsed
+
+    def _check(self) -> None:
+        super()._check()
+        if self.digits != 10:
+            raise ValueError("grpo-toy: option 'digits' must be 10 (the tokenizer's alphabet)")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(
+                f"grpo-toy: option 'sampler' = {self.sampler!r} is invalid; "
+                f"allowed: one of {list(SAMPLERS)}"
+            )
+        if not 0.01 <= self.vllm_memory <= 0.95:
+            raise ValueError(
+                f"grpo-toy: option 'vllm_memory' = {self.vllm_memory!r} is invalid; "
+                "allowed: a float in [0.01, 0.95]"
+            )
+        if self.sampler == "vllm" and not vllm_available():
+            raise ValueError(
+                "grpo-toy: option 'sampler' = 'vllm' needs vLLM and a CUDA device "
+                "(pip install 'timeslice[vllm]'); use 'torch' or 'auto'"
+            )
+
+    def use_vllm(self) -> bool:
+        return self.sampler == "vllm" or (self.sampler == "auto" and vllm_available())
+
+
+def vllm_available() -> bool:
+    """vLLM importable and a CUDA device present (the vLLM sampler needs both)."""
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+class _Logits(nn.Module):
+    """A causal LM as grpo-toy's policies are called: token ids in, logits out."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Every sequence in a batch has the same length (prompts and completions are fixed
+        # length), so no attention mask or padding is needed.
+        return self.lm(input_ids=tokens, use_cache=False).logits
+
+
+class HfGrpoWorkload(GrpoToyWorkload):
+    """GRPO on a transformers causal LM; torch or vLLM sampler (see the module's doc)."""
+
+    name = "hf-grpo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opts: HfGrpoOptions = HfGrpoOptions()
+        self._llm: Any = None
+        self._vllm_dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def setup(self, spec: JobSpec) -> None:
+        if spec.batch_size < 1:
+            raise ValueError(f"hf-grpo: batch_size must be >= 1, not {spec.batch_size}")
+        if spec.group_size < 1:
+            raise ValueError(f"hf-grpo: group_size must be >= 1, not {spec.group_size}")
+        opts = HfGrpoOptions.parse(spec.options)
+        self.spec, self.opts = spec, opts
+        self.device = opts.torch_device()
+        vocab = vocabulary()
+        self.bos, self.sep = vocab[BOS], vocab[SEP]  # 10 and 11: grpo-toy's numbering
+        self.vocab = len(vocab)
+        self.prompt_len = opts.seq_len + 2
+        model_spec = TinyModelSpec(
+            hidden_size=opts.d_model,
+            layers=opts.layers,
+            heads=opts.heads,
+            kv_heads=1,
+            intermediate_size=2 * opts.d_model,
+            max_positions=max(64, self.prompt_len + opts.seq_len),
+        )
+        lm = build_model(spec.seed, model_spec)
+        # Trainer: the policy, a frozen reference, Adam with its state created now (as grpo-toy).
+        self.policy = _Logits(lm).to(self.device)
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=opts.lr)
+        for p in self.policy.parameters():
+            self.optimizer.state[p] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        self.pending = {
+            n: p.detach().to("cpu", copy=True) for n, p in self.policy.named_parameters()
+        }
+        self._rollout = None
+        self._last_trained = None
+
+        trainer_backend = TorchBackend()
+        trainer_backend.register_module("policy", self.policy)
+        trainer_backend.register_module("reference", self.reference)
+        trainer_backend.register_optimizer("adam", self.optimizer)
+        sampler_backend: SnapshotBackend
+        if opts.use_vllm():
+            self._llm = self._build_engine(lm, spec.seed)
+            sampler_backend = VllmSleepBackend(self._llm, level=1)
+        else:
+            self.sampler = copy.deepcopy(self.policy).requires_grad_(False).eval()
+            torch_sampler = TorchBackend()
+            torch_sampler.register_module("policy", self.sampler)
+            sampler_backend = torch_sampler
+        self._backends = {"sampler": sampler_backend, "trainer": trainer_backend}  # type: ignore[dict-item]
+
+    @property
+    def sampler_kind(self) -> str:
+        return "vllm" if self._llm is not None else "torch"
+
+    # ------------------------------------------------------------ the vLLM sampler
+
+    def _build_engine(self, lm: nn.Module, seed: int) -> Any:
+        from vllm import LLM
+
+        self._vllm_dir = tempfile.TemporaryDirectory(prefix="hf-grpo-")
+        path = save_pretrained(Path(self._vllm_dir.name), lm, build_tokenizer())
+        return LLM(
+            model=str(path),
+            # The kernels' common precision; load_weights casts the trainer's float32 weights,
+            # and train() scores the samples itself, so the sampler's precision never enters
+            # the loss.
+            dtype="bfloat16",
+            seed=seed,
+            enable_sleep_mode=True,
+            enforce_eager=True,  # no CUDA graphs to capture for a model this small
+            gpu_memory_utilization=self.opts.vllm_memory,
+            max_model_len=self.prompt_len + self.opts.seq_len,
+        )
+
+    def _sync_engine(self) -> None:
+        """Load the trainer's latest weights (the host buffer) into the engine's model."""
+        weights = [(name.removeprefix("lm."), t) for name, t in self.pending.items()]
+        self._llm.collective_rpc(_load_weights, args=(weights,))
+        self._llm.reset_prefix_cache()
+
+    def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        if self._llm is None:
+            return super().sample(epoch, ctx)
+        from vllm import SamplingParams
+
+        spec = self._spec()
+        ctx.check()
+        self._sync_engine()
+        gen = self._generator(epoch)
+        k = self.opts.seq_len
+        prompts = torch.randint(0, self.opts.digits, (spec.batch_size, k), generator=gen)
+        base_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        requests = [{"prompt_token_ids": row.tolist()} for row in self._prefix(prompts)]
+        params = [
+            SamplingParams(
+                n=spec.group_size,
+                max_tokens=k,
+                min_tokens=k,
+                temperature=self.opts.temperature,
+                allowed_token_ids=list(range(self.opts.digits)),  # digits only, as grpo-toy
+                seed=base_seed + i,
+            )
+            for i in range(spec.batch_size)
+        ]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        ctx.check()
+        completions = torch.tensor(
+            [list(c.token_ids) for out in outputs for c in out.outputs], dtype=torch.long
+        )
+        n = spec.batch_size * spec.group_size
+        self._rollout = _Rollout(
+            epoch=epoch,
+            prompts=prompts.repeat_interleave(spec.group_size, dim=0),
+            completions=completions,
+            old_logp=torch.empty(0),  # computed by train from the same weights
+        )
+        ctx.progress(step=k, of=k)
+        return {"completions": float(n), "tokens": float(n * k)}
+
+    def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        ro = self._rollout
+        if (
+            self._llm is not None
+            and ro is not None
+            and ro.epoch == epoch
+            and not ro.old_logp.numel()
+        ):
+            tokens = torch.cat([self._prefix(ro.prompts), ro.completions], dim=1).to(self.device)
+            with torch.no_grad():
+                ro.old_logp = self._completion_logp(self.policy, tokens).cpu()
+        return super().train(epoch, ctx)
+
+
+def _load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Run on each vLLM worker (``collective_rpc``): load new weights into its model."""
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+def create() -> HfGrpoWorkload:
+    """The factory a job process calls to build this workload."""
+    return HfGrpoWorkload()
