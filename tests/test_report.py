@@ -158,9 +158,9 @@ def test_report_of_two_time_sliced_jobs(
         own = [h for rec in result.records for h in rec.holds]
         for name in ("sample", "train"):
             expected = sum(h.mono_end - h.mono_start for h in own if h.phase == name)
-            assert j.phase_s[name] == pytest.approx(expected, abs=1e-6)
+            assert j.phase_s[name] == pytest.approx(expected, abs=1e-4)
         assert j.phase_s["rewards"] == pytest.approx(EPOCHS * OPTIONS["reward_s"], rel=0.25)
-        assert j.waiting_s == pytest.approx(sum(h.waited_s for h in own), abs=1e-6)
+        assert j.waiting_s == pytest.approx(sum(h.waited_s for h in own), abs=1e-4)
         assert j.reward_first == 0.5 and j.reward_last == pytest.approx(1 - 0.5 * 0.9**2)
         # Time-sliced with another job of the same profile, each job takes longer than its
         # own phases.

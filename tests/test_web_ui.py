@@ -176,6 +176,7 @@ def test_interactive_report_shows_a_lane_per_job_and_a_phase_on_hover(
 ) -> None:
     """`timeslice report`'s page, opened from a file with no network: the timeline draws a
     lane per job and per group, and hovering a phase shows its job, epoch and duration."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
     from playwright.sync_api import expect
     from timeslice.report import write_html
 
@@ -205,9 +206,13 @@ def test_interactive_report_shows_a_lane_per_job_and_a_phase_on_hover(
             if where is None or where["width"] < 2:
                 continue
             page.mouse.move(where["x"] + where["width"] / 2, where["y"] + where["height"] / 2)
-            hover = chart.locator(".hoverlayer .hovertext")
-            if hover.count() and "sample on g" in (hover.first.text_content() or ""):
-                box = hover.first.text_content()
+            hover = chart.locator(".hoverlayer .hovertext").first
+            try:
+                hover.wait_for(state="visible", timeout=5_000)
+            except PlaywrightTimeoutError:
+                continue  # no bar under the pointer after all
+            if "sample on g" in (hover.text_content() or ""):
+                box = hover.text_content()
                 break
         assert box is not None, "no hover text for the sampling phase"
         assert "job a" in box and "epoch 0" in box and "1.000 s" in box
