@@ -1,10 +1,10 @@
 """A plain TRL GRPO script, time-sliced by two added lines (each marked ``# timeslice``).
 
 It trains a tiny Qwen2 policy, made locally (no download), to sort four digits with TRL's
-``GRPOTrainer`` on the CPU; the mean reward climbs from about 0.1 to over 0.3 in a minute or
-two. Without ``--group`` it is plain TRL. With it, start a server and a control worker first,
-then run two of these at once on the same group (the client finds the server at
-``TEMPORAL_ADDRESS``, by default localhost:7233):
+``GRPOTrainer`` on the CPU; over the default 120 optimizer steps the mean reward climbs from
+about 0.05 to about 0.35 (under a minute alone on one core). Without ``--group`` it is plain
+TRL. With it, start a server and a control worker first, then run two of these at once on the
+same group (the client finds the server at ``TEMPORAL_ADDRESS``, by default localhost:7233):
 
     .venv/bin/timeslice server
     .venv/bin/timeslice worker
