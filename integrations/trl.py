@@ -28,7 +28,8 @@ untouched, only this instance is wrapped):
 * a lease is kept from one phase to the next on the same group (generation → scoring, and
   the optimizer step → the next step's generation) and released when the job has CPU work to do
   (rewards) or the next phase is on another group; ``train()`` ends by bringing the state home
-  (if it was away) and leaving the group, so the trained model is usable after it.
+  (if it was away) and leaving the group, so the trained model is usable after it (so does an
+  ``evaluate()`` outside training).
 
 Three of the methods wrapped are private (``_generate``,
 ``_get_per_token_logps_and_entropies`` and ``_calculate_rewards``; TRL has no public hook at
@@ -44,7 +45,7 @@ import importlib.metadata
 import inspect
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -321,7 +322,7 @@ class GRPOTimeSlicing:
         """Undo :func:`time_slice`: finish, and give the trainer its own methods back."""
         if not self._finished:
             self.finish()
-        for name in (*WRAPPED_METHODS, "compute_loss", "train"):
+        for name in (*WRAPPED_METHODS, "compute_loss", "train", "evaluate"):
             self.trainer.__dict__.pop(name, None)
         self.trainer.remove_callback(self._callback)
 
@@ -396,6 +397,22 @@ class GRPOTimeSlicing:
         finally:
             self._end_phase()
 
+    def _then_finish(
+        self, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``run(*args, **kwargs)``, then :meth:`finish`; a failure to finish after ``run``
+        failed is logged, never raised over ``run``'s own exception."""
+        try:
+            result = run(*args, **kwargs)
+        except BaseException:
+            try:
+                self.finish()
+            except Exception as err:
+                log.warning("leaving the groups after a failed run: %s", err)
+            raise
+        self.finish()
+        return result
+
     def _register_optimizer(self) -> None:
         """Register the optimizer's state once it exists (optimizers create it in their first
         step), while this job holds the trainer lease, so the state is on the device."""
@@ -416,6 +433,7 @@ class GRPOTimeSlicing:
         rewards = trainer._calculate_rewards
         compute_loss = trainer.compute_loss
         train = trainer.train
+        evaluate = trainer.evaluate
 
         @functools.wraps(generate)
         def timed_generate(*args: Any, **kwargs: Any) -> Any:
@@ -446,10 +464,13 @@ class GRPOTimeSlicing:
 
         @functools.wraps(train)
         def timed_train(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return train(*args, **kwargs)
-            finally:
-                self.finish()
+            return self._then_finish(train, args, kwargs)
+
+        @functools.wraps(evaluate)
+        def timed_evaluate(*args: Any, **kwargs: Any) -> Any:
+            if trainer.is_in_train:  # an evaluation inside train(): train() finishes
+                return evaluate(*args, **kwargs)
+            return self._then_finish(evaluate, args, kwargs)
 
         for name, wrapper in (
             ("_generate", timed_generate),
@@ -457,6 +478,7 @@ class GRPOTimeSlicing:
             ("_calculate_rewards", timed_rewards),
             ("compute_loss", timed_compute_loss),
             ("train", timed_train),
+            ("evaluate", timed_evaluate),
         ):
             setattr(trainer, name, wrapper)
         self._callback = _StepCallback(self)
@@ -523,8 +545,3 @@ def time_slice(
         lora_only=lora_only,
         client_options=client_options,
     )
-
-
-def phase_log(slicing: GRPOTimeSlicing) -> list[dict[str, Any]]:
-    """The phases as plain dicts (for JSON reports)."""
-    return [p.as_dict() for p in slicing.phases]
