@@ -218,6 +218,9 @@ class JobRuntime:
                 )
             if inp.checkpoint is None and self._spec is not None and self._epochs_done != 0:
                 raise _state_lost(f"job {self.job_id}: no checkpoint to rewind to; {self._where()}")
+            # The job holds its groups under the workflow's leases: reports to those groups
+            # about this job's state carry their keys.
+            self.engine.last_keys.update(inp.lease_keys)
             # A re-preparation (a rewind) loads into the states where the job holds its groups.
             await self.homes.bring(inp.homes)
 
@@ -425,6 +428,7 @@ class JobRuntime:
                 order.priority,
                 order.ttl_s,
                 request_id=order.request_id,
+                key=order.key,
                 snapshot=SnapshotTarget(
                     queues=[QueueTarget(task_queue=self.engine.task_queue, backends=names)]
                 )

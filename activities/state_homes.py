@@ -21,11 +21,12 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from timeslice.snapshot.base import SnapshotBackend, SnapshotError
-from timeslice.workflows.protocol import MovedReport, SnapshotReport
+from timeslice.workflows.protocol import SnapshotReport
 
 log = logging.getLogger("timeslice.job")
 
-TellMoved = Callable[[str, MovedReport], Awaitable[None]]
+# (group id, what moved out, the error if the eviction failed)
+TellMoved = Callable[[str, list[SnapshotReport], str | None], Awaitable[None]]
 
 
 class StateHomes:
@@ -103,8 +104,7 @@ class StateHomes:
             async with self._changed:
                 self._changed.notify_all()  # an eviction waiting for this state has nothing to do
             for home, reports in moved_out.items():
-                report = MovedReport(job_id=self.job_id, evicted=reports)
-                self._reports[home] = self._spawn(self._tell_moved(home, report))
+                self._reports[home] = self._spawn(self._tell_moved(home, reports, None))
         return restored
 
     async def evict_for(self, names: list[str], group_id: str) -> list[SnapshotReport]:
@@ -160,8 +160,7 @@ class StateHomes:
                     evicted, error = [], str(err)
                 # Reported before the state is free again: the group must hear of this
                 # eviction before any later restore of the same state.
-                report = MovedReport(job_id=self.job_id, evicted=evicted, error=error)
-                await self._tell_moved(group_id, report)
+                await self._tell_moved(group_id, evicted, error)
             finally:
                 await self._done_with(owned)
 

@@ -11,9 +11,11 @@ import contextlib
 import gc
 import logging
 import math
+import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from datetime import timedelta
@@ -73,11 +75,13 @@ from timeslice.workflows.protocol import (
     SnapshotReport,
     SnapshotTarget,
     group_workflow_id,
+    lease_key_hash,
 )
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 log = logging.getLogger("timeslice.client")
 T = TypeVar("T")
+_KEYS_KEEP = 1024
 
 
 class _Default:
@@ -147,6 +151,9 @@ class Engine:
         self.state_bytes = state_bytes
         self.rpc_retry_s = rpc_retry_s
         self.held: dict[str, Lease] = {}
+        # group id -> the key of this job's last lease there: its reports and departure carry it
+        self.last_keys: dict[str, str] = {}
+        self._keys: OrderedDict[str, str] = OrderedDict()
         self.thread: LoopThread | None = LoopThread(f"timeslice-{job_id}") if own_thread else None
         self.inbox = GrantInbox()
         # A job process's worker serves the inbox itself; the facades' engine starts its own.
@@ -300,6 +307,7 @@ class Engine:
         ttl_s: float | None,
         *,
         request_id: str | None = None,
+        key: str | None = None,
         snapshot: SnapshotTarget | _Default | None = DEFAULT,
         state_bytes: int | _Default | None = DEFAULT,
         restores_itself: bool = False,
@@ -310,8 +318,11 @@ class Engine:
                 f"{self.held[group_id].token}); release it before acquiring it again"
             )
         await self.start()
+        # Only this process knows the key; the group holds its hash (docs/security.md).
+        key = key or secrets.token_urlsafe(24)
         request = AcquireRequest(
             request_id=request_id or f"{self.job_id}:{uuid.uuid4().hex}",
+            key_hash=lease_key_hash(key),
             job_id=self.job_id,
             reply_task_queue=self.task_queue,
             priority=self.priority if priority is None else priority,
@@ -324,6 +335,11 @@ class Engine:
         rid = request.request_id
         asked = time.monotonic()
         granted = self.inbox.expect(rid)
+        # Kept a while after the acquire ends: a grant that raced its give-up is handed back
+        # with it.
+        self._keys[rid] = key
+        while len(self._keys) > _KEYS_KEEP:
+            self._keys.popitem(last=False)
         # The ask is not cancelled when the acquire ends: the group answers a parked wait as
         # soon as the request is granted or gone, and an RPC abandoned mid-flight would outlive
         # its event loop. close() waits for it.
@@ -358,8 +374,10 @@ class Engine:
             waited_s=notice.waited_s,
             confirm_within_s=notice.confirm_within_s,
             asked_at=asked,
+            key=key,
         )
         self.held[group_id] = lease
+        self.last_keys[group_id] = key
         return lease
 
     async def _ask(
@@ -444,12 +462,15 @@ class Engine:
         )
 
     async def _depart(self, group_id: str) -> None:
+        key = self.last_keys.get(group_id)
+        if key is None:
+            return  # never held it: nothing of ours is resident there
         try:
             await self._update(
                 f"depart {group_id}",
                 group_id,
                 GroupUpdate.DEPART,
-                DepartRequest(job_id=self.job_id),
+                DepartRequest(job_id=self.job_id, key=key),
                 bool,
             )
         except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
@@ -499,12 +520,18 @@ class Engine:
 
     async def _withdraw(self, group_id: str, request_id: str) -> None:
         """Tell the group to drop a request; a grant that raced with it is released at once."""
+        key = self._keys.get(request_id)
+        if key is None:
+            log.warning(
+                "no key kept for request %s on %s: cannot withdraw it", request_id, group_id
+            )
+            return
         try:
             await self._update(
                 f"cancel {group_id}",
                 group_id,
                 GroupUpdate.CANCEL,
-                CancelRequest(request_id=request_id),
+                CancelRequest(request_id=request_id, key=key),
                 type(None),
             )
         except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
@@ -552,6 +579,7 @@ class Engine:
         ret = LeaseReturn(
             request_id=lease.request_id,
             token=lease.token,
+            key=lease.key,
             restored=list(restored or []),
             evicted=list(evicted or []),
             keep_if_uncontended=keep_if_uncontended,
@@ -609,8 +637,15 @@ class Engine:
         for span in reversed(spans or ()):
             end_span(span, err, message=revoked)
 
-    async def report_moved(self, group_id: str, report: MovedReport) -> None:
-        """Tell ``group_id`` that this job's state left its device."""
+    async def report_moved(
+        self, group_id: str, evicted: list[SnapshotReport], error: str | None = None
+    ) -> None:
+        """Tell ``group_id`` that this job's state left its device (with the key of the job's
+        last lease there, which only its processes know)."""
+        key = self.last_keys.get(group_id)
+        if key is None:
+            return  # the group has our state only through leases we never took: it asks us
+        report = MovedReport(job_id=self.job_id, key=key, evicted=evicted, error=error)
         try:
             await self._update(
                 f"report to {group_id}", group_id, GroupUpdate.MOVED, report, type(None)
@@ -635,7 +670,7 @@ class Engine:
                     self._client_now(),
                     group_workflow_id(lease.group_id),
                     GroupUpdate.RENEW,
-                    RenewRequest(request_id=lease.request_id, token=lease.token),
+                    RenewRequest(request_id=lease.request_id, token=lease.token, key=lease.key),
                     RenewResult,
                 )
             except Exception as err:  # any failure to renew is retried until the lease runs out

@@ -22,6 +22,8 @@ class Lease:
     confirm_within_s: float | None = None
     # When the request was sent (monotonic clock), for timing the wait.
     asked_at: float | None = None
+    # The secret the lease's release and renewals present; never shown.
+    key: str = field(default="", repr=False)
     revoked_reason: str | None = None
     released: bool = False
     # Local validity is conservative: it runs from when a renewal was *sent*, so it always ends

@@ -30,6 +30,7 @@ from timeslice.workflows.protocol import (
     RenewRequest,
     RenewResult,
     group_workflow_id,
+    lease_key_hash,
 )
 
 from .helpers import (
@@ -101,13 +102,23 @@ def test_stale_token_release_and_renew_are_ignored(address, group, make_client):
     holder = make_client(job_id="holder")
     lease = holder.acquire(group)
 
+    guess = "not-the-holders-key-0123456789"
+
     async def send_stale() -> RenewResult:
         handle = (await _raw_client(address)).get_workflow_handle(group_workflow_id(group))
-        await handle.signal("release", ReleaseRequest(request_id="forged", token=lease.token - 1))
-        await handle.signal("release", ReleaseRequest(request_id="forged", token=lease.token + 7))
+        for token in (lease.token - 1, lease.token + 7):
+            await handle.signal(
+                "release", ReleaseRequest(request_id="forged", token=token, key=guess)
+            )
+        # The holder's own request id and token, seen in `timeslice status`: without its key
+        # the release is refused (before, this ended someone else's lease).
+        await handle.signal(
+            "release",
+            ReleaseRequest(request_id=lease.request_id, token=lease.token, key=guess),
+        )
         return await handle.execute_update(
             "renew",
-            RenewRequest(request_id="forged", token=lease.token + 7),
+            RenewRequest(request_id="forged", token=lease.token + 7, key=guess),
             result_type=RenewResult,
         )
 
@@ -117,6 +128,7 @@ def test_stale_token_release_and_renew_are_ignored(address, group, make_client):
         lambda: (s := holder.group_status(group)).stats.stale_messages == 3 and s,
         what="stale messages counted",
     )
+    assert status.stats.forged_messages == 1
     assert status.holder is not None and status.holder.token == lease.token
     assert lease.valid
     holder.release(lease)
@@ -154,6 +166,7 @@ def test_grant_that_races_a_give_up_is_released_at_once(address, group, make_cli
             "request",
             AcquireRequest(
                 request_id=f"abandoned-{uuid.uuid4().hex}",
+                key_hash=lease_key_hash("the-abandoned-request's-key"),
                 job_id="gone",
                 reply_task_queue=gone.task_queue,
             ),

@@ -22,6 +22,7 @@ from timeslice.workflows.protocol import (
     QueueTarget,
     SnapshotTarget,
     group_workflow_id,
+    lease_key_hash,
 )
 
 from .conftest import start_service, stop_process
@@ -158,6 +159,7 @@ def test_agent_refuses_a_forged_process(address, group, node, make_client):
                 start_signal_args=[
                     AcquireRequest(
                         request_id=f"forged-{uuid.uuid4().hex}",
+                        key_hash=lease_key_hash("the-forger's-own-key"),
                         job_id="forger",
                         reply_task_queue=forger.task_queue,
                         snapshot=forged,

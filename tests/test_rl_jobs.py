@@ -26,7 +26,6 @@ from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.server import temporal_binary
 from timeslice.workflows.protocol import (
-    CancelRequest,
     GroupConfig,
     GroupStatus,
     HolderView,
@@ -327,7 +326,7 @@ def test_revoked_lease_stops_the_running_phase(
     address: str, job_workers: Callable[..., Any], group: str
 ) -> None:
     job = job_id("revoke")
-    job_workers(job, "simulated")
+    proc = job_workers(job, "simulated")
 
     async def go(client: Client) -> RLJobResult:
         config = {
@@ -342,15 +341,25 @@ def test_revoked_lease_stops_the_running_phase(
         }
         handle = await start_rl_job(client, parse_job_config(config))
         group_handle = client.get_workflow_handle(group_workflow_id(group))
+
+        async def holder() -> HolderView | None:
+            return await group_handle.query("holder", result_type=HolderView | None)
+
         while True:
             with contextlib.suppress(RPCError):  # the group's workflow may not exist yet
-                holder = await group_handle.query("holder", result_type=HolderView | None)
+                held = await holder()
                 job_progress = await handle.query("progress", result_type=RLJobProgress)
-                if holder is not None and job_progress.phase == "sample":
+                if held is not None and job_progress.phase == "sample":
                     break
             await asyncio.sleep(0.1)
-        # Revoke it: the group ends the lease as if the job had given up on it.
-        await group_handle.signal("cancel", CancelRequest(request_id=holder.request_id))
+        # Revoke it the way a lease is revoked: its process stops renewing (it is frozen) and
+        # the TTL runs out. Thawed, the phase finds its lease gone and stops.
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            while (now := await holder()) is not None and now.token == held.token:
+                await asyncio.sleep(0.1)
+        finally:
+            proc.send_signal(signal.SIGCONT)
         return await handle.result()
 
     with pytest.raises(WorkflowFailureError) as failed:

@@ -145,9 +145,14 @@ def test_worker_serves_group_and_sdk_metrics(own_server: EmbeddedServer, tmp_pat
         async def stale_messages() -> None:
             client = await connect(connect_config(address))
             handle = client.get_workflow_handle(group_workflow_id(group))
-            await handle.signal("release", ReleaseRequest(request_id="never-issued", token=999))
+            key = "a-key-nobody-was-given"
+            await handle.signal(
+                "release", ReleaseRequest(request_id="never-issued", token=999, key=key)
+            )
             renewed = await handle.execute_update(
-                "renew", RenewRequest(request_id="never-issued", token=999), result_type=RenewResult
+                "renew",
+                RenewRequest(request_id="never-issued", token=999, key=key),
+                result_type=RenewResult,
             )
             assert not renewed.valid
 

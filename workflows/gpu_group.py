@@ -112,6 +112,10 @@ class _GroupMetrics:
             "renew": meter.create_counter(
                 "timeslice_stale_renewals", "renewals of a lease that is no longer held"
             ),
+            "forged": meter.create_counter(
+                "timeslice_forged_messages",
+                "releases, renewals, cancels, reports and departures with a wrong lease key",
+            ),
         }
 
     # GroupBook's Observer
@@ -228,7 +232,7 @@ class GpuGroupWorkflow:
                 fault = await self._switch_to(request)
             finally:
                 if book.switch_cancelled:
-                    book.switching_for = None
+                    book.switching_for = book.switching_key_hash = None
             if book.switch_cancelled:
                 continue
             now = workflow.now()
@@ -495,7 +499,7 @@ class GpuGroupWorkflow:
 
     @workflow.update(name=GroupUpdate.CANCEL)
     def cancel_request(self, cancel: CancelRequest) -> None:
-        self._book.cancel(cancel.request_id, workflow.now())
+        self._book.cancel(cancel.request_id, cancel.key, workflow.now())
         self._wake = True
 
     @workflow.update(name=GroupUpdate.MOVED)
@@ -507,7 +511,7 @@ class GpuGroupWorkflow:
     @workflow.update(name=GroupUpdate.DEPART)
     def depart_job(self, depart: DepartRequest) -> bool:
         """A job's processes closed: its state left the device with them."""
-        known = self._book.depart(depart.job_id)
+        known = self._book.depart(depart.job_id, depart.key)
         self._wake = True
         return known
 
@@ -530,7 +534,7 @@ class GpuGroupWorkflow:
 
     @workflow.signal(name=GroupSignal.CANCEL)
     def cancel(self, cancel: CancelRequest) -> None:
-        self._book.cancel(cancel.request_id, workflow.now())
+        self._book.cancel(cancel.request_id, cancel.key, workflow.now())
         self._wake = True
 
     # ---------------------------------------------------------------- queries and the UI

@@ -36,9 +36,11 @@ from timeslice.workflows.protocol import (
     SwitchRecord,
     Waiter,
     WaiterView,
+    lease_key_hash,
 )
 
 RECENT_DONE_KEEP = 2048
+JOB_KEYS_KEEP = 1024
 # Deadlines further out than this are treated as none: a datetime cannot hold them, and a
 # waiter that patient is, for every purpose, waiting forever.
 FAR_FUTURE_S = 10 * 365 * 86_400.0
@@ -117,6 +119,7 @@ class GroupBook:
         self.observer: Observer = observer or _Silent()
         # The request a switch is running for (taken off the queue, not yet the holder).
         self.switching_for: str | None = None
+        self.switching_key_hash: str | None = None
         self.switch_cancelled = False
 
     # ------------------------------------------------------------------ the queue
@@ -161,6 +164,7 @@ class GroupBook:
         if best is not None:
             self.state.queue.remove(best)
             self.switching_for = best.request.request_id
+            self.switching_key_hash = best.request.key_hash
             self.switch_cancelled = False
         return best
 
@@ -199,6 +203,24 @@ class GroupBook:
                 kept.append(w)
         self.state.queue = kept
 
+    def _remember_key(self, job_id: str, key_hash: str) -> None:
+        keys = self.state.job_keys
+        keys.pop(job_id, None)
+        keys[job_id] = key_hash  # most recent last
+        while len(keys) > JOB_KEYS_KEEP:
+            del keys[next(iter(keys))]
+
+    def _forged(self) -> None:
+        self.state.stats.forged_messages += 1
+        self.observer.stale("forged")
+
+    def _job_key_matches(self, job_id: str, key: str) -> bool:
+        expected = self.state.job_keys.get(job_id)
+        if expected is None or lease_key_hash(key) != expected:
+            self._forged()
+            return False
+        return True
+
     def remember_done(self, request_id: str) -> None:
         done = self.state.recent_done
         mark = _fingerprint(request_id)
@@ -221,7 +243,7 @@ class GroupBook:
 
         A grant handed out as a parked update's result counts as delivered once the holder
         renews or releases; until then it is bounded by ``grant_ack_timeout_s``."""
-        self.switching_for = None
+        self.switching_for = self.switching_key_hash = None
         state = self.state
         token = state.next_token
         state.next_token += 1
@@ -234,6 +256,7 @@ class GroupBook:
             confirm_by=now + timedelta(seconds=self.config.grant_ack_timeout_s) if parked else None,
         )
         state.stats.leases += 1
+        self._remember_key(waiter.request.job_id, waiter.request.key_hash)
         samples = state.stats.wait_samples_s
         samples.append(waited)
         del samples[: max(0, len(samples) - self.config.wait_samples_keep)]
@@ -242,7 +265,7 @@ class GroupBook:
 
     def refuse(self, waiter: Waiter, fault: str, now: datetime) -> GrantNotice:
         """The waiter's job is faulted: no lease, a notice saying why."""
-        self.switching_for = None
+        self.switching_for = self.switching_key_hash = None
         token = self.state.next_token
         self.state.next_token += 1
         self.remember_done(waiter.request.request_id)
@@ -314,17 +337,24 @@ class GroupBook:
         self.remember_done(holder.request.request_id)
         state.holder = None
 
-    def _held(self, request_id: str, token: int) -> HeldLease | None:
+    def _held(self, request_id: str, token: int, key: str) -> HeldLease | None:
+        """The lease, if it is held under this request, token *and* key; a message naming the
+        lease with the wrong key is forged (or mistyped): counted, never obeyed."""
         holder = self.state.holder
-        if holder is not None and holder.token == token and holder.request.request_id == request_id:
-            return holder
-        return None
+        if holder is None or holder.token != token or holder.request.request_id != request_id:
+            return None
+        if lease_key_hash(key) != holder.request.key_hash:
+            self._forged()
+            return None
+        return holder
 
     def release(self, ret: LeaseReturn, now: datetime) -> ReturnAnswer:
         """A process ends (or, when nobody waits and it asks, keeps) its lease."""
-        holder = self._held(ret.request_id, ret.token)
+        forged = self.state.stats.forged_messages
+        holder = self._held(ret.request_id, ret.token, ret.key)
         if holder is None:
-            if not self.done(ret.request_id):  # else: a retried release
+            # A retried release of a lease that ended is neither stale nor forged.
+            if self.state.stats.forged_messages == forged and not self.done(ret.request_id):
                 self._stale("release")
             return ReturnAnswer(valid=False, released=False)
         self.confirm(holder.token, now)
@@ -356,16 +386,20 @@ class GroupBook:
 
     def release_by_signal(self, release: ReleaseRequest, now: datetime) -> None:
         """A requester workflow's release (a signal: no answer, so no eviction by the holder)."""
-        holder = self.state.holder
-        if holder is not None and holder.token == release.token:
+        forged = self.state.stats.forged_messages
+        holder = self._held(release.request_id, release.token, release.key)
+        if holder is not None:
             self.account_own_moves(holder.request.job_id, release.restored, release.evicted, now)
             self.end_lease(LeaseOutcome.RELEASED, now)
-        elif not self.done(release.request_id):
+        elif self.state.stats.forged_messages == forged and not self.done(release.request_id):
             self._stale("release")
 
     def renew(self, renew: RenewRequest, now: datetime) -> RenewResult:
-        holder = self.state.holder
-        if holder is None or holder.token != renew.token:
+        forged = self.state.stats.forged_messages
+        holder = self._held(renew.request_id, renew.token, renew.key)
+        if holder is None:
+            if self.state.stats.forged_messages != forged:
+                return RenewResult(valid=False, reason="the lease key does not match")
             self._stale("renew")
             return RenewResult(valid=False, reason="the lease is no longer held (expired or moved)")
         if holder.delivered and holder.expires_at is not None and now >= holder.expires_at:
@@ -384,18 +418,30 @@ class GroupBook:
         self.state.stats.stale_messages += 1
         self.observer.stale(kind)
 
-    def cancel(self, request_id: str, now: datetime) -> None:
-        """Take a request back: dequeue it, or end its lease if a grant raced the give-up."""
+    def cancel(self, request_id: str, key: str, now: datetime) -> None:
+        """Take a request back: dequeue it, or end its lease if a grant raced the give-up. Only
+        its requester can: the key must match the request's."""
         state = self.state
-        if self.holds(request_id):
+        hashed = lease_key_hash(key)
+        holder = state.holder
+        if holder is not None and holder.request.request_id == request_id:
+            if hashed != holder.request.key_hash:
+                self._forged()
+                return
             self.end_lease(LeaseOutcome.CANCELLED, now)
         elif request_id == self.switching_for:
+            if hashed != self.switching_key_hash:
+                self._forged()
+                return
             self.switch_cancelled = True
             state.stats.cancelled += 1
         else:
-            before = len(state.queue)
-            state.queue = [w for w in state.queue if w.request.request_id != request_id]
-            if len(state.queue) != before:
+            mine = [w for w in state.queue if w.request.request_id == request_id]
+            if any(w.request.key_hash != hashed for w in mine):
+                self._forged()
+                return
+            if mine:
+                state.queue = [w for w in state.queue if w.request.request_id != request_id]
                 state.stats.cancelled += 1
         self.remember_done(request_id)
 
@@ -574,6 +620,8 @@ class GroupBook:
         (or belongs to the other group's switch), so its mark on the timeline has no width."""
         state = self.state
         job_id = report.job_id
+        if not self._job_key_matches(job_id, report.key):
+            return
         if state.evicting is not None and state.evicting.job_id == job_id:
             state.evicting = None
         if state.resident is not None and state.resident.job_id == job_id and report.error is None:
@@ -599,11 +647,14 @@ class GroupBook:
     def fault(self, job_id: str, message: str) -> str:
         return self.state.faulted_jobs.setdefault(job_id, f"job {job_id}: {message}")
 
-    def depart(self, job_id: str) -> bool:
-        """A job's processes closed: its state left the device with them. False if still held."""
+    def depart(self, job_id: str, key: str) -> bool:
+        """A job's processes closed: its state left the device with them. False if still held
+        (or the key is not its last lease's)."""
         state = self.state
         if state.holder is not None and state.holder.request.job_id == job_id:
             return False  # still holding: its release (or expiry) comes first
+        if not self._job_key_matches(job_id, key):
+            return False
         known = (
             job_id in state.evicted_jobs
             or job_id in state.faulted_jobs
@@ -624,6 +675,7 @@ class GroupBook:
         if state.evicting is not None and state.evicting.job_id == job_id:
             state.evicting = None
         state.faulted_jobs.pop(job_id, None)
+        state.job_keys.pop(job_id, None)
         state.stats.departed += 1
 
     # ------------------------------------------------------------------ views

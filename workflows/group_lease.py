@@ -27,6 +27,7 @@ from timeslice.workflows.protocol import (
     SnapshotReport,
     SnapshotTarget,
     group_workflow_id,
+    lease_key_hash,
 )
 
 
@@ -49,7 +50,17 @@ class GroupLeases:
         self.state_bytes = state_bytes
         self._grants: dict[str, GrantNotice] = {}
         self._renewers: dict[str, asyncio.Task[None]] = {}
+        # request id -> its lease key (drawn from the workflow's deterministic randomness)
+        self._keys: dict[str, str] = {}
         workflow.set_signal_handler(GRANT_SIGNAL, self._on_grant)
+
+    @staticmethod
+    def new_key() -> str:
+        """A lease key: 32 hex digits of the workflow's (deterministic, replay-safe) randomness."""
+        return workflow.uuid4().hex
+
+    def key_of(self, lease: GrantNotice) -> str:
+        return self._keys[lease.request_id]
 
     def _on_grant(self, notice: GrantNotice) -> None:
         self._grants[notice.request_id] = notice
@@ -71,8 +82,10 @@ class GroupLeases:
         ``snapshot`` / ``state_bytes`` override the defaults for this request (a job moves
         different state on its sampler group than on its trainer group).
         """
+        key = self.new_key()
         request = AcquireRequest(
             request_id=f"{self.job_id}:{workflow.uuid4()}",
+            key_hash=lease_key_hash(key),
             job_id=self.job_id,
             reply_workflow_id=workflow.info().workflow_id,
             priority=self.priority,
@@ -89,15 +102,17 @@ class GroupLeases:
             summary=f"request {group_id}",
         )
         rid = request.request_id
+        self._keys[rid] = key
+        cancel = CancelRequest(request_id=rid, key=key)
         try:
             await workflow.wait_condition(lambda: rid in self._grants, timeout=timeout)
         except asyncio.CancelledError:
             # The requester is being cancelled: take the request (or a racing grant) back.
-            await self._signal(group_id, GroupSignal.CANCEL, CancelRequest(request_id=rid))
+            await self._signal(group_id, GroupSignal.CANCEL, cancel)
             raise
         except TimeoutError:
             # The group drops it too (and ends a grant that raced this), so it never leaks.
-            await self._signal(group_id, GroupSignal.CANCEL, CancelRequest(request_id=rid))
+            await self._signal(group_id, GroupSignal.CANCEL, cancel)
             raise ApplicationError(
                 f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s",
                 type="AcquireTimeout",
@@ -109,13 +124,16 @@ class GroupLeases:
         return notice
 
     async def _renew(self, group_id: str, notice: GrantNotice) -> None:
-        renew = RenewRequest(request_id=notice.request_id, token=notice.token)
+        renew = RenewRequest(
+            request_id=notice.request_id, token=notice.token, key=self._keys[notice.request_id]
+        )
         while True:
             await workflow.sleep(notice.ttl_s / 3)
             await self._signal(group_id, GroupSignal.RENEW, renew)
 
     async def forget(self, lease: GrantNotice) -> None:
         """Stop renewing ``lease`` without releasing it (someone else already released it)."""
+        self._keys.pop(lease.request_id, None)
         renewer = self._renewers.pop(lease.request_id, None)
         if renewer is not None:
             renewer.cancel()
@@ -130,10 +148,12 @@ class GroupLeases:
         evicted: list[SnapshotReport] | None = None,
     ) -> None:
         """Release; ``restored`` / ``evicted``: what the holder moved itself, for accounting."""
+        key = self._keys[lease.request_id]
         await self.forget(lease)
         release = ReleaseRequest(
             request_id=lease.request_id,
             token=lease.token,
+            key=key,
             restored=list(restored or []),
             evicted=list(evicted or []),
         )

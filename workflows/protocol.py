@@ -6,12 +6,20 @@ input), so it is a pydantic model; this module imports nothing with I/O so workf
 
 from __future__ import annotations
 
+import hashlib
 import re
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 CONTROL_TASK_QUEUE = "timeslice"
 GROUP_WORKFLOW_TYPE = "GpuGroupWorkflow"
@@ -68,6 +76,21 @@ DEFAULT_LEASE_TTL_S = 20.0
 MAX_LEASE_TTL_S = 3600.0
 MIN_LEASE_TTL_S = 1.0
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
+# Bounds on what a message may carry: nothing a caller sends can grow a group's state or its
+# workflow task without limit.
+MAX_ACQUIRE_TIMEOUT_S = 366 * 86_400.0
+MAX_STATE_BYTES = 2**50
+MAX_QUEUES = 64
+MAX_BACKENDS = 16
+MAX_PROCESSES = 64
+MAX_REPORTS = 64
+KEY_RULE = "16-200 characters"
+
+
+def lease_key_hash(key: str) -> str:
+    """What a request carries of its lease key: releases, renewals and cancels must present the
+    key itself, which only the requester knows (docs/security.md)."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def check_id(kind: str, value: object) -> str:
@@ -134,22 +157,26 @@ class GroupConfig(_Model):
 class ProcessRef(_Model):
     """A process by PID and start time (clock ticks since boot), so a reused PID never matches."""
 
-    pid: int = Field(gt=0)
-    start_time: int = Field(ge=0)
+    pid: int = Field(gt=0, le=2**31)
+    start_time: int = Field(ge=0, le=2**63)
+
+
+BackendName = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+LeaseKey = Annotated[str, StringConstraints(min_length=16, max_length=200)]
 
 
 class QueueTarget(_Model):
     """One task queue that snapshots part of a job: a rank's process or a node agent."""
 
     task_queue: str = Field(min_length=1, max_length=300)
-    backends: list[str] = Field(min_length=1)
-    processes: list[ProcessRef] = Field(default_factory=list)
+    backends: list[BackendName] = Field(min_length=1, max_length=MAX_BACKENDS)
+    processes: list[ProcessRef] = Field(default_factory=list, max_length=MAX_PROCESSES)
 
 
 class SnapshotTarget(_Model):
     """Where and how the group evicts / restores a job: every queue in parallel."""
 
-    queues: list[QueueTarget] = Field(min_length=1)
+    queues: list[QueueTarget] = Field(min_length=1, max_length=MAX_QUEUES)
 
 
 class AcquireRequest(_Model):
@@ -157,11 +184,18 @@ class AcquireRequest(_Model):
     job_id: str
     reply_task_queue: str | None = Field(None, min_length=1, max_length=300)
     reply_workflow_id: str | None = Field(None, min_length=1, max_length=1000)
+    key_hash: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="lease_key_hash() of a key only the requester knows: what its release, "
+        "renewals and cancel must present",
+    )
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     ttl_s: float | None = Field(None, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
-    timeout_s: float | None = Field(None, ge=0)
+    timeout_s: float | None = Field(None, ge=0, le=MAX_ACQUIRE_TIMEOUT_S)
     snapshot: SnapshotTarget | None = None
-    state_bytes: int | None = Field(None, ge=0, description="declared device footprint")
+    state_bytes: int | None = Field(
+        None, ge=0, le=MAX_STATE_BYTES, description="declared device footprint"
+    )
     restores_itself: bool = Field(
         False,
         description="the requester restores its own evicted state once granted (in-process "
@@ -190,15 +224,20 @@ class GroupRequest(_Model):
 
 
 class ReleaseRequest(_Model):
-    request_id: str
-    token: int
+    request_id: str = Field(min_length=1, max_length=200)
+    token: int = Field(ge=0, le=2**63)
+    key: LeaseKey
     # Co-operative switching: a holder that moves its own state (its in-process backends)
     # reports it here, so the group's residency and accounting stay true.
     evicted: list[SnapshotReport] = Field(
-        default_factory=list, description="the holder moved its state out before releasing"
+        default_factory=list,
+        max_length=MAX_REPORTS,
+        description="the holder moved its state out before releasing",
     )
     restored: list[SnapshotReport] = Field(
-        default_factory=list, description="the holder restored its own state during the lease"
+        default_factory=list,
+        max_length=MAX_REPORTS,
+        description="the holder restored its own state during the lease",
     )
 
 
@@ -207,21 +246,27 @@ class MovedReport(_Model):
     job's next phase needs it on another group's device (one state, two groups)."""
 
     job_id: str
-    evicted: list[SnapshotReport]
-    error: str | None = Field(None, description="the eviction failed: the state is still there")
+    key: LeaseKey = Field(description="the key of the job's last lease on the group")
+    evicted: list[SnapshotReport] = Field(max_length=MAX_REPORTS)
+    error: str | None = Field(
+        None, max_length=2000, description="the eviction failed: the state is still there"
+    )
 
 
 class CancelRequest(_Model):
-    request_id: str
+    request_id: str = Field(min_length=1, max_length=200)
+    key: LeaseKey
 
 
 class DepartRequest(_Model):
     job_id: str
+    key: LeaseKey = Field(description="the key of the job's last lease on the group")
 
 
 class RenewRequest(_Model):
-    request_id: str
-    token: int
+    request_id: str = Field(min_length=1, max_length=200)
+    token: int = Field(ge=0, le=2**63)
+    key: LeaseKey
 
 
 class RenewResult(_Model):
@@ -279,13 +324,18 @@ class LeaseReturn(_Model):
     The group decides in the same workflow task that grants the next waiter, so a holder never
     asks who waits before releasing (a query) and never races a waiter that arrives meanwhile."""
 
-    request_id: str
-    token: int
+    request_id: str = Field(min_length=1, max_length=200)
+    token: int = Field(ge=0, le=2**63)
+    key: LeaseKey
     restored: list[SnapshotReport] = Field(
-        default_factory=list, description="the holder restored its own state during the lease"
+        default_factory=list,
+        max_length=MAX_REPORTS,
+        description="the holder restored its own state during the lease",
     )
     evicted: list[SnapshotReport] = Field(
-        default_factory=list, description="the holder moved its state out before releasing"
+        default_factory=list,
+        max_length=MAX_REPORTS,
+        description="the holder moved its state out before releasing",
     )
     keep_if_uncontended: bool = Field(
         False, description="keep the lease instead when nobody waits (the job's next phase uses it)"
@@ -316,11 +366,11 @@ class SnapshotCall(_Model):
 
 
 class SnapshotReport(_Model):
-    job_id: str
-    backend: str
-    mode: str
-    bytes: int = Field(ge=0)
-    seconds: float = Field(ge=0)
+    job_id: str = Field(max_length=100)
+    backend: str = Field(max_length=100)
+    mode: str = Field(max_length=100)
+    bytes: int = Field(ge=0, le=MAX_STATE_BYTES)
+    seconds: float = Field(ge=0, le=86_400)
 
 
 class SnapshotJobInput(_Model):
@@ -397,6 +447,7 @@ class GroupStats(_Model):
     leases: int = 0
     released: int = 0
     stale_messages: int = 0
+    forged_messages: int = Field(0, description="messages whose lease key did not match")
     expired: int = 0
     cancelled: int = 0
     timed_out: int = 0
@@ -426,6 +477,9 @@ class GroupState(_Model):
     resident: ResidentJob | None = None
     evicted_jobs: list[str] = Field(default_factory=list)
     faulted_jobs: dict[str, str] = Field(default_factory=dict)
+    # job id -> the key hash of its last lease here: what its state-moved reports and its
+    # departure must match.
+    job_keys: dict[str, str] = Field(default_factory=dict)
     recent_done: list[str] = Field(
         default_factory=list, description="fingerprints of recently finished requests"
     )

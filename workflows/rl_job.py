@@ -324,7 +324,11 @@ class RLJobWorkflow:
         if lease is None:
             return None
         return LeaseOrder(
-            group_id=group_id, request_id=lease.request_id, token=lease.token, held_by="workflow"
+            group_id=group_id,
+            request_id=lease.request_id,
+            key=self._leases.key_of(lease),
+            token=lease.token,
+            held_by="workflow",
         )
 
     # ---------------------------------------------------------------- preparing and rewinding
@@ -379,7 +383,12 @@ class RLJobWorkflow:
             self._set_phase("prepare")
             results = await self._on_all_ranks(
                 PREPARE_ACTIVITY,
-                PrepareInput(spec=spec, checkpoint=checkpoint, homes=self._homes()),
+                PrepareInput(
+                    spec=spec,
+                    checkpoint=checkpoint,
+                    homes=self._homes(),
+                    lease_keys={g: self._leases.key_of(n) for g, n in self._held.items()},
+                ),
                 PrepareResult,
                 cfg.train_timeout_s,
                 f"prepare · from {_checkpoint_label(checkpoint)}",
@@ -522,6 +531,7 @@ class RLJobWorkflow:
         order = LeaseOrder(
             group_id=group_id,
             request_id=f"{cfg.job_id}:{workflow.uuid4()}",
+            key=GroupLeases.new_key(),
             timeout_s=cfg.acquire_timeout_s,
             priority=cfg.priority,
             ttl_s=cfg.lease_ttl_s,
@@ -573,10 +583,13 @@ class RLJobWorkflow:
         handle = workflow.get_external_workflow_handle(group_workflow_id(order.group_id))
         if order.token is not None:
             await handle.signal(
-                GroupSignal.RELEASE, ReleaseRequest(request_id=order.request_id, token=order.token)
+                GroupSignal.RELEASE,
+                ReleaseRequest(request_id=order.request_id, token=order.token, key=order.key),
             )
         else:
-            await handle.signal(GroupSignal.CANCEL, CancelRequest(request_id=order.request_id))
+            await handle.signal(
+                GroupSignal.CANCEL, CancelRequest(request_id=order.request_id, key=order.key)
+            )
         self._orders.pop(order.request_id, None)
 
     async def _release_all(self) -> None:

@@ -159,6 +159,11 @@ class PrepareInput(_Model):
         default_factory=dict,
         description="backend name -> the group whose device holds that state after preparing",
     )
+    lease_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="group id -> the key of the lease the job prepared under there: what the "
+        "process's later reports to that group present",
+    )
 
 
 class PrepareResult(_Model):
@@ -180,6 +185,7 @@ class LeaseOrder(_Model):
 
     group_id: str
     request_id: str = Field(min_length=1, max_length=200)
+    key: str = Field(min_length=16, max_length=200, description="the lease key (docs/security.md)")
     token: int | None = Field(None, ge=1)
     held_by: Literal["process", "workflow"] = "process"
     timeout_s: float | None = Field(None, gt=0, description="give up waiting after this long")

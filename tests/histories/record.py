@@ -34,6 +34,7 @@ from timeslice.workflows.protocol import (
     ReleaseRequest,
     SnapshotTarget,
     group_workflow_id,
+    lease_key_hash,
     node_task_queue,
 )
 
@@ -59,7 +60,14 @@ def drive(address: str) -> None:
     async def stale() -> None:
         client = await Client.connect(address, data_converter=pydantic_data_converter)
         handle = client.get_workflow_handle(group_workflow_id(GROUP))
-        await handle.signal("release", ReleaseRequest(request_id="forged", token=lease.token - 1))
+        forged = "not-the-holders-key-0123456789"
+        await handle.signal(
+            "release", ReleaseRequest(request_id="forged", token=lease.token - 1, key=forged)
+        )
+        # The holder's own request and token, without its key: refused and counted.
+        await handle.signal(
+            "release", ReleaseRequest(request_id=lease.request_id, token=lease.token, key=forged)
+        )
 
     asyncio.run(stale())
     a.release(lease)
@@ -98,6 +106,7 @@ def _forged_node_target(address: str, grantee: TimeSliceOrchestratorClient) -> N
             "request",
             AcquireRequest(
                 request_id="forger-1",
+                key_hash=lease_key_hash("the-forger's-own-key"),
                 job_id="forger",
                 reply_task_queue=grantee.task_queue,
                 snapshot=target,

@@ -17,6 +17,7 @@ from timeslice.workflows.protocol import (
     QueueTarget,
     SnapshotReport,
     SnapshotTarget,
+    lease_key_hash,
 )
 from timeslice.workflows.rl_protocol import (
     RECENT_EPOCH_RECORDS,
@@ -29,6 +30,12 @@ from timeslice.workflows.rl_protocol import (
 )
 
 LIMIT = 256 * 1024
+
+
+def key(rid: str) -> str:
+    return f"key-of-{rid}-0123456789abcdef"
+
+
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
@@ -109,7 +116,13 @@ def test_a_group_at_its_bounds_carries_under_256_kb():
         job = f"{'j' * 90}{i % 7}"
         rid = f"{job}:{i:032x}"
         book.enqueue(
-            AcquireRequest(request_id=rid, job_id=job, reply_task_queue="q" * 300, snapshot=target),
+            AcquireRequest(
+                request_id=rid,
+                key_hash=lease_key_hash(key(rid)),
+                job_id=job,
+                reply_task_queue="q" * 300,
+                snapshot=target,
+            ),
             now,
         )
         waiter = book.take_next(now)
@@ -120,6 +133,8 @@ def test_a_group_at_its_bounds_carries_under_256_kb():
                            waited_for=None)  # fmt: skip
         book.grant(waiter, later, parked=False)
         now = later + timedelta(seconds=1)
-        book.release(LeaseReturn(request_id=rid, token=book.state.next_token - 1), now)
+        book.release(
+            LeaseReturn(request_id=rid, key=key(rid), token=book.state.next_token - 1), now
+        )
     carried = GroupInput(config=config, state=book.state)
     assert _size(carried) < LIMIT, _size(carried)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from pydantic import ValidationError
 from timeslice.workflows.group_book import GroupBook
 from timeslice.workflows.protocol import (
+    MAX_ACQUIRE_TIMEOUT_S,
     AcquireRequest,
     GroupConfig,
     GroupState,
@@ -15,9 +17,11 @@ from timeslice.workflows.protocol import (
     LeaseReturn,
     MovedReport,
     QueueTarget,
+    ReleaseRequest,
     RenewRequest,
     SnapshotReport,
     SnapshotTarget,
+    lease_key_hash,
 )
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -34,9 +38,16 @@ def book(**config: object) -> GroupBook:
     )
 
 
+def key(rid: str) -> str:
+    """The lease key only the requester of ``rid`` knows (in these tests: derived from it)."""
+    return f"key-of-{rid}-0123456789abcdef"
+
+
 def request(job: str, rid: str | None = None, **fields: object) -> AcquireRequest:
+    rid = rid or f"{job}:r"
     return AcquireRequest(
-        request_id=rid or f"{job}:r",
+        request_id=rid,
+        key_hash=lease_key_hash(key(rid)),
         job_id=job,
         reply_task_queue=f"timeslice-job-{job}-0",
         **fields,  # type: ignore[arg-type]
@@ -97,7 +108,7 @@ def test_enqueue_is_idempotent_by_request_id():
     assert len(b.state.queue) == 1
     grant_next(b, at(2))
     assert not b.enqueue(request("a"), at(3))  # the holder's own request
-    b.release(LeaseReturn(request_id="a:r", token=1), at(4))
+    b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(4))
     assert not b.enqueue(request("a"), at(5))  # done: a late duplicate is not a new request
 
 
@@ -109,7 +120,7 @@ def test_holder_expires_at_its_ttl_unless_renewed():
     b.enqueue(request("a"), at(0))
     grant_next(b, at(0))
     assert b.next_deadline() == at(10)
-    assert b.renew(RenewRequest(request_id="a:r", token=1), at(8)).valid
+    assert b.renew(RenewRequest(request_id="a:r", key=key("a:r"), token=1), at(8)).valid
     assert b.next_deadline() == at(18)
     b.expire(at(17.9))
     assert b.state.holder is not None
@@ -124,7 +135,7 @@ def test_a_renewal_after_the_deadline_does_not_revive_the_lease():
     b = book(default_ttl_s=10)
     b.enqueue(request("a"), at(0))
     grant_next(b, at(0))
-    result = b.renew(RenewRequest(request_id="a:r", token=1), at(25))
+    result = b.renew(RenewRequest(request_id="a:r", key=key("a:r"), token=1), at(25))
     assert not result.valid and "expired" in result.reason
     assert b.state.holder is None and b.state.stats.expired == 1
 
@@ -135,10 +146,10 @@ def test_a_parked_grant_is_confirmed_by_renewal_or_release_else_the_holder_is_de
         b.enqueue(request(job), at(0))
     grant_next(b, at(0), parked=True)
     assert b.next_deadline() == at(15)  # until confirmed, the confirmation deadline
-    assert b.renew(RenewRequest(request_id="a:r", token=1), at(5)).valid
+    assert b.renew(RenewRequest(request_id="a:r", key=key("a:r"), token=1), at(5)).valid
     assert b.state.holder is not None and b.state.holder.delivered
     assert b.next_deadline() == at(25)  # now the TTL runs
-    b.release(LeaseReturn(request_id="a:r", token=1), at(6))
+    b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(6))
     grant_next(b, at(6), parked=True)  # b never confirms
     b.expire(at(20.9))
     assert b.state.holder is not None
@@ -147,17 +158,21 @@ def test_a_parked_grant_is_confirmed_by_renewal_or_release_else_the_holder_is_de
     assert b.state.history[-1].outcome is LeaseOutcome.DEAD
 
 
-def test_waiters_time_out_and_huge_timeouts_never_overflow():
+def test_waiters_time_out_and_the_longest_timeout_never_overflows():
     b = book()
     b.enqueue(request("quick", timeout_s=5), at(0))
-    # 1e12 s cannot be added to a date: such a waiter simply has no deadline.
-    b.enqueue(request("patient", timeout_s=1e12), at(0))
+    b.enqueue(request("patient", timeout_s=MAX_ACQUIRE_TIMEOUT_S), at(0))
     b.enqueue(request("forever"), at(0))
     assert b.next_deadline() == at(5)
     b.expire(at(5))
     assert [w.request.job_id for w in b.state.queue] == ["patient", "forever"]
     assert b.state.stats.timed_out == 1
-    assert b.next_deadline() is None
+    assert b.next_deadline() == at(MAX_ACQUIRE_TIMEOUT_S)
+    # Longer than a datetime can hold, or not a number: refused before it reaches a group
+    # (it used to fail every workflow task of the group, for good).
+    for bad in (1e12, 3e11, float("inf"), float("nan"), -1):
+        with pytest.raises(ValidationError):
+            request("bad", timeout_s=bad)
 
 
 # ---------------------------------------------------------------------------- releases
@@ -168,13 +183,28 @@ def test_release_is_fenced_by_token_and_request():
     b.enqueue(request("a"), at(0))
     grant_next(b, at(0))
     for rid, token in (("a:r", 2), ("forged", 1), ("a:r", 0)):
-        answer = b.release(LeaseReturn(request_id=rid, token=token), at(1))
+        answer = b.release(LeaseReturn(request_id=rid, key=key(rid), token=token), at(1))
         assert not answer.valid and not answer.released
     assert b.state.holder is not None and b.state.stats.stale_messages == 3
-    assert b.release(LeaseReturn(request_id="a:r", token=1), at(2)).released
+    assert b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(2)).released
     # A retried release of a lease already ended is not counted as stale.
-    assert not b.release(LeaseReturn(request_id="a:r", token=1), at(3)).valid
+    assert not b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(3)).valid
     assert b.state.stats.stale_messages == 3 and b.state.stats.released == 1
+
+
+def test_a_release_without_the_lease_key_is_refused_by_update_and_by_signal():
+    b = book()
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    wrong = key("someone else")
+    assert not b.release(LeaseReturn(request_id="a:r", key=wrong, token=1), at(1)).valid
+    b.release_by_signal(ReleaseRequest(request_id="a:r", key=wrong, token=1), at(1))
+    assert not b.renew(RenewRequest(request_id="a:r", key=wrong, token=1), at(1)).valid
+    b.cancel("a:r", wrong, at(1))
+    assert b.state.holder is not None and b.state.stats.forged_messages == 4
+    assert b.state.stats.stale_messages == 0
+    b.release_by_signal(ReleaseRequest(request_id="a:r", key=key("a:r"), token=1), at(2))
+    assert b.state.holder is None and b.state.stats.released == 1
 
 
 @pytest.mark.parametrize(
@@ -187,7 +217,9 @@ def test_a_lease_is_kept_only_when_asked_and_nobody_waits(waiting, keep, release
     grant_next(b, at(0))
     for job in waiting:
         b.enqueue(request(job), at(1))
-    answer = b.release(LeaseReturn(request_id="a:r", token=1, keep_if_uncontended=keep), at(2))
+    answer = b.release(
+        LeaseReturn(request_id="a:r", key=key("a:r"), token=1, keep_if_uncontended=keep), at(2)
+    )
     assert answer.valid and answer.released is released
     assert (b.state.holder is None) is released
 
@@ -199,19 +231,23 @@ def test_holder_evicts_itself_only_for_another_job_and_the_next_waits_unless_bot
     assert b.state.resident is not None and b.state.resident.job_id == "a"
     # Nobody waits: sticky residency, nothing moves.
     b.enqueue(request("a", "a:2", snapshot=target("a"), state_bytes=200), at(1))
-    answer = b.release(LeaseReturn(request_id="a:r", token=1, evicts_itself=True), at(1))
+    answer = b.release(
+        LeaseReturn(request_id="a:r", key=key("a:r"), token=1, evicts_itself=True), at(1)
+    )
     assert not answer.evict
     grant_next(b, at(1))
     big = request("big", snapshot=target("big"), state_bytes=200)
     small = request("small", snapshot=target("small"), state_bytes=100)
     b.enqueue(big, at(2))
-    answer = b.release(LeaseReturn(request_id="a:2", token=2, evicts_itself=True), at(3))
+    answer = b.release(
+        LeaseReturn(request_id="a:2", key=key("a:2"), token=2, evicts_itself=True), at(3)
+    )
     assert answer.evict and b.state.evicting is not None and b.state.resident is None
     assert b.eviction_to_await(big) is not None  # 200 + 200 > 300: wait for the report
     assert b.eviction_to_await(small) is None  # 200 + 100 fit: restore alongside
     # The evicting job itself asking again waits for its own state to be out first.
     assert b.eviction_to_await(request("a", "a:3", snapshot=target("a"), state_bytes=200))
-    b.moved(MovedReport(job_id="a", evicted=[report("a", 200)]), at(3.2))
+    b.moved(MovedReport(job_id="a", key=key("a:2"), evicted=[report("a", 200)]), at(3.2))
     assert b.state.evicting is None and b.eviction_to_await(big) is None
     assert b.state.stats.bytes_moved == 200 and "a" in b.state.evicted_jobs
 
@@ -224,13 +260,13 @@ def test_cancel_dequeues_or_ends_a_raced_grant():
     for job in ("a", "b", "c"):
         b.enqueue(request(job), at(0))
     grant_next(b, at(0))
-    b.cancel("b:r", at(1))  # queued
+    b.cancel("b:r", key("b:r"), at(1))  # queued
     assert [w.request.job_id for w in b.state.queue] == ["c"]
-    b.cancel("a:r", at(2))  # holding: the grant raced the give-up
+    b.cancel("a:r", key("a:r"), at(2))  # holding: the grant raced the give-up
     assert b.state.holder is None and b.state.history[-1].outcome is LeaseOutcome.CANCELLED
     waiter = b.take_next(at(3))
     assert waiter is not None
-    b.cancel("c:r", at(3))  # mid-switch: the switch finishes, the grant is dropped
+    b.cancel("c:r", key("c:r"), at(3))  # mid-switch: the switch finishes, the grant is dropped
     assert b.switch_cancelled and b.known("c:r")
     assert b.state.stats.cancelled == 3
 
@@ -258,7 +294,7 @@ def test_switch_plans(resident, evicted, restores_itself, memory, expect):
     if resident is not None:
         b.enqueue(request(resident, snapshot=target(resident), state_bytes=400), at(0))
         grant_next(b, at(0))
-        b.release(LeaseReturn(request_id=f"{resident}:r", token=1), at(1))
+        b.release(LeaseReturn(request_id=f"{resident}:r", key=key(f"{resident}:r"), token=1), at(1))
     b.state.evicted_jobs.extend(evicted)
     req = request(
         "b", "b:2", snapshot=target("b"), state_bytes=400, restores_itself=restores_itself
@@ -280,7 +316,10 @@ def test_one_eviction_beside_a_grant_at_a_time():
     for job in ("a", "b"):
         b.enqueue(request(job, snapshot=target(job), state_bytes=300), at(0))
         grant_next(b, at(0))
-        b.release(LeaseReturn(request_id=f"{job}:r", token=b.state.next_token - 1), at(0))
+        b.release(
+            LeaseReturn(request_id=f"{job}:r", key=key(f"{job}:r"), token=b.state.next_token - 1),
+            at(0),
+        )
     # b's grant evicted a beside it; a is still moving out when c takes the group from b
     assert b.state.evicting is not None and b.state.evicting.job_id == "a"
     plan = b.plan_switch(request("c", snapshot=target("c"), state_bytes=300))
@@ -305,12 +344,12 @@ def test_moved_state_leaves_the_group_and_a_failed_move_faults_the_job():
     b = book()
     b.enqueue(request("a", snapshot=target("a")), at(0))
     grant_next(b, at(0))
-    b.release(LeaseReturn(request_id="a:r", token=1), at(1))
+    b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(1))
     # The job's next phase needs the state on another group's device.
-    b.moved(MovedReport(job_id="a", evicted=[report("a", 64)]), at(2))
+    b.moved(MovedReport(job_id="a", key=key("a:r"), evicted=[report("a", 64)]), at(2))
     assert b.state.resident is None and b.state.evicted_jobs == ["a"]
     assert b.state.switch_history[-1].bytes == 64
-    b.moved(MovedReport(job_id="a", evicted=[], error="disk full"), at(3))
+    b.moved(MovedReport(job_id="a", key=key("a:r"), evicted=[], error="disk full"), at(3))
     assert "disk full" in b.state.faulted_jobs["a"]
 
 
@@ -318,10 +357,11 @@ def test_depart_forgets_a_job_but_not_while_it_holds():
     b = book()
     b.enqueue(request("a", snapshot=target("a")), at(0))
     grant_next(b, at(0))
-    assert not b.depart("a")
-    b.release(LeaseReturn(request_id="a:r", token=1), at(1))
-    assert b.depart("a") and b.state.resident is None and b.state.stats.departed == 1
-    assert not b.depart("never-seen")
+    assert not b.depart("a", key("a:r"))
+    b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(1))
+    assert not b.depart("a", key("someone-else")) and b.state.stats.forged_messages == 1
+    assert b.depart("a", key("a:r")) and b.state.resident is None and b.state.stats.departed == 1
+    assert not b.depart("never-seen", key("x"))
 
 
 # ---------------------------------------------------------------------------- accounting
@@ -332,7 +372,7 @@ def test_busy_switching_and_idle_add_up_to_the_wall():
     b.enqueue(request("a", snapshot=target("a")), at(0))
     grant_next(b, at(0))
     # The holder restored itself for 0.5 s of its 4-s lease: switching, not busy.
-    b.release(LeaseReturn(request_id="a:r", token=1, restored=[report("a")]), at(4))
+    b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1, restored=[report("a")]), at(4))
     status = b.status(at(10))
     assert status.wall_s == 10
     assert status.stats.busy_s == pytest.approx(3.5)
@@ -350,7 +390,7 @@ def test_wait_samples_are_bounded_and_give_percentiles():
     for i, job in enumerate(["a", "b", "c", "d"]):
         b.enqueue(request(job), at(0))
         grant_next(b, at(i + 1))
-        b.release(LeaseReturn(request_id=f"{job}:r", token=i + 1), at(i + 1))
+        b.release(LeaseReturn(request_id=f"{job}:r", key=key(f"{job}:r"), token=i + 1), at(i + 1))
     assert b.state.stats.wait_samples_s == [2.0, 3.0, 4.0]
     status = b.status(at(5))
     assert (status.wait_p50_s, status.wait_p99_s) == (3.0, 4.0)

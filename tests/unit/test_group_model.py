@@ -31,9 +31,17 @@ from timeslice.workflows.protocol import (
     LeaseOutcome,
     LeaseReturn,
     RenewRequest,
+    lease_key_hash,
 )
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def key(rid: str) -> str:
+    """The key only the requester of ``rid`` knows (here: derived from it)."""
+    return f"key-of-{rid}-0123456789abcdef"
+
+
 JOBS = ("a", "b", "c", "d")
 
 
@@ -90,8 +98,8 @@ class GroupModel(RuleBasedStateMachine):
         self.seq += 1
         rid = f"{job}:{self.seq}"
         request = AcquireRequest(
-            request_id=rid, job_id=job, reply_task_queue=f"q-{job}", priority=priority,
-            timeout_s=timeout,
+            request_id=rid, key_hash=lease_key_hash(key(rid)), job_id=job,
+            reply_task_queue=f"q-{job}", priority=priority, timeout_s=timeout,
         )  # fmt: skip
         assert self.book.enqueue(request, self.now)
         assert not self.book.enqueue(request, self.now), "a retried request queued twice"
@@ -103,7 +111,7 @@ class GroupModel(RuleBasedStateMachine):
     def release(self, rid: str) -> None:
         holder = self.book.state.holder
         token = holder.token if holder and holder.request.request_id == rid else 10**6
-        answer = self.book.release(LeaseReturn(request_id=rid, token=token), self.now)
+        answer = self.book.release(LeaseReturn(request_id=rid, key=key(rid), token=token), self.now)
         assert answer.valid == (token != 10**6)
         self._grant_while_free()
 
@@ -112,9 +120,17 @@ class GroupModel(RuleBasedStateMachine):
         """The right request id with a wrong token, or the right token with a wrong id."""
         holder = self.book.state.holder
         before = holder.token if holder else None
-        self.book.release(LeaseReturn(request_id=rid, token=(before or 0) + 1), self.now)
+        self.book.release(
+            LeaseReturn(request_id=rid, key=key(rid), token=(before or 0) + 1), self.now
+        )
         if holder is not None:
-            self.book.release(LeaseReturn(request_id=rid + "-forged", token=holder.token), self.now)
+            rid_held = holder.request.request_id
+            for forged in (
+                LeaseReturn(request_id=rid_held, key=key("someone else"), token=holder.token),
+                LeaseReturn(request_id=rid + "-x", key=key(rid_held), token=holder.token),
+            ):
+                self.book.release(forged, self.now)
+            self.book.cancel(rid_held, key("someone else"), self.now)
         after = self.book.state.holder
         assert (after.token if after else None) == before, "a forged release ended the lease"
 
@@ -122,13 +138,13 @@ class GroupModel(RuleBasedStateMachine):
     def renew(self, rid: str) -> None:
         holder = self.book.state.holder
         token = holder.token if holder and holder.request.request_id == rid else 10**6
-        self.book.renew(RenewRequest(request_id=rid, token=token), self.now)
+        self.book.renew(RenewRequest(request_id=rid, key=key(rid), token=token), self.now)
         self._grant_while_free()
 
     @rule(rid=consumes(requests))
     def cancel(self, rid: str) -> None:
         self.withdrawn.add(rid)
-        self.book.cancel(rid, self.now)
+        self.book.cancel(rid, key(rid), self.now)
         assert not self.book.holds(rid)
         assert all(w.request.request_id != rid for w in self.book.state.queue)
         self._grant_while_free()
