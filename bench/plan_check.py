@@ -9,8 +9,10 @@
    one on disaggregated sampler and trainer pools (groups declare memory for two states, so
    switches overlap eviction and restore, as in ``bench/replay.py``).
 3. **Prediction.** Each mix through the simulator (``timeslice.plan.simulator``) from the
-   dedicated runs' profiles alone, with the protocol costs measured in them (their median) and
-   the jobs starting when they did in the mix. The profiles never saw a switch (a job alone
+   dedicated runs' profiles alone, with the protocol costs measured in them (their median),
+   lined up with the real mix: each job asks for its first lease when it did there, and each
+   group grants its first lease no earlier than it did there (before, the jobs' preparation
+   held it, which the model leaves out). The profiles never saw a switch (a job alone
    keeps its state on the device), so their move times come from the state's bytes and the
    device's copy rate (here the simulated one: 4 GiB per 0.1 s) — what ``--move-gbps`` says.
 4. **Measured.** A group's utilization = its GPU phases' run time (their own monotonic-clock
@@ -146,7 +148,11 @@ def main() -> None:
         raise SystemExit("--epochs must be >= 2")
 
     from timeslice.plan.cli import describe_profile, pick_overheads
-    from timeslice.plan.collect import completion_s, start_for_simulation
+    from timeslice.plan.collect import (
+        completion_s,
+        opens_for_simulation,
+        start_for_simulation,
+    )
     from timeslice.plan.profile import dump_profile
     from timeslice.plan.simulator import GroupSpec, Placement, simulate
     from timeslice.server import EmbeddedServer, free_port
@@ -204,21 +210,23 @@ def main() -> None:
                         config(f"m{index}-{i}-{kind}-{stamp}", kind, sampler, trainer, args.epochs)
                     )
                 results = bench.run(configs)
-                trip = overheads.request_s + overheads.grant_s
-                origin_mono = min(start_for_simulation(r, trip) for r in results)
+                origin_mono = min(start_for_simulation(r) for r in results)
+                opens = opens_for_simulation(results, overheads.grant_s)
                 placements = [
                     Placement(
                         by_kind[kind].model_copy(update={"job_id": c["job_id"]}),
                         c["sampler_group"],
                         c["trainer_group"],
-                        start_s=start_for_simulation(r, trip) - origin_mono,
+                        start_s=start_for_simulation(r) - origin_mono,
                     )
                     for kind, c, r in zip(kinds, configs, results, strict=True)
                 ]
                 memory = memory_for(configs)
-                outcome = predict(
-                    placements, {g: GroupSpec(memory_bytes=m) for g, m in memory.items()}
-                )
+                specs = {
+                    g: GroupSpec(memory_bytes=m, opens_s=opens.get(g, origin_mono) - origin_mono)
+                    for g, m in memory.items()
+                }
+                outcome = predict(placements, specs)
                 groups = []
                 for group, holds in sorted(holds_by_group(results).items()):
                     measured = utilization(holds)["utilization"]

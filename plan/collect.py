@@ -202,13 +202,29 @@ def completion_s(result: RLJobResult) -> float:
     return max(h.mono_end for h in holds) - min(h.mono_start for h in holds)
 
 
-def start_for_simulation(result: RLJobResult, trip_s: float) -> float:
-    """When the simulator should start the job to line up with its real run: its first grant
-    less the protocol's round trip (``request_s + grant_s``), on its monotonic clock. Before
-    that the job prepared under leases of all its groups, which the model leaves out."""
-    first = min((h for rec in result.records for h in rec.holds), key=lambda h: h.mono_start)
-    granted = first.granted_mono if first.granted_mono is not None else first.mono_start
-    return granted - trip_s
+def _first_phase(result: RLJobResult) -> PhaseResult:
+    return min((h for rec in result.records for h in rec.holds), key=lambda h: h.mono_start)
+
+
+def start_for_simulation(result: RLJobResult) -> float:
+    """When the simulator should start the job to line up with its real run: when its first
+    GPU phase asked for its lease (its monotonic clock)."""
+    first = _first_phase(result)
+    return first.asked_mono if first.asked_mono is not None else first.mono_start
+
+
+def opens_for_simulation(results: list[RLJobResult], grant_s: float) -> dict[str, float]:
+    """Per group, when it granted the first of the jobs' first GPU phases, less ``grant_s``
+    (the monotonic clock): until then the jobs' preparation held it (each prepares under
+    leases of all its groups, which the simulator leaves out)."""
+    opens: dict[str, float] = {}
+    for result in results:
+        first = _first_phase(result)
+        if first.group_id is None or first.granted_mono is None:
+            continue
+        at = first.granted_mono - grant_s
+        opens[first.group_id] = min(opens.get(first.group_id, at), at)
+    return opens
 
 
 # ---------------------------------------------------------------- building profiles

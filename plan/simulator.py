@@ -61,6 +61,9 @@ class Placement:
 class GroupSpec:
     memory_bytes: int | None = None
     aging_s: float = 60.0
+    # The group grants nothing before this (the jobs' preparation held it; bench/plan_check.py
+    # lines a simulated run up with a real one this way).
+    opens_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -282,9 +285,10 @@ class Simulation:
         self._place_states(placements)
 
     def _place_states(self, placements: Sequence[Placement]) -> None:
-        """After preparing, each state is at home (its pool's group); one job per group keeps
-        its state on the device there — the first to start — the others' wait in host memory."""
-        order = sorted(range(len(self.jobs)), key=lambda i: (self.jobs[i].start_s, i))
+        """After preparing, each state is at home (its pool's group). Preparing holds the
+        group, so each job that prepares there evicts the one before: the last to start (the
+        last to prepare) keeps its state on the device, the others' wait in host memory."""
+        order = sorted(range(len(self.jobs)), key=lambda i: (-self.jobs[i].start_s, -i))
         for i in order:
             job, placement = self.jobs[i], placements[i]
             for state in job.states:
@@ -537,6 +541,10 @@ class Simulation:
 
     def _decide(self, t: float, group: _Group) -> None:
         if group.holder is not None or group.switching:
+            return
+        if t < group.spec.opens_s:
+            if not group.queue[1:]:  # the first waiter: come back when the group opens
+                self._at(group.spec.opens_s, self._decide, group)
             return
         best = self._best(t, group)
         if best is None:

@@ -21,7 +21,7 @@ import pytest
 from timeslice.activities.group_requests import start_group
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
-from timeslice.plan.collect import completion_s, start_for_simulation
+from timeslice.plan.collect import completion_s, opens_for_simulation, start_for_simulation
 from timeslice.plan.profile import dump_profile, load_profile
 from timeslice.plan.simulator import GroupSpec, Placement, simulate
 from timeslice.workflows.protocol import GroupConfig
@@ -142,14 +142,13 @@ def test_profile_round_trips_from_real_finished_jobs(
     # The profiles predict the run they came from: each job's completion (first phase start
     # to last phase end), within 10% (bench/plan_check.py measures how close, on longer runs).
     overheads = profiles[0].source.overheads  # type: ignore[union-attr]
-    trip = overheads.request_s + overheads.grant_s  # type: ignore[union-attr]
-    starts = {r.job_id: start_for_simulation(r, trip) for r in results}
+    assert overheads is not None
+    starts = {r.job_id: start_for_simulation(r) for r in results}
+    origin = min(starts.values())
+    opens = opens_for_simulation(results, overheads.grant_s)[group] - origin
     outcome = simulate(
-        [
-            Placement(p, group, group, start_s=starts[p.job_id] - min(starts.values()))
-            for p in profiles
-        ],
-        groups={group: GroupSpec(memory_bytes=4 * 2_000_000)},
+        [Placement(p, group, group, start_s=starts[p.job_id] - origin) for p in profiles],
+        groups={group: GroupSpec(memory_bytes=4 * 2_000_000, opens_s=opens)},
         overheads=overheads,
     )
     for r in results:

@@ -121,11 +121,12 @@ def test_protocol_costs_of_a_job_alone() -> None:
 @pytest.mark.parametrize(
     ("memory", "expected"),
     [
-        # Not both fit: each switch waits for the holder's eviction (0.2) before the grant,
-        # then the next job restores its state (0.3) before its phase.
-        (None, [("a", 0, 1), ("b", 1.5, 2.5), ("a", 3, 4), ("b", 4.5, 5.5)]),
-        # Both fit: the grant comes at the release; the restore overlaps the eviction.
-        (20, [("a", 0, 1), ("b", 1.3, 2.3), ("a", 2.6, 3.6), ("b", 3.9, 4.9)]),
+        # b prepared last, so its state is on the device and a's is not. Not both fit: each
+        # switch waits for the eviction (0.2; at first the group's own, of b) before the
+        # grant, then the next job restores its state (0.3) before its phase.
+        (None, [("a", 0.5, 1.5), ("b", 2, 3), ("a", 3.5, 4.5), ("b", 5, 6)]),
+        # Both fit: the grant comes at once; the restore overlaps the eviction.
+        (20, [("a", 0.3, 1.3), ("b", 1.6, 2.6), ("a", 2.9, 3.9), ("b", 4.2, 5.2)]),
     ],
 )
 def test_cooperative_switches_overlapped_or_not(
@@ -139,7 +140,7 @@ def test_cooperative_switches_overlapped_or_not(
         overheads=ZERO,
     )
     assert holds(out) == expected
-    assert out.groups["g"].bytes_moved == 6 * 10  # 3 evictions, 3 restores (a starts resident)
+    assert out.groups["g"].bytes_moved == 8 * 10  # 4 evictions, 4 restores
 
 
 def test_restore_waits_for_own_eviction_and_sticky_state_is_evicted_by_the_group() -> None:
@@ -151,15 +152,18 @@ def test_restore_waits_for_own_eviction_and_sticky_state_is_evicted_by_the_group
         overheads=ZERO,
         record=True,
     )
-    # a evicts 1-1.5 while b restores 1-1.3 and samples 1.3-1.4; a, granted at 1.4, restores
-    # only after its own eviction ends (1.5-1.8) and trains 1.8-2.8, then keeps its state on
-    # the device (nobody waits). b's train, asked at 6.4: the group evicts a beside the grant.
-    assert holds(out) == [("a", 0, 1), ("b", 1.3, 1.4), ("a", 1.8, 2.8), ("b", 6.7, 6.8)]
+    # The group evicts b (prepared last) beside a's grant at 0; a restores 0-0.3, samples
+    # 0.3-1.3, then evicts 1.3-1.8 while b restores 1.3-1.6 and samples 1.6-1.7. a, granted at
+    # 1.7, restores only after its own eviction ends (1.8-2.1), trains 2.1-3.1 and keeps its
+    # state on the device (nobody waits). b's train, asked at 6.7: the group evicts a beside
+    # the grant.
+    assert holds(out) == [("a", 0.3, 1.3), ("b", 1.6, 1.7), ("a", 2.1, 3.1), ("b", 7, 7.1)]
     evictions = [(s.job_id, s.start, s.end) for s in out.segments if s.kind == "evict"]
     assert [(j, round(x, 6), round(y, 6)) for j, x, y in evictions] == [
-        ("a", 1, 1.5),
-        ("b", 1.4, 1.9),
-        ("a", 6.4, 6.9),
+        ("b", 0, 0.5),
+        ("a", 1.3, 1.8),
+        ("b", 1.7, 2.2),
+        ("a", 6.7, 7.2),
     ]
 
 
@@ -223,3 +227,10 @@ def test_same_profile_same_result_and_seeded_draws_differ() -> None:
 def test_repeated_job_ids_are_refused() -> None:
     with pytest.raises(ValueError, match="job ids repeat"):
         simulate([on("g", rl("a", 1, 1, 1)), on("h", rl("a", 1, 1, 1))])
+
+
+def test_a_group_opens_late_and_keeps_first_come_first_served() -> None:
+    jobs = [on("g", client_job("x", 1)), on("g", client_job("y", 1), start=0.5)]
+    out = simulate(jobs, groups={"g": GroupSpec(opens_s=2)}, overheads=ZERO)
+    # Both asked before the group opened at 2: x (first to ask) goes first.
+    assert holds(out) == [("x", 2, 3), ("y", 3, 4)]
