@@ -8,6 +8,8 @@
 #      agent's cuda-checkpoint backend. The torch wheel the package index serves for Linux x86_64
 #      bundles the CUDA runtime; the driver comes from the node (NVIDIA container toolkit), so no
 #      CUDA base image is needed.
+# Both carry the crypto extra: payload encryption when TIMESLICE_PAYLOAD_KEY is set
+# (docs/security.md).
 
 # One base for both stages: the virtual environment is copied across, and its interpreter path
 # must exist unchanged in the final stage. Pin by digest too where your registry policy wants it.
@@ -35,8 +37,8 @@ COPY report ./report
 # A non-editable install: the final image has no /src.
 RUN set -eu; \
     case "${VARIANT}" in \
-        cpu) extras="report" ;; \
-        cuda) extras="torch,cuda,report" ;; \
+        cpu) extras="report,crypto" ;; \
+        cuda) extras="torch,cuda,report,crypto" ;; \
         *) echo "VARIANT must be cpu or cuda, not '${VARIANT}'" >&2; exit 1 ;; \
     esac; \
     /opt/venv/bin/pip install --no-cache-dir "/src[${EXTRAS:-$extras}]"; \

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import DataConverter, DefaultFailureConverterWithEncodedAttributes
 from temporalio.envconfig import ClientConfig
 from temporalio.runtime import Runtime
+from timeslice.codec import PayloadEncryptionCodec
 from timeslice.errors import InvalidArgumentError, ServerUnreachableError
 from timeslice.telemetry import client_interceptors, configure_tracing
 
@@ -45,16 +48,33 @@ def connect_config(
     return config
 
 
+def data_converter() -> DataConverter:
+    """Pydantic payloads, encrypted when TIMESLICE_PAYLOAD_KEY is set (timeslice.codec).
+
+    Every process connects through :func:`connect`, so all of them encrypt the same way. With a
+    key, failure messages and stack traces are encoded too: they name jobs, files and values,
+    and would otherwise sit in the history in clear text (docs/security.md)."""
+    codec = PayloadEncryptionCodec.from_env()
+    if codec is None:
+        return pydantic_data_converter
+    return dataclasses.replace(
+        pydantic_data_converter,
+        payload_codec=codec,
+        failure_converter_class=DefaultFailureConverterWithEncodedAttributes,
+    )
+
+
 async def connect(config: dict[str, Any], *, runtime: Runtime | None = None) -> Client:
     """Connect with tracing (workers built on the client inherit its interceptors).
 
     ``runtime``: e.g. a metrics endpoint's (``timeslice.telemetry``); default: the SDK's.
     """
     configure_tracing()
+    converter = data_converter()
     try:
         return await Client.connect(
             **config,
-            data_converter=pydantic_data_converter,
+            data_converter=converter,
             interceptors=client_interceptors(),
             runtime=runtime,
         )
