@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 from typing import Any
@@ -16,6 +17,7 @@ from timeslice.errors import InvalidArgumentError, ServerUnreachableError
 from timeslice.telemetry import client_interceptors, configure_tracing
 
 DEFAULT_TARGET = "localhost:7233"
+_PROBE_TIMEOUT_S = 5.0
 _TARGET_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
@@ -64,6 +66,29 @@ def data_converter() -> DataConverter:
     )
 
 
+def _uses_tls(config: dict[str, Any]) -> str | None:
+    """Why the connection uses TLS, or None: explicit TLS settings, or an API key (the SDK
+    turns TLS on with one, so the key never crosses the network in clear text)."""
+    tls = config.get("tls")
+    if config.get("api_key") is not None and tls in (None, True):
+        return "an API key is set (TEMPORAL_API_KEY, a profile's api_key or api_key=)"
+    if tls:
+        return "TLS is on (TEMPORAL_TLS*, a profile's tls settings or tls=)"
+    return None
+
+
+async def _speaks_plaintext(config: dict[str, Any]) -> bool:
+    """Whether the server answers without TLS. Probed *without* the API key, which must never
+    travel unencrypted."""
+    probe = {k: v for k, v in config.items() if k not in ("api_key", "tls", "rpc_metadata")}
+    try:
+        # Bounded: this only refines an error message, it must not double a long wait.
+        await asyncio.wait_for(Client.connect(**probe, tls=False), _PROBE_TIMEOUT_S)
+    except (RuntimeError, TimeoutError):
+        return False
+    return True
+
+
 async def connect(config: dict[str, Any], *, runtime: Runtime | None = None) -> Client:
     """Connect with tracing (workers built on the client inherit its interceptors).
 
@@ -79,6 +104,15 @@ async def connect(config: dict[str, Any], *, runtime: Runtime | None = None) -> 
             runtime=runtime,
         )
     except RuntimeError as err:
+        why_tls = _uses_tls(config)
+        if why_tls is not None and await _speaks_plaintext(config):
+            # Not unreachable: reachable, but only in plaintext (e.g. `timeslice server`).
+            raise ServerUnreachableError(
+                f"Temporal at {config['target_host']} speaks plaintext, but this client "
+                f"connects with TLS because {why_tls}. For a local server without "
+                "authentication (such as `timeslice server`) drop the API key / TLS settings; "
+                "for a cluster that checks API keys, use its TLS endpoint"
+            ) from err
         raise ServerUnreachableError(
             f"cannot reach Temporal at {config['target_host']} ({err}); start one with "
             "`timeslice server`, or point TEMPORAL_ADDRESS / --address at a running cluster"
