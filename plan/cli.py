@@ -419,7 +419,7 @@ def format_plan(result: PlanResult, origin: str) -> str:
         f"{ov.grant_s * 1000:.0f} ms, hop {ov.hop_s * 1000:.0f} ms, carried lease "
         f"{ov.carry_s * 1000:.0f} ms",
         f"searched {result.evaluated} assignments ({result.simulations} simulations) in "
-        f"{result.seconds:.1f} s",
+        f"{result.seconds:.2f} s",
     ]
     lines += [f"note: {n}" for n in result.notes]
     for rank, a in enumerate(result.assignments, 1):
