@@ -184,7 +184,8 @@ def main() -> None:
             if args.profiles_out is not None:
                 args.profiles_out.mkdir(parents=True, exist_ok=True)
                 for kind, profile in by_kind.items():
-                    named = profile.model_copy(update={"job_id": kind})  # the kind, not the run's id
+                    # Named after its kind, not the run's job id.
+                    named = profile.model_copy(update={"job_id": kind})
                     dump_profile(named, args.profiles_out / f"{kind}.yaml")
             overheads, origin = pick_overheads(list(profiles.values()), None)
             move_bps = STATE_BYTES / MOVE_S

@@ -368,6 +368,7 @@ def dump_profile(profile: JobProfile, path: Path) -> None:
         import yaml
     except ImportError:
         raise InvalidArgumentError(
-            f"{path}: writing YAML needs PyYAML (pip install pyyaml); use a .json name"
+            f"{path}: writing YAML needs PyYAML (pip install pyyaml); write JSON instead "
+            "(a .json file; `timeslice plan profile --format json`)"
         ) from None
     path.write_text(yaml.safe_dump(data, sort_keys=False))
