@@ -114,8 +114,11 @@ print(r)' 2>/dev/null || echo vllm)"
 fi
 if has vllm; then
     step pytest-vllm 150 "$py" -m pytest -q -s -rs -p no:cacheprovider tests/test_vllm_backend.py
+    step pytest-vllm-sampler 150 "$py" -m pytest -q -s -rs -p no:cacheprovider \
+        tests/gpu/test_vllm_sampler.py
 else
     skip pytest-vllm "vLLM is not installed"
+    skip pytest-vllm-sampler "vLLM is not installed"
 fi
 
 # ------------------------------------------------------------------ report
