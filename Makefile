@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # range would fetch a multi-GB CUDA build. On a GPU machine install the CUDA build you need.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench soak clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/handoff.py --handoffs 2000
+
+# 30 minutes of contenders and RL jobs on one group while holders, waiters, job processes and
+# the control worker are killed and the server restarts (bench/soak.py; BENCHMARKS.md). Niced:
+# it shares the machine with whatever else runs.
+SOAK_SEED ?= 1
+soak: $(STAMP)
+	nice -n 10 $(PY) bench/soak.py --duration 1800 --seed $(SOAK_SEED) \
+		--out .timeslice/soak-$$(date +%Y%m%d-%H%M%S)
 
 clean:
 	rm -rf $(VENV) .timeslice test-artifacts
