@@ -34,6 +34,7 @@ COPY snapshot ./snapshot
 COPY workloads ./workloads
 COPY plan ./plan
 COPY report ./report
+COPY integrations ./integrations
 # A non-editable install: the final image has no /src.
 RUN set -eu; \
     case "${VARIANT}" in \
