@@ -6,6 +6,7 @@ requester *workflow* runs it as the local activity below, on the worker that run
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from temporalio import activity
@@ -15,6 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from timeslice.updates import send_update
 from timeslice.workflows.protocol import (
     CONTROL_TASK_QUEUE,
+    DRAW_SECRET_ACTIVITY,
     GROUP_WORKFLOW_TYPE,
     REQUEST_GROUP_ACTIVITY,
     AcquireAnswer,
@@ -41,6 +43,13 @@ async def start_group(client: Client, config: GroupConfig, **signal: Any) -> Non
         static_summary=f"GPU group {config.group_id}",
         **signal,
     )
+
+
+@activity.defn(name=DRAW_SECRET_ACTIVITY)
+async def draw_secret() -> str:
+    """256 bits from the operating system's CSPRNG, for a workflow's lease keys: a workflow's
+    own randomness is seeded from its run id, which anyone who can list workflows sees."""
+    return secrets.token_hex(32)
 
 
 @activity.defn(name=REQUEST_GROUP_ACTIVITY)

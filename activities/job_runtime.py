@@ -46,6 +46,7 @@ from timeslice.workflows.protocol import (
 from timeslice.workflows.rl_protocol import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
+    JOB_PROTOCOL_VERSION,
     LEASE_REVOKED,
     PREPARE_ACTIVITY,
     REWARDS_ACTIVITY,
@@ -61,6 +62,7 @@ from timeslice.workflows.rl_protocol import (
     PhaseResult,
     PrepareInput,
     PrepareResult,
+    protocol_mismatch,
 )
 from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
 
@@ -129,6 +131,8 @@ class JobRuntime:
         # request id -> the acquire of a lease asked for ahead of its phase (see _prefetch)
         self._prefetched: dict[str, asyncio.Future[tuple[Lease, float, float]]] = {}
         self._background: set[asyncio.Future[None]] = set()
+        # (workflow id, first run id) of the job workflow this process serves (see _bind).
+        self._served: tuple[str, str] | None = None
 
     def attach(self, client: Client) -> None:
         """Use the job worker's client (call from its event loop, before serving)."""
@@ -172,18 +176,54 @@ class JobRuntime:
             )
 
     def _check_job(self, job_id: str) -> None:
+        """Refuse another job's call, and (once bound) any workflow but the one it serves."""
         if job_id != self.job_id:
             raise ApplicationError(
                 f"this process serves job {self.job_id!r}, not {job_id!r}",
                 type="WrongJob",
                 non_retryable=True,
             )
+        caller = activity.info().workflow_id
+        if self._served is not None and caller != self._served[0]:
+            raise self._taken(f"workflow {caller!r}")
+
+    def _bind(self, chain_id: str | None) -> None:
+        """Serve the calling workflow's chain of runs from now on; refuse a second chain.
+
+        Two workflows driving one process would interleave their epochs on one model; a new
+        run of the job (same id, after the first ended) would find the model where the first
+        left it. A chain is one workflow id and its first run id (continue-as-new keeps both);
+        a restarted process binds to whichever chain calls it first."""
+        chain = (activity.info().workflow_id or "", chain_id or "")
+        if self._served is None:
+            self._served = chain
+            log.info("serving workflow %s (runs from %s)", *chain)
+            return
+        same_id = chain[0] == self._served[0]
+        # A workflow of an older release sends no chain id: its workflow id must do.
+        if not same_id or (chain[1] and self._served[1] and chain[1] != self._served[1]):
+            raise self._taken(f"workflow {chain[0]!r} (runs from {chain[1] or '?'})")
+
+    def _taken(self, caller: str) -> ApplicationError:
+        workflow_id, first_run = self._served or ("", "")
+        return ApplicationError(
+            f"job process {os.getpid()} (job {self.job_id} rank {self.rank}) already serves "
+            f"workflow {workflow_id!r} (runs from {first_run}) and refuses {caller}: a job "
+            f"process serves one run of its job; restart `timeslice job worker --job-id "
+            f"{self.job_id}` to serve a new one",
+            type="ProcessTaken",
+            non_retryable=True,
+        )
 
     # ---------------------------------------------------------------- activities
 
     @activity.defn(name=DESCRIBE_ACTIVITY)
     async def describe(self, inp: DescribeInput) -> DescribeResult:
         self._check_job(inp.job_id)
+        mismatch = protocol_mismatch(inp.protocol, JOB_PROTOCOL_VERSION)
+        if mismatch is not None:  # before binding: a process of the right release may follow
+            raise ApplicationError(mismatch, type="ProtocolMismatch", non_retryable=True)
+        self._bind(inp.chain_id)
         try:
             sampler, trainer = self.workload.state_names(inp.options)
         except ValueError as err:
@@ -196,6 +236,7 @@ class JobRuntime:
             pid=os.getpid(),
             ready=self._spec is not None,
             epochs_done=self._epochs_done,
+            protocol=JOB_PROTOCOL_VERSION,
         )
 
     @activity.defn(name=PREPARE_ACTIVITY)

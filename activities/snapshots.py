@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
 
 from opentelemetry.trace import Span
 from temporalio import activity
@@ -47,7 +49,7 @@ class SnapshotActivities:
     @activity.defn(name=SNAPSHOT_ACTIVITY)
     async def snapshot(self, call: SnapshotCall) -> list[SnapshotReport]:
         # Composed backends snapshot in order and restore in reverse.
-        with span("timeslice.snapshot", _attributes(call)) as current:
+        with span("timeslice.snapshot", _attributes(call)) as current, _heartbeating():
             backends = self._resolve(call)
             if self._homes is not None:
                 reports = await _checked(self._homes.evict_for(call.backends, call.group_id))
@@ -59,7 +61,7 @@ class SnapshotActivities:
 
     @activity.defn(name=RESTORE_ACTIVITY)
     async def restore(self, call: SnapshotCall) -> list[SnapshotReport]:
-        with span("timeslice.restore", _attributes(call)) as current:
+        with span("timeslice.restore", _attributes(call)) as current, _heartbeating():
             backends = self._resolve(call)
             if self._homes is not None:
                 reports = await _checked(self._homes.restore_for(call.backends, call.group_id))
@@ -68,6 +70,26 @@ class SnapshotActivities:
             _record(current, "restore", reports)
         activity.logger.info("restored %s: %s", call.job_id, _summary(reports))
         return reports
+
+
+HEARTBEAT_EVERY_S = 1.0
+
+
+@contextlib.contextmanager
+def _heartbeating() -> Iterator[None]:
+    """Heartbeat while the move runs (a wait for the state to be free included): the group
+    takes a process that stops heartbeating for gone, and does not wait out the run time-out."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(HEARTBEAT_EVERY_S)
+
+    task = asyncio.ensure_future(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 async def _checked(moving: Awaitable[list[SnapshotReport]]) -> list[SnapshotReport]:

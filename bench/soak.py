@@ -506,7 +506,7 @@ def start_rl_jobs(address: str, jobs: list[str], ttl: float, seed: int) -> None:
 
 def stop_rl_jobs(address: str, jobs: list[str], deadline: float) -> dict[str, Any]:
     """Signal `stop` to every job and wait for their results (RLJobResult, or the error)."""
-    from timeslice.workflows.rl_protocol import RLJobResult, rl_job_workflow_id
+    from timeslice.workflows.rl_protocol import JobSignal, RLJobResult, rl_job_workflow_id
 
     async def go(client: Any) -> dict[str, Any]:
         handles = [
@@ -514,7 +514,7 @@ def stop_rl_jobs(address: str, jobs: list[str], deadline: float) -> dict[str, An
             for job in jobs
         ]
         for handle in handles:
-            await handle.signal("stop")
+            await handle.signal(JobSignal.STOP)
         results: dict[str, Any] = {}
         for job, handle in zip(jobs, handles, strict=True):
             try:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from temporalio.service import RPCError, RPCStatusCode
 from timeslice.connection import connect, connect_config
 from timeslice.errors import TimesliceError
 from timeslice.plan import cli as plan_cli
@@ -42,6 +43,29 @@ def _metrics_address(value: str) -> str:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return value
+
+
+def _number(
+    kind: type[int] | type[float], *, above: float | None = None, at_least: float | None = None
+) -> Callable[[str], float]:
+    """An argparse type: a finite number of ``kind`` within the bound, or a clear error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"must be > {above:g}, not {text}")
+        if at_least is not None and not value >= at_least:
+            raise argparse.ArgumentTypeError(f"must be >= {at_least:g}, not {text}")
+        return value
+
+    return parse
 
 
 def _add_metrics_arg(parser: argparse.ArgumentParser) -> None:
@@ -83,21 +107,31 @@ def _parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="run the node agent (transparent snapshots on a node)")
     agent.add_argument("--node", required=True, help="this node's name (task queue suffix)")
     agent.add_argument(
-        "--lock-timeout", type=float, default=10.0, help="cuda-checkpoint lock time-out, s"
+        "--lock-timeout",
+        type=_number(float, above=0),
+        default=10.0,
+        help="cuda-checkpoint lock time-out, s (default 10)",
     )
     agent.add_argument(
         "--simulated-bytes",
-        type=int,
+        type=_number(int, at_least=0),
         default=None,
         help="also serve the `simulated` backend, reporting this many bytes per switch",
     )
     agent.add_argument(
-        "--simulated-seconds", type=float, default=0.0, help="duration of a simulated switch"
+        "--simulated-seconds",
+        type=_number(float, at_least=0),
+        default=0.0,
+        help="duration of a simulated switch, s (default 0)",
     )
     _add_metrics_arg(agent)
     _add_connection_args(agent)
 
-    setup = sub.add_parser("setup", help="register Timeslice's search attributes on a cluster")
+    setup = sub.add_parser(
+        "setup",
+        help="register Timeslice's search attributes in a namespace and report what it has "
+        "(exit 1 if any is still missing)",
+    )
     _add_connection_args(setup)
 
     _add_job_parsers(sub)
@@ -131,39 +165,68 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_WORKLOAD_HELP = "grpo-toy, hf-grpo, simulated, or MODULE:FACTORY (your own Workload subclass)"
+
+
 def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     job = sub.add_parser("job", help="RL jobs: serve a job's phases, start, follow, stop")
     jobs = job.add_subparsers(dest="job_command", required=True)
 
     worker = jobs.add_parser("worker", help="serve one rank of an RL job (its model and phases)")
-    worker.add_argument("--job-id", required=True)
-    worker.add_argument("--rank", type=int, default=0, help="this process's rank (default 0)")
-    worker.add_argument("--workload", required=True, help="grpo-toy, simulated, or MODULE:FACTORY")
+    worker.add_argument("--job-id", required=True, help="the job this process serves")
+    worker.add_argument(
+        "--rank", type=_number(int, at_least=0), default=0, help="this process's rank (default 0)"
+    )
+    worker.add_argument("--workload", required=True, help=_WORKLOAD_HELP)
     worker.add_argument(
         "--checkpoint-dir",
         type=Path,
         default=Path(".timeslice/checkpoints"),
-        help="where checkpoints go (shared storage when ranks span nodes)",
+        help="where checkpoints go (shared storage when ranks span nodes; "
+        "default .timeslice/checkpoints)",
     )
-    worker.add_argument("--keep-checkpoints", type=int, default=3, help="per job (default 3)")
-    worker.add_argument("--threads", type=int, help="torch CPU threads for this process")
+    worker.add_argument(
+        "--keep-checkpoints",
+        type=_number(int, at_least=1),
+        default=3,
+        help="checkpoints kept per job, newest first (default 3)",
+    )
+    worker.add_argument(
+        "--threads", type=_number(int, at_least=1), help="torch CPU threads for this process"
+    )
     _add_metrics_arg(worker)
     _add_connection_args(worker)
 
-    start = jobs.add_parser("start", help="start an RLJobWorkflow")
+    start = jobs.add_parser(
+        "start",
+        help="start an RLJobWorkflow",
+        description="Start an RL job (RLJobWorkflow, id rl-job-JOB_ID). Flags override the "
+        "--config file's fields; `timeslice job worker` processes must serve it.",
+    )
     start.add_argument("--config", type=Path, help="JSON file with the job config (RLJobConfig)")
-    start.add_argument("--job-id")
-    start.add_argument("--workload", help="grpo-toy, simulated, or MODULE:FACTORY")
-    start.add_argument("--sampler-group")
-    start.add_argument("--trainer-group", help="default: the sampler group")
-    start.add_argument("--epochs", type=int)
-    start.add_argument("--batch-size", type=int)
-    start.add_argument("--group-size", type=int)
-    start.add_argument("--seed", type=int)
-    start.add_argument("--priority", type=int)
-    start.add_argument("--ranks", type=int)
-    start.add_argument("--lease-ttl", type=float, dest="lease_ttl_s")
-    start.add_argument("--checkpoint-every", type=int)
+    start.add_argument(
+        "--job-id", help="the job's id: names one run (required here or in --config)"
+    )
+    start.add_argument("--workload", help=_WORKLOAD_HELP)
+    start.add_argument("--sampler-group", help="the GPU group the sampling phase runs on")
+    start.add_argument(
+        "--trainer-group", help="the group training runs on (default: the sampler's)"
+    )
+    start.add_argument("--epochs", type=int, help="epochs to run (sample, reward, train)")
+    start.add_argument("--batch-size", type=int, help="prompts per epoch")
+    start.add_argument("--group-size", type=int, help="completions per prompt (GRPO group)")
+    start.add_argument("--seed", type=int, help="seed of the model and the data")
+    start.add_argument(
+        "--priority", type=int, help="lease priority: higher is served first (ages with waiting)"
+    )
+    start.add_argument("--ranks", type=int, help="job processes (ranks) per phase (default 1)")
+    start.add_argument(
+        "--lease-ttl",
+        type=float,
+        dest="lease_ttl_s",
+        help="seconds a lease lives unless renewed (default: the group's)",
+    )
+    start.add_argument("--checkpoint-every", type=int, help="epochs between checkpoints")
     start.add_argument(
         "--option",
         action="append",
@@ -174,9 +237,11 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     start.add_argument("--wait", action="store_true", help="show progress until the job ends")
     _add_connection_args(start)
 
-    progress = jobs.add_parser("progress", help="show a job's epoch, phase and rewards")
+    progress = jobs.add_parser(
+        "progress", help="show a job's epoch, phase and rewards (exit 1 if it failed)"
+    )
     progress.add_argument("job_id")
-    progress.add_argument("--json", action="store_true")
+    progress.add_argument("--json", action="store_true", help="print the progress as JSON")
     _add_connection_args(progress)
 
     stop = jobs.add_parser("stop", help="finish the current epoch, checkpoint, and stop")
@@ -204,7 +269,7 @@ def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
     data: dict[str, object] = {}
     if args.config is not None:
         try:
-            loaded = json.loads(args.config.read_text())
+            loaded = json.loads(_read_small_file(args.config, "--config"))
         except OSError as err:
             raise TimesliceError(f"--config {args.config}: {err.strerror}") from err
         except json.JSONDecodeError as err:
@@ -221,6 +286,40 @@ def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
         options.update(_key_json_pairs("--option", args.option))
         data["workload_options"] = options
     return data
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _check_writable_dir(path: Path, flag: str) -> None:
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise TimesliceError(
+            f"{flag} {path}: cannot write there ({err.strerror}); pick a writable folder"
+        ) from err
+
+
+def _read_small_file(path: Path, flag: str) -> str:
+    """A regular file's text, at most MAX_CONFIG_BYTES (not a device or a FIFO that never
+    ends)."""
+    import stat
+
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise TimesliceError(f"{flag} {path}: not a regular file")
+    with path.open("rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise TimesliceError(f"{flag} {path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as err:
+        raise TimesliceError(f"{flag} {path}: not UTF-8 text ({err})") from err
 
 
 def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
@@ -248,8 +347,6 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise TimesliceError(str(err)) from err
     if args.threads is not None:
-        if args.threads < 1:
-            raise TimesliceError(f"--threads must be >= 1, not {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
@@ -263,11 +360,12 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
             flush=True,
         )
         if metrics:
-            print(f"metrics at {metrics.url}", flush=True)
+            print(f"metrics {metrics.where}", flush=True)
         return await _serve(worker)
 
 
 async def _run_job_start(args: argparse.Namespace) -> int:
+    from temporalio.client import WorkflowFailureError
     from timeslice.jobs import follow_job, parse_job_config, start_rl_job
 
     config = parse_job_config(_job_config_data(args))
@@ -277,7 +375,15 @@ async def _run_job_start(args: argparse.Namespace) -> int:
     if not args.wait:
         print(f"follow it with: timeslice job progress {config.job_id}")
         return 0
-    result = await follow_job(client, config.job_id, lambda line: print(line, flush=True))
+    try:
+        result = await follow_job(client, config.job_id, lambda line: print(line, flush=True))
+    except WorkflowFailureError as err:
+        cause = err.cause
+        print(
+            f"job {config.job_id} failed: {getattr(cause, 'message', None) or cause or err}",
+            file=sys.stderr,
+        )
+        return 1
     rewards = [r for r in result.rewards if r is not None]
     state = "stopped" if result.stopped else "completed"
     print(f"job {config.job_id} {state} after {result.epochs_done} epochs", end="")
@@ -286,24 +392,41 @@ async def _run_job_start(args: argparse.Namespace) -> int:
 
 
 async def _run_job_progress(args: argparse.Namespace) -> int:
-    from timeslice.jobs import describe_progress
-    from timeslice.workflows.rl_protocol import RLJobProgress, rl_job_workflow_id
+    from timeslice.jobs import describe_progress, job_failure
+    from timeslice.workflows.rl_protocol import JobQuery, RLJobProgress, rl_job_workflow_id
 
     workflow_id = _job_workflow_id(args.job_id, rl_job_workflow_id)  # before any connection
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     handle = client.get_workflow_handle(workflow_id)
-    progress = await _rpc_job(args.job_id, handle.query("progress", result_type=RLJobProgress))
-    print(progress.model_dump_json(indent=2) if args.json else describe_progress(progress))
-    return 0
+    described = await _rpc_job(args.job_id, handle.describe())
+    ended_badly = job_failure(described.status)
+    try:
+        progress = await handle.query(JobQuery.PROGRESS, result_type=RLJobProgress)
+    except Exception:
+        if ended_badly is None:
+            raise
+        progress = None  # a job that failed on its input has no progress to show
+    if progress is not None:
+        print(progress.model_dump_json(indent=2) if args.json else describe_progress(progress))
+    if ended_badly is None:
+        return 0
+    try:
+        await handle.result()
+        reason = ""
+    except Exception as err:  # what the workflow failed with, said once
+        cause = getattr(err, "cause", None)
+        reason = f": {getattr(cause, 'message', None) or cause or err}"
+    print(f"job {args.job_id} {ended_badly}{reason}", file=sys.stderr)
+    return 1
 
 
 async def _run_job_stop(args: argparse.Namespace) -> int:
-    from timeslice.workflows.rl_protocol import rl_job_workflow_id
+    from timeslice.workflows.rl_protocol import JobSignal, rl_job_workflow_id
 
     workflow_id = _job_workflow_id(args.job_id, rl_job_workflow_id)  # before any connection
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     handle = client.get_workflow_handle(workflow_id)
-    await _rpc_job(args.job_id, handle.signal("stop"))
+    await _rpc_job(args.job_id, handle.signal(JobSignal.STOP))
     print(f"asked job {args.job_id} to stop after its current epoch")
     return 0
 
@@ -316,8 +439,6 @@ def _job_workflow_id(job_id: str, to_id: Callable[[str], str]) -> str:
 
 
 async def _rpc_job(job_id: str, call: Awaitable[T]) -> T:
-    from temporalio.service import RPCError, RPCStatusCode
-
     try:
         return await call
     except RPCError as err:
@@ -370,11 +491,12 @@ async def _run_worker(args: argparse.Namespace) -> int:
             flush=True,
         )
         if metrics:
-            print(f"metrics at {metrics.url}", flush=True)
+            print(f"metrics {metrics.where}", flush=True)
         return await _serve(worker)
 
 
 async def _run_agent(args: argparse.Namespace) -> int:
+    from timeslice.snapshot.registration import RegistrationError
     from timeslice.snapshot.simulated import SimulatedBackend
     from timeslice.telemetry import worker_telemetry
     from timeslice.workers.node_agent import build_node_agent
@@ -395,6 +517,10 @@ async def _run_agent(args: argparse.Namespace) -> int:
         agent = build_node_agent(
             client, args.node, extra_backends=extra, lock_timeout_s=args.lock_timeout
         )
+        try:
+            await agent.registration.start()
+        except RegistrationError as err:
+            raise TimesliceError(str(err)) from err
         health = agent.health()
         names = [h.backend for h in health]
         print(
@@ -403,9 +529,13 @@ async def _run_agent(args: argparse.Namespace) -> int:
         )
         for h in health:
             print(f"  {h.backend}: {'ok' if h.ok else 'UNAVAILABLE'} - {h.detail}", flush=True)
+        print(f"  job processes register at {agent.registration.path}", flush=True)
         if metrics:
-            print(f"metrics at {metrics.url}", flush=True)
-        return await _serve(agent.worker)
+            print(f"metrics {metrics.where}", flush=True)
+        try:
+            return await _serve(agent.worker)
+        finally:
+            await agent.registration.close()
 
 
 async def _serve(worker: Worker) -> int:
@@ -420,17 +550,21 @@ async def _serve(worker: Worker) -> int:
 
 
 async def _run_setup(args: argparse.Namespace) -> int:
-    from timeslice.workers.control import register_search_attributes
+    from timeslice.workers.control import set_up_namespace
 
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    added = await register_search_attributes(client)
-    print(f"registered {added}" if added else "search attributes already registered")
-    return 0
+    report = await set_up_namespace(client)
+    print("\n".join(report.lines()))
+    return 1 if report.missing else 0
 
 
 async def _run_report(args: argparse.Namespace) -> int:
     from timeslice.report import collect_report, format_text, write_report, write_trace
 
+    if not args.text_only:
+        _check_writable_dir(args.out, "--out")  # before the work, not after it
+    if args.trace is not None:
+        _check_writable_dir(args.trace.parent, "--trace")
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     print("reading groups and jobs from Temporal ...", file=sys.stderr, flush=True)
     report = await collect_report(client, groups=args.group or None, jobs=args.job or None)
@@ -503,6 +637,22 @@ def main(argv: list[str] | None = None) -> int:
     except TimesliceError as err:
         print(f"timeslice {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RPCError as err:  # Temporal refused a call: say what it said, not a traceback
+        print(f"timeslice {args.command}: error: {_explain_rpc_error(err)}", file=sys.stderr)
+        return 2
+
+
+def _explain_rpc_error(err: RPCError) -> str:
+    said = f"Temporal answered {err.status.name}: {err.message.rstrip('.')}"
+    if err.status == RPCStatusCode.NOT_FOUND and "namespace" in err.message.lower():
+        return (
+            f"{said}. Create the namespace (`temporal operator namespace create --namespace "
+            "NAME`; deploy/ has the self-hosted step) or pick an existing one with --namespace "
+            "/ $TEMPORAL_NAMESPACE"
+        )
+    if err.status in (RPCStatusCode.UNAUTHENTICATED, RPCStatusCode.PERMISSION_DENIED):
+        return f"{said}. Check the API key / client certificate (--profile, $TEMPORAL_*)"
+    return said
 
 
 def entry() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import re
 from typing import Any
 
@@ -113,7 +114,18 @@ async def connect(config: dict[str, Any], *, runtime: Runtime | None = None) -> 
                 "authentication (such as `timeslice server`) drop the API key / TLS settings; "
                 "for a cluster that checks API keys, use its TLS endpoint"
             ) from err
+        target = config["target_host"]
+        from_env = os.environ.get("TEMPORAL_ADDRESS")
+        # An explicit address (target= or --address) wins over the environment: say so when
+        # both are set, or the advice to set TEMPORAL_ADDRESS would change nothing.
+        ignored = (
+            f" (TEMPORAL_ADDRESS={from_env} is set, but an address given to the client or "
+            "with --address wins over it)"
+            if from_env and from_env != target
+            else ""
+        )
         raise ServerUnreachableError(
-            f"cannot reach Temporal at {config['target_host']} ({err}); start one with "
-            "`timeslice server`, or point TEMPORAL_ADDRESS / --address at a running cluster"
+            f"cannot reach Temporal at {target} ({err}){ignored}; start one with "
+            "`timeslice server`, or give the address of a running cluster: --address or "
+            "target=, or TEMPORAL_ADDRESS when neither is given"
         ) from err

@@ -18,15 +18,19 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import (
     Client,
     WorkflowFailureError,
     WorkflowHandle,
+    WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
 from temporalio.exceptions import WorkflowAlreadyStartedError
@@ -41,6 +45,7 @@ from timeslice.errors import (
     InvalidArgumentError,
     JobFaultedError,
     LeaseRevokedError,
+    NoControlWorkerError,
     NotHolderError,
     ServerUnreachableError,
     SnapshotFailedError,
@@ -49,6 +54,7 @@ from timeslice.errors import (
 )
 from timeslice.lease import Lease
 from timeslice.snapshot.base import SnapshotBackend
+from timeslice.snapshot.registration import AgentRegistration, RegistrationError
 from timeslice.telemetry import detached, end_span, tracer
 from timeslice.updates import send_update
 from timeslice.workflows.protocol import (
@@ -82,6 +88,11 @@ from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 log = logging.getLogger("timeslice.client")
 T = TypeVar("T")
 _KEYS_KEEP = 1024
+CLOSED = "this client is closed: create a new TimeSliceOrchestratorClient to use the groups again"
+# How long an update may go unaccepted before the engine checks that a control worker serves
+# the groups' task queue at all (with none, nothing ever answers).
+NO_WORKER_CHECK_S = 5.0
+STATUS_TIMEOUT = timedelta(seconds=10)
 
 
 class _Default:
@@ -138,9 +149,11 @@ class Engine:
         state_bytes: int | None,
         rpc_retry_s: float,
         own_thread: bool = True,
+        agent: AgentRegistration | None = None,
     ) -> None:
         """``own_thread``: run on a private event-loop thread (the client facades) or on the
-        caller's loop (a job process, whose worker already serves this job's queue)."""
+        caller's loop (a job process, whose worker already serves this job's queue).
+        ``agent``: this process's registration with its node agent, made at start."""
         self.connect_config = connect_config
         self.job_id = job_id
         self.task_queue = task_queue
@@ -150,6 +163,8 @@ class Engine:
         self.snapshot_target = snapshot_target
         self.state_bytes = state_bytes
         self.rpc_retry_s = rpc_retry_s
+        self.agent = agent
+        self._agent_registered = False
         self.held: dict[str, Lease] = {}
         # group id -> the key of this job's last lease there: its reports and departure carry it
         self.last_keys: dict[str, str] = {}
@@ -176,6 +191,9 @@ class Engine:
         if self.thread.in_loop_thread:
             coro.close()
             raise TimesliceError("blocking client call made from the client's own event loop")
+        if not self.thread.loop.is_running():
+            coro.close()
+            raise TimesliceError(CLOSED)
         future = self.thread.submit(coro)
         try:
             return future.result()
@@ -187,6 +205,9 @@ class Engine:
     async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
         if self.thread is None:
             return await coro
+        if not self.thread.loop.is_running():
+            coro.close()
+            raise TimesliceError(CLOSED)
         return await asyncio.wrap_future(self.thread.submit(coro))
 
     def attach(self, client: Client) -> None:
@@ -199,7 +220,7 @@ class Engine:
     async def connected(self) -> Client:
         """The Temporal client, connected on first use (no worker: enough for queries)."""
         if self._closed:
-            raise TimesliceError("this client is closed")
+            raise TimesliceError(CLOSED)
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(connect(self.connect_config))
         try:
@@ -213,6 +234,13 @@ class Engine:
     async def start(self) -> Client:
         """Connect and serve this job's task queue (grants, snapshots)."""
         client = await self.connected()
+        if self.agent is not None and not self._agent_registered:
+            # Before any lease: the node agent checkpoints only processes that registered.
+            try:
+                await self.agent.start()
+            except RegistrationError as err:
+                raise TimesliceError(str(err)) from err
+            self._agent_registered = True
         if self._worker is None and self._serves_own_queue:
             snapshots = SnapshotActivities(self.backends)
             self._worker = Worker(
@@ -236,7 +264,7 @@ class Engine:
                 return await call()
             except RPCError as err:
                 if err.status == RPCStatusCode.FAILED_PRECONDITION and "no poller" in err.message:
-                    raise TimesliceError(
+                    raise NoControlWorkerError(
                         f"{what}: no control worker is serving task queue "
                         f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
                     ) from err
@@ -327,7 +355,8 @@ class Engine:
             reply_task_queue=self.task_queue,
             priority=self.priority if priority is None else priority,
             ttl_s=ttl_s if ttl_s is not None else self.lease_ttl_s,
-            timeout_s=timeout,
+            # A try-lock's request must not time out before the group grants it.
+            timeout_s=timeout or None,
             snapshot=self.snapshot_target if isinstance(snapshot, _Default) else snapshot,
             state_bytes=self.state_bytes if isinstance(state_bytes, _Default) else state_bytes,
             restores_itself=restores_itself,
@@ -343,22 +372,35 @@ class Engine:
         # The ask is not cancelled when the acquire ends: the group answers a parked wait as
         # soon as the request is granted or gone, and an RPC abandoned mid-flight would outlive
         # its event loop. close() waits for it.
-        asking = self._track(self._ask(group_id, request, granted))
+        asking = self._track(self._ask(group_id, request, granted, only_if_free=timeout == 0))
         try:
-            await asyncio.wait({granted, asking}, timeout=timeout, return_when="FIRST_COMPLETED")
-            if asking.done() and not granted.done():
+            # A try-lock (timeout 0) waits for the group's answer: granted if it was free.
+            wait_s = None if timeout == 0 else timeout
+            await asyncio.wait({granted, asking}, timeout=wait_s, return_when="FIRST_COMPLETED")
+            if asking.done() and not granted.done() and timeout != 0:
                 asking.result()  # raises what stopped the request from being queued
                 remaining = None if timeout is None else timeout - (time.monotonic() - asked)
                 if remaining is None or remaining > 0:
                     await asyncio.wait({granted}, timeout=remaining)
+        except NoControlWorkerError:
+            self.inbox.withdraw(rid)  # nothing serves the group: a withdrawal would wait too
+            raise
         except BaseException:
             self.inbox.withdraw(rid)
             # Shielded and tracked: a cancelled acquire still withdraws, and close() waits for it.
             await asyncio.shield(self._track(self._withdraw(group_id, rid)))
             raise
+        if asking.done() and asking.exception() is not None:
+            self.inbox.withdraw(rid)
+            asking.result()  # raises it
         notice = self.inbox.withdraw(rid)
         if notice is None:
             await self._withdraw(group_id, rid)
+            if timeout == 0:
+                raise AcquireTimeoutError(
+                    f"group {group_id!r} is held or has waiters: not granted to job "
+                    f"{self.job_id} (timeout=0 only takes a free group)"
+                )
             raise AcquireTimeoutError(
                 f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
                 "the request was withdrawn"
@@ -381,7 +423,12 @@ class Engine:
         return lease
 
     async def _ask(
-        self, group_id: str, request: AcquireRequest, granted: asyncio.Future[Any]
+        self,
+        group_id: str,
+        request: AcquireRequest,
+        granted: asyncio.Future[Any],
+        *,
+        only_if_free: bool = False,
     ) -> None:
         """Queue ``request`` and park on the group until it is granted (the fast path).
 
@@ -391,7 +438,7 @@ class Engine:
         the group parks no more waits, the grant comes as an activity on this process's queue.
         A group that does not exist yet is created by signal-with-start of the request.
         """
-        call = AcquireCall(request=request)
+        call = AcquireCall(request=request, only_if_free=only_if_free)
         delay = 0.2
         while not granted.done():
             try:
@@ -402,6 +449,7 @@ class Engine:
                     call,
                     AcquireAnswer,
                     wait_for_completion=False,  # it parks until granted
+                    on_slow=self._check_control_worker,
                 )
             except RPCError as err:
                 if err.status == RPCStatusCode.NOT_FOUND:
@@ -423,6 +471,24 @@ class Engine:
                 return
             if answer.outcome in (AcquireOutcome.QUEUED, AcquireOutcome.GONE):
                 return
+
+    async def _check_control_worker(self) -> None:
+        """Raise if no control worker polls the groups' task queue: with none, no group ever
+        answers (an update or a query would wait in silence)."""
+        client = self._client_now()
+        described = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=CONTROL_TASK_QUEUE),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            )
+        )
+        if not described.pollers:
+            raise NoControlWorkerError(
+                f"no control worker serves task queue {CONTROL_TASK_QUEUE!r} in namespace "
+                f"{client.namespace!r} at {self.connect_config['target_host']}: start one with "
+                "`timeslice worker` (nothing answers for the GPU groups until one runs)"
+            )
 
     def _take(self, notice: GrantNotice) -> None:
         """A grant that came as an update's result; one nobody waits for any more is handed
@@ -693,12 +759,22 @@ class Engine:
     async def group_status(self, group_id: str) -> GroupStatus:
         await self.connected()
         try:
-            return await self._rpc(
+            status: GroupStatus = await self._rpc(
                 f"status {group_id}",
                 lambda: self._group_handle(group_id).query(
-                    GroupQuery.STATUS, result_type=GroupStatus
+                    GroupQuery.STATUS, result_type=GroupStatus, rpc_timeout=STATUS_TIMEOUT
                 ),
             )
+            # The query answers as of the group's last workflow task: bring it to now.
+            return status.advanced_to(datetime.now(UTC))
+        except ServerUnreachableError:
+            await self._check_control_worker()  # the likely reason: say so
+            raise
+        except WorkflowQueryFailedError as err:
+            raise TimesliceError(
+                f"group {group_id!r} could not answer its status ({err}); see the control "
+                f"worker's log and the workflow {group_workflow_id(group_id)} in the Web UI"
+            ) from err
         except RPCError as err:
             if err.status == RPCStatusCode.NOT_FOUND:
                 raise UnknownGroupError(
@@ -728,6 +804,8 @@ class Engine:
             await self._worker.shutdown()
         if self._worker_task is not None:
             await asyncio.gather(self._worker_task, return_exceptions=True)
+        if self.agent is not None:
+            await self.agent.close()
         # Drop the SDK's native objects now, while the interpreter is whole: left to the
         # interpreter's own shutdown, their native threads can touch Python mid-finalization.
         self._worker = self._worker_task = self._client = self._connecting = None

@@ -15,6 +15,10 @@ class ServerUnreachableError(TimesliceError, ConnectionError):
     """The Temporal server could not be reached."""
 
 
+class NoControlWorkerError(TimesliceError):
+    """No control worker serves the groups' task queue: nothing would ever answer."""
+
+
 class UnknownGroupError(TimesliceError, LookupError):
     """No GPU group workflow exists under that id."""
 

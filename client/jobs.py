@@ -15,12 +15,18 @@ from typing import Any
 
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
-from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.common import (
+    SearchAttributeKey,
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDReusePolicy,
+)
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from timeslice.errors import InvalidArgumentError
 from timeslice.workflows.protocol import CONTROL_TASK_QUEUE
 from timeslice.workflows.rl_protocol import (
     RL_JOB_WORKFLOW_TYPE,
+    JobQuery,
     RLJobConfig,
     RLJobProgress,
     RLJobResult,
@@ -48,6 +54,8 @@ async def start_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandle[An
             config.model_dump(mode="json"),
             id=rl_job_workflow_id(config.job_id),
             task_queue=CONTROL_TASK_QUEUE,
+            # A job id names one run: its processes hold that run's model (see job_runtime).
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             result_type=RLJobResult,
             search_attributes=TypedSearchAttributes([SearchAttributePair(JOB_KEY, config.job_id)]),
             static_summary=f"RL job {config.job_id}: {config.workload}, "
@@ -59,10 +67,45 @@ async def start_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandle[An
             ),
         )
     except WorkflowAlreadyStartedError as err:
-        raise InvalidArgumentError(
-            f"job {config.job_id!r} is already running (workflow {err.workflow_id}); "
-            "choose another job id, or stop it with `timeslice job stop`"
-        ) from err
+        raise InvalidArgumentError(await _used_id_message(client, config.job_id)) from err
+
+
+async def _used_id_message(client: Client, job_id: str) -> str:
+    workflow_id = rl_job_workflow_id(job_id)
+    try:
+        described = await client.get_workflow_handle(workflow_id).describe()
+    except Exception:  # the message stands without the details
+        described = None
+    if described is None or described.status == WorkflowExecutionStatus.RUNNING:
+        return (
+            f"job {job_id!r} is already running (workflow {workflow_id}): follow it with "
+            f"`timeslice job progress {job_id}`, stop it with `timeslice job stop {job_id}`, "
+            "or start another job under a new --job-id"
+        )
+    status = described.status.name.lower() if described.status else "closed"
+    ended = f" at {described.close_time:%Y-%m-%d %H:%M:%S} UTC" if described.close_time else ""
+    return (
+        f"job {job_id!r} already ran (workflow {workflow_id} {status}{ended}); a job id names "
+        f"one run of a job: start a new run under a new --job-id, with its own "
+        f"`timeslice job worker --job-id NEW_ID`"
+    )
+
+
+def job_failure(status: WorkflowExecutionStatus | None) -> str | None:
+    """How a job's workflow ended badly (failed, terminated ...), or None if it did not."""
+    if status in (
+        None,
+        WorkflowExecutionStatus.RUNNING,
+        WorkflowExecutionStatus.COMPLETED,
+        WorkflowExecutionStatus.CONTINUED_AS_NEW,
+    ):
+        return None
+    return {
+        WorkflowExecutionStatus.FAILED: "failed",
+        WorkflowExecutionStatus.TERMINATED: "was terminated",
+        WorkflowExecutionStatus.CANCELED: "was cancelled",
+        WorkflowExecutionStatus.TIMED_OUT: "timed out",
+    }.get(status, f"ended {status.name.lower()}")
 
 
 def describe_progress(p: RLJobProgress) -> str:
@@ -84,7 +127,7 @@ async def follow_job(
     last_line, last_shown = "", time.monotonic()
     while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
         try:
-            progress = await handle.query("progress", result_type=RLJobProgress)
+            progress = await handle.query(JobQuery.PROGRESS, result_type=RLJobProgress)
         except Exception:  # the run may be between continue-as-new and its first task
             progress = None
         line = describe_progress(progress) if progress else ""

@@ -24,6 +24,7 @@ from timeslice.lease import Lease
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.noop import NoopBackend
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
+from timeslice.snapshot.registration import AgentRegistration
 from timeslice.workflows.protocol import (
     MAX_LEASE_TTL_S,
     MAX_PRIORITY,
@@ -110,11 +111,7 @@ class _ClientBase:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise InvalidArgumentError(f"rank must be an integer >= 0, not {rank!r}")
         self.priority = self._check_priority(priority)
-        ttl = check_timeout(lease_ttl, "lease_ttl")
-        if ttl is not None and not MIN_LEASE_TTL_S <= ttl <= MAX_LEASE_TTL_S:
-            raise InvalidArgumentError(
-                f"lease_ttl must be between {MIN_LEASE_TTL_S} and {MAX_LEASE_TTL_S} s, not {ttl}"
-            )
+        ttl = _checked_ttl(lease_ttl, "lease_ttl")
         self.task_queue = job_task_queue(self.job_id, rank)
         backends = _backends(snapshot_backends)
         if state_bytes is not None and (
@@ -131,6 +128,10 @@ class _ClientBase:
             snapshot_target=self._snapshot_target(backends, node, node_backends),
             state_bytes=state_bytes,
             rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
+            # The node agent checkpoints this process only once it registered itself there.
+            agent=AgentRegistration(node, self.job_id)
+            if node is not None and "cuda-checkpoint" in (node_backends or ["cuda-checkpoint"])
+            else None,
         )
 
     def _snapshot_target(
@@ -231,6 +232,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
     ) -> Lease:
         """Wait until the group is granted; raise AcquireTimeoutError after ``timeout`` seconds."""
         group, timeout, priority = self._acquire_args(group_id, timeout, priority)
+        ttl = _checked_ttl(ttl, "ttl")
         return self._engine.run_sync(self._engine.acquire(group, timeout, priority, ttl))
 
     def release(self, lease: Lease | None = None) -> None:
@@ -289,6 +291,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         ttl: float | None = None,
     ) -> Lease:
         group, timeout, priority = self._acquire_args(group_id, timeout, priority)
+        ttl = _checked_ttl(ttl, "ttl")
         return await self._engine.run_async(self._engine.acquire(group, timeout, priority, ttl))
 
     async def release(self, lease: Lease | None = None) -> None:
@@ -321,6 +324,16 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _checked_ttl(ttl: float | None, name: str) -> float | None:
+    """A lease TTL in the range the groups accept (None: the group's default)."""
+    checked = check_timeout(ttl, name)
+    if checked is not None and not MIN_LEASE_TTL_S <= checked <= MAX_LEASE_TTL_S:
+        raise InvalidArgumentError(
+            f"{name} must be between {MIN_LEASE_TTL_S} and {MAX_LEASE_TTL_S} s, not {checked}"
+        )
+    return checked
 
 
 class _AcceleratorScope:

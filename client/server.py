@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import sysconfig
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,9 +31,13 @@ DEFAULT_DB = Path(".timeslice") / "temporal.db"
 SQLITE_PRAGMAS: dict[str, str] = {"journal_mode": "wal", "synchronous": "normal"}
 # One partition per task queue: a single-node server gains nothing from spreading a queue, and a
 # task written to one partition while the poller waits on another is forwarded, which is slower.
+# Updates in flight on one workflow stay under 1.5 MB in all: the server checks no update's size
+# against its 2 MB blob limit, and a worker refusing a larger one echoes it in the refusal,
+# which the SDK then will not upload, failing the workflow task (docs/architecture.md, Limits).
 DEFAULT_DYNAMIC_CONFIG: dict[str, Any] = {
     "matching.numTaskqueueReadPartitions": 1,
     "matching.numTaskqueueWritePartitions": 1,
+    "history.maxInFlightUpdatePayloads": 1_500_000,
 }
 
 
@@ -109,16 +117,29 @@ class EmbeddedServer:
                 f"port {self.port} on {self.ip} is already in use: is a Temporal server running "
                 "there already? Use it (TEMPORAL_ADDRESS) or pick another --port"
             )
-        if self.db is not None:
-            self.db.parent.mkdir(parents=True, exist_ok=True)
+        for what, path in (("database", self.db), ("log", self.log_path)):
+            if path is None:
+                continue
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # Not by creating the file: the server takes an empty database for a broken one.
+                with tempfile.TemporaryFile(dir=path.parent):
+                    pass
+                if path.exists() and not os.access(path, os.W_OK):
+                    raise PermissionError(errno.EACCES, "Permission denied")
+            except OSError as err:
+                raise TimesliceError(
+                    f"cannot write the server's {what} file {path}: {err.strerror}; "
+                    "pick a writable path (--db)"
+                ) from err
         if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = self.log_path.open("ab")
         self._process = subprocess.Popen(
             self.command(),
             stdout=self._log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT if self._log else subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_die_with_parent(),
         )
         deadline = time.monotonic() + timeout
         while not _port_open(self.ip, self.port):
@@ -189,6 +210,20 @@ def _wait_until_serving(address: str, deadline: float) -> None:
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # safe even inside a running loop
         pool.submit(asyncio.run, probe()).result()
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """What the child runs before exec: ask Linux to end it when the thread that started it
+    ends, so a `timeslice server` killed with SIGKILL does not leave `temporal` holding the
+    port and the database. Looked up here, in the parent: the child only makes the call
+    (no library loading between fork and exec). Elsewhere nothing: stop() is the way out."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+    return lambda: prctl(pr_set_pdeathsig, sigterm)
 
 
 def _port_open(host: str, port: int) -> bool:

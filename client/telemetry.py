@@ -248,6 +248,14 @@ class MetricsEndpoint:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}{METRICS_PATH}"
 
+    @property
+    def where(self) -> str:
+        """Where the endpoint listens, as a user needs it: bound to every interface, it is
+        reachable from other hosts too (the URL is the local way in)."""
+        if self.host in ("0.0.0.0", "::", ""):
+            return f"on all interfaces, port {self.port}: {self.url} from this host"
+        return f"at {self.url}"
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -24,7 +25,7 @@ from temporalio.api.update.v1 import Meta as UpdateMeta
 from temporalio.api.update.v1 import Request as UpdateRequest
 from temporalio.api.update.v1 import WaitPolicy
 from temporalio.api.workflowservice.v1 import UpdateWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowUpdateFailedError, WorkflowUpdateHandle
 from temporalio.converter import PayloadConverter
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.telemetry import tracer
@@ -38,12 +39,19 @@ TRACE_HEADER = "_tracer-data"
 # How long one attempt may take before it is sent again, and the pauses between attempts.
 UPDATE_ATTEMPT_S = 0.25
 _RESEND_DELAYS_S = (0.005, 0.02, 0.05, 0.1, 0.2, 0.5)
+# Pauses between polls for an accepted update's result after a poll failed (a server restart).
+_REPOLL_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 _RESENDABLE = {
     RPCStatusCode.UNAVAILABLE,
     RPCStatusCode.ABORTED,
     RPCStatusCode.DEADLINE_EXCEEDED,
     RPCStatusCode.RESOURCE_EXHAUSTED,
     RPCStatusCode.CANCELLED,
+    # A connection that breaks mid-call ("transport error"): the server may have the update
+    # already. Only the same update id is safe to send again — a new id would be a second
+    # update, and a group that parked the first answers the second "queued" and later grants
+    # through the first, which nobody awaits any more (found by bench/soak.py).
+    RPCStatusCode.UNKNOWN,
 }
 
 
@@ -62,13 +70,17 @@ async def send_update(
     *,
     wait_for_completion: bool = True,
     give_up_after_s: float = 60.0,
+    on_slow: Callable[[], Awaitable[None]] | None = None,
+    slow_after_s: float = 5.0,
 ) -> T:
     """Send an update to the workflow's current run and return its result.
 
     Sent by hand, without the SDK's own retries: an attempt that fails transiently, or is not
     accepted within ``UPDATE_ATTEMPT_S``, is sent again after a short pause, with the same
     update id. With ``wait_for_completion`` False an attempt waits only until the update is
-    accepted, and the result is then awaited without a limit (an update that parks)."""
+    accepted, and the result is then awaited without a limit (an update that parks).
+    ``on_slow`` runs once if the update is still not accepted after ``slow_after_s`` (it may
+    raise, e.g. when no worker serves the workflow at all)."""
     update_id = str(uuid.uuid4())
     with tracer().start_as_current_span(
         f"StartWorkflowUpdate:{name}",
@@ -76,7 +88,7 @@ async def send_update(
         attributes={"temporalWorkflowID": workflow_id, "temporalUpdateID": update_id},
     ):
         return await _send(client, workflow_id, name, arg, result_type, update_id,
-                           wait_for_completion, give_up_after_s)  # fmt: skip
+                           wait_for_completion, give_up_after_s, on_slow, slow_after_s)  # fmt: skip
 
 
 async def _send(
@@ -88,6 +100,8 @@ async def _send(
     update_id: str,
     wait_for_completion: bool,
     give_up_after_s: float,
+    on_slow: Callable[[], Awaitable[None]] | None,
+    slow_after_s: float,
 ) -> T:
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
@@ -104,9 +118,13 @@ async def _send(
         ),
         wait_policy=WaitPolicy(lifecycle_stage=_COMPLETED if wait_for_completion else _ACCEPTED),
     )
-    deadline = time.monotonic() + give_up_after_s
+    started = time.monotonic()
+    deadline = started + give_up_after_s
     attempt = 0
     while True:
+        if on_slow is not None and time.monotonic() - started >= slow_after_s:
+            await on_slow()
+            on_slow = None
         try:
             response = await client.workflow_service.update_workflow_execution(
                 request, retry=False, timeout=timedelta(seconds=UPDATE_ATTEMPT_S)
@@ -126,9 +144,31 @@ async def _send(
         update = client.get_workflow_handle(
             workflow_id, run_id=response.update_ref.workflow_execution.run_id
         ).get_update_handle(update_id, result_type=result_type)
-        return await update.result()
+        return await _await_result(update, name, workflow_id, give_up_after_s)
     outcome = response.outcome
     if outcome.HasField("failure"):
         raise WorkflowUpdateFailedError(await client.data_converter.decode_failure(outcome.failure))
     (result,) = await client.data_converter.decode(outcome.success.payloads, [result_type])
     return result
+
+
+async def _await_result(
+    update: WorkflowUpdateHandle[T], name: str, workflow_id: str, give_up_after_s: float
+) -> T:
+    """The result of an accepted update, polled for again — same update id — while polling
+    fails transiently: a server that restarts ends the poll with a transport error, which the
+    SDK does not retry. The workflow answers this update and no other, so sending a new one
+    would lose the answer (a parked acquire's grant: see ``_RESENDABLE``)."""
+    failing_since: float | None = None
+    attempt = 0
+    while True:
+        try:
+            return await update.result()
+        except RPCError as err:
+            now = time.monotonic()
+            failing_since = now if failing_since is None else failing_since
+            if err.status not in _RESENDABLE or now - failing_since >= give_up_after_s:
+                raise
+            log.debug("update %s of %s: its result: %s; polling again", name, workflow_id, err)
+        await asyncio.sleep(_REPOLL_DELAYS_S[min(attempt, len(_REPOLL_DELAYS_S) - 1)])
+        attempt += 1

@@ -35,7 +35,12 @@ from timeslice.report import Report, collect_report, format_text, human_bytes, w
 from timeslice.server import EmbeddedServer
 from timeslice.services import ServiceStartError, start_service
 from timeslice.workflows.protocol import group_workflow_id
-from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
+from timeslice.workflows.rl_protocol import (
+    JobQuery,
+    RLJobProgress,
+    RLJobResult,
+    rl_job_workflow_id,
+)
 
 STATE = Path(".timeslice")
 SPARK = "▁▂▃▄▅▆▇█"
@@ -110,7 +115,7 @@ async def run_jobs(
             wall[pending.pop(future).id] = time.monotonic() - started
         for handle in handles:
             with contextlib.suppress(Exception):  # a job between runs answers a moment later
-                p = await handle.query("progress", result_type=RLJobProgress)
+                p = await handle.query(JobQuery.PROGRESS, result_type=RLJobProgress)
                 if shown.get(p.job_id) != p.epoch:
                     shown[p.job_id] = p.epoch
                     print(f"  {describe_progress(p)}", flush=True)

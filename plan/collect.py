@@ -35,7 +35,7 @@ from timeslice.plan.profile import (
     Seconds,
     StateProfile,
 )
-from timeslice.workflows.protocol import GroupStatus, LeaseRecord, group_workflow_id
+from timeslice.workflows.protocol import GroupQuery, GroupStatus, LeaseRecord, group_workflow_id
 from timeslice.workflows.rl_protocol import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
@@ -183,7 +183,7 @@ async def decode_runs(
 async def read_group(client: Client, group_id: str) -> GroupStatus:
     handle = client.get_workflow_handle(group_workflow_id(group_id))
     try:
-        return await handle.query("status", result_type=GroupStatus)
+        return await handle.query(GroupQuery.STATUS, result_type=GroupStatus)
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
             raise UnknownGroupError(

@@ -36,6 +36,7 @@ from timeslice.workflows.rl_protocol import (
     RL_JOB_WORKFLOW_TYPE,
     SAMPLE_ACTIVITY,
     TRAIN_ACTIVITY,
+    JobQuery,
     PhaseResult,
     RLJobConfig,
     RLJobInput,
@@ -186,16 +187,16 @@ async def _job(client: Client, job_id: str, now: datetime) -> JobRecord:
         return record
     try:
         progress = await handle.query(
-            "progress", result_type=RLJobProgress, rpc_timeout=QUERY_TIMEOUT
+            JobQuery.PROGRESS, result_type=RLJobProgress, rpc_timeout=QUERY_TIMEOUT
         )
     except Exception as err:  # a closed run needs a worker to answer; report what we know
-        record.note = f"no progress: {err}"
+        record.note = record.note or f"no progress: {err}"
         return record
     record.epochs_done = progress.epoch
     record.epochs = progress.epochs
     record.rewards = list(progress.rewards)
     record.rewinds = progress.rewinds
-    if status != "running":
+    if status != "running" and record.note is None:
         record.note = f"phase: {progress.phase}"
     return record
 
@@ -211,12 +212,19 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
         ):
             payloads = event.workflow_execution_started_event_attributes.input.payloads
             if payloads:
-                (raw,) = await converter.decode(payloads, [dict])
-                config = (
-                    RLJobInput.model_validate(raw).config
-                    if "config" in raw
-                    else RLJobConfig.model_validate(raw)
-                )
+                try:
+                    (raw,) = await converter.decode(payloads, [Any])
+                    config = (
+                        RLJobInput.model_validate(raw).config
+                        if isinstance(raw, dict) and "config" in raw
+                        else RLJobConfig.model_validate(raw)
+                    )
+                except (ValueError, KeyError, RuntimeError):
+                    # A job started with input it refused (not one config, or undecodable; it
+                    # failed at once): no groups or phases to report, and it must not stop the
+                    # report of the others. (pydantic's ValidationError is a ValueError.)
+                    record.note = "refused its config (invalid input)"
+                    return
                 record.groups = sorted({config.sampler_group, config.trainer})
                 record.epochs = config.epochs
         elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:

@@ -79,6 +79,13 @@ class PidRegistry:
             )
         self._by_job.setdefault(job_id, set()).add(identity)
 
+    def unregister(self, job_id: str, identity: ProcessIdentity) -> None:
+        identities = self._by_job.get(job_id)
+        if identities is not None:
+            identities.discard(identity)
+            if not identities:
+                del self._by_job[job_id]
+
     def owner_of(self, pid: int) -> str | None:
         for job_id, identities in self._by_job.items():
             if any(i.pid == pid for i in identities):

@@ -34,3 +34,60 @@ class LeaseTakingWorkflow:
             await leases.release(lease)
             held.append([lease.token, start, end])
         return held
+
+
+@workflow.defn(name="ImpostorWorkflow")
+class ImpostorWorkflow:
+    """Asks a node agent to snapshot a job, as no group or snapshot workflow would (tests)."""
+
+    @workflow.run
+    async def run(self, node_queue: str, job_id: str) -> str:
+        from datetime import timedelta
+
+        from temporalio.common import RetryPolicy
+        from temporalio.exceptions import ActivityError
+        from timeslice.workflows.protocol import SNAPSHOT_ACTIVITY, SnapshotCall
+
+        try:
+            await workflow.execute_activity(
+                SNAPSHOT_ACTIVITY,
+                SnapshotCall(group_id="g", job_id=job_id, backends=["simulated"], reason="x"),
+                task_queue=node_queue,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+            )
+        except ActivityError as err:
+            return f"refused: {err.cause}"
+        return "obeyed"
+
+
+@workflow.defn(name="OtherReleaseJobWorkflow")
+class OtherReleaseJobWorkflow:
+    """Calls a job process's `describe` as an RL job workflow of another release would: one
+    that sends job protocol ``protocol`` (None: one from before protocol versions)."""
+
+    @workflow.run
+    async def run(self, job_id: str, task_queue: str, protocol: int | None) -> str:
+        from datetime import timedelta
+
+        from temporalio.common import RetryPolicy
+        from temporalio.exceptions import ActivityError
+        from timeslice.workflows.rl_protocol import DESCRIBE_ACTIVITY
+
+        call: dict[str, object] = {"job_id": job_id}
+        if protocol is not None:
+            call["protocol"] = protocol
+        try:
+            await workflow.execute_activity(
+                DESCRIBE_ACTIVITY,
+                call,
+                task_queue=task_queue,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+            )
+        except ActivityError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError):
+                return f"{cause.type}: {cause.message}"
+            return f"failed: {err}"
+        return "served"

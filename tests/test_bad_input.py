@@ -15,6 +15,7 @@ from timeslice import (
     InvalidArgumentError,
     NotHolderError,
     ServerUnreachableError,
+    TimesliceError,
     TimeSliceOrchestratorClient,
     UnknownGroupError,
 )
@@ -59,6 +60,23 @@ def test_bad_timeouts_fail_fast(bad):
 def test_bad_client_settings_fail_fast(kwargs, message):
     with pytest.raises(InvalidArgumentError, match=message):
         TimeSliceOrchestratorClient(**{"target": "127.0.0.1:1", **kwargs})
+
+
+@pytest.mark.parametrize("bad", [0, -1, math.nan, 1e9, 0.5])
+def test_bad_lease_ttl_per_acquire_fails_fast(bad):
+    client = TimeSliceOrchestratorClient(target="127.0.0.1:1")  # nothing is contacted
+    with pytest.raises(InvalidArgumentError, match="ttl"):
+        client.acquire("g", ttl=bad)
+
+
+def test_closed_client_says_so(address, group, make_client):
+    client = make_client()
+    client.release(client.acquire(group))
+    client.close()
+    with pytest.raises(TimesliceError, match="this client is closed"):
+        client.acquire(group)
+    with pytest.raises(TimesliceError, match="this client is closed"):
+        client.group_status(group)
 
 
 def test_missing_group_argument():
@@ -136,8 +154,31 @@ def test_group_workflow_with_bad_input_fails_without_retrying(address):
         (["job", "start", "--config", "/nonexistent.json"], "No such file"),
         (["job", "start", "--option", "lr=oops"], "value is not JSON"),
         (["job", "worker", "--job-id", "j", "--workload", "nope"], "unknown workload 'nope'"),
+        (
+            [
+                "job",
+                "start",
+                "--job-id",
+                "j",
+                "--workload",
+                "nope",
+                "--epochs",
+                "2",
+                "--sampler-group",
+                "g",
+            ],
+            "unknown workload 'nope': use a built-in",
+        ),
         (["job", "worker", "--job-id", "j", "--workload", "os:getcwd"], "not a timeslice"),
         (["job", "progress", "bad id!"], "invalid job id"),
+        (["job", "start", "--config", "/dev/zero"], "not a regular file"),
+        (["job", "worker", "--job-id", "j", "--workload", "simulated", "--threads", "0"], ">= 1"),
+        (["job", "worker", "--job-id", "j", "--workload", "simulated", "--rank", "-1"], ">= 0"),
+        (["agent", "--node", "n1", "--lock-timeout", "0"], "must be > 0, not 0"),
+        (["agent", "--node", "n1", "--lock-timeout", "nan"], "not a finite number"),
+        (["agent", "--node", "n1", "--simulated-bytes", "-5"], "must be >= 0"),
+        (["report", "--address", "127.0.0.1:1", "--out", "/proc/nope"], "cannot write there"),
+        (["server", "--port", "0"], "port must be a TCP port"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message):

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
+import time
+import uuid
 
 import pytest
-from timeslice import AsyncTimeSliceOrchestratorClient, Lease
+from timeslice import (
+    AcquireTimeoutError,
+    AsyncTimeSliceOrchestratorClient,
+    Lease,
+    NoControlWorkerError,
+    TimeSliceOrchestratorClient,
+)
+from timeslice.server import temporal_binary
+
+from tests.helpers import wait_for
 
 
 def test_decorator_on_sync_and_async_functions(group, make_client):
@@ -94,3 +106,55 @@ def test_cli_honours_temporal_address(address, group, make_client):
         timeout=60,
     )
     assert setup.returncode == 0 and "already registered" in setup.stdout
+    # The session's control worker serves this namespace: setup counts it.
+    assert re.search(r"control workers on task queue 'timeslice': [1-9]\d* polling", setup.stdout)
+
+
+def test_timeout_zero_is_a_try_lock(group, make_client):
+    holder, other = make_client(job_id="trylock-holder"), make_client(job_id="trylock-other")
+    lease = holder.acquire(group)
+    with pytest.raises(AcquireTimeoutError, match="timeout=0 only takes a free group"):
+        other.acquire(group, timeout=0)
+    status = holder.group_status(group)
+    assert status.holder is not None and status.holder.job_id == "trylock-holder"
+    assert status.queue == [], "a try-lock that failed left nothing queued"
+    holder.release(lease)
+    taken = other.acquire(group, timeout=0)  # free now: granted at once
+    assert taken.valid and other.held == {group: taken}
+    other.release(taken)
+
+
+def test_no_control_worker_is_a_clear_error(server, group):
+    """In a namespace no control worker serves, nothing would ever answer: say so."""
+    namespace = f"unserved-{uuid.uuid4().hex[:8]}"
+    subprocess.run(
+        [str(temporal_binary()), "operator", "namespace", "create", "--address",
+         server.address, "--namespace", namespace],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+
+    def set_up() -> bool:  # a new namespace takes a moment to reach every service
+        setup = subprocess.run(
+            [sys.executable, "-m", "timeslice.cli", "setup", "--address", server.address,
+             "--namespace", namespace],
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+        return setup.returncode == 0
+
+    wait_for(set_up, timeout=60, what="`timeslice setup` in the new namespace")
+
+    def acquire_fails() -> str | None:
+        client = TimeSliceOrchestratorClient(target=server.address, namespace=namespace)
+        try:
+            client.acquire(group, timeout=60)
+        except NoControlWorkerError as err:
+            return str(err)
+        finally:
+            client.close()
+        return None
+
+    started = time.monotonic()
+    message = wait_for(acquire_fails, timeout=60, what="the acquire's error")
+    assert time.monotonic() - started < 30, "told within seconds, not after the RPC time-outs"
+    assert "no control worker serves task queue 'timeslice'" in message
+    assert f"namespace {namespace!r}" in message and "timeslice worker" in message

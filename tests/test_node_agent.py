@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -14,8 +15,15 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
-from timeslice import InvalidArgumentError, SnapshotFailedError, TimeSliceOrchestratorClient
+from temporalio.worker import Worker
+from timeslice import (
+    InvalidArgumentError,
+    TimesliceError,
+    TimeSliceOrchestratorClient,
+)
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
+from timeslice.snapshot.registration import socket_path
+from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.protocol import (
     AcquireRequest,
     ProcessRef,
@@ -27,6 +35,7 @@ from timeslice.workflows.protocol import (
 
 from .conftest import start_service, stop_process
 from .helpers import events, finish, read_log, spawn_contender, wait_for
+from .requester_workflows import ImpostorWorkflow
 
 SIMULATED_BYTES = 3 * 1024 * 1024
 
@@ -65,6 +74,8 @@ def test_switches_go_through_the_node_agent(address, group, node, tmp_path, make
             "3",
             "--hold",
             "0.05",
+            "--start-with",
+            "2",  # both ready before either holds: they take turns
             "--node",
             node,
             "--node-backend",
@@ -173,7 +184,8 @@ def test_agent_refuses_a_forged_process(address, group, node, make_client):
         honest = make_client(job_id="honest")
         honest.release(honest.acquire(group, timeout=60))
         faults = honest.group_status(group).faulted_jobs
-        assert "was not launched for job forger" in faults["forger"]
+        # The PIDs in a request are not used: only processes that registered themselves.
+        assert "job forger registered no process on this node" in faults["forger"]
         assert bystander.poll() is None  # untouched
     finally:
         bystander.kill()
@@ -201,11 +213,14 @@ def test_standalone_needs_a_backend_and_reports_failures(address, node, make_cli
     with pytest.raises(InvalidArgumentError, match="registered no snapshot backend"):
         make_client(job_id="bare").snapshot()
     # This process claims the job in its current environment, but it was not *launched* for
-    # it: the agent reads the launch environment and refuses.
+    # it: the agent reads the launch environment and refuses to register it.
     monkeypatch.setenv(JOB_ENV, "claimer")
-    claimer = make_client(job_id="claimer", node=node)
-    with pytest.raises(SnapshotFailedError, match="was not launched for job claimer"):
-        claimer.snapshot()
+    claimer = TimeSliceOrchestratorClient(target=address, job_id="claimer", node=node)
+    with pytest.raises(
+        TimesliceError, match=r"refused this process: .* not launched for job claimer"
+    ):
+        claimer.connect()
+    claimer.close()
 
 
 def test_backends_report_their_health():
@@ -240,3 +255,63 @@ def test_agent_reports_backend_health_at_start(address, tmp_path):
         stop_process(agent)
     assert any(line.startswith("  simulated: ok") for line in lines)
     assert any(line.startswith("  cuda-checkpoint: ") for line in lines)
+
+
+def test_agent_acts_only_for_group_and_snapshot_workflows(address, node):
+    """A workflow of any other type that asks the agent for a snapshot is refused."""
+
+    async def ask() -> str:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        queue = f"impostor-{uuid.uuid4().hex[:8]}"
+        async with Worker(
+            client,
+            task_queue=queue,
+            workflows=[ImpostorWorkflow],
+            workflow_runner=workflow_runner(),
+        ):
+            return await client.execute_workflow(
+                ImpostorWorkflow.run,
+                args=[f"timeslice-node-{node}", "victim"],
+                id=f"impostor-{uuid.uuid4().hex[:8]}",
+                task_queue=queue,
+            )
+
+    answer = asyncio.run(ask())
+    assert answer.startswith("refused:"), answer
+    assert "acts only for ['GpuGroupWorkflow', 'SnapshotJobWorkflow'] workflows" in answer
+    assert "not for ImpostorWorkflow" in answer
+
+
+def _register_raw(node: str, job_id: str, env: dict[str, str]) -> dict:
+    """Register a fresh process (launched with ``env``) on the agent's socket, as a client
+    would; return the agent's answer."""
+    code = (
+        "import json, socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "s.connect(sys.argv[1])\n"
+        "s.sendall(json.dumps({'job_id': sys.argv[2]}).encode() + b'\\n')\n"
+        "print(s.makefile().readline(), end='')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(socket_path(node)), job_id],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_agent_registers_only_processes_launched_for_the_job_they_name(node):
+    env = {k: v for k, v in os.environ.items() if k != JOB_ENV}
+    refused = _register_raw(node, "victim", env)
+    assert not refused["ok"] and "was not launched for job victim" in refused["error"]
+    accepted = _register_raw(node, "mine", {**env, JOB_ENV: "mine"})
+    assert accepted["ok"] and accepted["pid"] > 0
+
+
+def test_client_without_a_node_agent_to_register_with_says_so(address, monkeypatch):
+    monkeypatch.setenv(JOB_ENV, "lonely")
+    lonely = TimeSliceOrchestratorClient(target=address, job_id="lonely", node="no-agent-here")
+    with pytest.raises(
+        TimesliceError, match=r"no node agent listens at .*agent-no-agent-here\.sock"
+    ):
+        lonely.connect()
+    lonely.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,10 @@ def test_histories_are_stored():
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
 def test_stored_history_replays(path: Path):
-    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    text = path.read_text()
+    # Replayed under the id it ran with: a workflow may check its own id (RLJobWorkflow does).
+    started = json.loads(text)["events"][0]["workflowExecutionStartedEventAttributes"]
+    history = WorkflowHistory.from_json(started.get("workflowId", path.stem), text)
     replayer = Replayer(
         workflows=WORKFLOWS,
         data_converter=pydantic_data_converter,

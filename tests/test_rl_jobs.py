@@ -21,20 +21,30 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
+from temporalio.worker import Worker
 from timeslice.activities.group_requests import start_group
 from timeslice.connection import connect, connect_config
+from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.server import temporal_binary
+from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.protocol import (
     GroupConfig,
     GroupStatus,
     HolderView,
     group_workflow_id,
+    job_task_queue,
 )
-from timeslice.workflows.rl_protocol import RLJobProgress, RLJobResult, rl_job_workflow_id
+from timeslice.workflows.rl_protocol import (
+    JOB_PROTOCOL_VERSION,
+    RLJobProgress,
+    RLJobResult,
+    rl_job_workflow_id,
+)
 
 from tests.conftest import start_service, stop_process
 from tests.helpers import Interval, assert_no_overlap, wait_for
+from tests.requester_workflows import OtherReleaseJobWorkflow
 
 torch = pytest.importorskip("torch")
 
@@ -471,6 +481,74 @@ def test_stop_signal_finishes_the_epoch_and_checkpoints(
     assert done.last_checkpoint.epochs_done == done.epochs_done
 
 
+def test_stop_ends_a_job_whose_process_never_came(address: str, group: str) -> None:
+    """No `timeslice job worker` for the job (or a workload no process runs): `job stop` must
+    still end it, stopped, rather than leave it waiting `process_wait_s` for a process."""
+    job = job_id("noproc")
+
+    async def go(client: Client) -> RLJobResult:
+        config = {"job_id": job, "workload": "pkg.nowhere:make", "sampler_group": group}
+        handle = await start_rl_job(client, parse_job_config({**config, "epochs": 3}))
+        while (await handle.query("progress", result_type=RLJobProgress)).phase != (
+            "waiting for job processes"
+        ):
+            await asyncio.sleep(0.1)
+        await handle.signal("stop")
+        return await handle.result()
+
+    done = run(go, address)
+    assert done.stopped and done.epochs_done == 0 and done.last_checkpoint is None
+    assert progress(address, job).phase == "stopped while waiting for job processes"
+
+
+def test_job_process_refuses_a_workflow_of_another_protocol_version(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    """Two protocol versions: a job process refuses, before binding to it, a job workflow that
+    speaks another job protocol (newer, or from before versions) with a clear error; then
+    serves a job of its own release from start to end."""
+    job = job_id("proto")
+    job_workers(job, "simulated")
+    queue = f"other-release-{uuid.uuid4().hex[:8]}"
+
+    async def ask(client: Client) -> list[str]:
+        async with Worker(
+            client,
+            task_queue=queue,
+            workflows=[OtherReleaseJobWorkflow],
+            workflow_runner=workflow_runner(),
+        ):
+            return [
+                await client.execute_workflow(
+                    OtherReleaseJobWorkflow.run,
+                    args=[job, job_task_queue(job, 0), version],
+                    id=f"other-release-{uuid.uuid4().hex[:8]}",
+                    task_queue=queue,
+                )
+                for version in (JOB_PROTOCOL_VERSION + 1, None)
+            ]
+
+    newer, older = run(ask, address)
+    assert newer == (
+        f"ProtocolMismatch: the job workflow speaks job protocol v{JOB_PROTOCOL_VERSION + 1} "
+        f"and the job process v{JOB_PROTOCOL_VERSION}: run job workers of the same Timeslice "
+        "release as the control workers (docs/upgrading.md)"
+    )
+    assert older.startswith(
+        "ProtocolMismatch: the job workflow speaks job protocol a release before protocol "
+        f"versions and the job process v{JOB_PROTOCOL_VERSION}"
+    )
+    done = start_and_wait(
+        address,
+        job_id=job,
+        workload="simulated",
+        workload_options=FAST,
+        sampler_group=group,
+        epochs=2,
+    )
+    assert done.epochs_done == 2 and not done.stopped
+
+
 def test_job_continues_as_new_and_keeps_its_records(
     address: str, job_workers: Callable[..., Any], group: str
 ) -> None:
@@ -538,6 +616,84 @@ def test_job_process_with_another_workload_is_refused(
     cause = failed.value.cause
     assert isinstance(cause, ApplicationError) and cause.type == "InvalidConfig"
     assert "runs workload 'simulated'" in cause.message
+
+
+def test_rl_job_workflow_refuses_an_id_that_is_not_its_jobs(address: str, group: str) -> None:
+    job = job_id("dup")
+
+    async def go(client: Client) -> None:
+        config = {"job_id": job, "workload": "simulated", "sampler_group": group, "epochs": 2}
+        handle = await client.start_workflow(
+            "RLJobWorkflow", config, id=f"rl-job-alias-{job}", task_queue="timeslice"
+        )
+        await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as failed:
+        run(go, address)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.non_retryable
+    assert cause.type == "InvalidConfig"
+    assert f"must have the id 'rl-job-{job}'" in cause.message
+
+
+def test_a_job_id_names_one_run_and_a_job_process_serves_one(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    job = job_id("once")
+    job_workers(job, "simulated")
+    config = {
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": FAST,
+        "sampler_group": group,
+        "epochs": 10_000,
+    }
+
+    async def go(client: Client) -> tuple[str, RLJobResult, str, ApplicationError]:
+        handle = await start_rl_job(client, parse_job_config(config))
+        while (await handle.query("progress", result_type=RLJobProgress)).epoch < 1:
+            await asyncio.sleep(0.1)
+        with pytest.raises(InvalidArgumentError) as running:
+            await start_rl_job(client, parse_job_config(config))
+        await handle.signal("stop")
+        first = await handle.result()
+        with pytest.raises(InvalidArgumentError) as ran:
+            await start_rl_job(client, parse_job_config(config))
+        # Past the CLI's guard (the temporal CLI, another SDK): the job process refuses it.
+        second = await client.start_workflow(
+            "RLJobWorkflow",
+            {**config, "epochs": 2},
+            id=rl_job_workflow_id(job),
+            task_queue="timeslice",
+        )
+        with pytest.raises(WorkflowFailureError) as refused:
+            await second.result()
+        cause = refused.value.cause
+        assert isinstance(cause, ApplicationError)
+        return str(running.value), first, str(ran.value), cause
+
+    running, first, ran, cause = run(go, address)
+    assert f"job {job!r} is already running" in running and "timeslice job stop" in running
+    assert first.stopped and first.epochs_done >= 1
+    assert f"job {job!r} already ran" in ran and "completed" in ran and "new --job-id" in ran
+    assert cause.type == "ProcessTaken" and cause.non_retryable
+    assert f"already serves workflow 'rl-job-{job}'" in cause.message
+    assert "restart `timeslice job worker" in cause.message
+
+
+def test_bad_workload_options_end_the_job_at_once(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    job = job_id("badopt")
+    job_workers(job, "grpo-toy")
+    with pytest.raises(WorkflowFailureError) as failed:
+        start_and_wait(
+            address,
+            **grpo_config(job, group, workload_options={"lr": "fast please"}),
+        )
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.non_retryable
+    assert cause.type == "InvalidConfig" and "'lr'" in cause.message
 
 
 def _uncovered_waits(results: list[RLJobResult]) -> list[tuple[str, int, str, float]]:

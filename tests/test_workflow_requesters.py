@@ -8,7 +8,7 @@ import uuid
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
-from timeslice.activities.group_requests import request_group
+from timeslice.activities.group_requests import draw_secret, request_group
 from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.protocol import LeaseOutcome
 
@@ -24,7 +24,7 @@ async def _run_jobs(address: str, jobs: list[tuple[str, str, int, float, float |
         client,
         task_queue=QUEUE,
         workflows=[LeaseTakingWorkflow],
-        activities=[request_group],
+        activities=[request_group, draw_secret],
         workflow_runner=workflow_runner(),
     ):
         handles = [

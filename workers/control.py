@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
-from temporalio.api.enums.v1 import IndexedValueType
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from temporalio.api.common.v1 import Payload
+from temporalio.api.enums.v1 import IndexedValueType, TaskQueueType
 from temporalio.api.operatorservice.v1 import (
     AddSearchAttributesRequest,
     ListSearchAttributesRequest,
 )
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
+from temporalio.contrib.pydantic import PydanticPayloadConverter
+from temporalio.converter import DataConverter
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
-from timeslice.activities.group_requests import request_group
+from timeslice.activities.group_requests import draw_secret, request_group
 from timeslice.errors import TimesliceError
 from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
-from timeslice.workflows.protocol import CONTROL_TASK_QUEUE, SEARCH_ATTRIBUTES
+from timeslice.workflows.protocol import (
+    CONTROL_TASK_QUEUE,
+    SEARCH_ATTRIBUTES,
+    Undecodable,
+    explain_validation_error,
+)
 from timeslice.workflows.rl_job import RLJobWorkflow
 from timeslice.workflows.snapshot_job import SnapshotJobWorkflow
 
@@ -55,12 +71,116 @@ async def register_search_attributes(client: Client) -> list[str]:
     return missing
 
 
+@dataclasses.dataclass
+class SetupReport:
+    """What ``timeslice setup`` found and did in one namespace."""
+
+    namespace: str
+    added: list[str]
+    present: list[str]
+    # Still missing: the caller may not add search attributes (an operator must).
+    missing: list[str]
+    refused: str | None
+    control_workers: int
+
+    def lines(self) -> list[str]:
+        out = [f"namespace {self.namespace!r}:"]
+        for name in SEARCH_ATTRIBUTES:
+            kind = SEARCH_ATTRIBUTES[name]
+            if name in self.added:
+                out.append(f"  search attribute {name} ({kind}): registered now")
+            elif name in self.present:
+                out.append(f"  search attribute {name} ({kind}): already registered")
+            else:
+                out.append(
+                    f"  search attribute {name} ({kind}): MISSING — an operator can add it: "
+                    f"temporal operator search-attribute create --namespace {self.namespace} "
+                    f"--name {name} --type {kind}"
+                )
+        if self.refused:
+            out.append(f"  (registering was refused: {self.refused})")
+        workers = (
+            f"{self.control_workers} polling"
+            if self.control_workers
+            else "none polling yet: start `timeslice worker` (no group answers without one)"
+        )
+        out.append(f"  control workers on task queue {CONTROL_TASK_QUEUE!r}: {workers}")
+        return out
+
+
+async def set_up_namespace(client: Client) -> SetupReport:
+    """Register whichever search attributes are missing (as far as the caller may), and say
+    what the namespace has: ``timeslice setup``."""
+    missing = await missing_search_attributes(client)
+    present = [name for name in SEARCH_ATTRIBUTES if name not in missing]
+    added: list[str] = []
+    refused = None
+    if missing:
+        try:
+            added = await register_search_attributes(client)
+        except RPCError as err:
+            if err.status not in (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED):
+                raise
+            refused = f"{err.status.name}: {err.message}"
+    described = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=CONTROL_TASK_QUEUE),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+    )
+    return SetupReport(
+        namespace=client.namespace,
+        added=added,
+        present=present,
+        missing=[name for name in missing if name not in added],
+        refused=refused,
+        control_workers=len(described.pollers),
+    )
+
+
+class TolerantPayloadConverter(PydanticPayloadConverter):
+    """Pydantic payloads, except that a payload decoded without a type (the workflows take
+    their inputs, signals and updates raw and validate them themselves) that cannot be decoded
+    at all — not JSON, nested too deep, an unknown encoding — becomes an ``Undecodable`` value
+    for the workflow to refuse, instead of an exception that fails the workflow task (and, for
+    a workflow's start input, fails it again on every retry)."""
+
+    def from_payloads(
+        self, payloads: Sequence[Payload], type_hints: list[type] | None = None
+    ) -> list[Any]:
+        hints: list[Any] = list(type_hints or [])
+        values: list[Any] = []
+        for index, payload in enumerate(payloads):
+            hint = hints[index] if index < len(hints) else None
+            if hint is not None and hint is not Any:
+                values.extend(super().from_payloads([payload], [hint]))
+                continue
+            try:
+                values.extend(super().from_payloads([payload], None))
+            except Exception as err:
+                encoding = payload.metadata.get("encoding", b"<none>").decode(errors="replace")
+                why = explain_validation_error(err) if isinstance(err, ValidationError) else err
+                values.append(Undecodable(encoding=encoding, error=str(why)[:500]))
+        return values
+
+
+def control_data_converter(converter: DataConverter) -> DataConverter:
+    """The control worker's converter: ``converter`` (its codec and failure converter kept)
+    decoding untyped payloads with ``TolerantPayloadConverter``."""
+    if converter.payload_converter_class is not PydanticPayloadConverter:
+        return converter  # someone else's converter: left as it is
+    return dataclasses.replace(converter, payload_converter_class=TolerantPayloadConverter)
+
+
 def build_control_worker(client: Client, *, max_cached_workflows: int = 1000) -> Worker:
+    config = client.config()
+    config["data_converter"] = control_data_converter(config["data_converter"])
     return Worker(
-        client,
+        Client(**config),
         task_queue=CONTROL_TASK_QUEUE,
         workflows=WORKFLOWS,
-        activities=[request_group],
+        activities=[request_group, draw_secret],
         max_cached_workflows=max_cached_workflows,
         workflow_runner=workflow_runner(),
     )

@@ -1,28 +1,29 @@
 """The node agent: transparent snapshot backends for the processes of one node.
 
-Serves task queue ``timeslice-node-<node>``. It acts only on processes that a job registered with
-its snapshot target, and only after checking that each is the very process (PID + start time)
-and was launched for that job (``TIMESLICE_JOB_ID`` in its launch environment), so a remote
-request cannot freeze an arbitrary process.
+Serves task queue ``timeslice-node-<node>``. It acts only for requests that come from a GPU
+group's or a standalone snapshot's workflow, and only on the processes a job registered
+*themselves* with it (``timeslice.snapshot.registration``: each process connects to the
+agent's Unix socket; the kernel names the peer, which must have been launched for the job it
+names). A request cannot point it at any other process: the PIDs in a request are not used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.activities.snapshots import SnapshotActivities
-from timeslice.snapshot.base import Health, SnapshotBackend
+from timeslice.snapshot.base import Health, SnapshotBackend, SnapshotError
 from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend
-from timeslice.snapshot.processes import (
-    JOB_ENV,
-    PidRegistry,
-    ProcessIdentity,
-    ProcessMismatchError,
-    launched_for_job,
-)
-from timeslice.workflows.protocol import SnapshotCall, node_task_queue
+from timeslice.snapshot.processes import PidRegistry
+from timeslice.snapshot.registration import RegistrationServer
+from timeslice.workflows.protocol import GROUP_WORKFLOW_TYPE, SnapshotCall, node_task_queue
+from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
+
+# Who may ask: the workflows that decide switches (a group) or standalone moves.
+TRUSTED_CALLERS = frozenset({GROUP_WORKFLOW_TYPE, SNAPSHOT_JOB_WORKFLOW_TYPE})
 
 
 class NodeSnapshotActivities(SnapshotActivities):
@@ -31,20 +32,19 @@ class NodeSnapshotActivities(SnapshotActivities):
         self.registry = registry
 
     def prepare(self, call: SnapshotCall) -> None:
-        for ref in call.processes:
-            owner = launched_for_job(ref.pid)
-            if owner != call.job_id:
-                raise ProcessMismatchError(
-                    f"process {ref.pid} was not launched for job {call.job_id} "
-                    f"({JOB_ENV}={owner!r}); refusing to touch it"
-                )
-            self.registry.register(call.job_id, ProcessIdentity(ref.pid, ref.start_time))
+        caller = activity.info().workflow_type
+        if caller not in TRUSTED_CALLERS:
+            raise SnapshotError(
+                f"the node agent acts only for {sorted(TRUSTED_CALLERS)} workflows, not for "
+                f"{caller or 'a caller outside any workflow'}; refusing {call.job_id}'s request"
+            )
 
 
 @dataclass
 class NodeAgent:
     worker: Worker
     activities: NodeSnapshotActivities
+    registration: RegistrationServer
 
     def health(self) -> list[Health]:
         """Each backend's health; one whose check raises is reported, never let through."""
@@ -79,4 +79,4 @@ def build_node_agent(
         activities=[activities.snapshot, activities.restore],
         max_concurrent_activities=8,
     )
-    return NodeAgent(worker, activities)
+    return NodeAgent(worker, activities, RegistrationServer(node, registry))

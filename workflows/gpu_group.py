@@ -22,9 +22,9 @@ import contextlib
 import dataclasses
 from datetime import timedelta
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
@@ -54,6 +54,7 @@ from timeslice.workflows.protocol import (
     HolderView,
     LeaseOutcome,
     LeaseReturn,
+    MalformedMessage,
     MovedReport,
     ReleaseRequest,
     RenewRequest,
@@ -62,11 +63,13 @@ from timeslice.workflows.protocol import (
     ReturnAnswer,
     SnapshotTarget,
     SwitchRecord,
+    parse_message,
 )
-from timeslice.workflows.snapshot_calls import never_started, run_on_queues
+from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
 
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
 _PARK_TIMEOUT_S = 120.0
+M = TypeVar("M", bound=BaseModel)
 
 
 class _Moved(Enum):
@@ -140,14 +143,15 @@ class _GroupMetrics:
 @workflow.defn(name=GROUP_WORKFLOW_TYPE)
 class GpuGroupWorkflow:
     @workflow.init
-    def __init__(self, raw_input: dict[str, Any]) -> None:
-        # Validated here rather than by the data converter: a decoding error would fail the
-        # workflow *task* and retry forever; bad input must fail the workflow, once, clearly.
+    def __init__(self, *raw: Any) -> None:
+        # Taken raw and validated here rather than by the data converter: a decoding error (or
+        # a missing or extra argument) would fail the workflow *task* and retry forever; bad
+        # input must fail the workflow, once, clearly.
         self._input_error: str | None = None
         try:
-            inp = GroupInput.model_validate(raw_input)
-        except ValidationError as err:
-            self._input_error = f"invalid GpuGroupWorkflow input: {err}"
+            inp = parse_message(GroupInput, raw, "GpuGroupWorkflow")
+        except MalformedMessage as err:
+            self._input_error = str(err)
             inp = GroupInput(config=GroupConfig(group_id="invalid-input"))
         self._config = inp.config
         self._metrics = _GroupMetrics(self._config.group_id)
@@ -173,7 +177,7 @@ class GpuGroupWorkflow:
     # ---------------------------------------------------------------- main loop
 
     @workflow.run
-    async def run(self, raw_input: dict[str, Any]) -> None:
+    async def run(self, *raw: Any) -> None:
         if self._input_error is not None:
             raise ApplicationError(self._input_error, type="InvalidInput", non_retryable=True)
         holder = self._book.state.holder
@@ -430,10 +434,10 @@ class GpuGroupWorkflow:
                 self._book.count_moved(verb, reports)
         if not failures:
             return _Moved.OK
-        if all(never_started(f) for f in failures):
+        if all(process_gone(f) for f in failures):
             workflow.logger.warning("%s of job %s: no process serves its queue", verb, job_id)
             return _Moved.GONE
-        cause = next(f for f in failures if not never_started(f))
+        cause = next(f for f in failures if not process_gone(f))
         message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
         workflow.logger.error("job %s: %s; marking the job faulted", job_id, message)
         self._book.fault(job_id, message)
@@ -444,15 +448,26 @@ class GpuGroupWorkflow:
 
     # ---------------------------------------------------------------- updates (processes)
 
+    # Every handler takes its argument raw (``*raw``) and parses it itself: a missing, extra,
+    # undecodable or invalid argument must not fail the workflow task. Updates are refused by
+    # their validator (the sender gets the reason); signals are dropped and counted.
+
     @workflow.update(name=GroupUpdate.ACQUIRE)
-    async def acquire(self, call: AcquireCall) -> AcquireAnswer:
+    async def acquire(self, *raw: Any) -> AcquireAnswer:
         """Queue a request (idempotent by request id) and park until it is granted or gone."""
         book = self._book
+        call = parse_message(AcquireCall, raw, "the acquire update")
         request = call.request
+        refusal = book.refusal(request)
+        if refusal is not None:  # the validator refuses it first; a replay finds the same
+            raise ApplicationError(refusal, type="QueueFull", non_retryable=True)
         rid = request.request_id
         if book.holds(rid):
             return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.holder_notice())
         if book.done(rid):
+            return AcquireAnswer(outcome=AcquireOutcome.GONE)
+        busy = book.state.holder is not None or book.state.queue or book.switching_for
+        if call.only_if_free and busy and not book.known(rid):
             return AcquireAnswer(outcome=AcquireOutcome.GONE)
         if book.enqueue(request, workflow.now()):
             self._wake = True
@@ -480,62 +495,113 @@ class GpuGroupWorkflow:
             return AcquireAnswer(outcome=AcquireOutcome.GONE)
         return AcquireAnswer(outcome=AcquireOutcome.RETRY)
 
+    @acquire.validator
+    def _validate_acquire(self, *raw: Any) -> None:
+        call = parse_message(AcquireCall, raw, "the acquire update")
+        refusal = self._book.refusal(call.request)
+        if refusal is not None:
+            raise ValueError(refusal)
+
     @workflow.update(name=GroupUpdate.RELEASE)
-    def release_lease(self, ret: LeaseReturn) -> ReturnAnswer:
+    def release_lease(self, *raw: Any) -> ReturnAnswer:
+        ret = parse_message(LeaseReturn, raw, "the release_lease update")
         answer = self._book.release(ret, workflow.now())
         self._wake = True
         return answer
 
+    @release_lease.validator
+    def _validate_release_lease(self, *raw: Any) -> None:
+        parse_message(LeaseReturn, raw, "the release_lease update")
+
     @workflow.update(name=GroupUpdate.RENEW)
-    def renew(self, renew: RenewRequest) -> RenewResult:
+    def renew(self, *raw: Any) -> RenewResult:
+        renew = parse_message(RenewRequest, raw, "the renew update")
         result = self._book.renew(renew, workflow.now())
         self._wake = True
         return result
 
     @renew.validator
-    def _validate_renew(self, renew: RenewRequest) -> None:
+    def _validate_renew(self, *raw: Any) -> None:
+        renew = parse_message(RenewRequest, raw, "the renew update")
         if renew.token <= 0:
             raise ValueError(f"invalid fencing token {renew.token}")
 
     @workflow.update(name=GroupUpdate.CANCEL)
-    def cancel_request(self, cancel: CancelRequest) -> None:
+    def cancel_request(self, *raw: Any) -> None:
+        cancel = parse_message(CancelRequest, raw, "the cancel_request update")
         self._book.cancel(cancel.request_id, cancel.key, workflow.now())
         self._wake = True
 
+    @cancel_request.validator
+    def _validate_cancel_request(self, *raw: Any) -> None:
+        parse_message(CancelRequest, raw, "the cancel_request update")
+
     @workflow.update(name=GroupUpdate.MOVED)
-    def report_moved(self, report: MovedReport) -> None:
+    def report_moved(self, *raw: Any) -> None:
+        report = parse_message(MovedReport, raw, "the report_moved update")
         awaited = report.job_id == self._awaiting_eviction_of
         self._book.moved(report, workflow.now(), marked=not awaited)
         self._wake = True
 
+    @report_moved.validator
+    def _validate_report_moved(self, *raw: Any) -> None:
+        parse_message(MovedReport, raw, "the report_moved update")
+
     @workflow.update(name=GroupUpdate.DEPART)
-    def depart_job(self, depart: DepartRequest) -> bool:
+    def depart_job(self, *raw: Any) -> bool:
         """A job's processes closed: its state left the device with them."""
+        depart = parse_message(DepartRequest, raw, "the depart_job update")
         known = self._book.depart(depart.job_id, depart.key)
         self._wake = True
         return known
 
+    @depart_job.validator
+    def _validate_depart_job(self, *raw: Any) -> None:
+        parse_message(DepartRequest, raw, "the depart_job update")
+
     # ---------------------------------------------------------------- signals (workflows)
 
+    def _signal_arg(self, model: type[M], raw: tuple[Any, ...], name: str) -> M | None:
+        """The signal's message, or None (dropped and counted) if it is not a valid one."""
+        try:
+            return parse_message(model, raw, f"the {name} signal")
+        except MalformedMessage as err:
+            self._book.state.stats.malformed_messages += 1
+            workflow.logger.warning("group %s dropped %s", self._config.group_id, err)
+            return None
+
     @workflow.signal(name=GroupSignal.REQUEST)
-    def request(self, request: AcquireRequest) -> None:
-        if self._book.enqueue(request, workflow.now()):
+    def request(self, *raw: Any) -> None:
+        request = self._signal_arg(AcquireRequest, raw, GroupSignal.REQUEST)
+        if request is None:
+            return
+        refusal = self._book.refusal(request)
+        if refusal is not None:
+            self._book.state.stats.refused_requests += 1
+            workflow.logger.warning("dropped request %s: %s", request.request_id, refusal)
+        elif self._book.enqueue(request, workflow.now()):
             self._wake = True
 
     @workflow.signal(name=GroupSignal.RELEASE)
-    def release(self, release: ReleaseRequest) -> None:
-        self._book.release_by_signal(release, workflow.now())
-        self._wake = True
+    def release(self, *raw: Any) -> None:
+        release = self._signal_arg(ReleaseRequest, raw, GroupSignal.RELEASE)
+        if release is not None:
+            self._book.release_by_signal(release, workflow.now())
+            self._wake = True
 
     @workflow.signal(name=GroupSignal.RENEW)
-    def renew_lease(self, renew: RenewRequest) -> None:
-        self._book.renew(renew, workflow.now())
-        self._wake = True
+    def renew_lease(self, *raw: Any) -> None:
+        renew = self._signal_arg(RenewRequest, raw, GroupSignal.RENEW)
+        if renew is not None:
+            self._book.renew(renew, workflow.now())
+            self._wake = True
 
     @workflow.signal(name=GroupSignal.CANCEL)
-    def cancel(self, cancel: CancelRequest) -> None:
-        self._book.cancel(cancel.request_id, cancel.key, workflow.now())
-        self._wake = True
+    def cancel(self, *raw: Any) -> None:
+        cancel = self._signal_arg(CancelRequest, raw, GroupSignal.CANCEL)
+        if cancel is not None:
+            self._book.cancel(cancel.request_id, cancel.key, workflow.now())
+            self._wake = True
 
     # ---------------------------------------------------------------- queries and the UI
 

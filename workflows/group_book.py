@@ -16,6 +16,8 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from timeslice.workflows.protocol import (
+    MAX_QUEUE_BYTES,
+    MAX_WAITERS,
     AcquireRequest,
     GrantNotice,
     GroupConfig,
@@ -140,6 +142,22 @@ class GroupBook:
     def settled(self, request_id: str) -> bool:
         """Nothing more to wait for: the request is done, or holds the group."""
         return self.done(request_id) or self.holds(request_id)
+
+    def refusal(self, request: AcquireRequest) -> str | None:
+        """Why a new request cannot be queued (the queue is full), or None if it can (or the
+        group knows it already). Bounds what a flood of requests can make the group carry."""
+        if self.known(request.request_id):
+            return None
+        queue = self.state.queue
+        if len(queue) >= MAX_WAITERS:
+            return f"group {self.config.group_id}'s queue is full ({len(queue)} waiters); ask later"
+        size = len(request.model_dump_json()) + sum(len(w.request.model_dump_json()) for w in queue)
+        if size > MAX_QUEUE_BYTES:
+            return (
+                f"group {self.config.group_id}'s queue is full ({MAX_QUEUE_BYTES} bytes of "
+                "requests); ask later, or send a smaller snapshot target"
+            )
+        return None
 
     def enqueue(self, request: AcquireRequest, now: datetime) -> bool:
         """Queue a request; False if the group knows it already (acquire is idempotent)."""
@@ -730,6 +748,7 @@ class GroupBook:
             stats=stats,
             history=list(state.history),
             switch_history=list(state.switch_history),
+            as_of=now,
         )
 
     def details(self, now: datetime) -> str:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 from timeslice.workflows.protocol import (
+    DRAW_SECRET_ACTIVITY,
     GRANT_SIGNAL,
     REQUEST_GROUP_ACTIVITY,
     AcquireRequest,
@@ -22,12 +26,14 @@ from timeslice.workflows.protocol import (
     GrantNotice,
     GroupRequest,
     GroupSignal,
+    MalformedMessage,
     ReleaseRequest,
     RenewRequest,
     SnapshotReport,
     SnapshotTarget,
     group_workflow_id,
     lease_key_hash,
+    parse_message,
 )
 
 
@@ -52,17 +58,51 @@ class GroupLeases:
         self._renewers: dict[str, asyncio.Task[None]] = {}
         # request id -> its lease key (drawn from the workflow's deterministic randomness)
         self._keys: dict[str, str] = {}
+        # Drawn once by a local activity (recorded in the history, so replay-safe): lease keys
+        # derive from it, not from the workflow's randomness, which its run id reproduces.
+        self.secret: str | None = None
         workflow.set_signal_handler(GRANT_SIGNAL, self._on_grant)
 
-    @staticmethod
-    def new_key() -> str:
-        """A lease key: 32 hex digits of the workflow's (deterministic, replay-safe) randomness."""
-        return workflow.uuid4().hex
+    async def draw_secret(self, carried: str | None = None) -> str:
+        """The secret lease keys derive from: ``carried`` (from the previous run of a
+        continued-as-new workflow), the one drawn already, or a new one."""
+        if carried is not None:
+            self.secret = carried
+        if self.secret is None:
+            self.secret = await workflow.execute_local_activity(
+                DRAW_SECRET_ACTIVITY,
+                start_to_close_timeout=timedelta(seconds=10),
+                result_type=str,
+                summary="draw the lease-key secret",
+            )
+        return self.secret
+
+    def new_key(self, request_id: str) -> str:
+        """The lease key of ``request_id``: 32 hex digits of HMAC-SHA256 under the secret
+        (``draw_secret`` first). Only this workflow (and its history) can know it."""
+        if self.secret is None:
+            raise RuntimeError("GroupLeases.draw_secret() must run before keys are made")
+        mac = hmac.new(bytes.fromhex(self.secret), request_id.encode(), hashlib.sha256)
+        return mac.hexdigest()[:32]
 
     def key_of(self, lease: GrantNotice) -> str:
         return self._keys[lease.request_id]
 
-    def _on_grant(self, notice: GrantNotice) -> None:
+    def _on_grant(self, *raw: Any) -> None:
+        # Taken raw: a malformed grant signal is dropped, never raised into the workflow task;
+        # so is a grant for a request this workflow did not make.
+        try:
+            notice = parse_message(GrantNotice, raw, f"the {GRANT_SIGNAL} signal")
+        except MalformedMessage as err:
+            workflow.logger.warning("job %s dropped %s", self.job_id, err)
+            return
+        if notice.request_id not in self._keys:
+            workflow.logger.warning(
+                "job %s dropped a grant for request %r, which it did not make",
+                self.job_id,
+                notice.request_id,
+            )
+            return
         self._grants[notice.request_id] = notice
 
     async def _signal(self, group_id: str, name: GroupSignal, arg: object) -> None:
@@ -82,9 +122,11 @@ class GroupLeases:
         ``snapshot`` / ``state_bytes`` override the defaults for this request (a job moves
         different state on its sampler group than on its trainer group).
         """
-        key = self.new_key()
+        await self.draw_secret()
+        request_id = f"{self.job_id}:{workflow.uuid4()}"
+        key = self.new_key(request_id)
         request = AcquireRequest(
-            request_id=f"{self.job_id}:{workflow.uuid4()}",
+            request_id=request_id,
             key_hash=lease_key_hash(key),
             job_id=self.job_id,
             reply_workflow_id=workflow.info().workflow_id,
@@ -95,14 +137,19 @@ class GroupLeases:
             state_bytes=state_bytes if state_bytes is not None else self.state_bytes,
             restores_itself=restores_itself,
         )
-        await workflow.execute_local_activity(
-            REQUEST_GROUP_ACTIVITY,
-            GroupRequest(group_id=group_id, request=request),
-            start_to_close_timeout=timedelta(seconds=30),
-            summary=f"request {group_id}",
-        )
         rid = request.request_id
+        # Known before the request goes out: its grant may arrive with the request's answer.
         self._keys[rid] = key
+        try:
+            await workflow.execute_local_activity(
+                REQUEST_GROUP_ACTIVITY,
+                GroupRequest(group_id=group_id, request=request),
+                start_to_close_timeout=timedelta(seconds=30),
+                summary=f"request {group_id}",
+            )
+        except BaseException:
+            del self._keys[rid]
+            raise
         cancel = CancelRequest(request_id=rid, key=key)
         try:
             await workflow.wait_condition(lambda: rid in self._grants, timeout=timeout)

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import re
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -28,6 +31,7 @@ GROUP_WORKFLOW_TYPE = "GpuGroupWorkflow"
 DELIVER_GRANT_ACTIVITY = "timeslice.deliver_grant"
 # Served by the control worker, as a local activity of requester workflows.
 REQUEST_GROUP_ACTIVITY = "timeslice.request_group"
+DRAW_SECRET_ACTIVITY = "timeslice.draw_secret"
 # The signal a requester *workflow* receives its grant by.
 GRANT_SIGNAL = "timeslice_grant"
 SNAPSHOT_ACTIVITY = "timeslice.snapshot"
@@ -85,6 +89,90 @@ MAX_BACKENDS = 16
 MAX_PROCESSES = 64
 MAX_REPORTS = 64
 KEY_RULE = "16-200 characters"
+# The group's queue: a request beyond either bound is refused (an update) or dropped and counted
+# (a signal), so no flood of requests can grow the state the group carries past what one
+# continue-as-new input may hold.
+MAX_WAITERS = 1000
+MAX_QUEUE_BYTES = 1024 * 1024
+# Times a group records: timezone-aware and within these years, so no arithmetic on a carried
+# time can overflow or mix naive and aware datetimes.
+MIN_INSTANT = datetime(2000, 1, 1, tzinfo=UTC)
+MAX_INSTANT = datetime(3000, 1, 1, tzinfo=UTC)
+
+
+def _task_queue_name(value: str) -> str:
+    if value.startswith("/_sys/"):
+        raise ValueError("task queue names starting with '/_sys/' are reserved by Temporal")
+    if not value.strip() or any(not ch.isprintable() for ch in value):
+        raise ValueError("a task queue name must be printable, not blank")
+    return value
+
+
+def _instant(value: datetime) -> datetime:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError("a time must carry its timezone (e.g. 2026-01-01T00:00:00Z)")
+    if not MIN_INSTANT <= value < MAX_INSTANT:
+        raise ValueError(f"a time must lie in {MIN_INSTANT.year}-{MAX_INSTANT.year - 1}")
+    return value
+
+
+# A task queue a group schedules activities on: Temporal refuses reserved and blank names, and
+# a refused command would fail the group's workflow task.
+TaskQueueName = Annotated[
+    str, StringConstraints(min_length=1, max_length=300), AfterValidator(_task_queue_name)
+]
+Instant = Annotated[datetime, AfterValidator(_instant)]
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What the control worker's payload converter hands a workflow for a payload it cannot
+    decode (not JSON, nested too deep, an unknown encoding), instead of failing the task."""
+
+    encoding: str
+    error: str
+
+
+class MalformedMessage(ValueError):
+    """A signal, update or workflow input that is not a valid message (update validators raise
+    it to refuse the update; signal handlers drop the message and count it)."""
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def explain_validation_error(err: ValidationError) -> str:
+    """One line per problem, naming the field: what a user needs to fix in their JSON."""
+    problems = []
+    for e in err.errors():
+        where = ".".join(str(part) for part in e["loc"]) or "input"
+        problems.append(f"{where}: {e['msg']}")
+    return "; ".join(problems)
+
+
+def parse_message(model: type[M], raw: tuple[Any, ...], what: str) -> M:
+    """The one argument of a signal, update or workflow input ``what``, as ``model``.
+
+    Handlers take their arguments raw (``*raw: Any``) and parse them here, so a missing, extra,
+    undecodable or invalid argument becomes a ``MalformedMessage`` saying what to fix, never an
+    exception that would fail the workflow task."""
+    if len(raw) != 1:
+        raise MalformedMessage(
+            f"{what} takes one argument ({model.__name__} as JSON), not {len(raw)}"
+        )
+    [value] = raw
+    if isinstance(value, model):
+        return value
+    if isinstance(value, Undecodable):
+        raise MalformedMessage(
+            f"{what}: the payload could not be decoded ({value.encoding}): {value.error}"
+        )
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        raise MalformedMessage(
+            f"{what}: invalid {model.__name__}: {explain_validation_error(err)}"
+        ) from None
 
 
 def lease_key_hash(key: str) -> str:
@@ -122,7 +210,10 @@ class GroupConfig(_Model):
     group_id: str
     default_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
     aging_s: float = Field(
-        60.0, gt=0, description="seconds of waiting that raise a waiter by one priority level"
+        60.0,
+        gt=0,
+        le=366 * 86_400.0,
+        description="seconds of waiting that raise a waiter by one priority level",
     )
     grant_ack_timeout_s: float = Field(
         15.0,
@@ -137,6 +228,7 @@ class GroupConfig(_Model):
     memory_bytes: int | None = Field(
         None,
         gt=0,
+        le=MAX_STATE_BYTES,
         description="device memory of the group: when the resident job's and the "
         "next job's declared state both fit, eviction and restore run at the same time",
     )
@@ -168,7 +260,7 @@ LeaseKey = Annotated[str, StringConstraints(min_length=16, max_length=200)]
 class QueueTarget(_Model):
     """One task queue that snapshots part of a job: a rank's process or a node agent."""
 
-    task_queue: str = Field(min_length=1, max_length=300)
+    task_queue: TaskQueueName
     backends: list[BackendName] = Field(min_length=1, max_length=MAX_BACKENDS)
     processes: list[ProcessRef] = Field(default_factory=list, max_length=MAX_PROCESSES)
 
@@ -182,7 +274,7 @@ class SnapshotTarget(_Model):
 class AcquireRequest(_Model):
     request_id: str = Field(min_length=1, max_length=200)
     job_id: str
-    reply_task_queue: str | None = Field(None, min_length=1, max_length=300)
+    reply_task_queue: TaskQueueName | None = None
     reply_workflow_id: str | None = Field(None, min_length=1, max_length=1000)
     key_hash: str = Field(
         pattern=r"^[0-9a-f]{64}$",
@@ -304,6 +396,11 @@ class AcquireCall(_Model):
 
     request: AcquireRequest
     park: bool = True
+    only_if_free: bool = Field(
+        False,
+        description="a try-lock: queue the request only if the group is free and nobody "
+        "waits (it is then granted at once); otherwise answer GONE and queue nothing",
+    )
 
 
 class AcquireOutcome(StrEnum):
@@ -380,6 +477,11 @@ class SnapshotJobInput(_Model):
     pickup_timeout_s: float = Field(15.0, gt=0, le=600)
     run_timeout_s: float = Field(300.0, gt=0, le=3600)
 
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, v: str) -> str:
+        return check_id("job id", v)
+
 
 class SnapshotJobResult(_Model):
     reports: list[SnapshotReport]
@@ -396,19 +498,19 @@ class LeaseOutcome(StrEnum):
 class Waiter(_Model):
     request: AcquireRequest
     seq: int
-    enqueued_at: datetime
+    enqueued_at: Instant
 
 
 class HeldLease(_Model):
     request: AcquireRequest
     token: int
-    granted_at: datetime
+    granted_at: Instant
     waited_s: float = 0.0
     delivered: bool = False
-    expires_at: datetime | None = None  # set once the process has taken the grant
+    expires_at: Instant | None = None  # set once the process has taken the grant
     # A grant handed out as a parked update's result: the holder confirms it by its first
     # renewal or its release before this time, or is taken for dead.
-    confirm_by: datetime | None = None
+    confirm_by: Instant | None = None
 
 
 class ResidentJob(_Model):
@@ -420,8 +522,8 @@ class ResidentJob(_Model):
 class LeaseRecord(_Model):
     job_id: str
     token: int
-    start: datetime
-    end: datetime
+    start: Instant
+    end: Instant
     outcome: LeaseOutcome
 
 
@@ -435,19 +537,25 @@ class SwitchRecord(_Model):
 
     from_job: str | None
     to_job: str | None
-    start: datetime
-    end: datetime
+    start: Instant
+    end: Instant
     bytes: int = 0
     overlapped: bool = False
     by_holder: bool = False
 
 
 class GroupStats(_Model):
-    created_at: datetime
+    created_at: Instant
     leases: int = 0
     released: int = 0
     stale_messages: int = 0
     forged_messages: int = Field(0, description="messages whose lease key did not match")
+    malformed_messages: int = Field(
+        0, description="signals dropped because they were not a valid message"
+    )
+    refused_requests: int = Field(
+        0, description="requests refused because the queue was full (MAX_WAITERS, bytes)"
+    )
     expired: int = 0
     cancelled: int = 0
     timed_out: int = 0
@@ -524,6 +632,40 @@ class GroupStatus(_Model):
     stats: GroupStats
     history: list[LeaseRecord]
     switch_history: list[SwitchRecord] = Field(default_factory=list)
+    as_of: datetime | None = Field(
+        None,
+        description="the workflow time these figures are for: a query answers as of the "
+        "group's last workflow task, so a reader advances them to its own clock",
+    )
+
+    def advanced_to(self, now: datetime) -> GroupStatus:
+        """These figures as of ``now``: the holder (if any) kept holding, waiters kept
+        waiting, and the time since ``as_of`` counts as busy with a holder, idle without."""
+        if self.as_of is None or now <= self.as_of:
+            return self
+        dt = (now - self.as_of).total_seconds()
+        wall = self.wall_s + dt
+        busy = self.utilization * self.wall_s + (dt if self.holder is not None else 0.0)
+        holder = self.holder
+        if holder is not None:
+            holder = holder.model_copy(
+                update={
+                    "held_s": holder.held_s + dt,
+                    "expires_in_s": None
+                    if holder.expires_in_s is None
+                    else holder.expires_in_s - dt,
+                }
+            )
+        return self.model_copy(
+            update={
+                "as_of": now,
+                "holder": holder,
+                "queue": [w.model_copy(update={"waited_s": w.waited_s + dt}) for w in self.queue],
+                "wall_s": wall,
+                "utilization": min(1.0, busy / wall) if wall > 0 else self.utilization,
+                "idle_s": self.idle_s + (0.0 if self.holder is not None else dt),
+            }
+        )
 
 
 def _resolve_forward_references() -> None:

@@ -15,10 +15,10 @@ epochs since. Epochs are therefore applied to the model exactly once, and nothin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
@@ -28,16 +28,19 @@ from timeslice.workflows.protocol import (
     CancelRequest,
     GrantNotice,
     GroupSignal,
+    MalformedMessage,
     QueueTarget,
     ReleaseRequest,
     SnapshotReport,
     SnapshotTarget,
     group_workflow_id,
     job_task_queue,
+    parse_message,
 )
 from timeslice.workflows.rl_protocol import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
+    JOB_PROTOCOL_VERSION,
     PREPARE_ACTIVITY,
     REWARDS_ACTIVITY,
     RL_JOB_WORKFLOW_TYPE,
@@ -48,6 +51,8 @@ from timeslice.workflows.rl_protocol import (
     DescribeInput,
     DescribeResult,
     EpochRecord,
+    JobQuery,
+    JobSignal,
     JobSpecModel,
     LeaseOrder,
     Phase,
@@ -60,7 +65,8 @@ from timeslice.workflows.rl_protocol import (
     RLJobProgress,
     RLJobResult,
     RLJobState,
-    explain_validation_error,
+    protocol_mismatch,
+    rl_job_workflow_id,
 )
 
 JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
@@ -77,18 +83,34 @@ _NO_RETRY = RetryPolicy(maximum_attempts=1)
 _NO_WAIT_LIMIT_S = 30 * 86_400.0
 _DEFAULT_TTL_S = 20.0
 # Failures inside a phase's own acquire that no rewind would cure.
-_ENDS_THE_JOB = {"AcquireTimeoutError": "AcquireTimeout", "JobFaultedError": "JobFaulted"}
+# Failures that waiting or rewinding would not change: the job fails at once.
+# How long a job stopped while waiting for its processes still waits for them.
+_STOP_GRACE = timedelta(seconds=5)
+_ENDS_THE_JOB = {
+    "AcquireTimeoutError": "AcquireTimeout",
+    "JobFaultedError": "JobFaulted",
+    "InvalidConfig": "InvalidConfig",
+    "WrongJob": "InvalidConfig",
+    "ProcessTaken": "ProcessTaken",
+    "ProtocolMismatch": "ProtocolMismatch",
+}
 
 
 class _EpochFailed(Exception):
     """A phase failed; the job rewinds to its last checkpoint."""
 
 
-def _parse_input(raw: Any) -> RLJobInput:
-    # Users start jobs with the bare config (temporal CLI --input); continue-as-new carries state.
-    if isinstance(raw, dict) and "config" in raw:
-        return RLJobInput.model_validate(raw)
-    return RLJobInput(config=RLJobConfig.model_validate(raw))
+def _parse_input(raw: tuple[Any, ...]) -> RLJobInput:
+    """The job's input: users start jobs with the bare config (temporal CLI --input), and
+    continue-as-new carries state too (an RLJobInput)."""
+    if len(raw) != 1:
+        raise MalformedMessage(
+            f"RLJobWorkflow takes one argument (its RLJobConfig as JSON), not {len(raw)}"
+        )
+    [value] = raw
+    if isinstance(value, dict) and "config" in value:
+        return parse_message(RLJobInput, raw, "RLJobWorkflow")
+    return RLJobInput(config=parse_message(RLJobConfig, raw, "RLJobWorkflow"))
 
 
 def _failure(err: ActivityError) -> str:
@@ -103,17 +125,18 @@ def _failure(err: ActivityError) -> str:
 @workflow.defn(name=RL_JOB_WORKFLOW_TYPE)
 class RLJobWorkflow:
     @workflow.init
-    def __init__(self, raw_input: Any) -> None:
-        # Validated here rather than by the data converter, so bad input fails the workflow
-        # once, with a message, instead of failing its task forever.
+    def __init__(self, *raw: Any) -> None:
+        # Taken raw and validated here rather than by the data converter, so bad input (or no
+        # argument, or several) fails the workflow once, with a message, instead of failing its
+        # task forever.
         self._input_error: str | None = None
         try:
-            inp = _parse_input(raw_input)
-        except ValidationError as err:
-            self._input_error = f"invalid RLJobWorkflow input: {explain_validation_error(err)}"
+            inp = _parse_input(raw)
+        except MalformedMessage as err:
+            self._input_error = str(err)
             inp = RLJobInput(
                 config=RLJobConfig(
-                    job_id="invalid", workload="none", sampler_group="invalid", epochs=1
+                    job_id="invalid", workload="simulated", sampler_group="invalid", epochs=1
                 )
             )
         self._config = inp.config
@@ -139,10 +162,21 @@ class RLJobWorkflow:
     # ---------------------------------------------------------------- main loop
 
     @workflow.run
-    async def run(self, raw_input: Any) -> RLJobResult:
+    async def run(self, *raw: Any) -> RLJobResult:
         if self._input_error is not None:
             raise ApplicationError(self._input_error, type="InvalidConfig", non_retryable=True)
         cfg = self._config
+        expected_id = rl_job_workflow_id(cfg.job_id)
+        if workflow.info().workflow_id != expected_id:
+            # Temporal keeps one open run per workflow id: that is what stops two workflows
+            # from driving one job's processes at once.
+            raise ApplicationError(
+                f"an RL job workflow must have the id {expected_id!r} (from job_id "
+                f"{cfg.job_id!r}), not {workflow.info().workflow_id!r}; start jobs with "
+                "`timeslice job start` or `timeslice.jobs.start_rl_job`",
+                type="InvalidConfig",
+                non_retryable=True,
+            )
         workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
         try:
             return await self._run()
@@ -152,7 +186,9 @@ class RLJobWorkflow:
 
     async def _run(self) -> RLJobResult:
         cfg, state = self._config, self._state
-        await self._describe()
+        state.lease_secret = await self._leases.draw_secret(state.lease_secret)
+        if not await self._describe():
+            return self._stopped_waiting()
         self._status = "stopping" if state.stop_requested else "running"
         while True:
             try:
@@ -186,7 +222,8 @@ class RLJobWorkflow:
                     failed,
                 )
                 self._rewind()
-                await self._describe()
+                if not await self._describe():
+                    return self._stopped_waiting()
         if state.last_checkpoint is None or state.last_checkpoint.epochs_done != state.epochs_done:
             try:
                 await self._final_checkpoint()
@@ -198,6 +235,17 @@ class RLJobWorkflow:
                 self._rewind()
         self._status = "stopped" if state.epochs_done < cfg.epochs else "completed"
         self._set_phase(self._status)
+        return self._result()
+
+    def _stopped_waiting(self) -> RLJobResult:
+        """The job was stopped while no process served it: it ends where it stands, with
+        nothing to checkpoint (its last checkpoint, if any, is what it keeps)."""
+        self._status = "stopped"
+        self._set_phase("stopped while waiting for job processes")
+        return self._result()
+
+    def _result(self) -> RLJobResult:
+        cfg, state = self._config, self._state
         phase_s, wait_s = state.totals()
         return RLJobResult(
             job_id=cfg.job_id,
@@ -333,15 +381,22 @@ class RLJobWorkflow:
 
     # ---------------------------------------------------------------- preparing and rewinding
 
-    async def _describe(self) -> None:
-        """Wait for every rank's process and check it runs this job's workload."""
+    async def _describe(self) -> bool:
+        """Wait for every rank's process and check it runs this job's workload; False if the
+        job was stopped before every process answered (a job whose process never comes must
+        still end on `job stop`)."""
         cfg = self._config
         self._set_phase("waiting for job processes", search=False)
-        results: list[DescribeResult] = await asyncio.gather(
+        describing = asyncio.gather(
             *(
                 workflow.execute_activity(
                     DESCRIBE_ACTIVITY,
-                    DescribeInput(job_id=cfg.job_id, options=cfg.workload_options),
+                    DescribeInput(
+                        job_id=cfg.job_id,
+                        options=cfg.workload_options,
+                        chain_id=workflow.info().first_execution_run_id,
+                        protocol=JOB_PROTOCOL_VERSION,
+                    ),
                     task_queue=job_task_queue(cfg.job_id, rank),
                     schedule_to_close_timeout=timedelta(seconds=cfg.process_wait_s),
                     start_to_close_timeout=timedelta(seconds=30),
@@ -351,7 +406,33 @@ class RLJobWorkflow:
                 for rank in range(cfg.ranks)
             )
         )
+        stopped = asyncio.ensure_future(self._stopped_without_processes())
+        await workflow.wait([describing, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not describing.done():
+            describing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ActivityError):
+                await describing
+            return False
+        stopped.cancel()
+        try:
+            results: list[DescribeResult] = await describing
+        except ActivityError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type in _ENDS_THE_JOB:
+                raise ApplicationError(
+                    f"job {cfg.job_id}: {cause.message}",
+                    type=_ENDS_THE_JOB[cause.type],
+                    non_retryable=True,
+                ) from None
+            raise
         for rank, found in enumerate(results):
+            mismatch = protocol_mismatch(JOB_PROTOCOL_VERSION, found.protocol)
+            if mismatch is not None:
+                raise ApplicationError(
+                    f"job {cfg.job_id} rank {rank}: {mismatch}",
+                    type="ProtocolMismatch",
+                    non_retryable=True,
+                )
             if found.workload != cfg.workload:
                 raise ApplicationError(
                     f"the job process of {cfg.job_id} rank {rank} runs workload "
@@ -364,6 +445,13 @@ class RLJobWorkflow:
             "sampler": results[0].sampler_backends,
             "trainer": results[0].trainer_backends,
         }
+        return True
+
+    async def _stopped_without_processes(self) -> None:
+        """Returns once a stop has been asked for and the processes still have not answered
+        for a while: live ones answer at once, and get to checkpoint what they trained."""
+        await workflow.wait_condition(lambda: self._state.stop_requested)
+        await workflow.sleep(_STOP_GRACE)
 
     async def _prepare(self) -> None:
         """Build (or rebuild) the processes' state from the last checkpoint, holding all groups."""
@@ -528,10 +616,11 @@ class RLJobWorkflow:
         """A lease the job process will ask for (the workflow keeps its request id, to take
         it back if the phase never runs)."""
         cfg = self._config
+        request_id = f"{cfg.job_id}:{workflow.uuid4()}"
         order = LeaseOrder(
             group_id=group_id,
-            request_id=f"{cfg.job_id}:{workflow.uuid4()}",
-            key=GroupLeases.new_key(),
+            request_id=request_id,
+            key=self._leases.new_key(request_id),
             timeout_s=cfg.acquire_timeout_s,
             priority=cfg.priority,
             ttl_s=cfg.lease_ttl_s,
@@ -705,7 +794,7 @@ class RLJobWorkflow:
             lines.append(f"**rewinds**: {state.rewinds} ({state.redone_epochs} epochs redone)")
         workflow.set_current_details("\n\n".join(lines))
 
-    @workflow.query
+    @workflow.query(name=JobQuery.PROGRESS)
     def progress(self) -> RLJobProgress:
         cfg, state = self._config, self._state
         phase_s, wait_s = state.totals()
@@ -725,9 +814,10 @@ class RLJobWorkflow:
             last_checkpoint=state.last_checkpoint,
         )
 
-    @workflow.signal
-    def stop(self) -> None:
-        """Finish the current epoch, checkpoint, and complete."""
+    @workflow.signal(name=JobSignal.STOP)
+    def stop(self, *_ignored: Any) -> None:
+        """Finish the current epoch, checkpoint, and complete (any argument is ignored: a
+        signal handler that raised would fail the workflow task)."""
         self._state.stop_requested = True
         if self._status == "running":
             self._status = "stopping"

@@ -6,9 +6,13 @@ so it is a pydantic model; this module imports nothing with I/O so workflows can
 
 from __future__ import annotations
 
+import json
+import math
+import re
+from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from timeslice.workflows.protocol import (
     MAX_LEASE_TTL_S,
     MAX_PRIORITY,
@@ -18,8 +22,30 @@ from timeslice.workflows.protocol import (
     _Model,
     check_id,
 )
+from timeslice.workflows.protocol import (
+    explain_validation_error as explain_validation_error,  # re-exported: client/jobs.py, rl_job.py
+)
 
 RL_JOB_WORKFLOW_TYPE = "RLJobWorkflow"
+
+
+class JobQuery(StrEnum):
+    """Queries of the RL job workflow."""
+
+    PROGRESS = "progress"
+
+
+class JobSignal(StrEnum):
+    """Signals of the RL job workflow (besides the groups' grant signal, ``GRANT_SIGNAL``)."""
+
+    STOP = "stop"
+
+
+# The job protocol: what the RL job workflow and its job processes say to each other (the
+# activities' inputs and results, and what each side expects of the other between them). Raised
+# on any change an older or newer counterpart would get wrong; each side checks the other's at
+# `describe` (docs/upgrading.md), so a job never runs phases across releases that disagree.
+JOB_PROTOCOL_VERSION = 2
 
 # Served by a job process on ``timeslice-job-<job_id>-<rank>``.
 DESCRIBE_ACTIVITY = "timeslice.job.describe"
@@ -41,13 +67,50 @@ RECENT_EPOCH_RECORDS = 32
 MAX_REWARDS = 2000
 
 
-def explain_validation_error(err: ValidationError) -> str:
-    """One line per problem, naming the field: what a user needs to fix in their JSON."""
-    problems = []
-    for e in err.errors():
-        where = ".".join(str(part) for part in e["loc"]) or "input"
-        problems.append(f"{where}: {e['msg']}")
-    return "; ".join(problems)
+# The built-in workloads, by the names a job process knows them by (timeslice.workloads.registry
+# maps each to its factory; a test checks the two agree). Named here, without importing them, so
+# a job naming a workload that exists nowhere fails at once instead of waiting for a process.
+BUILTIN_WORKLOADS = ("grpo-toy", "hf-grpo", "simulated")
+_FACTORY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+# Workload options travel in every job activity's input and the job's continue-as-new input.
+MAX_OPTIONS_BYTES = 64 * 1024
+MAX_OPTIONS_DEPTH = 16
+
+
+def check_workload(ref: str) -> str:
+    """Return ``ref`` if it names a built-in workload or a MODULE:FACTORY, else ValueError."""
+    if ref in BUILTIN_WORKLOADS or _FACTORY_RE.fullmatch(ref):
+        return ref
+    raise ValueError(
+        f"unknown workload {ref!r}: use a built-in ({', '.join(BUILTIN_WORKLOADS)}) "
+        "or MODULE:FACTORY, e.g. my_project.rl:make_workload"
+    )
+
+
+def check_workload_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Return ``options`` if they are plain JSON (finite numbers), at most MAX_OPTIONS_DEPTH
+    deep and MAX_OPTIONS_BYTES long; else ValueError saying which rule they break."""
+
+    def walk(value: Any, depth: int) -> None:
+        if depth > MAX_OPTIONS_DEPTH:
+            raise ValueError(f"workload options nest deeper than {MAX_OPTIONS_DEPTH} levels")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"workload options must be finite numbers, not {value}")
+        if isinstance(value, dict):
+            for item in value.values():
+                walk(item, depth + 1)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item, depth + 1)
+
+    walk(options, 1)
+    try:
+        size = len(json.dumps(options, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"workload options must be JSON values ({err})") from None
+    if size > MAX_OPTIONS_BYTES:
+        raise ValueError(f"workload options take {size} bytes as JSON; at most {MAX_OPTIONS_BYTES}")
+    return options
 
 
 def rl_job_workflow_id(job_id: str) -> str:
@@ -61,8 +124,8 @@ class RLJobConfig(_Model):
     workload: str = Field(
         min_length=1,
         max_length=300,
-        description="built-in name (grpo-toy, simulated) or MODULE:FACTORY; the job "
-        "process must have been started with the same",
+        description="built-in name (grpo-toy, hf-grpo, simulated) or MODULE:FACTORY; the "
+        "job process must have been started with the same",
     )
     workload_options: dict[str, Any] = Field(default_factory=dict)
     sampler_group: str
@@ -97,6 +160,16 @@ class RLJobConfig(_Model):
     @classmethod
     def _job_id(cls, v: str) -> str:
         return check_id("job id", v)
+
+    @field_validator("workload")
+    @classmethod
+    def _workload(cls, v: str) -> str:
+        return check_workload(v)
+
+    @field_validator("workload_options")
+    @classmethod
+    def _workload_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_workload_options(v)
 
     @field_validator("sampler_group", "trainer_group")
     @classmethod
@@ -138,8 +211,17 @@ class CheckpointRef(_Model):
 
 class DescribeInput(_Model):
     job_id: str
+    protocol: int | None = Field(
+        None, description="the workflow's JOB_PROTOCOL_VERSION (None: a release before it)"
+    )
     options: dict[str, Any] = Field(
         default_factory=dict, description="the job's workload options (they may name its states)"
+    )
+    chain_id: str | None = Field(
+        None,
+        max_length=200,
+        description="the first run id of the job workflow's chain of runs (it survives "
+        "continue-as-new): a job process serves one chain, and refuses any other",
     )
 
 
@@ -150,6 +232,25 @@ class DescribeResult(_Model):
     pid: int
     ready: bool
     epochs_done: int | None
+    protocol: int | None = Field(
+        None, description="the process's JOB_PROTOCOL_VERSION (None: a release before it)"
+    )
+
+
+def protocol_mismatch(workflow_version: int | None, process_version: int | None) -> str | None:
+    """Why a job workflow and a job process of these protocol versions cannot work together,
+    or None if they can."""
+    if workflow_version == process_version:
+        return None
+
+    def named(version: int | None) -> str:
+        return "a release before protocol versions" if version is None else f"v{version}"
+
+    return (
+        f"the job workflow speaks job protocol {named(workflow_version)} and the job process "
+        f"{named(process_version)}: run job workers of the same Timeslice release as the "
+        "control workers (docs/upgrading.md)"
+    )
 
 
 class PrepareInput(_Model):
@@ -320,6 +421,11 @@ class RLJobState(_Model):
     )
     stop_requested: bool = False
     failures: int = Field(0, description="consecutive failed epochs")
+    lease_secret: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="what the job's lease keys derive from (drawn once, by a local activity)",
+    )
 
     def add_record(self, record: EpochRecord) -> None:
         self.records.append(record)

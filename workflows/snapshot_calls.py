@@ -49,8 +49,10 @@ async def run_on_queues(
                 reason=f"{verb} for {context}",
             ),
             task_queue=queue.task_queue,
-            # A dead process never picks the task up: learn that fast.
+            # A dead process never picks the task up, and one that dies (or exits) holding it
+            # stops heartbeating: learn either fast, not at the run time-out.
             schedule_to_start_timeout=timedelta(seconds=pickup_timeout_s),
+            heartbeat_timeout=timedelta(seconds=pickup_timeout_s),
             start_to_close_timeout=timedelta(seconds=run_timeout_s),
             retry_policy=RetryPolicy(maximum_attempts=1),
             summary=f"{verb} {job_id} · {context} · {queue.task_queue}",
@@ -70,7 +72,12 @@ async def run_on_queues(
     return outcomes
 
 
-def never_started(error: BaseException) -> bool:
-    """True if no process picked the activity up (its queue has no live worker)."""
+def process_gone(error: BaseException) -> bool:
+    """True if the job's process is gone: nobody picked the activity up (its queue has no live
+    worker), or the process that did stopped heartbeating (it exited or died mid-move) — its
+    device memory went with it either way."""
     cause = getattr(error, "cause", None)
-    return isinstance(cause, TemporalTimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START
+    return isinstance(cause, TemporalTimeoutError) and cause.type in (
+        TimeoutType.SCHEDULE_TO_START,
+        TimeoutType.HEARTBEAT,
+    )

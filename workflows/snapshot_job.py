@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 from timeslice.workflows.protocol import (
     RESTORE_ACTIVITY,
     SNAPSHOT_ACTIVITY,
+    MalformedMessage,
     SnapshotJobInput,
     SnapshotJobResult,
+    parse_message,
 )
 from timeslice.workflows.snapshot_calls import run_on_queues
 
@@ -25,13 +26,13 @@ SNAPSHOT_JOB_WORKFLOW_TYPE = "SnapshotJobWorkflow"
 @workflow.defn(name=SNAPSHOT_JOB_WORKFLOW_TYPE)
 class SnapshotJobWorkflow:
     @workflow.run
-    async def run(self, raw_input: dict[str, Any]) -> SnapshotJobResult:
+    async def run(self, *raw: Any) -> SnapshotJobResult:
+        # Taken raw and validated here, so a missing, extra or invalid argument fails the
+        # workflow once with the reason instead of failing its task forever.
         try:
-            inp = SnapshotJobInput.model_validate(raw_input)
-        except ValidationError as err:
-            raise ApplicationError(
-                f"invalid SnapshotJobWorkflow input: {err}", type="InvalidInput", non_retryable=True
-            ) from err
+            inp = parse_message(SnapshotJobInput, raw, "SnapshotJobWorkflow")
+        except MalformedMessage as err:
+            raise ApplicationError(str(err), type="InvalidInput", non_retryable=True) from None
         activity = SNAPSHOT_ACTIVITY if inp.action == "snapshot" else RESTORE_ACTIVITY
         outcomes = await run_on_queues(
             activity,

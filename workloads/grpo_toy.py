@@ -219,6 +219,11 @@ class GrpoToyWorkload(Workload):
 
     # ------------------------------------------------------------ setup
 
+    def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        # Checked when the job first meets its process: a bad option ends the job at once.
+        type(self.opts).parse(options)
+        return super().state_names(options)
+
     def setup(self, spec: JobSpec) -> None:
         if spec.batch_size < 1:
             raise ValueError(f"grpo-toy: batch_size must be >= 1, not {spec.batch_size}")

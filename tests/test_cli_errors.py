@@ -1,0 +1,162 @@
+"""The CLI against a real server: what it says when the namespace, the database folder or a job
+is not what the user thinks, and figures that are true at the moment they are printed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+from timeslice.connection import connect, connect_config
+from timeslice.server import free_port
+from timeslice.workflows.rl_protocol import rl_job_workflow_id
+
+from tests.helpers import wait_for
+
+
+def timeslice(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_worker_in_a_namespace_that_does_not_exist(address: str) -> None:
+    result = timeslice("worker", "--address", address, "--namespace", "no-such-namespace")
+    assert result.returncode == 2
+    assert "Namespace no-such-namespace is not found" in result.stderr
+    assert "temporal operator namespace create" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_server_with_an_unwritable_database_folder() -> None:
+    result = timeslice("server", "--db", "/proc/nope/temporal.db", "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "cannot write the server's database file /proc/nope/temporal.db" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_job_progress_of_a_failed_job_exits_1(address: str, group: str) -> None:
+    job = f"failed-{os.getpid()}-{free_port()}"
+
+    async def start_failing(client: Client) -> None:
+        handle = await client.start_workflow(
+            "RLJobWorkflow",
+            {"job_id": job, "workload": "simulated", "sampler_group": group, "epochs": 0},
+            id=rl_job_workflow_id(job),
+            task_queue="timeslice",
+        )
+        await asyncio.gather(handle.result(), return_exceptions=True)
+
+    async def main() -> None:
+        await start_failing(await connect(connect_config(address)))
+
+    asyncio.run(main())
+    result = timeslice("job", "progress", job, "--address", address)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"job {job} failed" in result.stderr and "epochs" in result.stderr
+    # The report of the namespace lists it without stopping at its refused config.
+    report = timeslice("report", "--address", address, "--job", job, "--text-only")
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert job in report.stdout and "refused its config" in report.stdout
+
+
+def test_status_figures_are_as_of_the_query(address: str, group: str, make_client) -> None:
+    """A query answers as of the group's last workflow task; status brings it to now."""
+    holder = make_client(job_id="status-now", lease_ttl=120)  # no renewal for 40 s
+    lease = holder.acquire(group)
+    first = holder.group_status(group)
+    assert first.holder is not None
+
+    def later() -> object | None:
+        status = holder.group_status(group)  # no workflow task since the grant
+        assert status.holder is not None
+        return status if status.holder.held_s >= first.holder.held_s + 1.0 else None
+
+    status = wait_for(later, timeout=60, what="the hold to grow by a second")
+    assert status.utilization > 0.5 and status.wall_s >= status.holder.held_s
+    out = timeslice("status", group, "--address", address)
+    assert out.returncode == 0, out.stderr
+    held = float(out.stdout.split("(token ")[1].split(", ")[1].split(" s)")[0])
+    assert held >= status.holder.held_s, out.stdout
+    holder.release(lease)
+
+
+def test_report_into_an_unwritable_folder_fails_before_the_work(address: str) -> None:
+    result = timeslice("report", "--address", address, "--out", "/proc/nope/report")
+    assert result.returncode == 2
+    assert "--out /proc/nope/report: cannot write there" in result.stderr
+    assert "reading groups and jobs" not in result.stderr
+    assert not Path("/proc/nope").exists()
+
+
+def test_killed_server_command_takes_its_temporal_child_along(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "timeslice.cli", "server", "--port", str(port),
+         "--ui-port", str(free_port()), "--db", str(tmp_path / "t.db")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "Temporal server ready" in line:
+                break
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1
+        temporal = int(children[0])
+        assert "temporal" in Path(f"/proc/{temporal}/cmdline").read_text()
+    finally:
+        proc.kill()  # SIGKILL: no handler of ours runs
+        proc.wait()
+
+    def gone() -> bool:
+        try:
+            state = Path(f"/proc/{temporal}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return True
+        return state == "Z"
+
+    wait_for(gone, timeout=60, what="the temporal child to exit with its parent")
+
+
+def test_unreachable_explicit_address_says_the_environment_was_not_used(monkeypatch) -> None:
+    """The seed example names its server; TEMPORAL_ADDRESS then changes nothing: say so."""
+    from timeslice import ServerUnreachableError, TimeSliceOrchestratorClient
+
+    monkeypatch.setenv("TEMPORAL_ADDRESS", "127.0.0.1:7233")
+    client = TimeSliceOrchestratorClient(target=f"127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(ServerUnreachableError) as err:
+            client.acquire("g", timeout=1)
+    finally:
+        client.close()
+    assert "TEMPORAL_ADDRESS=127.0.0.1:7233 is set, but an address given to the client" in str(
+        err.value
+    )
+
+
+def test_status_of_a_group_that_cannot_answer_is_a_clear_error(address: str) -> None:
+    """Something that is not a working group under a group's workflow id: no traceback."""
+    group = f"broken-{free_port()}"
+
+    async def occupy(client: Client) -> None:
+        handle = await client.start_workflow(
+            "RLJobWorkflow", {"nonsense": True}, id=f"gpu-group-{group}", task_queue="timeslice"
+        )
+        await asyncio.gather(handle.result(), return_exceptions=True)
+
+    async def main() -> None:
+        await occupy(await connect(connect_config(address)))
+
+    asyncio.run(main())
+    result = timeslice("status", group, "--address", address)
+    assert result.returncode == 2, result.stdout
+    assert f"group {group!r} could not answer its status" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,93 @@
+"""The import rules of docs/architecture.md ("Package map"), enforced.
+
+Workflow modules run in Temporal's sandbox and are replayed: they import only the standard
+library's pure modules, pydantic, temporalio's workflow-side API and each other — no client,
+torch, vLLM or I/O module. Nothing below the client imports the client."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+WORKFLOW_MAY_IMPORT = {
+    "__future__",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "dataclasses",
+    "datetime",
+    "enum",
+    "functools",
+    "hashlib",
+    "hmac",
+    "itertools",
+    "json",
+    "math",
+    "re",
+    "typing",
+    "pydantic",
+    "temporalio",
+    "temporalio.common",
+    "temporalio.exceptions",
+    "temporalio.workflow",
+}
+# The client-side part of temporalio, and anything that does I/O or touches a device.
+WORKFLOW_MUST_NOT_IMPORT_PREFIXES = ("temporalio.client", "temporalio.worker", "timeslice.")
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "workflows").glob("*.py")), ids=lambda p: p.name)
+def test_workflow_modules_import_only_pure_modules(path: Path) -> None:
+    bad = {
+        name
+        for name in _imports(path)
+        if name not in WORKFLOW_MAY_IMPORT and not name.startswith("timeslice.workflows.")
+    }
+    assert not bad, f"{path.name} imports {sorted(bad)}: not allowed in a workflow module"
+
+
+# What each folder below the top must never import. The job process's activities embed the
+# client engine (they take leases the way any client does), but nothing below the top imports
+# the CLI, the embedded server, the report or the planner.
+TOP = ("timeslice.cli", "timeslice.server", "timeslice.report", "timeslice.plan")
+CLIENT = ("timeslice.orchestrator", "timeslice.engine", *TOP)
+MUST_NOT_IMPORT = {
+    "workflows": CLIENT,
+    "snapshot": CLIENT,
+    "workloads": CLIENT,
+    "activities": TOP,
+    "workers": TOP,
+}
+
+
+@pytest.mark.parametrize("package", sorted(MUST_NOT_IMPORT))
+def test_lower_packages_do_not_import_what_sits_above_them(package: str) -> None:
+    offenders = {
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in sorted((REPO / package).rglob("*.py"))
+        for name in _imports(path)
+        if name.startswith(MUST_NOT_IMPORT[package])
+    }
+    assert not offenders, sorted(offenders)
+
+
+def test_the_rules_can_fail(tmp_path: Path) -> None:
+    """The checker sees a forbidden import (so a passing run means something)."""
+    module = tmp_path / "bad.py"
+    module.write_text("import os\nfrom timeslice.client import x\nimport torch\n")
+    assert _imports(module) == {"os", "timeslice.client", "torch"}
+    assert not ({"os", "torch"} & WORKFLOW_MAY_IMPORT)
+    assert "timeslice.client".startswith(WORKFLOW_MUST_NOT_IMPORT_PREFIXES)
