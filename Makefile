@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Two pytest workers, each with its own Temporal dev server and control worker; a test file
+# stays on one worker (its module fixtures are shared). TEST_WORKERS=0 runs everything in one.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Every kustomization under deploy/kubernetes: rendered offline and validated against the
 # Kubernetes schemas (oldest supported and newest shipped), as tests/test_deploy.py also does.

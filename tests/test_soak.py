@@ -29,8 +29,11 @@ def test_soak_with_faults_for_60_s(tmp_path: Path) -> None:
     then, from the processes' own logs: no overlap, nothing lost or granted twice, every RL
     epoch applied exactly once."""
     out = tmp_path / "soak"
+    # A fault every ~4 s: each kind gets two slots, so one that finds no victim at its slot
+    # (no holder or waiter right then) still strikes later.
     command = [sys.executable, str(SOAK), "--duration", "60", "--seed", "1",
-               "--contenders", "4", "--rl-jobs", "2", "--out", str(out)]  # fmt: skip
+               "--contenders", "4", "--rl-jobs", "2", "--fault-every", "4",
+               "--out", str(out)]  # fmt: skip
     # The soak bounds its own drain; this only guards against a hung soak.
     run = subprocess.run(command, capture_output=True, text=True, timeout=480)
     said = f"exit {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"

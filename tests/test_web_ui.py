@@ -200,19 +200,30 @@ def test_interactive_report_shows_a_lane_per_job_and_a_phase_on_hover(
         # bars) until the sampling phase's: plotly shows the span's details.
         bars = chart.locator(".cartesianlayer .barlayer .point path")
         expect(bars.first).to_be_visible(**wait)
+
+        def sampling_hover() -> str | None:
+            # Bar positions are read afresh each pass: plotly may still re-lay the chart out
+            # (it fits the window once it has drawn), moving every bar after a first reading.
+            for i in range(bars.count()):
+                where = bars.nth(i).bounding_box()
+                if where is None or where["width"] < 2:
+                    continue
+                x, y = where["x"] + where["width"] / 2, where["y"] + where["height"] / 2
+                page.mouse.move(x, y, steps=2)
+                hover = chart.locator(".hoverlayer .hovertext").first
+                try:
+                    hover.wait_for(state="visible", timeout=5_000)
+                except PlaywrightTimeoutError:
+                    continue  # no bar under the pointer after all
+                if "sample on g" in (hover.text_content() or ""):
+                    return hover.text_content()
+            page.mouse.move(0, 0)  # off the chart: the next pass starts from no hover
+            return None
+
         box = None
-        for i in range(bars.count()):
-            where = bars.nth(i).bounding_box()
-            if where is None or where["width"] < 2:
-                continue
-            page.mouse.move(where["x"] + where["width"] / 2, where["y"] + where["height"] / 2)
-            hover = chart.locator(".hoverlayer .hovertext").first
-            try:
-                hover.wait_for(state="visible", timeout=5_000)
-            except PlaywrightTimeoutError:
-                continue  # no bar under the pointer after all
-            if "sample on g" in (hover.text_content() or ""):
-                box = hover.text_content()
+        for _ in range(3):
+            box = sampling_hover()
+            if box is not None:
                 break
         assert box is not None, "no hover text for the sampling phase"
         assert "job a" in box and "epoch 0" in box and "1.000 s" in box
