@@ -18,7 +18,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from timeslice.connection import connect, connect_config
 from timeslice.errors import TimesliceError
 from timeslice.plan import cli as plan_cli
-from timeslice.server import DEFAULT_DB, EmbeddedServer
+from timeslice.server import DEFAULT_DB, EmbeddedServer, ensure_writable_dir
 
 if TYPE_CHECKING:
     from temporalio.worker import Worker
@@ -292,12 +292,8 @@ MAX_CONFIG_BYTES = 1 << 20
 
 
 def _check_writable_dir(path: Path, flag: str) -> None:
-    import tempfile
-
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        ensure_writable_dir(path)
     except OSError as err:
         raise TimesliceError(
             f"{flag} {path}: cannot write there ({err.strerror}); pick a writable folder"

@@ -8,6 +8,9 @@ import os
 import re
 from typing import Any
 
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter, DefaultFailureConverterWithEncodedAttributes
@@ -16,6 +19,7 @@ from temporalio.runtime import Runtime
 from timeslice.codec import PayloadEncryptionCodec
 from timeslice.errors import InvalidArgumentError, ServerUnreachableError
 from timeslice.telemetry import client_interceptors, configure_tracing
+from timeslice.workflows.protocol import CONTROL_TASK_QUEUE
 
 DEFAULT_TARGET = "localhost:7233"
 _PROBE_TIMEOUT_S = 5.0
@@ -129,3 +133,16 @@ async def connect(config: dict[str, Any], *, runtime: Runtime | None = None) -> 
             "`timeslice server`, or give the address of a running cluster: --address or "
             "target=, or TEMPORAL_ADDRESS when neither is given"
         ) from err
+
+
+async def control_workers_polling(client: Client) -> int:
+    """How many control workers poll the groups' task queue in the client's namespace (with
+    none, no group or RL job ever answers)."""
+    described = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=CONTROL_TASK_QUEUE),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+    )
+    return len(described.pollers)

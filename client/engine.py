@@ -23,9 +23,6 @@ from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
-from temporalio.api.enums.v1 import TaskQueueType
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import (
     Client,
     WorkflowFailureError,
@@ -39,7 +36,7 @@ from temporalio.worker import Worker
 from timeslice.activities.grants import GrantInbox
 from timeslice.activities.group_requests import start_group
 from timeslice.activities.snapshots import SnapshotActivities
-from timeslice.connection import connect
+from timeslice.connection import connect, control_workers_polling
 from timeslice.errors import (
     AcquireTimeoutError,
     InvalidArgumentError,
@@ -476,14 +473,7 @@ class Engine:
         """Raise if no control worker polls the groups' task queue: with none, no group ever
         answers (an update or a query would wait in silence)."""
         client = self._client_now()
-        described = await client.workflow_service.describe_task_queue(
-            DescribeTaskQueueRequest(
-                namespace=client.namespace,
-                task_queue=TaskQueue(name=CONTROL_TASK_QUEUE),
-                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-            )
-        )
-        if not described.pollers:
+        if not await control_workers_polling(client):
             raise NoControlWorkerError(
                 f"no control worker serves task queue {CONTROL_TASK_QUEUE!r} in namespace "
                 f"{client.namespace!r} at {self.connect_config['target_host']}: start one with "

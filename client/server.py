@@ -63,6 +63,14 @@ def check_port(name: str, port: int) -> int:
     return port
 
 
+def ensure_writable_dir(path: Path) -> None:
+    """Create the folder ``path`` if needed and check a file can be written in it; OSError
+    (with its strerror) if not."""
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+        pass
+
+
 class EmbeddedServer:
     """A real Temporal dev server (SQLite file, Web UI) in a child process."""
 
@@ -121,10 +129,8 @@ class EmbeddedServer:
             if path is None:
                 continue
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
                 # Not by creating the file: the server takes an empty database for a broken one.
-                with tempfile.TemporaryFile(dir=path.parent):
-                    pass
+                ensure_writable_dir(path.parent)
                 if path.exists() and not os.access(path, os.W_OK):
                     raise PermissionError(errno.EACCES, "Permission denied")
             except OSError as err:

@@ -110,3 +110,28 @@ def finish(procs: list[subprocess.Popen], timeout: float = 180.0) -> None:
                 q.kill()
             raise AssertionError(f"process {p.args} did not finish in {timeout} s") from None
         assert code == 0, f"process {p.args} exited with {code}"
+
+
+def new_namespace(address: str, prefix: str) -> str:
+    """A fresh namespace on the server at ``address``, with `timeslice setup` run in it."""
+    import uuid
+
+    from timeslice.server import temporal_binary
+
+    namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    subprocess.run(
+        [str(temporal_binary()), "operator", "namespace", "create", "--address", address,
+         "--namespace", namespace],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+
+    def set_up() -> bool:  # a new namespace takes a moment to reach every service
+        setup = subprocess.run(
+            [sys.executable, "-m", "timeslice.cli", "setup", "--address", address,
+             "--namespace", namespace],
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+        return setup.returncode == 0
+
+    wait_for(set_up, timeout=60, what="`timeslice setup` in the new namespace")
+    return namespace

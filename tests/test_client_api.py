@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 from timeslice import (
@@ -18,9 +17,8 @@ from timeslice import (
     NoControlWorkerError,
     TimeSliceOrchestratorClient,
 )
-from timeslice.server import temporal_binary
 
-from tests.helpers import wait_for
+from tests.helpers import new_namespace, wait_for
 
 
 def test_decorator_on_sync_and_async_functions(group, make_client):
@@ -126,22 +124,7 @@ def test_timeout_zero_is_a_try_lock(group, make_client):
 
 def test_no_control_worker_is_a_clear_error(server, group):
     """In a namespace no control worker serves, nothing would ever answer: say so."""
-    namespace = f"unserved-{uuid.uuid4().hex[:8]}"
-    subprocess.run(
-        [str(temporal_binary()), "operator", "namespace", "create", "--address",
-         server.address, "--namespace", namespace],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-
-    def set_up() -> bool:  # a new namespace takes a moment to reach every service
-        setup = subprocess.run(
-            [sys.executable, "-m", "timeslice.cli", "setup", "--address", server.address,
-             "--namespace", namespace],
-            capture_output=True, timeout=60,
-        )  # fmt: skip
-        return setup.returncode == 0
-
-    wait_for(set_up, timeout=60, what="`timeslice setup` in the new namespace")
+    namespace = new_namespace(server.address, "unserved")
 
     def acquire_fails() -> str | None:
         client = TimeSliceOrchestratorClient(target=server.address, namespace=namespace)

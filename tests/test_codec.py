@@ -32,11 +32,10 @@ from timeslice.codec import (
     parse_keys,
 )
 from timeslice.connection import connect, connect_config, data_converter
-from timeslice.server import temporal_binary
 from timeslice.services import start_service, stop_service
 from timeslice.workflows.protocol import AcquireRequest, GroupSignal, group_workflow_id
 
-from tests.helpers import wait_for
+from tests.helpers import new_namespace, wait_for
 
 
 def _codec(*keys: str) -> PayloadEncryptionCodec:
@@ -206,22 +205,7 @@ def _payloads(message: Message) -> Iterator[Payload]:
 def encrypted_namespace(server, monkeypatch, tmp_path) -> Iterator[tuple[str, str, Path]]:
     """A fresh namespace on the session's server, served by a control worker that encrypts
     (the session's own worker, in the default namespace, stays unencrypted)."""
-    namespace = f"encrypted-{uuid.uuid4().hex[:8]}"
-    subprocess.run(
-        [str(temporal_binary()), "operator", "namespace", "create", "--address",
-         server.address, "--namespace", namespace],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-
-    def set_up() -> bool:  # a new namespace takes a moment to reach every service
-        setup = subprocess.run(
-            [sys.executable, "-m", "timeslice.cli", "setup", "--address", server.address,
-             "--namespace", namespace],
-            capture_output=True, timeout=60,
-        )  # fmt: skip
-        return setup.returncode == 0
-
-    wait_for(set_up, timeout=60, what="`timeslice setup` in the new namespace")
+    namespace = new_namespace(server.address, "encrypted")
     key = new_key()
     monkeypatch.setenv(KEY_ENV, key)  # for the worker below and this test's clients
     log = Path(tmp_path) / "worker.log"

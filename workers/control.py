@@ -8,19 +8,18 @@ from typing import Any
 
 from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
-from temporalio.api.enums.v1 import IndexedValueType, TaskQueueType
+from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import (
     AddSearchAttributesRequest,
     ListSearchAttributesRequest,
 )
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import draw_secret, request_group
+from timeslice.connection import control_workers_polling
 from timeslice.errors import TimesliceError
 from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
@@ -122,20 +121,13 @@ async def set_up_namespace(client: Client) -> SetupReport:
             if err.status not in (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED):
                 raise
             refused = f"{err.status.name}: {err.message}"
-    described = await client.workflow_service.describe_task_queue(
-        DescribeTaskQueueRequest(
-            namespace=client.namespace,
-            task_queue=TaskQueue(name=CONTROL_TASK_QUEUE),
-            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-        )
-    )
     return SetupReport(
         namespace=client.namespace,
         added=added,
         present=present,
         missing=[name for name in missing if name not in added],
         refused=refused,
-        control_workers=len(described.pollers),
+        control_workers=await control_workers_polling(client),
     )
 
 

@@ -103,12 +103,8 @@ class _EpochFailed(Exception):
 def _parse_input(raw: tuple[Any, ...]) -> RLJobInput:
     """The job's input: users start jobs with the bare config (temporal CLI --input), and
     continue-as-new carries state too (an RLJobInput)."""
-    if len(raw) != 1:
-        raise MalformedMessage(
-            f"RLJobWorkflow takes one argument (its RLJobConfig as JSON), not {len(raw)}"
-        )
-    [value] = raw
-    if isinstance(value, dict) and "config" in value:
+    first = raw[0] if raw else None
+    if isinstance(first, dict) and "config" in first:
         return parse_message(RLJobInput, raw, "RLJobWorkflow")
     return RLJobInput(config=parse_message(RLJobConfig, raw, "RLJobWorkflow"))
 
