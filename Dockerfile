@@ -27,6 +27,8 @@ WORKDIR /src
 # Only what the package build reads; .dockerignore keeps local venvs and state out.
 COPY pyproject.toml README.md ./
 COPY client ./client
+COPY protocol ./protocol
+COPY cli ./cli
 COPY workflows ./workflows
 COPY activities ./activities
 COPY workers ./workers

@@ -14,7 +14,7 @@ import asyncio
 from collections import OrderedDict
 
 from temporalio import activity
-from timeslice.workflows.protocol import DELIVER_GRANT_ACTIVITY, GrantAck, GrantNotice
+from timeslice.protocol.group import DELIVER_GRANT_ACTIVITY, GrantAck, GrantNotice
 
 _ACCEPTED_KEEP = 1024
 

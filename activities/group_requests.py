@@ -13,8 +13,7 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
-from timeslice.updates import send_update
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     DRAW_SECRET_ACTIVITY,
     GROUP_WORKFLOW_TYPE,
@@ -28,6 +27,7 @@ from timeslice.workflows.protocol import (
     GroupUpdate,
     group_workflow_id,
 )
+from timeslice.updates import send_update
 
 GROUP_KEY = SearchAttributeKey.for_keyword("TimesliceGroup")
 

@@ -33,8 +33,7 @@ from timeslice.activities.state_homes import StateHomes
 from timeslice.engine import Engine
 from timeslice.errors import TimesliceError
 from timeslice.lease import Lease
-from timeslice.telemetry import meter, span
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     GroupQuery,
     HolderView,
     QueueTarget,
@@ -43,7 +42,7 @@ from timeslice.workflows.protocol import (
     group_workflow_id,
     job_task_queue,
 )
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
     JOB_PROTOCOL_VERSION,
@@ -64,6 +63,8 @@ from timeslice.workflows.rl_protocol import (
     PrepareResult,
     protocol_mismatch,
 )
+from timeslice.snapshot.base import registered_bytes
+from timeslice.telemetry import meter, span
 from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
 
 log = logging.getLogger("timeslice.job")
@@ -282,7 +283,7 @@ class JobRuntime:
                     epochs_done=self._epochs_done or 0,
                     state_bytes=self.workload.state_bytes(),
                     backend_bytes={
-                        name: getattr(backend, "registered_bytes", None)
+                        name: registered_bytes(backend)
                         for name, backend in self.workload.snapshot_backends().items()
                     },
                 )

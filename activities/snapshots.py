@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
+from typing import TypeVar
 
 from opentelemetry.trace import Span
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from timeslice.activities.state_homes import StateHomes
-from timeslice.snapshot.base import SnapshotBackend, SnapshotError, resolve_backends
-from timeslice.telemetry import meter, span
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     RESTORE_ACTIVITY,
     SNAPSHOT_ACTIVITY,
     SnapshotCall,
     SnapshotReport,
 )
+from timeslice.snapshot.base import (
+    SnapshotBackend,
+    SnapshotError,
+    SnapshotRequest,
+    resolve_backends,
+)
+from timeslice.telemetry import meter, span
+
+T = TypeVar("T")
 
 
 class SnapshotActivities:
@@ -33,28 +41,30 @@ class SnapshotActivities:
         self.backends = backends
         self._homes = homes
 
-    def _resolve(self, call: SnapshotCall) -> list[SnapshotBackend]:
+    def _resolve(self, call: SnapshotCall) -> tuple[list[SnapshotBackend], SnapshotRequest]:
         available = self._homes.backends if self._homes is not None else self.backends
         if not available:
-            return []
+            return [], SnapshotRequest(call.job_id, call.group_id, call.reason)
         try:
-            self.prepare(call)
-            return resolve_backends(call.backends, available)
+            backends = resolve_backends(call.backends, available)
+            return backends, self.request_for(call, backends)
         except SnapshotError as err:
-            raise ApplicationError(str(err), type="SnapshotError", non_retryable=True) from err
+            raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from err
 
-    def prepare(self, call: SnapshotCall) -> None:
-        """Hook run before the backends (the node agent registers the call's processes)."""
+    def request_for(self, call: SnapshotCall, backends: list[SnapshotBackend]) -> SnapshotRequest:
+        """What the backends are asked; the node agent checks the caller and names the job's
+        processes (only those that registered themselves with it, never the call's)."""
+        return SnapshotRequest(call.job_id, call.group_id, call.reason)
 
     @activity.defn(name=SNAPSHOT_ACTIVITY)
     async def snapshot(self, call: SnapshotCall) -> list[SnapshotReport]:
         # Composed backends snapshot in order and restore in reverse.
         with span("timeslice.snapshot", _attributes(call)) as current, _heartbeating():
-            backends = self._resolve(call)
+            backends, request = self._resolve(call)
             if self._homes is not None:
                 reports = await _checked(self._homes.evict_for(call.backends, call.group_id))
             else:
-                reports = [await _run(b.snapshot, call) for b in backends]
+                reports = [await _checked(b.snapshot(request)) for b in backends]
             _record(current, "snapshot", reports)
         activity.logger.info("evicted %s: %s", call.job_id, _summary(reports))
         return reports
@@ -62,11 +72,11 @@ class SnapshotActivities:
     @activity.defn(name=RESTORE_ACTIVITY)
     async def restore(self, call: SnapshotCall) -> list[SnapshotReport]:
         with span("timeslice.restore", _attributes(call)) as current, _heartbeating():
-            backends = self._resolve(call)
+            backends, request = self._resolve(call)
             if self._homes is not None:
                 reports = await _checked(self._homes.restore_for(call.backends, call.group_id))
             else:
-                reports = [await _run(b.restore, call) for b in reversed(backends)]
+                reports = [await _checked(b.restore(request)) for b in reversed(backends)]
             _record(current, "restore", reports)
         activity.logger.info("restored %s: %s", call.job_id, _summary(reports))
         return reports
@@ -92,18 +102,9 @@ def _heartbeating() -> Iterator[None]:
         task.cancel()
 
 
-async def _checked(moving: Awaitable[list[SnapshotReport]]) -> list[SnapshotReport]:
+async def _checked(moving: Awaitable[T]) -> T:
     try:
         return await moving
-    except SnapshotError as err:  # the backend's own verdict: retrying will not change it
-        raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from err
-
-
-async def _run(
-    step: Callable[[str], Awaitable[SnapshotReport]], call: SnapshotCall
-) -> SnapshotReport:
-    try:
-        return await step(call.job_id)
     except SnapshotError as err:  # the backend's own verdict: retrying will not change it
         raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from err
 

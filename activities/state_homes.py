@@ -20,8 +20,8 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from timeslice.snapshot.base import SnapshotBackend, SnapshotError
-from timeslice.workflows.protocol import SnapshotReport
+from timeslice.protocol.group import SnapshotReport
+from timeslice.snapshot.base import SnapshotBackend, SnapshotError, SnapshotRequest
 
 log = logging.getLogger("timeslice.job")
 
@@ -95,10 +95,16 @@ class StateHomes:
                 continue
             backend = self.backends[name]
             if home is not None:  # on another group's device: take it from there first
-                report = await backend.snapshot(self.job_id)
+                report = await backend.snapshot(
+                    SnapshotRequest(self.job_id, home, f"move to {group_id}")
+                )
                 moved_out.setdefault(home, []).append(report)
                 self._home[name] = None
-            restored.append(await backend.restore(self.job_id))
+            restored.append(
+                await backend.restore(
+                    SnapshotRequest(self.job_id, group_id, f"restore for {group_id}")
+                )
+            )
             self._home[name] = group_id
         if moved_out:
             async with self._changed:
@@ -118,17 +124,19 @@ class StateHomes:
             here = [n for n in wanted if self._home.get(n) == group_id]
             self._busy.update(here)
         try:
-            return await self.move_out(here)
+            return await self.move_out(here, group_id, f"evict for {group_id}")
         finally:
             await self._done_with(set(here))
 
-    async def move_out(self, names: list[str]) -> list[SnapshotReport]:
-        """Snapshot the named states to host memory; the caller holds their use."""
+    async def move_out(self, names: list[str], group_id: str, reason: str) -> list[SnapshotReport]:
+        """Snapshot the named states off ``group_id``'s device to host memory; the caller holds
+        their use."""
         reports = []
+        request = SnapshotRequest(self.job_id, group_id, reason)
         for name in names:
             if self._home.get(name) is None:
                 continue
-            reports.append(await self.backends[name].snapshot(self.job_id))
+            reports.append(await self.backends[name].snapshot(request))
             self._home[name] = None
         return reports
 
@@ -154,7 +162,10 @@ class StateHomes:
         async def evict() -> None:
             try:
                 try:
-                    evicted, error = await self.move_out(sorted(owned)), None
+                    evicted = await self.move_out(
+                        sorted(owned), group_id, f"yield {group_id} (co-operative)"
+                    )
+                    error = None
                 except SnapshotError as err:  # the group faults us or evicts by its activity
                     log.warning("co-operative eviction of %s failed: %s", self.job_id, err)
                     evicted, error = [], str(err)

@@ -107,7 +107,7 @@ def main() -> None:
         player(args)
         return
 
-    from timeslice.server import EmbeddedServer, free_port
+    from timeslice.cli.server import EmbeddedServer, free_port
 
     sys.path.insert(0, str(REPO))
     from tests.conftest import start_worker, stop_process

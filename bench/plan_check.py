@@ -106,7 +106,7 @@ class Bench:
         self.epochs = epochs
 
     def run(self, configs: list[dict[str, Any]]) -> list[Any]:
-        from timeslice.services import start_service, stop_service
+        from timeslice.cli.services import start_service, stop_service
 
         procs = []
         try:
@@ -147,6 +147,8 @@ def main() -> None:
     if args.epochs < 2:
         raise SystemExit("--epochs must be >= 2")
 
+    from timeslice.cli.server import EmbeddedServer, free_port
+    from timeslice.cli.services import start_service, stop_service
     from timeslice.plan.cli import describe_profile, pick_overheads
     from timeslice.plan.collect import (
         completion_s,
@@ -155,8 +157,6 @@ def main() -> None:
     )
     from timeslice.plan.profile import dump_profile
     from timeslice.plan.simulator import GroupSpec, Placement, simulate
-    from timeslice.server import EmbeddedServer, free_port
-    from timeslice.services import start_service, stop_service
 
     stamp = str(int(time.time()))
     started = time.monotonic()

@@ -123,7 +123,7 @@ async def run_jobs(
     from timeslice.activities.group_requests import start_group
     from timeslice.connection import connect, connect_config
     from timeslice.jobs import parse_job_config, start_rl_job
-    from timeslice.workflows.protocol import GroupConfig
+    from timeslice.protocol.group import GroupConfig
 
     client = await connect(connect_config(address))
     for group, memory_bytes in memory.items():
@@ -156,8 +156,8 @@ def main() -> None:
     if args.jobs < 1 or args.epochs < 1:
         raise SystemExit("--jobs and --epochs must be >= 1")
 
-    from timeslice.server import EmbeddedServer, free_port
-    from timeslice.services import start_service, stop_service
+    from timeslice.cli.server import EmbeddedServer, free_port
+    from timeslice.cli.services import start_service, stop_service
 
     restore_s = args.snapshot_s if args.restore_s is None else args.restore_s
     options: dict[str, Any] = {

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from timeslice.snapshot.base import SnapshotRequest
 from timeslice.snapshot.torch_backend import TorchBackend
 
 GIB = 1024**3
@@ -68,8 +69,8 @@ def main() -> None:
     snap_s, rest_s = [], []
     for _ in range(args.rounds):
         sync(args.device)
-        snap_s.append(backend.snapshot_sync("bench").seconds)
-        rest_s.append(backend.restore_sync("bench").seconds)
+        snap_s.append(backend.snapshot_sync(SnapshotRequest("bench")).seconds)
+        rest_s.append(backend.restore_sync(SnapshotRequest("bench")).seconds)
     peak = peak_rss()  # before the swap below, which by design holds two jobs' states
     assert all(float(t[0]) == float(i) for i, t in enumerate(state)), "restore corrupted state"
 
@@ -97,20 +98,20 @@ def main() -> None:
     incoming = TorchBackend()
     for i, t in enumerate(other):
         incoming.register_tensor(f"o{i}", t)
-    incoming.snapshot_sync("other")
+    incoming.snapshot_sync(SnapshotRequest("other"))
     swap_s = []
     for _ in range(args.rounds):
         sync(args.device)
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            out = pool.submit(backend.snapshot_sync, "bench")
-            into = pool.submit(incoming.restore_sync, "other")
+            out = pool.submit(backend.snapshot_sync, SnapshotRequest("bench"))
+            into = pool.submit(incoming.restore_sync, SnapshotRequest("other"))
             out.result(), into.result()
         sync(args.device)
         swap_s.append(time.perf_counter() - started)
-        backend.restore_sync("bench")  # set up the next round: swap back, untimed
-        incoming.snapshot_sync("other")
-    incoming.restore_sync("other")
+        backend.restore_sync(SnapshotRequest("bench"))  # set up the next round: swap back, untimed
+        incoming.snapshot_sync(SnapshotRequest("other"))
+    incoming.restore_sync(SnapshotRequest("other"))
     assert all(float(t[0]) == -float(i) for i, t in enumerate(other)), "swap corrupted state"
 
     def gbps(seconds: list[float]) -> float:

@@ -271,7 +271,7 @@ class Settings:
 @dataclass
 class Soak:
     settings: Settings
-    server: Any  # timeslice.server.EmbeddedServer
+    server: Any  # timeslice.cli.server.EmbeddedServer
     procs: list[Incarnation] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     crashes: list[dict[str, Any]] = field(default_factory=list)
@@ -324,7 +324,7 @@ class Soak:
                     inc.proc.stdin.close()
 
     def start_worker(self) -> Incarnation:
-        from timeslice.services import start_service
+        from timeslice.cli.services import start_service
 
         number = self._number("worker", "control")
         proc = start_service(
@@ -337,7 +337,7 @@ class Soak:
         return inc
 
     def start_rl_process(self, job: str) -> Incarnation:
-        from timeslice.services import start_service
+        from timeslice.cli.services import start_service
 
         s = self.settings
         number = self._number("rl", job)
@@ -506,7 +506,7 @@ def start_rl_jobs(address: str, jobs: list[str], ttl: float, seed: int) -> None:
 
 def stop_rl_jobs(address: str, jobs: list[str], deadline: float) -> dict[str, Any]:
     """Signal `stop` to every job and wait for their results (RLJobResult, or the error)."""
-    from timeslice.workflows.rl_protocol import JobSignal, RLJobResult, rl_job_workflow_id
+    from timeslice.protocol.rl_job import JobSignal, RLJobResult, rl_job_workflow_id
 
     async def go(client: Any) -> dict[str, Any]:
         handles = [
@@ -863,7 +863,7 @@ def plan_faults(
 
 
 def run(args: argparse.Namespace) -> int:
-    from timeslice.server import EmbeddedServer, free_port
+    from timeslice.cli.server import EmbeddedServer, free_port
 
     out: Path = args.out
     logs = out / "logs"
@@ -986,7 +986,7 @@ def run(args: argparse.Namespace) -> int:
                                      "exit_code": inc.exit_code, "stderr_tail": ""})  # fmt: skip
         status = history.stop()
     finally:
-        from timeslice.services import stop_service
+        from timeslice.cli.services import stop_service
 
         for inc in soak.procs:
             if inc.ended_at is None:
@@ -1321,8 +1321,8 @@ def main(argv: list[str] | None = None) -> int:
         probe.unlink()
     except OSError as err:
         p.error(f"--out {args.out} is not writable: {err}")
+    from timeslice.cli.server import temporal_binary
     from timeslice.errors import TimesliceError
-    from timeslice.server import temporal_binary
 
     try:
         temporal_binary()

@@ -3,7 +3,7 @@
 from timeslice import TimeSliceOrchestratorClient
 
 The names below load on first use (PEP 562): importing a subpackage such as
-``timeslice.workflows.protocol`` — which every workflow does, inside Temporal's sandbox, on every
+``timeslice.protocol.group`` — which every workflow does, inside Temporal's sandbox, on every
 run — must not drag in the client, its Temporal worker, OpenTelemetry and the snapshot backends.
 """
 
@@ -30,12 +30,12 @@ if TYPE_CHECKING:
         AsyncTimeSliceOrchestratorClient,
         TimeSliceOrchestratorClient,
     )
-    from timeslice.workflows.protocol import GroupStatus
+    from timeslice.protocol.group import GroupStatus
 
 _EXPORTS: dict[str, str] = {
     "AcquireTimeoutError": "timeslice.errors",
     "AsyncTimeSliceOrchestratorClient": "timeslice.orchestrator",
-    "GroupStatus": "timeslice.workflows.protocol",
+    "GroupStatus": "timeslice.protocol.group",
     "InvalidArgumentError": "timeslice.errors",
     "JobFaultedError": "timeslice.errors",
     "Lease": "timeslice.lease",

@@ -18,8 +18,8 @@ from temporalio.envconfig import ClientConfig
 from temporalio.runtime import Runtime
 from timeslice.codec import PayloadEncryptionCodec
 from timeslice.errors import InvalidArgumentError, ServerUnreachableError
+from timeslice.protocol.group import CONTROL_TASK_QUEUE
 from timeslice.telemetry import client_interceptors, configure_tracing
-from timeslice.workflows.protocol import CONTROL_TASK_QUEUE
 
 DEFAULT_TARGET = "localhost:7233"
 _PROBE_TIMEOUT_S = 5.0

@@ -50,11 +50,7 @@ from timeslice.errors import (
     UnknownGroupError,
 )
 from timeslice.lease import Lease
-from timeslice.snapshot.base import SnapshotBackend
-from timeslice.snapshot.registration import AgentRegistration, RegistrationError
-from timeslice.telemetry import detached, end_span, tracer
-from timeslice.updates import send_update
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     AcquireAnswer,
     AcquireCall,
@@ -80,6 +76,10 @@ from timeslice.workflows.protocol import (
     group_workflow_id,
     lease_key_hash,
 )
+from timeslice.snapshot.base import SnapshotBackend
+from timeslice.snapshot.registration import AgentRegistration, RegistrationError
+from timeslice.telemetry import detached, end_span, tracer
+from timeslice.updates import send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 log = logging.getLogger("timeslice.client")

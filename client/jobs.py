@@ -23,8 +23,8 @@ from temporalio.common import (
 )
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from timeslice.errors import InvalidArgumentError
-from timeslice.workflows.protocol import CONTROL_TASK_QUEUE
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.group import CONTROL_TASK_QUEUE
+from timeslice.protocol.rl_job import (
     RL_JOB_WORKFLOW_TYPE,
     JobQuery,
     RLJobConfig,

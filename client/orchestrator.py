@@ -21,11 +21,7 @@ from timeslice.connection import connect_config
 from timeslice.engine import Engine, check_timeout
 from timeslice.errors import InvalidArgumentError, LeaseRevokedError
 from timeslice.lease import Lease
-from timeslice.snapshot.base import SnapshotBackend
-from timeslice.snapshot.noop import NoopBackend
-from timeslice.snapshot.processes import JOB_ENV, process_start_time
-from timeslice.snapshot.registration import AgentRegistration
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     MAX_LEASE_TTL_S,
     MAX_PRIORITY,
     MIN_LEASE_TTL_S,
@@ -40,10 +36,12 @@ from timeslice.workflows.protocol import (
     job_task_queue,
     node_task_queue,
 )
+from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
+from timeslice.snapshot.processes import JOB_ENV, process_start_time
+from timeslice.snapshot.registration import AgentRegistration
+from timeslice.snapshot.registry import BACKENDS, create, entry, node_agent_backends
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_BUILTIN_BACKENDS: dict[str, Callable[[], SnapshotBackend]] = {"noop": NoopBackend}
 
 
 def _checked(kind: str, value: object) -> str:
@@ -60,6 +58,15 @@ def _group_config(group_id: str, settings: dict[str, Any]) -> GroupConfig:
         raise InvalidArgumentError(f"invalid group settings: {err}") from None
 
 
+def _whole_process(names: list[str]) -> bool:
+    """Whether any of these node-agent backends checkpoints whole processes (then this process
+    must register itself with the agent, which acts on nothing else)."""
+    try:
+        return any(Capability.WHOLE_PROCESS in entry(name).capabilities() for name in names)
+    except SnapshotError as err:
+        raise InvalidArgumentError(f"node_backends: {err}") from None
+
+
 def _checked_node_queue(node: str) -> str:
     try:
         return node_task_queue(node)
@@ -71,12 +78,19 @@ def _backends(spec: list[str | SnapshotBackend] | None) -> dict[str, SnapshotBac
     backends: dict[str, SnapshotBackend] = {}
     for item in spec or []:
         if isinstance(item, str):
-            if item not in _BUILTIN_BACKENDS:
+            found = BACKENDS.get(item)
+            if found is None:
+                by_name = sorted(n for n, e in BACKENDS.items() if e.by_name)
                 raise InvalidArgumentError(
-                    f"unknown snapshot backend {item!r}: use one of {sorted(_BUILTIN_BACKENDS)} "
-                    "or pass a backend object"
+                    f"unknown snapshot backend {item!r}: name one of {by_name} or pass a "
+                    "backend object"
                 )
-            backend = _BUILTIN_BACKENDS[item]()
+            if not found.by_name:
+                raise InvalidArgumentError(
+                    f"snapshot backend {item!r} moves objects of yours ({found.moves}): build "
+                    f"one ({found.target}) and pass the object"
+                )
+            backend = create(item)
         elif isinstance(item, SnapshotBackend):
             backend = item
         else:
@@ -130,7 +144,7 @@ class _ClientBase:
             rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
             # The node agent checkpoints this process only once it registered itself there.
             agent=AgentRegistration(node, self.job_id)
-            if node is not None and "cuda-checkpoint" in (node_backends or ["cuda-checkpoint"])
+            if node is not None and _whole_process(node_backends or node_agent_backends())
             else None,
         )
 
@@ -145,9 +159,9 @@ class _ClientBase:
         if backends:
             queues.append(QueueTarget(task_queue=self.task_queue, backends=list(backends)))
         if node is not None:
-            on_node = list(node_backends or ["cuda-checkpoint"])
+            on_node = list(node_backends or node_agent_backends())
             processes = []
-            if "cuda-checkpoint" in on_node:
+            if _whole_process(on_node):
                 launched_for = os.environ.get(JOB_ENV)
                 if launched_for != self.job_id:
                     raise InvalidArgumentError(

@@ -42,7 +42,7 @@ from temporalio.runtime import (
     TelemetryConfig,
 )
 from timeslice.errors import TimesliceError
-from timeslice.workflows.protocol import GROUP_WORKFLOW_TYPE
+from timeslice.protocol.group import GROUP_WORKFLOW_TYPE
 
 log = logging.getLogger("timeslice.telemetry")
 

@@ -32,18 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from timeslice.cli.server import EmbeddedServer
+from timeslice.cli.services import ServiceStartError, start_service
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import describe_progress, parse_job_config, start_rl_job
-from timeslice.report import Report, collect_report, format_text, human_bytes, write_report
-from timeslice.server import EmbeddedServer
-from timeslice.services import ServiceStartError, start_service
-from timeslice.workflows.protocol import group_workflow_id
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.group import group_workflow_id
+from timeslice.protocol.rl_job import (
     JobQuery,
     RLJobProgress,
     RLJobResult,
     rl_job_workflow_id,
 )
+from timeslice.report import Report, collect_report, format_text, human_bytes, write_report
 from timeslice.workloads.grpo_toy import GrpoToyOptions
 
 STATE = Path(".timeslice")

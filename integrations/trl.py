@@ -103,9 +103,9 @@ check_trl_version(TRL_VERSION)
 import torch  # noqa: E402  (after the version gate, on purpose)
 from timeslice.lease import Lease  # noqa: E402
 from timeslice.orchestrator import TimeSliceOrchestratorClient  # noqa: E402
-from timeslice.snapshot.base import Health  # noqa: E402
+from timeslice.protocol.group import SnapshotReport  # noqa: E402
+from timeslice.snapshot.base import Capability, Health, SnapshotRequest  # noqa: E402
 from timeslice.snapshot.torch_backend import TorchBackend  # noqa: E402
-from timeslice.workflows.protocol import SnapshotReport  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState  # noqa: E402
 from transformers import TrainingArguments as _TrainingArguments  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
@@ -141,6 +141,8 @@ class _CountingBackend:
     """The torch backend, counting the moves the groups ask of it (for reports and tests)."""
 
     name = "torch"
+    # The client is told the state's size itself (state_bytes=): none is declared here.
+    capabilities: frozenset[Capability] = frozenset()
 
     def __init__(self, inner: TorchBackend) -> None:
         self.inner = inner
@@ -151,18 +153,18 @@ class _CountingBackend:
         # (the trained model is used after train()), as it would with the process gone.
         self.staying = False
 
-    async def snapshot(self, job_id: str) -> SnapshotReport:
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
         if self.staying:
             return SnapshotReport(
-                job_id=job_id, backend=self.name, mode="offload", bytes=0, seconds=0.0
+                job_id=request.job_id, backend=self.name, mode="offload", bytes=0, seconds=0.0
             )
-        report = await self.inner.snapshot(job_id)
+        report = await self.inner.snapshot(request)
         self.snapshots += 1
         self.bytes_moved += report.bytes
         return report
 
-    async def restore(self, job_id: str) -> SnapshotReport:
-        report = await self.inner.restore(job_id)
+    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        report = await self.inner.restore(request)
         self.restores += 1
         self.bytes_moved += report.bytes
         return report

@@ -4,7 +4,7 @@
     timeslice plan schema                                     the profile file's JSON schema
     timeslice plan PROFILE... --groups N [options]            the best assignments
 
-``client/cli.py`` registers the command with :func:`add_parser` and runs it with :func:`run`.
+``cli/main.py`` registers the command with :func:`add_parser` and runs it with :func:`run`.
 """
 
 from __future__ import annotations

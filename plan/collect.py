@@ -35,8 +35,8 @@ from timeslice.plan.profile import (
     Seconds,
     StateProfile,
 )
-from timeslice.workflows.protocol import GroupQuery, GroupStatus, LeaseRecord, group_workflow_id
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.group import GroupQuery, GroupStatus, LeaseRecord, group_workflow_id
+from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
     PREPARE_ACTIVITY,

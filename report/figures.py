@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from timeslice.protocol.group import GroupStatus
+from timeslice.protocol.rl_job import PhaseResult
 from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Span
-from timeslice.workflows.protocol import GroupStatus
-from timeslice.workflows.rl_protocol import PhaseResult
 
 
 @dataclass

@@ -16,22 +16,14 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.errors import InvalidArgumentError, UnknownGroupError
-from timeslice.report.figures import (
-    JobRecord,
-    build_lanes,
-    group_figures,
-    job_figures,
-    job_spans,
-)
-from timeslice.report.model import JobFigures, JobStatus, Lane, Report
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     GROUP_WORKFLOW_TYPE,
     GroupQuery,
     GroupStatus,
     check_id,
     group_workflow_id,
 )
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.rl_job import (
     REWARDS_ACTIVITY,
     RL_JOB_WORKFLOW_TYPE,
     SAMPLE_ACTIVITY,
@@ -44,6 +36,14 @@ from timeslice.workflows.rl_protocol import (
     RLJobResult,
     rl_job_workflow_id,
 )
+from timeslice.report.figures import (
+    JobRecord,
+    build_lanes,
+    group_figures,
+    job_figures,
+    job_spans,
+)
+from timeslice.report.model import JobFigures, JobStatus, Lane, Report
 
 DEFAULT_MAX_JOBS = 50
 QUERY_TIMEOUT = timedelta(seconds=15)  # a workflow no worker serves never answers

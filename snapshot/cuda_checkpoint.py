@@ -18,7 +18,8 @@ from enum import IntEnum
 from types import ModuleType
 from typing import Any, Protocol
 
-from timeslice.snapshot.base import Health, SnapshotError
+from timeslice.protocol.group import SnapshotReport
+from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
 from timeslice.snapshot.gpu_env import (
     MIN_CUDA_VERSION,
     checkpoint_blockers,
@@ -27,8 +28,7 @@ from timeslice.snapshot.gpu_env import (
     package_version,
     probe_driver,
 )
-from timeslice.snapshot.processes import PidRegistry, resident_bytes
-from timeslice.workflows.protocol import SnapshotReport
+from timeslice.snapshot.processes import ProcessMismatchError, process_start_time, resident_bytes
 
 MIN_DRIVER_VERSION = MIN_CUDA_VERSION  # CUDA 12.8, shipped with driver 570: the first with this API
 
@@ -246,18 +246,18 @@ class CudaDriverApi:
 
 
 class CudaCheckpointBackend:
+    """Checkpoints the request's processes: the node agent fills them from the processes that
+    registered themselves with it (``WHOLE_PROCESS``); each is checked again to be that very
+    process just before its state is touched."""
+
     name = "cuda-checkpoint"
+    capabilities = frozenset({Capability.WHOLE_PROCESS})
 
     def __init__(
-        self,
-        registry: PidRegistry,
-        driver: CheckpointDriver | None = None,
-        *,
-        lock_timeout_s: float = 10.0,
+        self, driver: CheckpointDriver | None = None, *, lock_timeout_s: float = 10.0
     ) -> None:
         if lock_timeout_s <= 0:
             raise ValueError(f"lock_timeout_s must be > 0, not {lock_timeout_s}")
-        self.registry = registry
         self._driver = driver
         self.lock_timeout_s = lock_timeout_s
 
@@ -283,17 +283,24 @@ class CudaCheckpointBackend:
                 f"expected {expected.name}"
             )
 
-    async def snapshot(self, job_id: str) -> SnapshotReport:
-        return await asyncio.to_thread(self._run, job_id, checkpoint=True)
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        return await asyncio.to_thread(self._run, request, checkpoint=True)
 
-    async def restore(self, job_id: str) -> SnapshotReport:
-        return await asyncio.to_thread(self._run, job_id, checkpoint=False)
+    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        return await asyncio.to_thread(self._run, request, checkpoint=False)
 
-    def _run(self, job_id: str, *, checkpoint: bool) -> SnapshotReport:
+    def _run(self, request: SnapshotRequest, *, checkpoint: bool) -> SnapshotReport:
+        job_id = request.job_id
+        if not request.processes:
+            raise ProcessMismatchError(f"job {job_id} registered no process on this node")
         started = time.perf_counter()
         moved = 0
-        for identity in self.registry.verified(job_id):
+        for identity in sorted(request.processes, key=lambda i: i.pid):
             pid = identity.pid
+            if process_start_time(pid) != identity.start_time:
+                raise ProcessMismatchError(
+                    f"PID {pid} of job {job_id} now belongs to another process; refusing"
+                )
             before = resident_bytes(pid)
             if checkpoint:
                 self._expect(pid, ProcessState.RUNNING, "lock")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
-from timeslice.snapshot.base import Health
-from timeslice.workflows.protocol import SnapshotReport
+from timeslice.protocol.group import SnapshotReport
+from timeslice.snapshot.base import Capability, Health, SnapshotRequest
 
 
 class NoopBackend:
     name = "noop"
+    capabilities: frozenset[Capability] = frozenset()
 
     def __init__(self) -> None:
         self.snapshots = 0
@@ -18,22 +19,22 @@ class NoopBackend:
     def health(self) -> Health:
         return Health(self.name, True, "nothing to move")
 
-    async def snapshot(self, job_id: str) -> SnapshotReport:
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.perf_counter()
         self.snapshots += 1
         return SnapshotReport(
-            job_id=job_id,
+            job_id=request.job_id,
             backend=self.name,
             mode="none",
             bytes=0,
             seconds=time.perf_counter() - started,
         )
 
-    async def restore(self, job_id: str) -> SnapshotReport:
+    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.perf_counter()
         self.restores += 1
         return SnapshotReport(
-            job_id=job_id,
+            job_id=request.job_id,
             backend=self.name,
             mode="none",
             bytes=0,

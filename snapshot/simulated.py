@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from timeslice.snapshot.base import Health
-from timeslice.workflows.protocol import SnapshotReport
+from timeslice.protocol.group import SnapshotReport
+from timeslice.snapshot.base import Capability, Health, SnapshotRequest
 
 
 class SimulatedBackend:
     name = "simulated"
+    capabilities = frozenset({Capability.KNOWS_SIZE})
 
     def __init__(
         self, *, nbytes: int = 0, snapshot_s: float = 0.0, restore_s: float | None = None
@@ -54,12 +55,14 @@ class SimulatedBackend:
             seconds=time.perf_counter() - started,
         )
 
-    async def snapshot(self, job_id: str) -> SnapshotReport:
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        job_id = request.job_id
         moves = job_id not in self._out
         self._out.add(job_id)
         return await self._pretend(job_id, self.snapshot_s, moves)
 
-    async def restore(self, job_id: str) -> SnapshotReport:
+    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        job_id = request.job_id
         moves = job_id in self._out
         self._out.discard(job_id)
         return await self._pretend(job_id, self.restore_s, moves)

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from timeslice.snapshot.base import Health, SnapshotError
+from timeslice.protocol.group import SnapshotReport
+from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
 from timeslice.snapshot.hugepages import advise_huge_pages
-from timeslice.workflows.protocol import SnapshotReport
 
 try:
     import torch
@@ -55,6 +55,7 @@ class TorchBackend:
     """
 
     name = "torch"
+    capabilities = frozenset({Capability.KNOWS_SIZE})
 
     def __init__(
         self,
@@ -146,13 +147,13 @@ class TorchBackend:
 
     # ------------------------------------------------------------ snapshot / restore
 
-    async def snapshot(self, job_id: str) -> SnapshotReport:
-        return await asyncio.to_thread(self.snapshot_sync, job_id)
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        return await asyncio.to_thread(self.snapshot_sync, request)
 
-    async def restore(self, job_id: str) -> SnapshotReport:
-        return await asyncio.to_thread(self.restore_sync, job_id)
+    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        return await asyncio.to_thread(self.restore_sync, request)
 
-    def snapshot_sync(self, job_id: str) -> SnapshotReport:
+    def snapshot_sync(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.perf_counter()
         with self._lock:
             entries = [e for e in self._plan() if not e.evicted]
@@ -167,14 +168,14 @@ class TorchBackend:
                 torch.cuda.empty_cache()  # hand the memory back to the driver for the next job
             freed = sum(e.nbytes for e in entries)
         return SnapshotReport(
-            job_id=job_id,
+            job_id=request.job_id,
             backend=self.name,
             mode=self.mode,
             bytes=moved if self.mode == "offload" else freed,
             seconds=time.perf_counter() - started,
         )
 
-    def restore_sync(self, job_id: str) -> SnapshotReport:
+    def restore_sync(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.perf_counter()
         with self._lock:
             entries = [e for e in self._plan() if e.evicted]
@@ -191,7 +192,7 @@ class TorchBackend:
                     if e.device.type != "cuda":
                         e.host = None  # CPU state needs no pool: give the memory back now
         return SnapshotReport(
-            job_id=job_id,
+            job_id=request.job_id,
             backend=self.name,
             mode=self.mode,
             bytes=moved if self.mode == "offload" else sum(e.nbytes for e in entries),

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from timeslice.snapshot.base import Health, SnapshotError
+from timeslice.protocol.group import SnapshotReport
+from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
 from timeslice.snapshot.gpu_env import package_version, version_tuple
-from timeslice.workflows.protocol import SnapshotReport
 
 # The vLLM releases whose sleep-mode API this backend was checked against (pyproject's `vllm`
 # extra pins the same range): `LLM.wake_up(tags=...)` arrived in 0.8.3 (vllm-project/vllm#15500);
@@ -93,6 +93,7 @@ def vllm_version_note(llm: Any) -> str:
 
 class VllmSleepBackend:
     name = "vllm"
+    capabilities: frozenset[Capability] = frozenset()
 
     def __init__(
         self,
@@ -152,11 +153,11 @@ class VllmSleepBackend:
             f"sleep level {self.level}{state}; {vllm_version_note(self.llm)}{device}",
         )
 
-    async def snapshot(self, job_id: str) -> SnapshotReport:
-        return await asyncio.to_thread(self._sleep, job_id)
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        return await asyncio.to_thread(self._sleep, request.job_id)
 
-    async def restore(self, job_id: str) -> SnapshotReport:
-        return await asyncio.to_thread(self._wake, job_id)
+    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        return await asyncio.to_thread(self._wake, request.job_id)
 
     def _sleep(self, job_id: str) -> SnapshotReport:
         started, free_before = time.perf_counter(), _device_free_bytes()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from timeslice import TimeSliceOrchestratorClient
-from timeslice.server import EmbeddedServer, free_port
-from timeslice.services import start_service
-from timeslice.services import stop_service as stop_process
+from timeslice.cli.server import EmbeddedServer, free_port
+from timeslice.cli.services import start_service
+from timeslice.cli.services import stop_service as stop_process
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 _exit_status: list[int] = []

@@ -116,7 +116,7 @@ def new_namespace(address: str, prefix: str) -> str:
     """A fresh namespace on the server at ``address``, with `timeslice setup` run in it."""
     import uuid
 
-    from timeslice.server import temporal_binary
+    from timeslice.cli.server import temporal_binary
 
     namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
     subprocess.run(

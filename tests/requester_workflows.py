@@ -46,7 +46,7 @@ class ImpostorWorkflow:
 
         from temporalio.common import RetryPolicy
         from temporalio.exceptions import ActivityError
-        from timeslice.workflows.protocol import SNAPSHOT_ACTIVITY, SnapshotCall
+        from timeslice.protocol.group import SNAPSHOT_ACTIVITY, SnapshotCall
 
         try:
             await workflow.execute_activity(
@@ -72,7 +72,7 @@ class OtherReleaseJobWorkflow:
 
         from temporalio.common import RetryPolicy
         from temporalio.exceptions import ActivityError
-        from timeslice.workflows.rl_protocol import DESCRIBE_ACTIVITY
+        from timeslice.protocol.rl_job import DESCRIBE_ACTIVITY
 
         call: dict[str, object] = {"job_id": job_id}
         if protocol is not None:

@@ -19,8 +19,8 @@ from timeslice import (
     TimeSliceOrchestratorClient,
     UnknownGroupError,
 )
-from timeslice.server import free_port
-from timeslice.workflows.protocol import CONTROL_TASK_QUEUE, GROUP_WORKFLOW_TYPE
+from timeslice.cli.server import free_port
+from timeslice.protocol.group import CONTROL_TASK_QUEUE, GROUP_WORKFLOW_TYPE
 
 
 @pytest.mark.parametrize("bad", ["", "has space", "-leading-dash", "x" * 101, "slash/no", 7])

@@ -4,6 +4,7 @@ is not what the user thinks, and figures that are true at the moment they are pr
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import Client
+from timeslice.cli.server import free_port
 from timeslice.connection import connect, connect_config
-from timeslice.server import free_port
-from timeslice.workflows.rl_protocol import rl_job_workflow_id
+from timeslice.protocol.rl_job import rl_job_workflow_id
 
 from tests.helpers import wait_for
 
@@ -160,3 +161,16 @@ def test_status_of_a_group_that_cannot_answer_is_a_clear_error(address: str) -> 
     assert result.returncode == 2, result.stdout
     assert f"group {group!r} could not answer its status" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_backends_lists_the_registry() -> None:
+    from timeslice.snapshot.registry import BACKENDS
+
+    result = timeslice("backends", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert list(rows) == list(BACKENDS)
+    assert rows["cuda-checkpoint"]["runs in"] == "node agent"
+    assert rows["cuda-checkpoint"]["capabilities"] == ["whole-process"]
+    assert rows["noop"]["client may name it"] and not rows["torch"]["client may name it"]
+    assert all(row["loads here"] == "yes" for row in rows.values())  # the dev extra has all

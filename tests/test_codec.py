@@ -20,6 +20,7 @@ from temporalio.client import Client
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 from timeslice import TimeSliceOrchestratorClient
+from timeslice.cli.services import start_service, stop_service
 from timeslice.codec import (
     ENCODING,
     KEY_ENV,
@@ -32,8 +33,7 @@ from timeslice.codec import (
     parse_keys,
 )
 from timeslice.connection import connect, connect_config, data_converter
-from timeslice.services import start_service, stop_service
-from timeslice.workflows.protocol import AcquireRequest, GroupSignal, group_workflow_id
+from timeslice.protocol.group import AcquireRequest, GroupSignal, group_workflow_id
 
 from tests.helpers import new_namespace, wait_for
 

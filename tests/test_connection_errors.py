@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from timeslice import ServerUnreachableError, TimeSliceOrchestratorClient
-from timeslice.server import free_port
+from timeslice.cli.server import free_port
 
 API_KEY = "not-a-real-key-0123456789"
 

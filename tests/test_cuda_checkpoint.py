@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 import pytest
-from timeslice.snapshot import SnapshotError
+from timeslice.snapshot import SnapshotError, SnapshotRequest
 from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend, ProcessState
 from timeslice.snapshot.processes import (
     PidRegistry,
@@ -96,46 +96,55 @@ def test_registry_refuses_reused_foreign_and_unregistered_pids(child):
         registry.verified("job-a")
 
 
+def request_for(*identities: ProcessIdentity) -> SnapshotRequest:
+    return SnapshotRequest("job", "gpus", "evict for gpus", identities)
+
+
 def test_checkpoint_and_restore_walk_the_driver_states(child):
-    registry = PidRegistry()
-    registry.register("job", ProcessIdentity.of(child.pid))
+    job = request_for(ProcessIdentity.of(child.pid))
     driver = DriverStateMachine()
-    backend = CudaCheckpointBackend(registry, driver, lock_timeout_s=2.5)
-    report = asyncio.run(backend.snapshot("job"))
+    backend = CudaCheckpointBackend(driver, lock_timeout_s=2.5)
+    report = asyncio.run(backend.snapshot(job))
     assert driver.states[child.pid] is ProcessState.CHECKPOINTED
     assert driver.lock_timeouts == [2500]
     assert report.backend == "cuda-checkpoint" and report.mode == "checkpoint"
     assert report.bytes >= 0 and report.seconds >= 0
     with pytest.raises(SnapshotError, match="CUDA state is CHECKPOINTED, expected RUNNING"):
-        asyncio.run(backend.snapshot("job"))
-    asyncio.run(backend.restore("job"))
+        asyncio.run(backend.snapshot(job))
+    asyncio.run(backend.restore(job))
     assert driver.states[child.pid] is ProcessState.RUNNING
     with pytest.raises(SnapshotError, match="CUDA state is RUNNING, expected CHECKPOINTED"):
-        asyncio.run(backend.restore("job"))
+        asyncio.run(backend.restore(job))
 
 
 def test_lock_failure_leaves_the_process_running(child):
-    registry = PidRegistry()
-    registry.register("job", ProcessIdentity.of(child.pid))
     driver = DriverStateMachine(lock_error="CUDA_ERROR_TIMEOUT")
-    backend = CudaCheckpointBackend(registry, driver)
+    backend = CudaCheckpointBackend(driver)
     with pytest.raises(SnapshotError, match="CUDA_ERROR_TIMEOUT"):
-        asyncio.run(backend.snapshot("job"))
+        asyncio.run(backend.snapshot(request_for(ProcessIdentity.of(child.pid))))
     assert driver.states[child.pid] is ProcessState.RUNNING
 
 
 def test_backend_refuses_a_pid_that_changed_hands(child):
-    registry = PidRegistry()
-    registry.register("job", ProcessIdentity(child.pid, process_start_time(child.pid) + 1))
+    """Checked again at the move, after the node agent named the process: a PID reused since
+    is refused before the driver is touched."""
+    changed = ProcessIdentity(child.pid, process_start_time(child.pid) + 1)
     driver = DriverStateMachine()
-    with pytest.raises(ProcessMismatchError):
-        asyncio.run(CudaCheckpointBackend(registry, driver).snapshot("job"))
+    with pytest.raises(ProcessMismatchError, match="now belongs to another process"):
+        asyncio.run(CudaCheckpointBackend(driver).snapshot(request_for(changed)))
     assert driver.states == {}  # the driver was never touched
+
+
+def test_backend_refuses_a_request_that_names_no_process():
+    driver = DriverStateMachine()
+    with pytest.raises(ProcessMismatchError, match="registered no process on this node"):
+        asyncio.run(CudaCheckpointBackend(driver).snapshot(request_for()))
+    assert driver.states == {}
 
 
 def test_bad_lock_timeout():
     with pytest.raises(ValueError, match="lock_timeout_s"):
-        CudaCheckpointBackend(PidRegistry(), DriverStateMachine(), lock_timeout_s=0)
+        CudaCheckpointBackend(DriverStateMachine(), lock_timeout_s=0)
 
 
 GPU_GIB = int(os.environ.get("TIMESLICE_GPU_CHECKPOINT_GIB", "1"))
@@ -161,18 +170,17 @@ def test_real_cuda_process_checkpoint_and_restore():
     )
     try:
         assert proc.stdout.readline().strip() == "ready"
-        registry = PidRegistry()
-        registry.register("gpu-job", ProcessIdentity.of(proc.pid))
-        backend = CudaCheckpointBackend(registry)
+        job = SnapshotRequest("gpu-job", processes=(ProcessIdentity.of(proc.pid),))
+        backend = CudaCheckpointBackend()
         health = backend.health()
         print(f"cuda-checkpoint health: {health.detail}")
         assert health.ok, health.detail
         free_before = torch.cuda.mem_get_info()[0]
-        snap = asyncio.run(backend.snapshot("gpu-job"))
+        snap = asyncio.run(backend.snapshot(job))
         freed = torch.cuda.mem_get_info()[0] - free_before
         assert freed >= GPU_GIB * 1024**3, f"only {freed} bytes of device memory were freed"
         assert snap.bytes >= GPU_GIB * 1024**3 * 0.9
-        restore = asyncio.run(backend.restore("gpu-job"))
+        restore = asyncio.run(backend.restore(job))
         print(
             f"cuda-checkpoint of {GPU_GIB} GiB: checkpoint {snap.seconds:.2f} s, "
             f"restore {restore.seconds:.2f} s"

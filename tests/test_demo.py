@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from timeslice.server import free_port
+from timeslice.cli.server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

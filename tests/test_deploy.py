@@ -25,10 +25,10 @@ import kubernetes_validate
 import pytest
 import yaml
 from temporalio.envconfig import ClientConfig
-from timeslice.cli import _parser
+from timeslice.cli.main import _parser
 from timeslice.connection import connect_config
 from timeslice.jobs import parse_job_config
-from timeslice.workflows.protocol import job_task_queue, node_task_queue
+from timeslice.protocol.group import job_task_queue, node_task_queue
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from timeslice.server import EmbeddedServer, temporal_binary
-from timeslice.services import stop_service
-from timeslice.workflows.protocol import SEARCH_ATTRIBUTES
+from timeslice.cli.server import EmbeddedServer, temporal_binary
+from timeslice.cli.services import stop_service
+from timeslice.protocol.group import SEARCH_ATTRIBUTES
 
 from tests.helpers import wait_for
 

@@ -9,7 +9,7 @@ from temporalio.api.enums.v1 import WorkflowTaskFailedCause
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import TimeSliceOrchestratorClient
-from timeslice.workflows.protocol import group_workflow_id
+from timeslice.protocol.group import group_workflow_id
 
 from .conftest import start_server, start_worker, stop_process
 from .helpers import (

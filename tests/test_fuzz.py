@@ -48,8 +48,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RetryConfig, RPCError
-from timeslice.workers.control import TolerantPayloadConverter
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     GRANT_SIGNAL,
     GROUP_WORKFLOW_TYPE,
@@ -84,7 +83,7 @@ from timeslice.workflows.protocol import (
     lease_key_hash,
     parse_message,
 )
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.rl_job import (
     RL_JOB_WORKFLOW_TYPE,
     CheckpointRef,
     EpochRecord,
@@ -93,6 +92,7 @@ from timeslice.workflows.rl_protocol import (
     RLJobState,
     rl_job_workflow_id,
 )
+from timeslice.workers.control import TolerantPayloadConverter
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 from .helpers import wait_for
@@ -363,6 +363,11 @@ def make_case(rng: random.Random, valid: dict[str, Any]) -> Case:
     return Case(channel, [value], payloads)
 
 
+# How the server words its refusal of an update that the worker's task completion left
+# unanswered.
+_UNPROCESSED = "wasn't processed by worker"
+
+
 @dataclass
 class Tally:
     """What was sent, and what must hold afterwards."""
@@ -371,6 +376,7 @@ class Tally:
     sent: int = 0
     refused_updates: int = 0
     accepted_updates: int = 0
+    resent_unprocessed: int = 0
     problems: list[str] = field(default_factory=list)
     # workflow id -> the error type its start input must fail with, or None if it must run
     starts: dict[str, str | None] = field(default_factory=dict)
@@ -412,7 +418,7 @@ class Sender:
         handle = self.client(case).get_workflow_handle(workflow_id)
         valid = model is not None and case.valid_as(model)
 
-        async def send() -> None:
+        async def send(attempt: int = 1) -> None:
             try:
                 update = await handle.start_update(
                     name, args=case.args, wait_for_stage=WorkflowUpdateStage.ACCEPTED
@@ -427,8 +433,14 @@ class Sender:
                         f"update {name} accepted a malformed {case.args!r:.200}"
                     )
             except WorkflowUpdateFailedError as err:
-                self.tally.refused_updates += 1
                 cause = err.cause
+                if attempt == 1 and _UNPROCESSED in str(cause):
+                    # The server's own refusal of an update no worker answered (seen once in
+                    # about 20 runs, cause not established): a client sends it again, and the
+                    # second answer must say why as any other.
+                    self.tally.resent_unprocessed += 1
+                    return await send(attempt=2)
+                self.tally.refused_updates += 1
                 if not valid and not (
                     isinstance(cause, ApplicationError)
                     and (cause.type == "MalformedMessage" or name not in _UPDATE_MODELS)
@@ -760,7 +772,8 @@ def test_no_input_fails_a_workflow_task(address, group, make_client):
         print(
             f"fuzz: {tally.sent} messages in {sent - began:.1f} s, checked in "
             f"{time.monotonic() - sent:.1f} s; {tally.malformed_signals} malformed signals, "
-            f"{tally.refused_updates} updates refused, {tally.accepted_updates} accepted, "
+            f"{tally.refused_updates} updates refused, {tally.accepted_updates} accepted "
+            f"({tally.resent_unprocessed} sent again after the server's UnprocessedUpdate), "
             f"{len(tally.starts)} workflows started"
         )
     finally:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import Client
-from timeslice.services import stop_service
+from timeslice.cli.services import stop_service
+from timeslice.snapshot.base import SnapshotRequest
 from timeslice.snapshot.cuda_checkpoint import (
     DRIVER_CALLS,
     DRIVER_STRUCT_FIELDS,
@@ -33,7 +34,7 @@ from timeslice.snapshot.cuda_checkpoint import (
     call_shape_drift,
 )
 from timeslice.snapshot.gpu_env import probe_driver
-from timeslice.snapshot.processes import PidRegistry, ProcessIdentity
+from timeslice.snapshot.processes import ProcessIdentity
 from timeslice.snapshot.simulated import SimulatedBackend
 from timeslice.workers.node_agent import build_node_agent
 
@@ -82,7 +83,6 @@ HEALTH_WITHOUT_GPU = """
     from timeslice.snapshot import NoopBackend, SimulatedBackend
     from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend
     from timeslice.snapshot.gpu_env import stack_report
-    from timeslice.snapshot.processes import PidRegistry
     from timeslice.snapshot.vllm_backend import VllmSleepBackend
 
     class Engine:
@@ -91,7 +91,7 @@ HEALTH_WITHOUT_GPU = """
 
     out = {"importable": [m for m in ("cuda", "torch", "vllm") if importlib.util.find_spec(m)]}
     for backend in (
-        CudaCheckpointBackend(PidRegistry()),
+        CudaCheckpointBackend(),
         VllmSleepBackend(Engine()),
         NoopBackend(),
         SimulatedBackend(nbytes=1),
@@ -229,14 +229,13 @@ def test_real_bindings_without_a_driver_are_unavailable_not_an_exception(child):
     bindings = importlib.metadata.version("cuda-bindings")
     assert f"install the NVIDIA driver 570 or newer (cuda-bindings {bindings} is ready)" in message
 
-    registry = PidRegistry()
-    registry.register("job", ProcessIdentity.of(child.pid))
-    backend = CudaCheckpointBackend(registry)
+    backend = CudaCheckpointBackend()
     health = backend.health()
     assert not health.ok and health.detail == message
     # A switch that reaches the backend anyway fails as a typed, non-retryable SnapshotError.
+    job = SnapshotRequest("job", processes=(ProcessIdentity.of(child.pid),))
     with pytest.raises(CudaCheckpointUnavailable, match="cuInit raised"):
-        asyncio.run(backend.snapshot("job"))
+        asyncio.run(backend.snapshot(job))
     assert child.poll() is None
 
 

@@ -18,8 +18,7 @@ from timeslice import (
     InvalidArgumentError,
     TimeSliceOrchestratorClient,
 )
-from timeslice.snapshot import NoopBackend, SimulatedBackend
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     GROUP_WORKFLOW_TYPE,
     AcquireRequest,
@@ -32,6 +31,7 @@ from timeslice.workflows.protocol import (
     group_workflow_id,
     lease_key_hash,
 )
+from timeslice.snapshot import NoopBackend, SimulatedBackend
 
 from .helpers import (
     assert_no_overlap,

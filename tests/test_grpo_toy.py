@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from timeslice.snapshot.base import SnapshotRequest  # noqa: E402
 from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped  # noqa: E402
 from timeslice.workloads.grpo_toy import GrpoToyWorkload, create  # noqa: E402
 
@@ -94,14 +95,14 @@ def test_bit_identical_across_snapshots_revokes_and_a_checkpoint(tmp_path: Path)
     def hold(group: str) -> None:
         """The other group's state goes off the device, as when another job holds it."""
         other = "trainer" if group == "sampler" else "sampler"
-        backends[other].snapshot_sync(s.job_id)
-        backends[group].restore_sync(s.job_id)
+        backends[other].snapshot_sync(SnapshotRequest(s.job_id))
+        backends[group].restore_sync(SnapshotRequest(s.job_id))
 
     def cycle() -> None:
         for b in backends.values():
-            b.snapshot_sync(s.job_id)
+            b.snapshot_sync(SnapshotRequest(s.job_id))
         for b in backends.values():
-            b.restore_sync(s.job_id)
+            b.restore_sync(SnapshotRequest(s.job_id))
 
     def phase(run: Callable[[PhaseContext], dict[str, float]], e: int, name: str, stop: int):
         # First attempt revoked part-way, then run again from the top.
@@ -116,7 +117,7 @@ def test_bit_identical_across_snapshots_revokes_and_a_checkpoint(tmp_path: Path)
         hold("sampler")
         sampled = phase(lambda c, e=e, w=w: w.sample(e, c), e, "sample", stop=2)
         for b in backends.values():
-            b.snapshot_sync(s.job_id)  # rewards need no device state at all
+            b.snapshot_sync(SnapshotRequest(s.job_id))  # rewards need no device state at all
         rewards = w.compute_rewards(e, ctx(e, "rewards"))
         hold("trainer")
         trained = phase(lambda c, e=e, w=w: w.train(e, c), e, "train", stop=2)
@@ -124,7 +125,7 @@ def test_bit_identical_across_snapshots_revokes_and_a_checkpoint(tmp_path: Path)
         metrics_b.append({"sample": sampled, "rewards": rewards, "train": trained})
         if e == 2:
             w.save(tmp_path / "ckpt")
-            backends["sampler"].restore_sync(s.job_id)
+            backends["sampler"].restore_sync(SnapshotRequest(s.job_id))
             w = make(s)  # a fresh process state: setup, then load
             w.load(tmp_path / "ckpt")
             backends = w.snapshot_backends()
@@ -151,25 +152,25 @@ def test_snapshot_frees_storage_and_reports_registered_bytes() -> None:
     param = w.policy.head.weight
     before = param.detach().clone()
     moment = w.optimizer.state[param]["exp_avg"]
-    report = trainer.snapshot_sync("job")
+    report = trainer.snapshot_sync(SnapshotRequest("job"))
     assert report.bytes == trainer.registered_bytes > 0
     assert param.untyped_storage().nbytes() == 0
     assert moment.untyped_storage().nbytes() == 0
     assert w.sampler.head.weight.untyped_storage().nbytes() > 0  # the other group stays put
-    assert trainer.restore_sync("job").bytes == trainer.registered_bytes
+    assert trainer.restore_sync(SnapshotRequest("job")).bytes == trainer.registered_bytes
     assert torch.equal(param, before)
 
     # Each phase runs with the other group evicted: it never touches the other's tensors.
     w.sample(1, ctx(1, "sample"))
     w.compute_rewards(1, ctx(1, "rewards"))
-    report = sampler.snapshot_sync("job")
+    report = sampler.snapshot_sync(SnapshotRequest("job"))
     assert report.bytes == sampler.registered_bytes
     assert w.sampler.head.weight.untyped_storage().nbytes() == 0
     w.train(1, ctx(1, "train"))
-    trainer.snapshot_sync("job")
-    sampler.restore_sync("job")
+    trainer.snapshot_sync(SnapshotRequest("job"))
+    sampler.restore_sync(SnapshotRequest("job"))
     w.sample(2, ctx(2, "sample"))
-    trainer.restore_sync("job")
+    trainer.restore_sync(SnapshotRequest("job"))
 
 
 def test_phase_order_is_enforced() -> None:

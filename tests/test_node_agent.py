@@ -21,10 +21,7 @@ from timeslice import (
     TimesliceError,
     TimeSliceOrchestratorClient,
 )
-from timeslice.snapshot.processes import JOB_ENV, process_start_time
-from timeslice.snapshot.registration import socket_path
-from timeslice.workers.sandbox import workflow_runner
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     AcquireRequest,
     ProcessRef,
     QueueTarget,
@@ -32,6 +29,10 @@ from timeslice.workflows.protocol import (
     group_workflow_id,
     lease_key_hash,
 )
+from timeslice.snapshot.base import SnapshotRequest
+from timeslice.snapshot.processes import JOB_ENV, process_start_time
+from timeslice.snapshot.registration import socket_path
+from timeslice.workers.sandbox import workflow_runner
 
 from .conftest import start_service, stop_process
 from .helpers import events, finish, read_log, spawn_contender, wait_for
@@ -226,10 +227,9 @@ def test_standalone_needs_a_backend_and_reports_failures(address, node, make_cli
 def test_backends_report_their_health():
     from timeslice.snapshot import NoopBackend, SimulatedBackend
     from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend
-    from timeslice.snapshot.processes import PidRegistry
 
     assert NoopBackend().health().ok and SimulatedBackend(nbytes=5).health().ok
-    ckpt = CudaCheckpointBackend(PidRegistry()).health()
+    ckpt = CudaCheckpointBackend().health()
     if importlib.util.find_spec("cuda") is None:  # no cuda-python here: a clear "why not"
         assert not ckpt.ok and "cuda-bindings" in ckpt.detail
     torch = pytest.importorskip("torch")
@@ -238,7 +238,7 @@ def test_backends_report_their_health():
     backend = TorchBackend()
     assert not backend.health().ok  # nothing registered yet
     backend.register_tensor("w", torch.ones(4))
-    backend.snapshot_sync("job")
+    backend.snapshot_sync(SnapshotRequest("job"))
     health = backend.health()
     assert health.ok and "16 bytes" in health.detail and "evicted" in health.detail
 

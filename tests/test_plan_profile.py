@@ -24,8 +24,8 @@ from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.plan.collect import completion_s, opens_for_simulation, start_for_simulation
 from timeslice.plan.profile import dump_profile, load_profile
 from timeslice.plan.simulator import GroupSpec, Placement, simulate
-from timeslice.workflows.protocol import GroupConfig
-from timeslice.workflows.rl_protocol import RLJobResult
+from timeslice.protocol.group import GroupConfig
+from timeslice.protocol.rl_job import RLJobResult
 
 from tests.conftest import start_service, stop_process
 

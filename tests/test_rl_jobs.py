@@ -23,24 +23,24 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import start_group
+from timeslice.cli.server import temporal_binary
 from timeslice.connection import connect, connect_config
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_job_config, start_rl_job
-from timeslice.server import temporal_binary
-from timeslice.workers.sandbox import workflow_runner
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     GroupConfig,
     GroupStatus,
     HolderView,
     group_workflow_id,
     job_task_queue,
 )
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.rl_job import (
     JOB_PROTOCOL_VERSION,
     RLJobProgress,
     RLJobResult,
     rl_job_workflow_id,
 )
+from timeslice.workers.sandbox import workflow_runner
 
 from tests.conftest import start_service, stop_process
 from tests.helpers import Interval, assert_no_overlap, wait_for

@@ -34,11 +34,12 @@ def test_only_workflow_modules_load_in_the_sandbox(address):
     loaded = _loaded_in_sandbox(address)
     # Importing a workflow module must not drag the client, its worker, telemetry or the
     # snapshot backends into every workflow run (the root package loads lazily).
-    allowed = {"timeslice", "timeslice.workflows"}
+    allowed = {"timeslice", "timeslice.workflows", "timeslice.protocol"}
     outside = sorted(
         name
         for name in loaded
-        if name not in allowed and not name.startswith("timeslice.workflows.")
+        if name not in allowed
+        and not name.startswith(("timeslice.workflows.", "timeslice.protocol."))
     )
     assert outside == [], f"non-workflow modules loaded in the sandbox: {outside}"
     assert "timeslice.workflows.gpu_group" in loaded and "timeslice.workflows.rl_job" in loaded

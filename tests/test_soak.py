@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 from timeslice import Lease, TimeSliceOrchestratorClient
-from timeslice.workflows.protocol import GroupUpdate, group_workflow_id
+from timeslice.protocol.group import GroupUpdate, group_workflow_id
 
 from tests.conftest import start_server, start_worker, stop_process
 from tests.helpers import REPO, wait_for

@@ -26,14 +26,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
+from timeslice.cli.server import EmbeddedServer, free_port
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
-from timeslice.server import EmbeddedServer, free_port
-from timeslice.snapshot.simulated import SimulatedBackend
-from timeslice.telemetry import otlp_tracing_requested, start_metrics_endpoint
-from timeslice.workers.control import build_control_worker
-from timeslice.workers.job import build_job_runtime, build_job_worker
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     GROUP_WORKFLOW_TYPE,
     REQUEST_GROUP_ACTIVITY,
     SNAPSHOT_ACTIVITY,
@@ -43,7 +39,11 @@ from timeslice.workflows.protocol import (
     RenewResult,
     group_workflow_id,
 )
-from timeslice.workflows.rl_protocol import SAMPLE_ACTIVITY
+from timeslice.protocol.rl_job import SAMPLE_ACTIVITY
+from timeslice.snapshot.simulated import SimulatedBackend
+from timeslice.telemetry import otlp_tracing_requested, start_metrics_endpoint
+from timeslice.workers.control import build_control_worker
+from timeslice.workers.job import build_job_runtime, build_job_worker
 
 from tests.conftest import start_server, start_service, stop_process
 from tests.helpers import events, spawn_contender, wait_for

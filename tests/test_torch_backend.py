@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from timeslice.snapshot import SnapshotError  # noqa: E402
+from timeslice.snapshot.base import SnapshotRequest  # noqa: E402
 from timeslice.snapshot.torch_backend import TorchBackend  # noqa: E402
 
 
@@ -71,12 +72,12 @@ def test_snapshot_frees_and_restore_is_bit_identical_in_place():
     moment_ids = [id(s["exp_avg"]) for s in opt.state.values()]
     expected = backend.registered_bytes
 
-    report = asyncio.run(backend.snapshot("job"))
+    report = asyncio.run(backend.snapshot(SnapshotRequest("job")))
     assert report.bytes == expected and report.mode == "offload" and report.backend == "torch"
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     assert all(s["exp_avg"].untyped_storage().nbytes() == 0 for s in opt.state.values())
 
-    restored = asyncio.run(backend.restore("job"))
+    restored = asyncio.run(backend.restore(SnapshotRequest("job")))
     assert restored.bytes == expected
     assert [id(p) for p in model.parameters()] == param_ids
     assert [id(s["exp_avg"]) for s in opt.state.values()] == moment_ids
@@ -94,8 +95,8 @@ def test_training_continues_exactly_as_an_uninterrupted_run():
     backend.register_module("policy", sliced)
     backend.register_optimizer("adam", sliced_opt)
     for step in range(10):
-        backend.snapshot_sync("job")
-        backend.restore_sync("job")
+        backend.snapshot_sync(SnapshotRequest("job"))
+        backend.restore_sync(SnapshotRequest("job"))
         train_steps(steady, steady_opt, 1, seed=100 + step)
         train_steps(sliced, sliced_opt, 1, seed=100 + step)
     for a, b in zip(state_of(steady, steady_opt), state_of(sliced, sliced_opt), strict=True):
@@ -119,13 +120,13 @@ def test_selective_snapshot_moves_only_named_tensors():
     lora_bytes = sum(t.numel() * t.element_size() for t in (model.lora_A, model.lora_B))
     body_before = model.body[0].weight.detach().clone()
     lora_before = model.lora_A.detach().clone()
-    report = backend.snapshot_sync("job")
+    report = backend.snapshot_sync(SnapshotRequest("job"))
     assert sorted(backend.selected_names()) == ["policy.lora_A", "policy.lora_B"]
     assert report.bytes == lora_bytes
     assert model.lora_A.untyped_storage().nbytes() == 0
     assert model.body[0].weight.untyped_storage().nbytes() > 0
     assert torch.equal(model.body[0].weight, body_before)
-    backend.restore_sync("job")
+    backend.restore_sync(SnapshotRequest("job"))
     assert torch.equal(model.lora_A, lora_before)
 
 
@@ -147,11 +148,11 @@ def test_discard_mode_releases_memory_without_copying():
     backend.register_tensor("weights", big)
     gc.collect()
     before = rss_bytes()
-    report = backend.snapshot_sync("job")
+    report = backend.snapshot_sync(SnapshotRequest("job"))
     freed = before - rss_bytes()
     assert report.mode == "discard" and report.bytes == size
     assert freed >= 0.9 * size, f"only {freed} bytes of RSS were released"
-    backend.restore_sync("job")
+    backend.restore_sync(SnapshotRequest("job"))
     assert big.shape == (size // 4,) and big.untyped_storage().nbytes() == size
 
 
@@ -162,13 +163,13 @@ def test_hundred_cycles_leak_no_memory():
         backend.register_tensor(f"w{i}", w)
     reference = [w.clone() for w in weights]
     for _ in range(5):  # warm-up: the host pool is allocated once
-        backend.snapshot_sync("job")
-        backend.restore_sync("job")
+        backend.snapshot_sync(SnapshotRequest("job"))
+        backend.restore_sync(SnapshotRequest("job"))
     gc.collect()
     baseline = rss_bytes()
     for _ in range(100):
-        backend.snapshot_sync("job")
-        backend.restore_sync("job")
+        backend.snapshot_sync(SnapshotRequest("job"))
+        backend.restore_sync(SnapshotRequest("job"))
     gc.collect()
     growth = (rss_bytes() - baseline) / baseline
     assert growth < 0.05, f"RSS grew by {growth:.1%} over 100 cycles"
@@ -182,6 +183,6 @@ def test_registration_errors():
     with pytest.raises(ValueError, match="mode must be"):
         TorchBackend(mode="swap")
     backend.register_tensor("x", torch.ones(4))
-    backend.snapshot_sync("job")
+    backend.snapshot_sync(SnapshotRequest("job"))
     with pytest.raises(SnapshotError, match="while the state is evicted"):
         backend.register_tensor("y", torch.ones(4))

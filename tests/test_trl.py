@@ -33,6 +33,7 @@ from timeslice.integrations.trl import (  # noqa: E402
     check_trl_version,
     time_slice,
 )
+from timeslice.snapshot.base import SnapshotRequest  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "trl_grpo.py"
 #: Optimizer steps per job: 12 generations of 16 prompts x 8 completions, 4 steps each.
@@ -291,11 +292,11 @@ def test_lora_only_moves_the_adapters_and_optimizer_state(
     assert not any(n.removeprefix("policy.") in base for n in selected)
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    report = slicing.backend.snapshot_sync("lora-test")
+    report = slicing.backend.snapshot_sync(SnapshotRequest("lora-test"))
     assert all(storage_bytes(p) == 0 for p in lora.values())
     assert all(storage_bytes(p) > 0 for p in base.values())
     assert report.bytes == slicing.backend.registered_bytes > 0
-    slicing.backend.restore_sync("lora-test")
+    slicing.backend.restore_sync(SnapshotRequest("lora-test"))
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), before[name]), name
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from timeslice.snapshot import SnapshotError
+from timeslice.snapshot.base import SnapshotRequest
 from timeslice.snapshot.gpu_env import package_version
 from timeslice.snapshot.vllm_backend import (
     SLEEP_KEYWORDS,
@@ -51,8 +52,8 @@ class OldEngine(Engine):
 def test_level_one_offloads_and_wakes():
     engine = Engine()
     backend = VllmSleepBackend(engine)
-    snap = asyncio.run(backend.snapshot("sampler"))
-    wake = asyncio.run(backend.restore("sampler"))
+    snap = asyncio.run(backend.snapshot(SnapshotRequest("sampler")))
+    wake = asyncio.run(backend.restore(SnapshotRequest("sampler")))
     assert engine.calls == [("sleep", 1), ("wake_up", None)]
     assert (snap.backend, snap.mode, wake.mode) == ("vllm", "sleep-1", "wake-up")
 
@@ -64,8 +65,8 @@ def test_level_two_wakes_weights_reprovisions_then_wakes_the_kv_cache():
         llm.calls.append(("reprovision", llm is engine))
 
     backend = VllmSleepBackend(engine, level=2, wake_tags=["weights"], reprovision=reprovision)
-    asyncio.run(backend.snapshot("sampler"))
-    asyncio.run(backend.restore("sampler"))
+    asyncio.run(backend.snapshot(SnapshotRequest("sampler")))
+    asyncio.run(backend.restore(SnapshotRequest("sampler")))
     assert engine.calls == [
         ("sleep", 2),
         ("wake_up", ["weights"]),
@@ -77,8 +78,8 @@ def test_level_two_wakes_weights_reprovisions_then_wakes_the_kv_cache():
 def test_a_staged_wake_up_ends_with_every_tag_awake():
     engine = Engine()
     backend = VllmSleepBackend(engine, wake_tags=["kv_cache", "weights"])
-    asyncio.run(backend.snapshot("sampler"))
-    asyncio.run(backend.restore("sampler"))
+    asyncio.run(backend.snapshot(SnapshotRequest("sampler")))
+    asyncio.run(backend.restore(SnapshotRequest("sampler")))
     assert engine.calls == [("sleep", 1), ("wake_up", ["kv_cache", "weights"])]
 
 
@@ -171,9 +172,9 @@ def test_real_vllm_sleep_frees_device_memory(tmp_path):
     # generate, which it cannot with a tag still asleep.
     backend = VllmSleepBackend(llm, wake_tags=["weights"])
     print(f"vllm health: {backend.health().detail}")
-    snap = asyncio.run(backend.snapshot("sampler"))
+    snap = asyncio.run(backend.snapshot(SnapshotRequest("sampler")))
     assert snap.bytes > 0
-    wake = asyncio.run(backend.restore("sampler"))
+    wake = asyncio.run(backend.restore(SnapshotRequest("sampler")))
     assert wake.bytes > 0
     print(
         f"vllm sleep level 1: released {snap.bytes / 2**30:.2f} GiB in {snap.seconds:.2f} s; "

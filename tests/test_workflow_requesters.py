@@ -9,8 +9,8 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import draw_secret, request_group
+from timeslice.protocol.group import LeaseOutcome
 from timeslice.workers.sandbox import workflow_runner
-from timeslice.workflows.protocol import LeaseOutcome
 
 from .helpers import Interval, assert_no_overlap
 from .requester_workflows import LeaseTakingWorkflow

@@ -21,14 +21,14 @@ from temporalio.worker import Worker
 from timeslice.activities.group_requests import draw_secret, request_group
 from timeslice.connection import control_workers_polling
 from timeslice.errors import TimesliceError
-from timeslice.workers.sandbox import workflow_runner
-from timeslice.workflows.gpu_group import GpuGroupWorkflow
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     SEARCH_ATTRIBUTES,
     Undecodable,
     explain_validation_error,
 )
+from timeslice.workers.sandbox import workflow_runner
+from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.rl_job import RLJobWorkflow
 from timeslice.workflows.snapshot_job import SnapshotJobWorkflow
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.activities.job_runtime import JobRuntime
-from timeslice.workflows.protocol import job_task_queue
+from timeslice.protocol.group import job_task_queue
 from timeslice.workloads.registry import load_workload
 
 DEFAULT_CHECKPOINT_DIR = Path(".timeslice/checkpoints")

@@ -10,16 +10,23 @@ names). A request cannot point it at any other process: the PIDs in a request ar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.activities.snapshots import SnapshotActivities
-from timeslice.snapshot.base import Health, SnapshotBackend, SnapshotError
-from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend
+from timeslice.protocol.group import GROUP_WORKFLOW_TYPE, SnapshotCall, node_task_queue
+from timeslice.snapshot.base import (
+    Capability,
+    Health,
+    SnapshotBackend,
+    SnapshotError,
+    SnapshotRequest,
+)
 from timeslice.snapshot.processes import PidRegistry
 from timeslice.snapshot.registration import RegistrationServer
-from timeslice.workflows.protocol import GROUP_WORKFLOW_TYPE, SnapshotCall, node_task_queue
+from timeslice.snapshot.registry import create, node_agent_backends
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 # Who may ask: the workflows that decide switches (a group) or standalone moves.
@@ -31,13 +38,18 @@ class NodeSnapshotActivities(SnapshotActivities):
         super().__init__(backends)
         self.registry = registry
 
-    def prepare(self, call: SnapshotCall) -> None:
+    def request_for(self, call: SnapshotCall, backends: list[SnapshotBackend]) -> SnapshotRequest:
         caller = activity.info().workflow_type
         if caller not in TRUSTED_CALLERS:
             raise SnapshotError(
                 f"the node agent acts only for {sorted(TRUSTED_CALLERS)} workflows, not for "
                 f"{caller or 'a caller outside any workflow'}; refusing {call.job_id}'s request"
             )
+        whole = any(Capability.WHOLE_PROCESS in b.capabilities for b in backends)
+        # The job's registered processes, each checked to be the very process that registered;
+        # the PIDs in the call are never used.
+        processes = tuple(self.registry.verified(call.job_id)) if whole else ()
+        return SnapshotRequest(call.job_id, call.group_id, call.reason, processes)
 
 
 @dataclass
@@ -64,12 +76,20 @@ def build_node_agent(
     node: str,
     *,
     extra_backends: list[SnapshotBackend] | None = None,
-    lock_timeout_s: float = 10.0,
+    backend_options: dict[str, dict[str, Any]] | None = None,
 ) -> NodeAgent:
+    """The agent with the registry's node-agent backends (each built with its
+    ``backend_options`` entry, e.g. ``{"cuda-checkpoint": {"lock_timeout_s": 5.0}}``) and
+    ``extra_backends``."""
     registry = PidRegistry()
-    backends: dict[str, SnapshotBackend] = {
-        "cuda-checkpoint": CudaCheckpointBackend(registry, lock_timeout_s=lock_timeout_s)
-    }
+    options = backend_options or {}
+    unknown = sorted(set(options) - set(node_agent_backends()))
+    if unknown:
+        raise SnapshotError(
+            f"options for {unknown}, which the node agent does not run "
+            f"(it runs {node_agent_backends()})"
+        )
+    backends = {name: create(name, **options.get(name, {})) for name in node_agent_backends()}
     for backend in extra_backends or []:
         backends[backend.name] = backend
     activities = NodeSnapshotActivities(backends, registry)

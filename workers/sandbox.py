@@ -15,8 +15,8 @@ PASSED_THROUGH = (
     "pydantic",
     "pydantic_core",
     "annotated_types",
-    "timeslice.workflows.protocol",
-    "timeslice.workflows.rl_protocol",
+    "timeslice.protocol.group",
+    "timeslice.protocol.rl_job",
     "timeslice.workflows.group_book",
 )
 

@@ -28,8 +28,7 @@ from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
-from timeslice.workflows.group_book import GroupBook, SwitchPlan
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     DELIVER_GRANT_ACTIVITY,
     GRANT_SIGNAL,
     GROUP_WORKFLOW_TYPE,
@@ -65,6 +64,7 @@ from timeslice.workflows.protocol import (
     SwitchRecord,
     parse_message,
 )
+from timeslice.workflows.group_book import GroupBook, SwitchPlan
 from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
 
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     MAX_QUEUE_BYTES,
     MAX_WAITERS,
     AcquireRequest,

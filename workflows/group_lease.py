@@ -17,7 +17,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     DRAW_SECRET_ACTIVITY,
     GRANT_SIGNAL,
     REQUEST_GROUP_ACTIVITY,

@@ -23,8 +23,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from temporalio.workflow import ActivityCancellationType
-from timeslice.workflows.group_lease import GroupLeases
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     CancelRequest,
     GrantNotice,
     GroupSignal,
@@ -37,7 +36,7 @@ from timeslice.workflows.protocol import (
     job_task_queue,
     parse_message,
 )
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
     JOB_PROTOCOL_VERSION,
@@ -68,6 +67,7 @@ from timeslice.workflows.rl_protocol import (
     protocol_mismatch,
     rl_job_workflow_id,
 )
+from timeslice.workflows.group_lease import GroupLeases
 
 JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
 PHASE_KEY = SearchAttributeKey.for_keyword("TimeslicePhase")

@@ -13,7 +13,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 from temporalio.exceptions import TimeoutType
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     SNAPSHOT_ACTIVITY,
     SnapshotCall,
     SnapshotReport,

@@ -10,7 +10,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     RESTORE_ACTIVITY,
     SNAPSHOT_ACTIVITY,
     MalformedMessage,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from timeslice.snapshot.base import SnapshotBackend
+from timeslice.snapshot.base import SnapshotBackend, registered_bytes
 
 
 class PhaseStopped(RuntimeError):
@@ -128,5 +128,5 @@ class Workload(ABC):
 
     def state_bytes(self) -> int | None:
         """Device bytes the job's state occupies (lets a group overlap switches); None: unknown."""
-        sizes = [getattr(b, "registered_bytes", None) for b in self.snapshot_backends().values()]
+        sizes = [registered_bytes(b) for b in self.snapshot_backends().values()]
         return None if None in sizes else sum(s for s in sizes if s is not None)

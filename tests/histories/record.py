@@ -25,9 +25,7 @@ from typing import TypeVar
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import AcquireTimeoutError, TimeSliceOrchestratorClient
-from timeslice.server import EmbeddedServer, free_port
-from timeslice.snapshot.processes import process_start_time
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     AcquireRequest,
     ProcessRef,
     QueueTarget,
@@ -37,6 +35,8 @@ from timeslice.workflows.protocol import (
     lease_key_hash,
     node_task_queue,
 )
+from timeslice.server import EmbeddedServer, free_port
+from timeslice.snapshot.processes import process_start_time
 
 from tests.conftest import start_service, start_worker, stop_process
 from tests.test_workflow_requesters import _run_jobs

@@ -6,8 +6,7 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from timeslice.workflows.group_book import GroupBook
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     AcquireRequest,
     GroupConfig,
     GroupInput,
@@ -19,7 +18,7 @@ from timeslice.workflows.protocol import (
     SnapshotTarget,
     lease_key_hash,
 )
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.rl_job import (
     RECENT_EPOCH_RECORDS,
     CheckpointRef,
     EpochRecord,
@@ -28,6 +27,7 @@ from timeslice.workflows.rl_protocol import (
     RLJobInput,
     RLJobState,
 )
+from timeslice.workflows.group_book import GroupBook
 
 LIMIT = 256 * 1024
 

@@ -9,11 +9,12 @@ from types import ModuleType
 
 from temporalio import activity, workflow
 from timeslice.activities import grants, group_requests, job_runtime, snapshots
-from timeslice.workflows import protocol, rl_protocol
+from timeslice.protocol import group as protocol
+from timeslice.protocol import rl_job as rl_protocol
+from timeslice.protocol.group import GRANT_SIGNAL, GroupQuery, GroupSignal, GroupUpdate
+from timeslice.protocol.rl_job import JobQuery, JobSignal
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
-from timeslice.workflows.protocol import GRANT_SIGNAL, GroupQuery, GroupSignal, GroupUpdate
 from timeslice.workflows.rl_job import RLJobWorkflow
-from timeslice.workflows.rl_protocol import JobQuery, JobSignal
 from timeslice.workflows.snapshot_job import SnapshotJobWorkflow
 
 

@@ -6,8 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from pydantic import ValidationError
-from timeslice.workflows.group_book import GroupBook
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     MAX_ACQUIRE_TIMEOUT_S,
     AcquireRequest,
     GroupConfig,
@@ -23,6 +22,7 @@ from timeslice.workflows.protocol import (
     SnapshotTarget,
     lease_key_hash,
 )
+from timeslice.workflows.group_book import GroupBook
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -21,8 +21,7 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
-from timeslice.workflows.group_book import GroupBook
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     AcquireRequest,
     GroupConfig,
     GroupInput,
@@ -33,6 +32,7 @@ from timeslice.workflows.protocol import (
     RenewRequest,
     lease_key_hash,
 )
+from timeslice.workflows.group_book import GroupBook
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

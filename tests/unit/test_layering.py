@@ -54,17 +54,31 @@ def test_workflow_modules_import_only_pure_modules(path: Path) -> None:
     bad = {
         name
         for name in _imports(path)
-        if name not in WORKFLOW_MAY_IMPORT and not name.startswith("timeslice.workflows.")
+        if name not in WORKFLOW_MAY_IMPORT
+        and not name.startswith(("timeslice.workflows.", "timeslice.protocol."))
     }
     assert not bad, f"{path.name} imports {sorted(bad)}: not allowed in a workflow module"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "protocol").glob("*.py")), ids=lambda p: p.name)
+def test_the_contract_is_a_leaf(path: Path) -> None:
+    """The message contract imports what a workflow may, and of Timeslice only itself: the
+    workflows, the activities and the client all build on it."""
+    bad = {
+        name
+        for name in _imports(path)
+        if name not in WORKFLOW_MAY_IMPORT and not name.startswith("timeslice.protocol.")
+    }
+    assert not bad, f"protocol/{path.name} imports {sorted(bad)}: the contract is a leaf"
 
 
 # What each folder below the top must never import. The job process's activities embed the
 # client engine (they take leases the way any client does), but nothing below the top imports
 # the CLI, the embedded server, the report or the planner.
-TOP = ("timeslice.cli", "timeslice.server", "timeslice.report", "timeslice.plan")
+TOP = ("timeslice.cli", "timeslice.report", "timeslice.plan")
 CLIENT = ("timeslice.orchestrator", "timeslice.engine", *TOP)
 MUST_NOT_IMPORT = {
+    "client": TOP,
     "workflows": CLIENT,
     "snapshot": CLIENT,
     "workloads": CLIENT,

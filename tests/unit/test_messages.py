@@ -11,9 +11,7 @@ from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.common import RawValue
 from temporalio.contrib.pydantic import pydantic_data_converter
-from timeslice.workers.control import TolerantPayloadConverter, control_data_converter
-from timeslice.workflows.group_book import GroupBook
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     MAX_QUEUE_BYTES,
     MAX_WAITERS,
     AcquireRequest,
@@ -30,12 +28,14 @@ from timeslice.workflows.protocol import (
     lease_key_hash,
     parse_message,
 )
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.rl_job import (
     BUILTIN_WORKLOADS,
     MAX_OPTIONS_BYTES,
     RLJobConfig,
     check_workload,
 )
+from timeslice.workers.control import TolerantPayloadConverter, control_data_converter
+from timeslice.workflows.group_book import GroupBook
 from timeslice.workloads.registry import BUILTIN
 
 T0 = datetime(2026, 1, 12, tzinfo=UTC)

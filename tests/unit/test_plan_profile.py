@@ -17,8 +17,8 @@ from timeslice.plan.profile import (
     load_profiles,
     profile_schema,
 )
-from timeslice.workflows.protocol import LeaseOutcome, LeaseRecord, SnapshotReport
-from timeslice.workflows.rl_protocol import (
+from timeslice.protocol.group import LeaseOutcome, LeaseRecord, SnapshotReport
+from timeslice.protocol.rl_job import (
     DescribeResult,
     PhaseResult,
     PrepareResult,

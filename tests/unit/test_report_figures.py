@@ -8,15 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from timeslice.report import Lane, Report, format_text, human_bytes, trace_events, write_report
-from timeslice.report.figures import (
-    JobRecord,
-    build_lanes,
-    group_figures,
-    job_figures,
-    job_spans,
-)
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     GroupStats,
     GroupStatus,
     HolderView,
@@ -25,7 +17,15 @@ from timeslice.workflows.protocol import (
     SnapshotReport,
     SwitchRecord,
 )
-from timeslice.workflows.rl_protocol import PhaseResult
+from timeslice.protocol.rl_job import PhaseResult
+from timeslice.report import Lane, Report, format_text, human_bytes, trace_events, write_report
+from timeslice.report.figures import (
+    JobRecord,
+    build_lanes,
+    group_figures,
+    job_figures,
+    job_spans,
+)
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 GIB = 2**30

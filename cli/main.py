@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from temporalio.service import RPCError, RPCStatusCode
+from timeslice.cli.server import DEFAULT_DB, EmbeddedServer, ensure_writable_dir
 from timeslice.connection import connect, connect_config
 from timeslice.errors import TimesliceError
 from timeslice.plan import cli as plan_cli
-from timeslice.server import DEFAULT_DB, EmbeddedServer, ensure_writable_dir
 
 if TYPE_CHECKING:
     from temporalio.worker import Worker
@@ -162,6 +162,12 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("group_id")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     _add_connection_args(status)
+
+    backends = sub.add_parser(
+        "backends",
+        help="the snapshot backends: where each runs, what it moves, whether it loads here",
+    )
+    backends.add_argument("--json", action="store_true", help="one JSON object per backend")
     return parser
 
 
@@ -332,9 +338,9 @@ def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
 
 
 async def _run_job_worker(args: argparse.Namespace) -> int:
+    from timeslice.protocol.group import job_task_queue
     from timeslice.telemetry import worker_telemetry
     from timeslice.workers.job import build_job_runtime, build_job_worker
-    from timeslice.workflows.protocol import job_task_queue
 
     try:
         runtime = build_job_runtime(
@@ -389,7 +395,7 @@ async def _run_job_start(args: argparse.Namespace) -> int:
 
 async def _run_job_progress(args: argparse.Namespace) -> int:
     from timeslice.jobs import describe_progress, job_failure
-    from timeslice.workflows.rl_protocol import JobQuery, RLJobProgress, rl_job_workflow_id
+    from timeslice.protocol.rl_job import JobQuery, RLJobProgress, rl_job_workflow_id
 
     workflow_id = _job_workflow_id(args.job_id, rl_job_workflow_id)  # before any connection
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
@@ -417,7 +423,7 @@ async def _run_job_progress(args: argparse.Namespace) -> int:
 
 
 async def _run_job_stop(args: argparse.Namespace) -> int:
-    from timeslice.workflows.rl_protocol import JobSignal, rl_job_workflow_id
+    from timeslice.protocol.rl_job import JobSignal, rl_job_workflow_id
 
     workflow_id = _job_workflow_id(args.job_id, rl_job_workflow_id)  # before any connection
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
@@ -492,11 +498,11 @@ async def _run_worker(args: argparse.Namespace) -> int:
 
 
 async def _run_agent(args: argparse.Namespace) -> int:
+    from timeslice.protocol.group import node_task_queue
     from timeslice.snapshot.registration import RegistrationError
     from timeslice.snapshot.simulated import SimulatedBackend
     from timeslice.telemetry import worker_telemetry
     from timeslice.workers.node_agent import build_node_agent
-    from timeslice.workflows.protocol import node_task_queue
 
     try:
         queue = node_task_queue(args.node)
@@ -511,7 +517,10 @@ async def _run_agent(args: argparse.Namespace) -> int:
     async with worker_telemetry("timeslice-agent", args.metrics_port) as metrics:
         client = await connect(config, runtime=metrics.runtime if metrics else None)
         agent = build_node_agent(
-            client, args.node, extra_backends=extra, lock_timeout_s=args.lock_timeout
+            client,
+            args.node,
+            extra_backends=extra,
+            backend_options={"cuda-checkpoint": {"lock_timeout_s": args.lock_timeout}},
         )
         try:
             await agent.registration.start()
@@ -573,6 +582,40 @@ async def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_backends(args: argparse.Namespace) -> int:
+    from timeslice.snapshot.base import SnapshotError
+    from timeslice.snapshot.registry import BACKENDS
+
+    rows = []
+    for found in BACKENDS.values():
+        try:
+            capabilities = sorted(found.capabilities())
+            loads = "yes"
+        except SnapshotError as err:
+            capabilities, loads = [], f"no: {err}"
+        rows.append(
+            {
+                "name": found.name,
+                "runs in": str(found.placement),
+                "moves": found.moves,
+                "capabilities": [str(c) for c in capabilities],
+                "extra": found.extra,
+                "client may name it": found.by_name,
+                "loads here": loads,
+            }
+        )
+    for row in rows:
+        if args.json:
+            print(json.dumps(row))
+            continue
+        extra = f"timeslice[{row['extra']}]" if row["extra"] else "-"
+        print(f"{row['name']}  (runs in the {row['runs in']}; extra {extra})")
+        print(f"  moves:        {row['moves']}")
+        print(f"  capabilities: {', '.join(row['capabilities']) or '-'}")
+        print(f"  loads here:   {row['loads here']}")
+    return 0
+
+
 async def _run_status(args: argparse.Namespace) -> int:
     from timeslice.orchestrator import AsyncTimeSliceOrchestratorClient
 
@@ -624,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             "agent": _run_agent,
             "setup": _run_setup,
             "status": _run_status,
+            "backends": _run_backends,
             "report": _run_report,
             "plan": plan_cli.run,
         }[args.command]
@@ -658,11 +702,11 @@ def entry() -> None:
     crash a process that finished its work (temporalio/sdk-python#300); nothing is left to
     clean up once the command has returned, so skip that phase.
     """
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader stopped early (`| head`): nothing is wrong
+        code = 0
+    with contextlib.suppress(BrokenPipeError):
+        sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    entry()

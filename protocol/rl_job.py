@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     MAX_LEASE_TTL_S,
     MAX_PRIORITY,
     MIN_LEASE_TTL_S,
@@ -22,7 +22,7 @@ from timeslice.workflows.protocol import (
     _Model,
     check_id,
 )
-from timeslice.workflows.protocol import (
+from timeslice.protocol.group import (
     explain_validation_error as explain_validation_error,  # re-exported: client/jobs.py, rl_job.py
 )
 

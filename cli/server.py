@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from timeslice.errors import InvalidArgumentError, TimesliceError
-from timeslice.workflows.protocol import SEARCH_ATTRIBUTES
+from timeslice.protocol.group import SEARCH_ATTRIBUTES
 
 DEFAULT_DB = Path(".timeslice") / "temporal.db"
 

@@ -1,0 +1,88 @@
+"""The snapshot backend registry and the request interface, without servers or devices."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from timeslice.errors import InvalidArgumentError
+from timeslice.orchestrator import _backends
+from timeslice.snapshot import (
+    Capability,
+    NoopBackend,
+    SimulatedBackend,
+    SnapshotBackend,
+    SnapshotError,
+    SnapshotRequest,
+)
+from timeslice.snapshot.base import registered_bytes
+from timeslice.snapshot.registry import (
+    BACKENDS,
+    BackendEntry,
+    Placement,
+    create,
+    entry,
+    node_agent_backends,
+)
+
+# Loading it imports torch (seconds); the rest load in milliseconds.
+HEAVY = {"torch"}
+
+
+@pytest.mark.parametrize("name", sorted(set(BACKENDS) - HEAVY))
+def test_each_entry_names_a_backend_class_that_declares_what_it_can_do(name: str) -> None:
+    cls = entry(name).load()
+    assert cls.name == name
+    assert isinstance(cls.capabilities, frozenset)
+    assert all(isinstance(c, Capability) for c in cls.capabilities)
+
+
+def test_the_node_agent_runs_the_whole_process_backends() -> None:
+    assert node_agent_backends() == ["cuda-checkpoint"]
+    for name, found in BACKENDS.items():
+        if name in HEAVY:
+            continue
+        whole = Capability.WHOLE_PROCESS in found.capabilities()
+        assert whole == (found.placement is Placement.NODE_AGENT), name
+
+
+def test_a_backend_whose_package_is_missing_says_which_extra_brings_it() -> None:
+    missing = BackendEntry(
+        "gone", Placement.JOB_PROCESS, "nothing", "timeslice_no_such_module:Gone", extra="torch"
+    )
+    with pytest.raises(SnapshotError, match=r"'gone' cannot load: .*install timeslice\[torch\]"):
+        missing.load()
+
+
+def test_unknown_names_are_refused_with_the_known_ones() -> None:
+    with pytest.raises(SnapshotError, match="unknown snapshot backend 'nope': the backends are"):
+        entry("nope")
+    with pytest.raises(InvalidArgumentError, match=r"name one of \['noop', 'simulated'\]"):
+        _backends(["nope"])
+
+
+def test_the_client_builds_by_name_only_backends_that_need_nothing_of_the_job() -> None:
+    built = _backends(["noop", "simulated"])
+    assert isinstance(built["noop"], NoopBackend) and isinstance(
+        built["simulated"], SimulatedBackend
+    )
+    with pytest.raises(InvalidArgumentError, match="'torch' moves objects of yours"):
+        _backends(["torch"])
+
+
+def test_create_passes_the_backends_own_options() -> None:
+    backend = create("simulated", nbytes=7)
+    assert isinstance(backend, SnapshotBackend)
+    assert registered_bytes(backend) == 7  # it declares KNOWS_SIZE
+    assert registered_bytes(NoopBackend()) is None  # it does not
+    with pytest.raises(TypeError):
+        create("noop", nbytes=1)
+
+
+def test_a_request_reaches_the_backend_whole() -> None:
+    backend = SimulatedBackend(nbytes=3)
+    request = SnapshotRequest("job-a", "gpus", "evict for gpus")
+    out = asyncio.run(backend.snapshot(request))
+    assert (out.job_id, out.bytes) == ("job-a", 3)
+    assert asyncio.run(backend.snapshot(request)).bytes == 0  # already out: nothing moves
+    assert asyncio.run(backend.restore(request)).bytes == 3
