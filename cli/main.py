@@ -165,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
 
     backends = sub.add_parser(
         "backends",
-        help="the snapshot backends: where each runs, what it moves, whether it loads here",
+        help="the snapshot backends: where each runs, what it moves, whether what it needs is "
+        "installed here",
     )
     backends.add_argument("--json", action="store_true", help="one JSON object per backend")
     return parser
@@ -589,19 +590,19 @@ async def _run_backends(args: argparse.Namespace) -> int:
     rows = []
     for found in BACKENDS.values():
         try:
-            capabilities = sorted(found.capabilities())
-            loads = "yes"
-        except SnapshotError as err:
-            capabilities, loads = [], f"no: {err}"
+            capabilities = [str(c) for c in sorted(found.capabilities())]
+        except SnapshotError:
+            capabilities = []
+        missing = found.missing()
         rows.append(
             {
                 "name": found.name,
                 "runs in": str(found.placement),
                 "moves": found.moves,
-                "capabilities": [str(c) for c in capabilities],
+                "capabilities": capabilities,
                 "extra": found.extra,
                 "client may name it": found.by_name,
-                "loads here": loads,
+                "installed here": "yes" if missing is None else f"no: {missing}",
             }
         )
     for row in rows:
@@ -612,7 +613,7 @@ async def _run_backends(args: argparse.Namespace) -> int:
         print(f"{row['name']}  (runs in the {row['runs in']}; extra {extra})")
         print(f"  moves:        {row['moves']}")
         print(f"  capabilities: {', '.join(row['capabilities']) or '-'}")
-        print(f"  loads here:   {row['loads here']}")
+        print(f"  installed:    {row['installed here']}")
     return 0
 
 

@@ -39,7 +39,7 @@ from timeslice.protocol.group import (
 from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.snapshot.registration import AgentRegistration
-from timeslice.snapshot.registry import BACKENDS, create, entry, node_agent_backends
+from timeslice.snapshot.registry import BACKENDS, Placement, create, node_agent_backends
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,9 +60,14 @@ def _group_config(group_id: str, settings: dict[str, Any]) -> GroupConfig:
 
 def _whole_process(names: list[str]) -> bool:
     """Whether any of these node-agent backends checkpoints whole processes (then this process
-    must register itself with the agent, which acts on nothing else)."""
+    must register itself with the agent, which acts on nothing else). A name the registry does
+    not know is an agent's own extra backend: it moves no process of this one's."""
     try:
-        return any(Capability.WHOLE_PROCESS in entry(name).capabilities() for name in names)
+        return any(
+            Capability.WHOLE_PROCESS in BACKENDS[name].capabilities()
+            for name in names
+            if name in BACKENDS
+        )
     except SnapshotError as err:
         raise InvalidArgumentError(f"node_backends: {err}") from None
 
@@ -85,6 +90,11 @@ def _backends(spec: list[str | SnapshotBackend] | None) -> dict[str, SnapshotBac
                     f"unknown snapshot backend {item!r}: name one of {by_name} or pass a "
                     "backend object"
                 )
+            if found.placement is Placement.NODE_AGENT:
+                raise InvalidArgumentError(
+                    f"snapshot backend {item!r} runs in the node agent, not in this process: "
+                    f"pass node='NODE' (and node_backends=[{item!r}]) instead"
+                )
             if not found.by_name:
                 raise InvalidArgumentError(
                     f"snapshot backend {item!r} moves objects of yours ({found.moves}): build "
@@ -92,6 +102,11 @@ def _backends(spec: list[str | SnapshotBackend] | None) -> dict[str, SnapshotBac
                 )
             backend = create(item)
         elif isinstance(item, SnapshotBackend):
+            if Capability.WHOLE_PROCESS in item.capabilities:
+                raise InvalidArgumentError(
+                    f"snapshot backend {item.name!r} moves whole processes: the node agent runs "
+                    "it (node='NODE'), not the process it would move"
+                )
             backend = item
         else:
             raise InvalidArgumentError(f"not a snapshot backend: {item!r}")

@@ -9,6 +9,7 @@ runs, what it moves, which extra it needs and whether a client may ask for it by
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -34,6 +35,8 @@ class BackendEntry:
     extra: str | None = None
     #: A client may ask for it by name (it needs nothing of the job's to be built).
     by_name: bool = False
+    #: The module it needs at work time (its own module may import without it).
+    needs: str | None = None
 
     def load(self) -> type[SnapshotBackend]:
         module_name, _, attr = self.target.partition(":")
@@ -46,6 +49,18 @@ class BackendEntry:
 
     def capabilities(self) -> frozenset[Capability]:
         return frozenset(self.load().capabilities)
+
+    def missing(self) -> str | None:
+        """Why it cannot work in this environment (what to install), or None if it can."""
+        try:
+            self.load()
+            found = self.needs is None or importlib.util.find_spec(self.needs) is not None
+        except (SnapshotError, ImportError) as err:
+            return str(err)
+        if found:
+            return None
+        hint = f": install timeslice[{self.extra}]" if self.extra else ""
+        return f"{self.needs} is not installed{hint}"
 
 
 BACKENDS: dict[str, BackendEntry] = {
@@ -72,6 +87,7 @@ BACKENDS: dict[str, BackendEntry] = {
             "registered modules, optimizers and tensors, to pinned host memory and back",
             "timeslice.snapshot.torch_backend:TorchBackend",
             extra="torch",
+            needs="torch",
         ),
         BackendEntry(
             "vllm",
@@ -79,6 +95,7 @@ BACKENDS: dict[str, BackendEntry] = {
             "a vLLM engine, through its sleep mode (weights to host memory, KV cache freed)",
             "timeslice.snapshot.vllm_backend:VllmSleepBackend",
             extra="vllm",
+            needs="vllm",
         ),
         BackendEntry(
             "cuda-checkpoint",
@@ -86,6 +103,7 @@ BACKENDS: dict[str, BackendEntry] = {
             "whole CUDA processes, through the driver's checkpoint API (driver 570 or newer)",
             "timeslice.snapshot.cuda_checkpoint:CudaCheckpointBackend",
             extra="cuda",
+            needs="cuda.bindings",
         ),
     )
 }

@@ -91,6 +91,11 @@ def build_node_agent(
         )
     backends = {name: create(name, **options.get(name, {})) for name in node_agent_backends()}
     for backend in extra_backends or []:
+        if not isinstance(backend, SnapshotBackend):  # e.g. one written before `capabilities`
+            raise SnapshotError(
+                f"{backend!r} is not a snapshot backend: it needs a name, capabilities, "
+                "snapshot(request), restore(request) and health() (timeslice.snapshot.base)"
+            )
         backends[backend.name] = backend
     activities = NodeSnapshotActivities(backends, registry)
     worker = Worker(

@@ -25,6 +25,7 @@ from typing import TypeVar
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import AcquireTimeoutError, TimeSliceOrchestratorClient
+from timeslice.cli.server import EmbeddedServer, free_port
 from timeslice.protocol.group import (
     AcquireRequest,
     ProcessRef,
@@ -35,7 +36,6 @@ from timeslice.protocol.group import (
     lease_key_hash,
     node_task_queue,
 )
-from timeslice.server import EmbeddedServer, free_port
 from timeslice.snapshot.processes import process_start_time
 
 from tests.conftest import start_service, start_worker, stop_process

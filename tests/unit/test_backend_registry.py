@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from timeslice.errors import InvalidArgumentError
-from timeslice.orchestrator import _backends
+from timeslice.orchestrator import _backends, _whole_process
 from timeslice.snapshot import (
     Capability,
     NoopBackend,
@@ -16,6 +16,7 @@ from timeslice.snapshot import (
     SnapshotRequest,
 )
 from timeslice.snapshot.base import registered_bytes
+from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend
 from timeslice.snapshot.registry import (
     BACKENDS,
     BackendEntry,
@@ -24,6 +25,7 @@ from timeslice.snapshot.registry import (
     entry,
     node_agent_backends,
 )
+from timeslice.workers.node_agent import build_node_agent
 
 # Loading it imports torch (seconds); the rest load in milliseconds.
 HEAVY = {"torch"}
@@ -86,3 +88,31 @@ def test_a_request_reaches_the_backend_whole() -> None:
     assert (out.job_id, out.bytes) == ("job-a", 3)
     assert asyncio.run(backend.snapshot(request)).bytes == 0  # already out: nothing moves
     assert asyncio.run(backend.restore(request)).bytes == 3
+
+
+def test_the_client_sends_node_agent_backends_to_the_agent() -> None:
+    with pytest.raises(InvalidArgumentError, match="runs in the node agent, not in this process"):
+        _backends(["cuda-checkpoint"])
+    with pytest.raises(InvalidArgumentError, match="moves whole processes: the node agent runs"):
+        _backends([CudaCheckpointBackend()])
+
+
+def test_only_whole_process_node_backends_make_a_process_register_with_the_agent() -> None:
+    assert _whole_process(["cuda-checkpoint"]) and _whole_process(["simulated", "cuda-checkpoint"])
+    assert not _whole_process(["simulated"])
+    # An agent's own extra backend, which the registry does not know, moves no process.
+    assert not _whole_process(["site-specific"])
+
+
+def test_the_node_agent_refuses_a_backend_of_the_old_interface() -> None:
+    class Old:
+        name = "old"
+
+        async def snapshot(self, job_id: str) -> None: ...
+
+        async def restore(self, job_id: str) -> None: ...
+
+        def health(self) -> None: ...
+
+    with pytest.raises(SnapshotError, match="is not a snapshot backend: it needs a name, cap"):
+        build_node_agent(None, "n", extra_backends=[Old()])  # type: ignore[arg-type,list-item]
