@@ -266,6 +266,8 @@ class Settings:
     pause_max: float
     stop_file: Path
     checkpoints: Path
+    #: The kinds this soak injects (--faults, less kill_rl_job without RL jobs).
+    fault_kinds: tuple[str, ...] = FAULT_KINDS
 
 
 @dataclass
@@ -887,6 +889,7 @@ def run(args: argparse.Namespace) -> int:
         rl_jobs=args.rl_jobs, ttl=args.ttl, rl_ttl=args.rl_ttl,
         acquire_timeout=args.acquire_timeout, hold_min=args.hold_min, hold_max=args.hold_max,
         pause_max=args.pause_max, stop_file=logs / "stop", checkpoints=out / "checkpoints",
+        fault_kinds=tuple(kinds),
     )  # fmt: skip
     soak = Soak(settings, server)
     status: Any = None
@@ -942,30 +945,48 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_faults(rng, kinds, warmup, args.duration - settle, args.fault_every)
         owed: list[str] = []
         next_progress = args.progress_every
-        for at, kind in plan:
+
+        def idle_until(at: float) -> None:
+            """Watch the processes (crashes, progress lines) until ``at`` s into the soak."""
+            nonlocal next_progress
             while (now := time.monotonic() - t0) < at:
                 soak.check_crashes()
                 if now >= next_progress:
                     progress(soak, now)
                     next_progress += args.progress_every
                 time.sleep(min(0.1, at - now))  # the fault schedule's clock
-            # A kind that missed its slot (no holder, no waiter right then) is owed first.
-            planned = owed.pop(0) if owed else kind
-            if planned != kind:
-                owed.append(kind)
+
+        def strike(planned: str) -> Fault | None:
             fault = soak.inject(planned, rng, patience=min(10.0, args.fault_every))
-            if fault is None or fault.kind != planned:
-                owed.insert(0, planned)
             if fault is not None:
                 soak.faults.append(fault)
                 print(f"  [{time.monotonic() - t0:6.1f} s] {fault.kind}: {fault.target} "
                       f"{fault.detail}", flush=True)  # fmt: skip
-        while (now := time.monotonic() - t0) < args.duration:
-            soak.check_crashes()
-            if now >= next_progress:
-                progress(soak, now)
-                next_progress += args.progress_every
-            time.sleep(min(0.1, args.duration - now))
+            return fault
+
+        for at, kind in plan:
+            idle_until(at)
+            # A kind that missed its slot (no holder, no waiter right then) is owed first.
+            planned = owed.pop(0) if owed else kind
+            if planned != kind:
+                owed.append(kind)
+            fault = strike(planned)
+            if fault is None or fault.kind != planned:
+                owed.insert(0, planned)
+        end = args.duration
+        if args.every_kind_within:
+            # On a loaded machine a kind can miss every slot (no holder or waiter to be found
+            # while a restarted server or worker catches up): keep owing it a slot every
+            # --fault-every seconds, for up to --every-kind-within more seconds, then settle.
+            give_up = time.monotonic() - t0 + args.every_kind_within
+            while missing := [k for k in kinds if all(f.kind != k for f in soak.faults)]:
+                at = time.monotonic() - t0 + args.fault_every
+                if at > give_up:
+                    break
+                idle_until(at)
+                strike(missing[0])
+            end = max(end, time.monotonic() - t0 + settle)
+        idle_until(end)
         t_end = time.monotonic()
         print("  stopping: contenders finish their request, RL jobs their epoch ...", flush=True)
         settings.stop_file.touch()
@@ -1143,7 +1164,7 @@ def analyse(
 
 
 def soak_kinds(soak: Soak) -> list[str]:
-    return [k for k in FAULT_KINDS if k != "kill_rl_job" or soak.settings.rl_jobs]
+    return list(soak.settings.fault_kinds)
 
 
 def summary(r: dict[str, Any]) -> str:
@@ -1241,6 +1262,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fault-every", type=positive(float), default=8.0, help="mean seconds between faults"
+    )
+    p.add_argument(
+        "--every-kind-within",
+        type=positive(float),
+        default=None,
+        metavar="S",
+        help="after the planned faults, keep trying each kind that has not struck yet (one "
+        "try every --fault-every s) for up to S more seconds; the soak then runs its settle time "
+        "past the last fault (default: planned slots only)",
     )
     p.add_argument(
         "--faults",

@@ -28,7 +28,9 @@ def test_demo_compares_dedicated_and_shared_from_the_runs_records(tmp_path: Path
     assert shared_share is not None
     report = (out / "report.txt").read_text()
     row = next(line for line in report.splitlines() if line.startswith("shared-gpus"))
-    assert round(float(row.split()[2].rstrip("%"))) == int(shared_share.group(1))
+    # The table prints the share to 1 %, the report to 0.1 %: 9.5 % in one can be 9 % in the
+    # other (0.0949... rounded twice), so they agree within the two roundings.
+    assert abs(float(row.split()[2].rstrip("%")) - int(shared_share.group(1))) <= 0.55
     # Each job: a completion time in both runs, the shared one as a multiple of the other, and
     # the same rewards either way (same seeds, deterministic jobs).
     for job in (1, 2):
