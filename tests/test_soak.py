@@ -24,6 +24,7 @@ SOAK = REPO / "bench" / "soak.py"
 FAULT_KINDS = ("kill_holder", "kill_waiter", "kill_rl_job", "kill_worker", "restart_server")
 
 
+@pytest.mark.soak
 def test_soak_with_faults_for_60_s(tmp_path: Path) -> None:
     """4 contenders and 2 RL jobs on one group for 60 s while every kind of fault strikes;
     then, from the processes' own logs: no overlap, nothing lost or granted twice, every RL
