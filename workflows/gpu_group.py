@@ -68,6 +68,8 @@ from timeslice.workflows.group_book import GroupBook, SwitchPlan
 from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
 
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
+# workflow.patched id: groups that started before it replay with the old, unbounded wait.
+BOUNDED_EVICTION_REPORT_WAIT = "bounded-eviction-report-wait"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
 
@@ -349,10 +351,17 @@ class GpuGroupWorkflow:
         if evicting is None:
             return None
         self._awaiting_eviction_of = evicting.job_id
+        # Its process may have died right after releasing (the soak found a group idle for its
+        # whole 300-s snapshot time-out so): past the time a live process has to answer a grant,
+        # the group's own snapshot activity takes over. On a live process it waits for the
+        # eviction under way and finds nothing left to move; on a dead one it is not picked up.
+        report_wait = self._config.snapshot_timeout_s
+        if workflow.patched(BOUNDED_EVICTION_REPORT_WAIT):
+            report_wait = min(report_wait, self._config.grant_ack_timeout_s)
         try:
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
-                    lambda: book.state.evicting is None, timeout=self._config.snapshot_timeout_s
+                    lambda: book.state.evicting is None, timeout=report_wait
                 )
         finally:
             self._awaiting_eviction_of = None
