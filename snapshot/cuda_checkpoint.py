@@ -313,6 +313,8 @@ class CudaCheckpointBackend:
             try:
                 moved += self._move(job_id, identity, checkpoint=checkpoint, touched=touched)
             except Exception as err:
+                if not done and not touched:
+                    raise  # nothing was moved: nothing to roll back
                 raise self._rolled_back(err, [*done, *touched], checkpoint=checkpoint) from err
             done.append(identity)
         return SnapshotReport(
@@ -357,11 +359,9 @@ class CudaCheckpointBackend:
 
     def _rolled_back(
         self, err: Exception, touched: list[ProcessIdentity], *, checkpoint: bool
-    ) -> Exception:
+    ) -> SnapshotError:
         """Move ``touched`` back (latest first) to where they were before this snapshot (or
         restore); the error to report, saying what was rolled back and what could not be."""
-        if not touched:
-            return err
         origin = ProcessState.RUNNING if checkpoint else ProcessState.CHECKPOINTED
         back, stuck = [], []
         for identity in reversed(touched):

@@ -225,6 +225,15 @@ def test_a_failure_before_any_process_is_touched_rolls_nothing_back(two_children
         asyncio.run(CudaCheckpointBackend(driver).snapshot(request_for(changed, second)))
     assert driver.calls == []
 
+    class NoDriver(DriverStateMachine):
+        def state(self, pid: int) -> ProcessState:
+            raise SnapshotError("cuCheckpointProcessGetState failed: CUDA_ERROR_NOT_INITIALIZED")
+
+    with pytest.raises(SnapshotError, match="CUDA_ERROR_NOT_INITIALIZED") as failed:
+        asyncio.run(CudaCheckpointBackend(NoDriver()).snapshot(request_for(first, second)))
+    # The very error, not one caused by itself (Temporal's failure converter would recurse).
+    assert failed.value.__cause__ is None and "rolled back" not in str(failed.value)
+
 
 def test_backend_refuses_a_pid_that_changed_hands(child):
     """Checked again at the move, after the node agent named the process: a PID reused since
