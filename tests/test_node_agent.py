@@ -351,6 +351,11 @@ def test_agent_token_prints_the_token_the_agent_accepts(node, tmp_path):
     )  # fmt: skip
     assert missing.returncode == 2
     assert "no node-agent key at" in missing.stderr and "Traceback" not in missing.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "agent-token", "bad id"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "invalid job id 'bad id'" in bad.stderr
 
 
 def test_client_without_a_node_agent_to_register_with_says_so(address, monkeypatch):
