@@ -124,8 +124,29 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="duration of a simulated switch, s (default 0)",
     )
+    agent.add_argument(
+        "--key-file",
+        type=Path,
+        default=None,
+        help="the key job tokens are made with (default $TIMESLICE_AGENT_KEY_FILE, else "
+        "agent.key beside the socket, created if missing)",
+    )
     _add_metrics_arg(agent)
     _add_connection_args(agent)
+
+    token = sub.add_parser(
+        "agent-token",
+        help="print a job's node-agent token: launch the job's processes with "
+        "TIMESLICE_JOB_TOKEN set to it",
+    )
+    token.add_argument("job_id", help="the job the token is for")
+    token.add_argument(
+        "--key-file",
+        type=Path,
+        default=None,
+        help="the agent's key (default $TIMESLICE_AGENT_KEY_FILE, else agent.key in the "
+        "agent's folder)",
+    )
 
     setup = sub.add_parser(
         "setup",
@@ -522,6 +543,7 @@ async def _run_agent(args: argparse.Namespace) -> int:
             args.node,
             extra_backends=extra,
             backend_options={"cuda-checkpoint": {"lock_timeout_s": args.lock_timeout}},
+            key_file=args.key_file,
         )
         try:
             await agent.registration.start()
@@ -542,6 +564,24 @@ async def _run_agent(args: argparse.Namespace) -> int:
             return await _serve(agent.worker)
         finally:
             await agent.registration.close()
+
+
+async def _run_agent_token(args: argparse.Namespace) -> int:
+    from timeslice.protocol.group import check_id
+    from timeslice.snapshot.registration import (
+        RegistrationError,
+        job_token,
+        key_path,
+        load_agent_key,
+    )
+
+    try:
+        check_id("job id", args.job_id)
+        key = load_agent_key(args.key_file or key_path())
+    except (ValueError, RegistrationError) as err:
+        raise TimesliceError(str(err)) from err
+    print(job_token(key, args.job_id))
+    return 0
 
 
 async def _serve(worker: Worker) -> int:
@@ -666,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = {
             "worker": _run_worker,
             "agent": _run_agent,
+            "agent-token": _run_agent_token,
             "setup": _run_setup,
             "status": _run_status,
             "backends": _run_backends,

@@ -38,7 +38,7 @@ from timeslice.protocol.group import (
 )
 from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
-from timeslice.snapshot.registration import AgentRegistration
+from timeslice.snapshot.registration import JOB_TOKEN_ENV, AgentRegistration
 from timeslice.snapshot.registry import BACKENDS, Placement, create, node_agent_backends
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -147,6 +147,7 @@ class _ClientBase:
             isinstance(state_bytes, bool) or not isinstance(state_bytes, int) or state_bytes < 0
         ):
             raise InvalidArgumentError(f"state_bytes must be an integer >= 0, not {state_bytes!r}")
+        self._job_token = ""  # what proves the job to the node agent; set by _snapshot_target
         self._engine = Engine(
             connect_config=connect_config(target, namespace, profile=profile, api_key=api_key),
             job_id=self.job_id,
@@ -158,7 +159,7 @@ class _ClientBase:
             state_bytes=state_bytes,
             rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
             # The node agent checkpoints this process only once it registered itself there.
-            agent=AgentRegistration(node, self.job_id)
+            agent=AgentRegistration(node, self.job_id, self._job_token)
             if node is not None and _whole_process(node_backends or node_agent_backends())
             else None,
         )
@@ -183,6 +184,15 @@ class _ClientBase:
                         f"the node agent checkpoints only processes launched for their job: "
                         f"start this process with {JOB_ENV}={self.job_id} "
                         f"(it has {launched_for!r})"
+                    )
+                # The proof of the job the agent checks; launching with a job id anyone
+                # may choose is not one.
+                self._job_token = os.environ.get(JOB_TOKEN_ENV, "")
+                if not self._job_token:
+                    raise InvalidArgumentError(
+                        f"the node agent checkpoints only processes that prove their job: "
+                        f"start this process with {JOB_TOKEN_ENV} set to the job's token "
+                        f"(`timeslice agent-token {self.job_id}` where the agent's key is)"
                     )
                 me = os.getpid()
                 processes.append(ProcessRef(pid=me, start_time=process_start_time(me)))

@@ -5,7 +5,10 @@ Unlock / GetState``, driver 570 or newer) via cuda-python's ``cuda.bindings.driv
 locks each registered process (with a time-out: a lock waits for in-flight CUDA work), then
 checkpoints it, which moves its device memory into its own host memory; restore reverses both.
 The state is checked before every step, and every PID is checked to still be the process that
-registered it. Bytes are measured as the change in each process's resident memory.
+registered it. A job's processes move all or nothing: when one fails, those already moved are
+moved back (restored and unlocked after a failed checkpoint, checkpointed again after a failed
+restore) before the failure is reported, and the report says what could not be moved back.
+Bytes are measured as the change in each process's resident memory.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ from timeslice.snapshot.gpu_env import (
     package_version,
     probe_driver,
 )
-from timeslice.snapshot.processes import ProcessMismatchError, process_start_time, resident_bytes
+from timeslice.snapshot.processes import (
+    ProcessIdentity,
+    ProcessMismatchError,
+    process_start_time,
+    resident_bytes,
+)
 
 MIN_DRIVER_VERSION = MIN_CUDA_VERSION  # CUDA 12.8, shipped with driver 570: the first with this API
 
@@ -290,31 +298,25 @@ class CudaCheckpointBackend:
         return await asyncio.to_thread(self._run, request, checkpoint=False)
 
     def _run(self, request: SnapshotRequest, *, checkpoint: bool) -> SnapshotReport:
+        """All or nothing: if any process fails, those already moved (and the one that failed,
+        if it was touched) are moved back before the failure is reported, so a job is never
+        left half checkpointed (some of its processes still holding the device) or half
+        restored (some running beside the next holder)."""
         job_id = request.job_id
         if not request.processes:
             raise ProcessMismatchError(f"job {job_id} registered no process on this node")
         started = time.perf_counter()
         moved = 0
+        done: list[ProcessIdentity] = []
         for identity in sorted(request.processes, key=lambda i: i.pid):
-            pid = identity.pid
-            if process_start_time(pid) != identity.start_time:
-                raise ProcessMismatchError(
-                    f"PID {pid} of job {job_id} now belongs to another process; refusing"
-                )
-            before = resident_bytes(pid)
-            if checkpoint:
-                self._expect(pid, ProcessState.RUNNING, "lock")
-                self.driver.lock(pid, int(self.lock_timeout_s * 1000))
-                self._expect(pid, ProcessState.LOCKED, "checkpoint")
-                self.driver.checkpoint(pid)
-                self._expect(pid, ProcessState.CHECKPOINTED, "confirm the checkpoint of")
-            else:
-                self._expect(pid, ProcessState.CHECKPOINTED, "restore")
-                self.driver.restore(pid)
-                self._expect(pid, ProcessState.LOCKED, "unlock")
-                self.driver.unlock(pid)
-                self._expect(pid, ProcessState.RUNNING, "confirm the restore of")
-            moved += abs(resident_bytes(pid) - before)
+            touched: list[ProcessIdentity] = []
+            try:
+                moved += self._move(job_id, identity, checkpoint=checkpoint, touched=touched)
+            except Exception as err:
+                if not done and not touched:
+                    raise  # nothing was moved: nothing to roll back
+                raise self._rolled_back(err, [*done, *touched], checkpoint=checkpoint) from err
+            done.append(identity)
         return SnapshotReport(
             job_id=job_id,
             backend=self.name,
@@ -322,3 +324,86 @@ class CudaCheckpointBackend:
             bytes=moved,
             seconds=time.perf_counter() - started,
         )
+
+    def _move(
+        self,
+        job_id: str,
+        identity: ProcessIdentity,
+        *,
+        checkpoint: bool,
+        touched: list[ProcessIdentity],
+    ) -> int:
+        """Checkpoint (or restore) one process; the bytes it moved. ``touched`` gets the
+        process once a call that changes its state has been made."""
+        pid = identity.pid
+        if process_start_time(pid) != identity.start_time:
+            raise ProcessMismatchError(
+                f"PID {pid} of job {job_id} now belongs to another process; refusing"
+            )
+        before = resident_bytes(pid)
+        if checkpoint:
+            self._expect(pid, ProcessState.RUNNING, "lock")
+            touched.append(identity)
+            self.driver.lock(pid, int(self.lock_timeout_s * 1000))
+            self._expect(pid, ProcessState.LOCKED, "checkpoint")
+            self.driver.checkpoint(pid)
+            self._expect(pid, ProcessState.CHECKPOINTED, "confirm the checkpoint of")
+        else:
+            self._expect(pid, ProcessState.CHECKPOINTED, "restore")
+            touched.append(identity)
+            self.driver.restore(pid)
+            self._expect(pid, ProcessState.LOCKED, "unlock")
+            self.driver.unlock(pid)
+            self._expect(pid, ProcessState.RUNNING, "confirm the restore of")
+        return abs(resident_bytes(pid) - before)
+
+    def _rolled_back(
+        self, err: Exception, touched: list[ProcessIdentity], *, checkpoint: bool
+    ) -> SnapshotError:
+        """Move ``touched`` back (latest first) to where they were before this snapshot (or
+        restore); the error to report, saying what was rolled back and what could not be."""
+        origin = ProcessState.RUNNING if checkpoint else ProcessState.CHECKPOINTED
+        back, stuck = [], []
+        for identity in reversed(touched):
+            left = self._return_to(identity, origin)
+            if left is None:
+                back.append(identity.pid)
+            else:
+                stuck.append(left)
+        verb = "checkpoint" if checkpoint else "restore"
+        said = f"{verb} failed: {err}"
+        if back:
+            said += f"; rolled back process(es) {sorted(back)} to {origin.name}"
+        if stuck:
+            said += f"; could not roll back: {'; '.join(stuck)}"
+        return SnapshotError(said)
+
+    def _return_to(self, identity: ProcessIdentity, origin: ProcessState) -> str | None:
+        """Drive one process back to ``origin``; None once it is there, else what is left."""
+        pid = identity.pid
+        steps = _TOWARDS[origin]
+        try:
+            if process_start_time(pid) != identity.start_time:
+                return f"PID {pid} now belongs to another process; left alone"
+            for _ in range(len(steps) + 1):
+                state = self.driver.state(pid)
+                if state is origin:
+                    return None
+                step = steps.get(state)
+                if step is None:
+                    return f"process {pid} is {state.name}"
+                if step == "lock":
+                    self.driver.lock(pid, int(self.lock_timeout_s * 1000))
+                else:
+                    getattr(self.driver, step)(pid)
+            return f"process {pid} is {self.driver.state(pid).name}"
+        except Exception as err:  # a rollback reports what it could not do; it never hides
+            return f"process {pid}: {err}"  # the failure that started it
+
+
+# From each state, the driver call that brings a process one step closer to RUNNING (rolling
+# back a checkpoint) or to CHECKPOINTED (rolling back a restore).
+_TOWARDS: dict[ProcessState, dict[ProcessState, str]] = {
+    ProcessState.RUNNING: {ProcessState.CHECKPOINTED: "restore", ProcessState.LOCKED: "unlock"},
+    ProcessState.CHECKPOINTED: {ProcessState.RUNNING: "lock", ProcessState.LOCKED: "checkpoint"},
+}

@@ -2,7 +2,8 @@
 
 The state-machine tests drive the backend through a stand-in for the CUDA driver that keeps
 each process's checkpoint state as the driver documents it; the processes themselves are real.
-The `gpu` test runs the real driver API on a real CUDA process. Missing bindings or driver, and
+The `gpu` tests run the real driver API on real CUDA processes (tests/gpu/run.sh), the rollback
+of a job whose second process fails included. Missing bindings or driver, and
 the bindings' call shapes: tests/test_gpu_readiness.py.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -34,17 +36,27 @@ def child():
 
 
 class DriverStateMachine:
-    """The CUDA driver's documented checkpoint states, kept per PID."""
+    """The CUDA driver's documented checkpoint states, kept per PID. ``failures`` makes one
+    call on one PID fail the way the driver does: ``{("checkpoint", pid): "CUDA_ERROR_..."}``
+    (the state stays where it was); ``calls`` records every state-changing call."""
 
-    def __init__(self, lock_error: str | None = None) -> None:
+    def __init__(
+        self, lock_error: str | None = None, failures: dict[tuple[str, int], str] | None = None
+    ) -> None:
         self.states: dict[int, ProcessState] = {}
         self.lock_timeouts: list[int] = []
         self.lock_error = lock_error
+        self.failures = dict(failures or {})
+        self.calls: list[tuple[str, int]] = []
 
     def state(self, pid: int) -> ProcessState:
         return self.states.setdefault(pid, ProcessState.RUNNING)
 
-    def _move(self, pid: int, src: ProcessState, dst: ProcessState) -> None:
+    def _move(self, call: str, pid: int, src: ProcessState, dst: ProcessState) -> None:
+        self.calls.append((call, pid))
+        if (call, pid) in self.failures:
+            raise SnapshotError(f"cuCheckpointProcess{call.title()} failed: "
+                                f"{self.failures[(call, pid)]}")  # fmt: skip
         if self.state(pid) is not src:
             raise SnapshotError("CUDA_ERROR_ILLEGAL_STATE")
         self.states[pid] = dst
@@ -53,16 +65,16 @@ class DriverStateMachine:
         self.lock_timeouts.append(timeout_ms)
         if self.lock_error:
             raise SnapshotError(f"cuCheckpointProcessLock failed: {self.lock_error}")
-        self._move(pid, ProcessState.RUNNING, ProcessState.LOCKED)
+        self._move("lock", pid, ProcessState.RUNNING, ProcessState.LOCKED)
 
     def checkpoint(self, pid: int) -> None:
-        self._move(pid, ProcessState.LOCKED, ProcessState.CHECKPOINTED)
+        self._move("checkpoint", pid, ProcessState.LOCKED, ProcessState.CHECKPOINTED)
 
     def restore(self, pid: int) -> None:
-        self._move(pid, ProcessState.CHECKPOINTED, ProcessState.LOCKED)
+        self._move("restore", pid, ProcessState.CHECKPOINTED, ProcessState.LOCKED)
 
     def unlock(self, pid: int) -> None:
-        self._move(pid, ProcessState.LOCKED, ProcessState.RUNNING)
+        self._move("unlock", pid, ProcessState.LOCKED, ProcessState.RUNNING)
 
 
 def test_process_identity_of_a_live_and_a_gone_process(child):
@@ -123,6 +135,104 @@ def test_lock_failure_leaves_the_process_running(child):
     with pytest.raises(SnapshotError, match="CUDA_ERROR_TIMEOUT"):
         asyncio.run(backend.snapshot(request_for(ProcessIdentity.of(child.pid))))
     assert driver.states[child.pid] is ProcessState.RUNNING
+
+
+@pytest.fixture
+def two_children():
+    """Two real processes, lower PID first (the order the backend moves them in)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)
+    ]
+    yield sorted(procs, key=lambda p: p.pid)
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_checkpoint_failing_on_the_second_process_rolls_the_first_back(two_children):
+    first, second = (ProcessIdentity.of(p.pid) for p in two_children)
+    job = request_for(first, second)
+    driver = DriverStateMachine(failures={("checkpoint", second.pid): "CUDA_ERROR_OUT_OF_MEMORY"})
+    backend = CudaCheckpointBackend(driver)
+    with pytest.raises(SnapshotError) as failed:
+        asyncio.run(backend.snapshot(job))
+    message = str(failed.value)
+    assert "checkpoint failed: cuCheckpointProcessCheckpoint failed: CUDA_ERROR_OUT_OF_MEMORY" in (
+        message
+    )
+    assert f"rolled back process(es) {sorted([first.pid, second.pid])} to RUNNING" in message
+    assert "could not" not in message
+    # Nobody is left checkpointed or locked: the second is unlocked, the first restored.
+    assert driver.states == {first.pid: ProcessState.RUNNING, second.pid: ProcessState.RUNNING}
+    assert driver.calls[-3:] == [
+        ("unlock", second.pid),
+        ("restore", first.pid),
+        ("unlock", first.pid),
+    ]
+    # The job can be moved once the driver works again.
+    driver.failures.clear()
+    asyncio.run(backend.snapshot(job))
+    assert set(driver.states.values()) == {ProcessState.CHECKPOINTED}
+
+
+def test_restore_failing_on_the_second_process_checkpoints_the_first_again(two_children):
+    """Half a job running beside the next holder is worse than a job not restored: the
+    first process goes back to CHECKPOINTED, so the device stays free, and the failure is
+    reported (the group then marks the job faulted)."""
+    first, second = (ProcessIdentity.of(p.pid) for p in two_children)
+    job = request_for(first, second)
+    driver = DriverStateMachine()
+    backend = CudaCheckpointBackend(driver)
+    asyncio.run(backend.snapshot(job))
+    driver.failures[("restore", second.pid)] = "CUDA_ERROR_OUT_OF_MEMORY"
+    with pytest.raises(SnapshotError) as failed:
+        asyncio.run(backend.restore(job))
+    message = str(failed.value)
+    assert "restore failed: cuCheckpointProcessRestore failed: CUDA_ERROR_OUT_OF_MEMORY" in message
+    assert "to CHECKPOINTED" in message and "could not" not in message
+    assert driver.states == {
+        first.pid: ProcessState.CHECKPOINTED,
+        second.pid: ProcessState.CHECKPOINTED,
+    }
+    assert driver.calls[-2:] == [("lock", first.pid), ("checkpoint", first.pid)]
+    driver.failures.clear()
+    asyncio.run(backend.restore(job))
+    assert set(driver.states.values()) == {ProcessState.RUNNING}
+
+
+def test_a_rollback_that_fails_says_which_process_is_left_where(two_children):
+    first, second = (ProcessIdentity.of(p.pid) for p in two_children)
+    driver = DriverStateMachine(
+        failures={
+            ("checkpoint", second.pid): "CUDA_ERROR_OUT_OF_MEMORY",
+            ("restore", first.pid): "CUDA_ERROR_UNKNOWN",
+        }
+    )
+    with pytest.raises(SnapshotError) as failed:
+        asyncio.run(CudaCheckpointBackend(driver).snapshot(request_for(first, second)))
+    message = str(failed.value)
+    assert f"rolled back process(es) [{second.pid}] to RUNNING" in message
+    assert f"could not roll back: process {first.pid}: " in message
+    assert "CUDA_ERROR_UNKNOWN" in message
+    assert driver.states[first.pid] is ProcessState.CHECKPOINTED
+
+
+def test_a_failure_before_any_process_is_touched_rolls_nothing_back(two_children):
+    first, second = (ProcessIdentity.of(p.pid) for p in two_children)
+    changed = ProcessIdentity(first.pid, first.start_time + 1)
+    driver = DriverStateMachine()
+    with pytest.raises(ProcessMismatchError, match="now belongs to another process"):
+        asyncio.run(CudaCheckpointBackend(driver).snapshot(request_for(changed, second)))
+    assert driver.calls == []
+
+    class NoDriver(DriverStateMachine):
+        def state(self, pid: int) -> ProcessState:
+            raise SnapshotError("cuCheckpointProcessGetState failed: CUDA_ERROR_NOT_INITIALIZED")
+
+    with pytest.raises(SnapshotError, match="CUDA_ERROR_NOT_INITIALIZED") as failed:
+        asyncio.run(CudaCheckpointBackend(NoDriver()).snapshot(request_for(first, second)))
+    # The very error, not one caused by itself (Temporal's failure converter would recurse).
+    assert failed.value.__cause__ is None and "rolled back" not in str(failed.value)
 
 
 def test_backend_refuses_a_pid_that_changed_hands(child):
@@ -191,3 +301,71 @@ def test_real_cuda_process_checkpoint_and_restore():
     finally:
         proc.kill()
         proc.wait()
+
+
+ROLLBACK_GIB = 1
+ROLLBACK_CHILD = GPU_CHILD.replace(f"({GPU_GIB} * 256", f"({ROLLBACK_GIB} * 256")
+
+
+def _rolled_back(message: str, to: str) -> set[int]:
+    """The PIDs a rollback report says it moved back to state ``to``."""
+    found = re.search(rf"rolled back process\(es\) \[([\d, ]+)\] to {to}", message)
+    return {int(pid) for pid in found.group(1).split(",")} if found else set()
+
+
+@pytest.mark.gpu
+def test_real_cuda_checkpoint_rollback_when_the_second_process_fails():
+    """A job of two processes whose second has no CUDA context, so the real driver fails on
+    it: the first, checkpointed by then, is restored and unlocked (a failed checkpoint), or
+    checkpointed again (a failed restore), and its device memory is intact afterwards."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cuda_proc = subprocess.Popen(
+        [sys.executable, "-c", ROLLBACK_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    spawned: list[subprocess.Popen] = []
+    try:
+        assert cuda_proc.stdout.readline().strip() == "ready"
+        # The backend moves processes in PID order: the CUDA one must come first.
+        for _ in range(5):
+            spawned.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]))
+            if spawned[-1].pid > cuda_proc.pid:
+                break
+        else:
+            pytest.skip("PIDs wrapped around: no process with a PID above the CUDA one")
+        cuda_id, plain_id = ProcessIdentity.of(cuda_proc.pid), ProcessIdentity.of(spawned[-1].pid)
+        backend = CudaCheckpointBackend(lock_timeout_s=5.0)
+        health = backend.health()
+        assert health.ok, health.detail
+        job = SnapshotRequest("gpu-job", processes=(cuda_id, plain_id))
+        alone = SnapshotRequest("gpu-job", processes=(cuda_id,))
+
+        with pytest.raises(SnapshotError) as failed:
+            asyncio.run(backend.snapshot(job))
+        print(f"cuda-checkpoint rollback of a failed checkpoint: {failed.value}")
+        assert cuda_proc.pid in _rolled_back(str(failed.value), "RUNNING")
+        assert "could not roll back" not in str(failed.value)
+        assert backend.driver.state(cuda_proc.pid) is ProcessState.RUNNING
+
+        free_running = torch.cuda.mem_get_info()[0]
+        asyncio.run(backend.snapshot(alone))
+        with pytest.raises(SnapshotError) as failed:
+            asyncio.run(backend.restore(job))
+        print(f"cuda-checkpoint rollback of a failed restore: {failed.value}")
+        assert cuda_proc.pid in _rolled_back(str(failed.value), "CHECKPOINTED")
+        assert backend.driver.state(cuda_proc.pid) is ProcessState.CHECKPOINTED
+        freed = torch.cuda.mem_get_info()[0] - free_running
+        assert freed >= ROLLBACK_GIB * 1024**3, f"only {freed} bytes are free again"
+
+        asyncio.run(backend.restore(alone))
+        cuda_proc.stdin.write("\n")
+        cuda_proc.stdin.flush()
+        assert cuda_proc.stdout.readline().strip() == "ok"
+    finally:
+        for proc in [cuda_proc, *spawned]:
+            proc.kill()
+            proc.wait()

@@ -337,6 +337,10 @@ def test_gpu_report_condenses_what_the_run_wrote(tmp_path):
         "cuda-checkpoint of 4 GiB: checkpoint 0.90 s, restore 0.70 s\n.\n"
         "SKIPPED [1] tests/x.py:1: needs a CUDA device\n"
     )
+    (tmp_path / "pytest-checkpoint-rollback.txt").write_text(
+        "cuda-checkpoint rollback of a failed checkpoint: checkpoint failed: x; rolled back "
+        "process(es) [7] to RUNNING\n.\n"
+    )
     bench = {
         "bytes": 4 * 1024**3,
         "snapshot_GBps": 20.0,
@@ -366,6 +370,8 @@ def test_gpu_report_condenses_what_the_run_wrote(tmp_path):
         "torch 4 GiB: offload 20.0 GB/s vs pinned copy_ 25.0 GB/s (0.8x); restore 18.0 GB/s "
         "vs 24.0 GB/s (0.75x); overlapped swap 0.3 s (1.4x the slower direction alone)",
         "cuda-checkpoint of 4 GiB: checkpoint 0.90 s, restore 0.70 s",
+        "cuda-checkpoint rollback of a failed checkpoint: checkpoint failed: x; rolled back "
+        "process(es) [7] to RUNNING",
         "== steps",
         "3 steps: 1 failed, 1 skipped",
         "failed: snapshot-cuda-16gib (exit 124; see snapshot-cuda-16gib.txt)",

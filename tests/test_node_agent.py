@@ -31,7 +31,13 @@ from timeslice.protocol.group import (
 )
 from timeslice.snapshot.base import SnapshotRequest
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
-from timeslice.snapshot.registration import socket_path
+from timeslice.snapshot.registration import (
+    JOB_TOKEN_ENV,
+    job_token,
+    key_path,
+    load_agent_key,
+    socket_path,
+)
 from timeslice.workers.sandbox import workflow_runner
 
 from .conftest import start_service, stop_process
@@ -39,6 +45,12 @@ from .helpers import events, finish, read_log, spawn_contender, wait_for
 from .requester_workflows import ImpostorWorkflow
 
 SIMULATED_BYTES = 3 * 1024 * 1024
+
+
+def token_for(node: str, job_id: str) -> str:
+    """Job ``job_id``'s token from the key of ``node``'s agent, as `timeslice agent-token`
+    prints it."""
+    return job_token(load_agent_key(key_path(socket_path(node).parent)), job_id)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +107,7 @@ def test_failed_checkpoint_faults_only_that_job(address, group, node, tmp_path, 
     """On this CPU-only machine cuda-checkpoint cannot work: the job is marked faulted and
     the group goes on serving the other one."""
     log = tmp_path / "fault.jsonl"
-    env = {**os.environ, JOB_ENV: "cuda-job"}
+    env = {**os.environ, JOB_ENV: "cuda-job", JOB_TOKEN_ENV: token_for(node, "cuda-job")}
     contender = str(Path(__file__).parent / "contender.py")
     cmd = [
         sys.executable,
@@ -134,8 +146,14 @@ def test_failed_checkpoint_faults_only_that_job(address, group, node, tmp_path, 
     wait_for(lambda: "cuda-job" not in other.group_status(group).faulted_jobs, what="departed")
 
 
-def test_client_refuses_checkpointing_a_process_not_launched_for_the_job(address):
+def test_client_refuses_checkpointing_a_process_not_launched_for_the_job(address, monkeypatch):
+    monkeypatch.delenv(JOB_TOKEN_ENV, raising=False)
     with pytest.raises(InvalidArgumentError, match=f"start this process with {JOB_ENV}=j1"):
+        TimeSliceOrchestratorClient(target=address, job_id="j1", node="n1")
+    monkeypatch.setenv(JOB_ENV, "j1")
+    with pytest.raises(
+        InvalidArgumentError, match=f"start this process with {JOB_TOKEN_ENV} set to the job's"
+    ):
         TimeSliceOrchestratorClient(target=address, job_id="j1", node="n1")
     with pytest.raises(InvalidArgumentError, match="invalid node name"):
         TimeSliceOrchestratorClient(
@@ -216,6 +234,7 @@ def test_standalone_needs_a_backend_and_reports_failures(address, node, make_cli
     # This process claims the job in its current environment, but it was not *launched* for
     # it: the agent reads the launch environment and refuses to register it.
     monkeypatch.setenv(JOB_ENV, "claimer")
+    monkeypatch.setenv(JOB_TOKEN_ENV, token_for(node, "claimer"))
     claimer = TimeSliceOrchestratorClient(target=address, job_id="claimer", node=node)
     with pytest.raises(
         TimesliceError, match=r"refused this process: .* not launched for job claimer"
@@ -282,33 +301,66 @@ def test_agent_acts_only_for_group_and_snapshot_workflows(address, node):
     assert "not for ImpostorWorkflow" in answer
 
 
-def _register_raw(node: str, job_id: str, env: dict[str, str]) -> dict:
+def _register_raw(node: str, job_id: str, env: dict[str, str], token: str | None) -> dict:
     """Register a fresh process (launched with ``env``) on the agent's socket, as a client
-    would; return the agent's answer."""
+    would, presenting ``token``; return the agent's answer."""
     code = (
         "import json, socket, sys\n"
         "s = socket.socket(socket.AF_UNIX)\n"
         "s.connect(sys.argv[1])\n"
-        "s.sendall(json.dumps({'job_id': sys.argv[2]}).encode() + b'\\n')\n"
+        "message = {'job_id': sys.argv[2]}\n"
+        "if len(sys.argv) > 3: message['token'] = sys.argv[3]\n"
+        "s.sendall(json.dumps(message).encode() + b'\\n')\n"
         "print(s.makefile().readline(), end='')\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(socket_path(node)), job_id],
+        [sys.executable, "-c", code, str(socket_path(node)), job_id,
+         *([token] if token is not None else [])],
         env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return json.loads(out.stdout)
 
 
-def test_agent_registers_only_processes_launched_for_the_job_they_name(node):
-    env = {k: v for k, v in os.environ.items() if k != JOB_ENV}
-    refused = _register_raw(node, "victim", env)
+def test_agent_registers_only_processes_that_prove_their_job(node):
+    """Launching a process with TIMESLICE_JOB_ID=victim is not enough to be victim's: it must
+    present victim's token, which only the agent's key makes."""
+    env = {k: v for k, v in os.environ.items() if k not in (JOB_ENV, JOB_TOKEN_ENV)}
+    claims_victim = {**env, JOB_ENV: "victim"}
+    refused = _register_raw(node, "victim", claims_victim, None)
+    assert not refused["ok"] and "presented no token for job victim" in refused["error"]
+    for wrong in (token_for(node, "mine"), job_token(b"k" * 32, "victim"), "0" * 64):
+        refused = _register_raw(node, "victim", claims_victim, wrong)
+        assert not refused["ok"] and "is not job victim's" in refused["error"], refused
+    # The right token, but the process was launched for another job: a mistake, refused.
+    refused = _register_raw(node, "victim", env, token_for(node, "victim"))
     assert not refused["ok"] and "was not launched for job victim" in refused["error"]
-    accepted = _register_raw(node, "mine", {**env, JOB_ENV: "mine"})
+    accepted = _register_raw(node, "victim", claims_victim, token_for(node, "victim"))
     assert accepted["ok"] and accepted["pid"] > 0
+
+
+def test_agent_token_prints_the_token_the_agent_accepts(node, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "agent-token", "victim"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == token_for(node, "victim")
+    missing = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "agent-token", "victim",
+         "--key-file", str(tmp_path / "none.key")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert "no node-agent key at" in missing.stderr and "Traceback" not in missing.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "agent-token", "bad id"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "invalid job id 'bad id'" in bad.stderr
 
 
 def test_client_without_a_node_agent_to_register_with_says_so(address, monkeypatch):
     monkeypatch.setenv(JOB_ENV, "lonely")
+    monkeypatch.setenv(JOB_TOKEN_ENV, "any")
     lonely = TimeSliceOrchestratorClient(target=address, job_id="lonely", node="no-agent-here")
     with pytest.raises(
         TimesliceError, match=r"no node agent listens at .*agent-no-agent-here\.sock"

@@ -3,13 +3,15 @@
 Serves task queue ``timeslice-node-<node>``. It acts only for requests that come from a GPU
 group's or a standalone snapshot's workflow, and only on the processes a job registered
 *themselves* with it (``timeslice.snapshot.registration``: each process connects to the
-agent's Unix socket; the kernel names the peer, which must have been launched for the job it
-names). A request cannot point it at any other process: the PIDs in a request are not used.
+agent's Unix socket; the kernel names the peer, which must present its job's token, made from
+the agent's key). A request cannot point it at any other process: the PIDs in a request are
+not used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from temporalio import activity
@@ -77,10 +79,12 @@ def build_node_agent(
     *,
     extra_backends: list[SnapshotBackend] | None = None,
     backend_options: dict[str, dict[str, Any]] | None = None,
+    key_file: Path | None = None,
 ) -> NodeAgent:
     """The agent with the registry's node-agent backends (each built with its
     ``backend_options`` entry, e.g. ``{"cuda-checkpoint": {"lock_timeout_s": 5.0}}``) and
-    ``extra_backends``."""
+    ``extra_backends``. ``key_file``: the key job tokens are made with (default
+    ``$TIMESLICE_AGENT_KEY_FILE``, else ``agent.key`` beside the socket, created if missing)."""
     registry = PidRegistry()
     options = backend_options or {}
     unknown = sorted(set(options) - set(node_agent_backends()))
@@ -104,4 +108,4 @@ def build_node_agent(
         activities=[activities.snapshot, activities.restore],
         max_concurrent_activities=8,
     )
-    return NodeAgent(worker, activities, RegistrationServer(node, registry))
+    return NodeAgent(worker, activities, RegistrationServer(node, registry, key_file=key_file))

@@ -49,9 +49,9 @@ def bandwidth_lines(out: Path) -> list[str]:
 def printed_lines(out: Path) -> list[str]:
     """The figures the gpu tests print (-s): cuda-checkpoint and vLLM timings."""
     # With -q, a print can follow the progress dots of earlier tests on the same line.
-    wanted = re.compile(r"(cuda-checkpoint (of|health)|vllm (sleep|health)).*")
+    wanted = re.compile(r"(cuda-checkpoint (of|health|rollback)|vllm (sleep|health)).*")
     found = []
-    for name in ("pytest-checkpoint.txt", "pytest-vllm.txt"):
+    for name in ("pytest-checkpoint.txt", "pytest-checkpoint-rollback.txt", "pytest-vllm.txt"):
         for line in read(out / name).splitlines():
             match = wanted.search(line)
             if match:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU report for a lent device (one H200): versions, call shapes, the torch snapshot
-# bandwidth bench (1 / 4 / 16 GiB), a cuda-checkpoint toggle of a 4 GiB process, and vLLM sleep /
-# wake where vLLM installs.
+# bandwidth bench (1 / 4 / 16 GiB), a cuda-checkpoint toggle of a 4 GiB process, the rollback of
+# a two-process checkpoint whose second process fails, and vLLM sleep / wake where vLLM installs.
 #
 #   OUT=/path/to/results bash tests/gpu/run.sh      (default OUT: gpu-results in the repository)
 #
@@ -102,7 +102,10 @@ done
 
 # ------------------------------------------------------------------ cuda-checkpoint, 4 GiB
 step pytest-checkpoint 120 env TIMESLICE_GPU_CHECKPOINT_GIB=4 "$py" -m pytest -q -s -rs \
-    -p no:cacheprovider -m gpu tests/test_cuda_checkpoint.py
+    -p no:cacheprovider -m gpu -k "not rollback" tests/test_cuda_checkpoint.py
+# A job of two processes whose second fails on the real driver: the first is moved back (1 GiB).
+step pytest-checkpoint-rollback 90 "$py" -m pytest -q -s -rs -p no:cacheprovider -m gpu \
+    -k rollback tests/test_cuda_checkpoint.py
 
 # ------------------------------------------------------------------ vLLM sleep / wake
 if has vllm; then
