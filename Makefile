@@ -21,12 +21,12 @@ demo: $(STAMP)
 # stays on one worker (its module fixtures are shared). TEST_WORKERS=0 runs everything in one.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not soak"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# The 60-s soak with faults (tests/test_soak.py), apart from `make test` while the RL stall it
-# found on a loaded machine is open (BENCHMARKS.md, "Soak with faults").
+# The soak's tests alone (tests/test_soak.py: the 60-s soak with every fault kind, its command line,
+# the dropped-connection regression); `make test` runs them too.
 soak-test: $(STAMP)
-	$(PY) -m pytest -q -m soak tests/test_soak.py
+	$(PY) -m pytest -q tests/test_soak.py
 
 # Every kustomization under deploy/kubernetes: rendered offline and validated against the
 # Kubernetes schemas (oldest supported and newest shipped), as tests/test_deploy.py also does.

@@ -13,6 +13,17 @@ random times, the soak injects faults, cycling through every kind before repeati
 - ``kill_rl_job``: kill -9 of an RL job's process; restarted as a user would (same command)
 - ``kill_worker``: kill -9 of the control worker; restarted
 - ``restart_server``: the Temporal server stopped and started again on the same database
+- ``pause_waiter``: SIGSTOP of a contender waiting in ``acquire``, for longer than the group's
+  grant confirmation time-out (``--ttl``), then SIGCONT: its grant may reach it late, after the
+  group took it for dead and granted the next waiter
+- ``forge_grant``: kill -9 of an RL job's process (restarted) and, once its workflow waits for
+  the lease of its new prepare, a ``timeslice_grant`` signal to that workflow naming the request
+  and the holder's token (what `timeslice status` shows), every other one with a ``fault``: a
+  caller inside the namespace pretending to be the group
+- ``worker_down_in_prepare``: kill -9 of an RL job's process, restarted with a slow model load
+  (its prepare, under the job workflow's lease, takes ``--rl-ttl`` + 8 s); once the load has
+  begun, kill -9 of the control worker, restarted ``--rl-ttl`` + 2 s later: the group then finds
+  the job's lease expired and grants the next waiter while the load may still run
 
 A contender kill is classified by what the victim's own log says it was doing when it died (a
 holder may release just before the signal lands); a kind that missed is owed to a later slot.
@@ -67,8 +78,20 @@ GROUP = "soak"
 VERBOSE = ["-v"] if os.environ.get("TIMESLICE_SOAK_LOG_LEVEL") == "DEBUG" else []
 # Lease records the group keeps; polled every ``--progress-every`` s, they cover minutes.
 HISTORY_KEEP = 1024
-FAULT_KINDS = ("kill_holder", "kill_waiter", "kill_rl_job", "kill_worker", "restart_server")
+FAULT_KINDS = (
+    "kill_holder",
+    "kill_waiter",
+    "kill_rl_job",
+    "kill_worker",
+    "restart_server",
+    "pause_waiter",
+    "forge_grant",
+    "worker_down_in_prepare",
+)
+# Kinds that need RL jobs to strike.
+RL_FAULT_KINDS = ("kill_rl_job", "forge_grant", "worker_down_in_prepare")
 WORKLOAD = "soak_workload:create"
+SLOW_PREPARE = "slow-prepare-"  # bench/soak_workload.py reads it
 # What each RL phase holds for: short, so a 60-s soak still runs dozens of epochs per job.
 RL_PHASES = {"sample_s": 0.2, "reward_s": 0.3, "train_s": 0.1}
 
@@ -222,6 +245,8 @@ class Incarnation:
     killed_wall: float | None = None
     ended_at: float | None = None  # monotonic, when it was seen gone (killed or not)
     exit_code: int | None = None
+    #: (start, end) wall-clock times it was stopped by ``pause_waiter``
+    paused_wall: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def job(self) -> str:
@@ -266,7 +291,7 @@ class Settings:
     pause_max: float
     stop_file: Path
     checkpoints: Path
-    #: The kinds this soak injects (--faults, less kill_rl_job without RL jobs).
+    #: The kinds this soak injects (--faults, less the RL kinds without RL jobs).
     fault_kinds: tuple[str, ...] = FAULT_KINDS
 
 
@@ -412,7 +437,10 @@ class Soak:
         phases = [r for r in records if r["event"] in ("phase_start", "phase_end")]
         doing = "between GPU phases"
         if phases and phases[-1]["event"] == "phase_start":
-            doing = f"in {phases[-1]['phase']} of epoch {phases[-1]['epoch']}"
+            last = phases[-1]
+            doing = f"in {last['phase']}" + (
+                f" of epoch {last['epoch']}" if last["epoch"] >= 0 else ""
+            )
         self.start_rl_process(victim.name)
         return Fault("kill_rl_job", "kill_rl_job", t0, time.time(),
                      f"{victim.label}", doing, time.monotonic() - t0)  # fmt: skip
@@ -434,9 +462,94 @@ class Soak:
         return Fault("restart_server", "restart_server", t0, time.time(), self.server.address,
                      f"down {time.monotonic() - down:.1f} s", time.monotonic() - t0)  # fmt: skip
 
+    def pause_waiter(self, rng: random.Random, patience: float) -> Fault | None:
+        deadline = time.monotonic() + patience
+        while not (found := self._candidates("kill_waiter")):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)  # polling the victims' logs for a moment to strike in
+        victim = rng.choice(found)
+        # Past the group's grant confirmation time-out: a grant made meanwhile is ended as
+        # dead and the next waiter granted; the victim may still find it when it resumes.
+        pause = self.settings.ttl + 2.0
+        t0 = time.monotonic()
+        stopped = time.time()
+        try:
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return None
+        time.sleep(pause)  # the fault is the pause itself
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        victim.paused_wall.append((stopped, time.time()))
+        return Fault("pause_waiter", "pause_waiter", t0, stopped, victim.label,
+                     f"stopped {pause:.1f} s while asking", time.monotonic() - t0)  # fmt: skip
+
+    def forge_grant(self, rng: random.Random) -> Fault | None:
+        """Forge a grant while an RL job's *workflow* waits for a lease (its prepare: phases'
+        leases are the process's, whose grants come by activity); the job is made to prepare
+        again by a kill of its process first."""
+        live = self.live("rl")
+        if not live:
+            return None
+        victim = rng.choice(live)
+        t0 = time.monotonic()
+        self.kill(victim)
+        self.start_rl_process(victim.name)
+        forged = forge_rl_grant(
+            self.settings.address,
+            victim.name,
+            # The job is taken for dead after its heartbeat time-out, then rewinds.
+            patience=60.0,
+            with_fault=sum(f.kind == "forge_grant" for f in self.faults) % 2 == 1,
+        )
+        if forged is None:
+            return Fault("kill_rl_job", "forge_grant", t0, time.time(), victim.label,
+                         "killed; it did not wait for its prepare lease in time to forge",
+                         time.monotonic() - t0)  # fmt: skip
+        return Fault("forge_grant", "forge_grant", t0, time.time(), victim.name, forged,
+                     time.monotonic() - t0)  # fmt: skip
+
+    def worker_down_in_prepare(self, rng: random.Random) -> Fault | None:
+        live = self.live("rl")
+        if not live:
+            return None
+        victim = rng.choice(live)
+        outage = self.settings.rl_ttl + 2.0
+        marker = self.settings.logs / f"{SLOW_PREPARE}{victim.name}"
+        marker.write_text(str(outage + 6.0))
+        try:
+            t0 = time.monotonic()
+            self.kill(victim)
+            restarted = self.start_rl_process(victim.name)
+            # It is taken for dead after its heartbeat time-out, then rewinds and prepares.
+            deadline = time.monotonic() + 60
+            while not any(r["event"] == "slow_prepare" for r in read_jsonl(restarted.log)):
+                if time.monotonic() > deadline or not restarted.alive:
+                    return Fault("kill_rl_job", "worker_down_in_prepare", t0, time.time(),
+                                 victim.label, "killed; its new process did not start a slow "
+                                 "prepare within 60 s", time.monotonic() - t0)  # fmt: skip
+                time.sleep(0.05)  # polling its log for the load to begin
+            (worker,) = self.live("worker")
+            self.kill(worker)
+            time.sleep(outage)  # the fault is the outage itself
+            self.start_worker()
+        finally:
+            marker.unlink(missing_ok=True)
+        return Fault("worker_down_in_prepare", "worker_down_in_prepare", t0, time.time(),
+                     f"{restarted.label} and {worker.label}",
+                     f"control worker down {outage:.1f} s during the job's prepare",
+                     time.monotonic() - t0)  # fmt: skip
+
     def inject(self, planned: str, rng: random.Random, patience: float) -> Fault | None:
+        if planned == "worker_down_in_prepare":
+            return self.worker_down_in_prepare(rng)
         if planned in ("kill_holder", "kill_waiter"):
             return self.kill_contender(planned, rng, patience)
+        if planned == "pause_waiter":
+            return self.pause_waiter(rng, patience)
+        if planned == "forge_grant":
+            return self.forge_grant(rng)
         if planned == "kill_rl_job":
             return self.kill_rl_job(rng)
         if planned == "kill_worker":
@@ -480,6 +593,50 @@ def _temporal(address: str, coro_fn: Any) -> Any:
     return asyncio.run(go())
 
 
+def forge_rl_grant(address: str, job: str, *, patience: float, with_fault: bool) -> str | None:
+    """Once ``job``'s workflow waits for a prepare lease behind a holder, signal it a forged
+    grant naming that request and the holder's token, as `timeslice status` shows them.
+    Returns what was forged, or None if the job did not wait so within ``patience``."""
+    from timeslice.protocol.group import GRANT_SIGNAL, GroupQuery, GroupStatus, group_workflow_id
+    from timeslice.protocol.rl_job import JobQuery, RLJobProgress, rl_job_workflow_id
+
+    async def go(client: Any) -> str | None:
+        group = client.get_workflow_handle(group_workflow_id(GROUP))
+        rl_job = client.get_workflow_handle(rl_job_workflow_id(job))
+        deadline = time.monotonic() + patience
+        while True:
+            with contextlib.suppress(Exception):  # the worker or server may be coming back
+                progress = await rl_job.query(JobQuery.PROGRESS, result_type=RLJobProgress)
+                if progress.phase == f"waiting for {GROUP} (prepare)":
+                    status = await group.query(GroupQuery.STATUS, result_type=GroupStatus)
+                    waiting = [w for w in status.queue if w.job_id == job]
+                    if waiting and status.holder is not None:
+                        break
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.05)  # until the job's workflow waits behind a holder
+        request_id, token = waiting[0].request_id, status.holder.token
+        notice: dict[str, Any] = {
+            "group_id": GROUP,
+            "request_id": request_id,
+            "job_id": job,
+            "reply_workflow_id": rl_job_workflow_id(job),
+            "token": token,
+            "ttl_s": 60.0,
+            "waited_s": 0.0,
+        }
+        if with_fault:
+            notice["fault"] = "forged: this job is faulted"
+        await rl_job.signal(GRANT_SIGNAL, notice)
+        return f"request {request_id} with token {token}" + (" and a fault" if with_fault else "")
+
+    try:
+        return _temporal(address, go)
+    except Exception as err:  # the server restarting: a later slot tries again
+        print(f"  (forge_grant missed: {err})", flush=True)
+        return None
+
+
 def start_rl_jobs(address: str, jobs: list[str], ttl: float, seed: int) -> None:
     from timeslice.jobs import parse_job_config, start_rl_job
 
@@ -515,9 +672,12 @@ def stop_rl_jobs(address: str, jobs: list[str], deadline: float) -> dict[str, An
             client.get_workflow_handle(rl_job_workflow_id(job), result_type=RLJobResult)
             for job in jobs
         ]
-        for handle in handles:
-            await handle.signal(JobSignal.STOP)
         results: dict[str, Any] = {}
+        for job, handle in zip(jobs, handles, strict=True):
+            try:
+                await handle.signal(JobSignal.STOP)
+            except Exception as err:  # already ended (failed): its result below says how
+                print(f"  cannot stop {job}: {err}", flush=True)
         for job, handle in zip(jobs, handles, strict=True):
             try:
                 remaining = max(1.0, deadline - time.monotonic())
@@ -678,6 +838,9 @@ def check_grants(
         waiting = open_request_at(inc, start)
         if waiting is None:
             unclaimed["after its process gave up or died"] += 1
+            continue
+        if any(stopped <= start <= resumed for stopped, resumed in inc.paused_wall):
+            unclaimed["made while its process was paused"] += 1
             continue
         gave_up = waiting if waiting > 0 else float("inf")
         alive_until = inc.killed_wall if inc.killed_wall is not None else float("inf")
@@ -877,7 +1040,9 @@ def run(args: argparse.Namespace) -> int:
         [str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     os.environ["TIMESLICE_SOAK_LOG_DIR"] = str(logs)
-    kinds = [k for k in FAULT_KINDS if k in args.faults and (k != "kill_rl_job" or args.rl_jobs)]
+    kinds = [
+        k for k in FAULT_KINDS if k in args.faults and (k not in RL_FAULT_KINDS or args.rl_jobs)
+    ]
     rng = random.Random(args.seed)
     started_wall = datetime.now(UTC)
     t_begin = time.monotonic()
@@ -953,7 +1118,8 @@ def run(args: argparse.Namespace) -> int:
                 soak.check_crashes()
                 if now >= next_progress:
                     progress(soak, now)
-                    next_progress += args.progress_every
+                    while next_progress <= now:  # one line, also after a long fault
+                        next_progress += args.progress_every
                 time.sleep(min(0.1, at - now))  # the fault schedule's clock
 
         def strike(planned: str) -> Fault | None:

@@ -23,6 +23,7 @@ from timeslice.workloads.simulated import SimulatedWorkload
 
 LOG_DIR_ENV = "TIMESLICE_SOAK_LOG_DIR"
 LEDGER = "soak-ledger.json"
+SLOW_PREPARE = "slow-prepare-"
 
 
 class SoakWorkload(SimulatedWorkload):
@@ -52,10 +53,27 @@ class SoakWorkload(SimulatedWorkload):
         self._log.write(json.dumps(record) + "\n")
 
     def setup(self, spec: JobSpec) -> None:
-        super().setup(spec)
+        # Prepare runs under the job's leases (it builds the state on the device): a hold.
         self._job = spec.job_id
-        self.applied = []
-        self._emit("setup")
+        self._emit("phase_start", epoch=-1, phase="prepare")
+        try:
+            super().setup(spec)
+            self.applied = []
+            self._emit("setup")
+            self._slow_prepare()
+        finally:
+            self._emit("phase_end", epoch=-1, phase="prepare")
+
+    def _slow_prepare(self) -> None:
+        """A model load that takes a while, when the soak asks for one (``worker_down_in_prepare``
+        writes how many seconds into ``slow-prepare-<job>``)."""
+        marker = Path(os.environ[LOG_DIR_ENV]) / f"{SLOW_PREPARE}{self._job}"
+        try:
+            seconds = float(marker.read_text())
+        except (OSError, ValueError):
+            return
+        self._emit("slow_prepare", seconds=seconds)
+        time.sleep(seconds)  # stands in for building a large model
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
         self._emit("phase_start", epoch=epoch, phase="sample")
@@ -76,14 +94,23 @@ class SoakWorkload(SimulatedWorkload):
             self._emit("phase_end", epoch=epoch, phase="train")
 
     def save(self, directory: Path) -> None:
-        super().save(directory)
-        (directory / LEDGER).write_text(json.dumps({"applied": self.applied}))
-        self._emit("save", steps=len(self.applied), path=str(directory))
+        # Checkpoints are written under the job's lease too (from the device state): a hold.
+        self._emit("phase_start", epoch=-1, phase="checkpoint")
+        try:
+            super().save(directory)
+            (directory / LEDGER).write_text(json.dumps({"applied": self.applied}))
+            self._emit("save", steps=len(self.applied), path=str(directory))
+        finally:
+            self._emit("phase_end", epoch=-1, phase="checkpoint")
 
     def load(self, directory: Path) -> None:
-        super().load(directory)
-        self.applied = json.loads((directory / LEDGER).read_text())["applied"]
-        self._emit("load", steps=len(self.applied), path=str(directory))
+        self._emit("phase_start", epoch=-1, phase="load")
+        try:
+            super().load(directory)
+            self.applied = json.loads((directory / LEDGER).read_text())["applied"]
+            self._emit("load", steps=len(self.applied), path=str(directory))
+        finally:
+            self._emit("phase_end", epoch=-1, phase="load")
 
 
 def create() -> SoakWorkload:
