@@ -17,8 +17,9 @@ ones deleted) the next phase finds the restored state. Weights go from trainer t
 a host-side *pending* copy (NumPy arrays, in no backend): ``train`` writes it at its end,
 ``sample`` loads it at its start, so neither phase touches the other group's state.
 
-Determinism: the parameters come from ``jax.random.key(spec.seed)``; all of epoch ``e``'s
-randomness (prompts, sampling) from a key folded from ``(seed, e)``. JAX on one CPU computes the
+Determinism: the parameters are drawn from a NumPy generator seeded with ``spec.seed``; all of
+epoch ``e``'s randomness (the prompts, and the uniforms each sampled digit inverts the policy's
+CDF at) from a fresh generator seeded with ``(seed, e)``. JAX on one CPU computes the
 same bytes every run, and a move copies bytes, so a job that was snapshotted and restored ends
 with the very parameters of one run alone. A ``train`` stopped part-way puts the arrays it began
 with back into the holders (JAX arrays are immutable: keeping the old references is the backup).
@@ -129,17 +130,19 @@ class GrpoJaxOptions:
 # ---------------------------------------------------------------------------- the policy
 
 
-def init_policy(key: jax.Array, opts: GrpoJaxOptions) -> dict[str, Any]:
+def init_policy(rng: np.random.Generator, opts: GrpoJaxOptions) -> dict[str, Any]:
+    """The policy's parameters as host arrays, drawn from ``rng``."""
     k, d = opts.seq_len, opts.digits
     width = 2 * k * d + k  # the prompt, the digits so far (one-hot each), the position
-    keys = jax.random.split(key, opts.layers + 1)
     layers = []
-    for i in range(opts.layers):
-        w = jax.random.normal(keys[i], (width, opts.hidden)) * math.sqrt(2.0 / width)
-        layers.append({"w": w, "b": jnp.zeros(opts.hidden)})
+    for _ in range(opts.layers):
+        w = rng.standard_normal((width, opts.hidden), dtype=np.float32) * np.float32(
+            math.sqrt(2.0 / width)
+        )
+        layers.append({"w": w, "b": np.zeros(opts.hidden, np.float32)})
         width = opts.hidden
-    head = {"w": jax.random.normal(keys[-1], (width, d)) * 0.01, "b": jnp.zeros(d)}
-    return {"layers": layers, "head": head}
+    head_w = rng.standard_normal((width, d), dtype=np.float32) * np.float32(0.01)
+    return {"layers": layers, "head": {"w": head_w, "b": np.zeros(d, np.float32)}}
 
 
 def _features(prompts: jax.Array, written: jax.Array, position: jax.Array, d: int) -> jax.Array:
@@ -161,19 +164,31 @@ def _logits(params: dict[str, Any], x: jax.Array, temperature: float) -> jax.Arr
     return (x @ params["head"]["w"] + params["head"]["b"]) / temperature
 
 
+@partial(jax.jit, static_argnames=("optimizer",))
+def _optimizer_init(policy: dict[str, Any], *, optimizer: optax.GradientTransformation) -> Any:
+    return optimizer.init(policy)
+
+
 @partial(jax.jit, static_argnames=("d", "temperature"))
-def _next_logp(
+def _sample_step(
     params: dict[str, Any],
     prompts: jax.Array,
     written: jax.Array,
-    position: jax.Array,
+    step: jax.Array,
+    uniform: jax.Array,
     *,
     d: int,
     temperature: float,
-) -> jax.Array:
-    return jax.nn.log_softmax(
-        _logits(params, _features(prompts, written, position, d), temperature)
-    )
+) -> tuple[jax.Array, jax.Array]:
+    """Write position ``step`` of every completion, drawing each digit by inverting the
+    policy's CDF at ``uniform`` (N,): (completions so far, the digits' log-probs)."""
+    position = jnp.full((prompts.shape[0],), step, dtype=jnp.int32)
+    x = _features(prompts, written, position, d)
+    logp = jax.nn.log_softmax(_logits(params, x, temperature))
+    cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
+    choice = jnp.minimum(jnp.sum(cdf < uniform[:, None], axis=-1), d - 1).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0]
+    return written.at[:, step].set(choice), chosen
 
 
 def _completion_logp(
@@ -267,11 +282,14 @@ class GrpoJaxWorkload(Workload):
         opts = GrpoJaxOptions.parse(spec.options)
         self.spec, self.opts = spec, opts
         self.optimizer = _optimizer(opts.lr, opts.max_grad_norm)
-        policy = init_policy(self._key(spec.seed), opts)
+        # Committed to one device from the start, as restored arrays are: jitted calls then
+        # see the same kind of argument before and after a switch (one compilation, not two).
+        device = jax.local_devices()[0]
+        initial = init_policy(np.random.default_rng([spec.seed]), opts)
         # Three distinct copies: a snapshot deletes arrays, so no two states may share one.
-        reference = jax.tree.map(jnp.copy, policy)
-        sampler = jax.tree.map(jnp.copy, policy)
-        self.pending = jax.tree.map(lambda x: np.array(x, copy=True), policy)
+        policy, reference, sampler = (jax.device_put(initial, device) for _ in range(3))
+        adam = jax.device_put(_optimizer_init(policy, optimizer=self.optimizer), device)
+        self.pending = jax.tree.map(lambda x: np.array(x, copy=True), initial)
         self._rollout = None
         self._last_trained = None
 
@@ -280,7 +298,7 @@ class GrpoJaxWorkload(Workload):
         trainer_backend = JaxBackend()
         self.policy = trainer_backend.register("policy", policy)
         self.reference = trainer_backend.register("reference", reference)
-        self.adam = trainer_backend.register("adam", self.optimizer.init(policy))
+        self.adam = trainer_backend.register("adam", adam)
         self._backends = {"sampler": sampler_backend, "trainer": trainer_backend}
 
     def snapshot_backends(self) -> dict[str, JaxBackend]:  # type: ignore[override]
@@ -295,20 +313,9 @@ class GrpoJaxWorkload(Workload):
             raise RuntimeError("grpo-jax: setup() has not run")
         return self.spec
 
-    @staticmethod
-    def _key(seed: int) -> jax.Array:
-        # fold_in takes 32-bit data: fold a seed of any size in 32 bits at a time.
-        key = jax.random.key(0)
-        seed = int(seed)
-        while True:
-            key = jax.random.fold_in(key, seed & 0xFFFFFFFF)
-            seed >>= 32
-            if not seed:
-                return key
-
-    def _epoch_key(self, epoch: int) -> jax.Array:
-        """Epoch ``epoch``'s only source of randomness, from (seed, epoch)."""
-        return jax.random.fold_in(self._key(self._spec().seed), epoch)
+    def _generator(self, epoch: int) -> np.random.Generator:
+        """Epoch ``epoch``'s only source of randomness: a fresh generator from (seed, epoch)."""
+        return np.random.default_rng([self._spec().seed, epoch])
 
     def _targets(self, prompts: np.ndarray) -> np.ndarray:
         if self.opts.task == "sort":
@@ -329,21 +336,28 @@ class GrpoJaxWorkload(Workload):
         )
         del current
         params = self.sampler.value
-        prompt_key, sample_key = jax.random.split(self._epoch_key(epoch))
+        gen = self._generator(epoch)
         k, n = opts.seq_len, spec.batch_size * spec.group_size
-        prompts = jax.random.randint(prompt_key, (spec.batch_size, k), 0, opts.digits)
-        prompts = jnp.repeat(prompts, spec.group_size, axis=0)
-        written = jnp.zeros((n, k), dtype=jnp.int32)
+        prompts_host = gen.integers(0, opts.digits, (spec.batch_size, k), dtype=np.int32)
+        uniforms = gen.random((k, n), dtype=np.float32)
+        # Committed to the sampler's device, like its parameters: one compilation of the step.
+        device = next(iter(jax.tree_util.tree_leaves(params)[0].sharding.device_set))
+        prompts = jax.device_put(np.repeat(prompts_host, spec.group_size, axis=0), device)
+        written = jax.device_put(np.zeros((n, k), dtype=np.int32), device)
+        uniforms = jax.device_put(uniforms, device)
         logps = []
         for step in range(k):
             ctx.check()
-            position = jnp.full((n,), step, dtype=jnp.int32)
-            logp = _next_logp(
-                params, prompts, written, position, d=opts.digits, temperature=opts.temperature
+            written, chosen = _sample_step(
+                params,
+                prompts,
+                written,
+                jnp.int32(step),
+                uniforms[step],
+                d=opts.digits,
+                temperature=opts.temperature,
             )
-            choice = jax.random.categorical(jax.random.fold_in(sample_key, step), logp)
-            logps.append(jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0])
-            written = written.at[:, step].set(choice.astype(jnp.int32))
+            logps.append(chosen)
             ctx.progress(step=step + 1, of=k)
         ctx.check()
         self._rollout = _Rollout(
