@@ -221,21 +221,18 @@ def bench_jax(args: argparse.Namespace) -> dict[str, object]:
         snap_s.append(snap.seconds)
         rest_s.append(rest.seconds)
     peak = peak_rss_since_reset() if reset else peak_rss()
-    arrays = holder.value
-    assert all(float(a[0]) == float(i) for i, a in enumerate(arrays)), "restore corrupted state"
 
-    def timed(body: Callable[[], object]) -> list[float]:
-        seconds = []
-        for _ in range(args.rounds):
-            started = time.perf_counter()
-            jax.block_until_ready(body())
-            seconds.append(time.perf_counter() - started)
-        return seconds
-
-    # A plain device_put round trip of the same arrays (nothing deleted, nothing kept).
-    to_host = [a.sharding.with_memory_kind(host_kind) for a in arrays] if host_kind else None
-    put_s, back_s = [], []
+    # The same bytes in plain copies, each round right after one more snapshot / restore, so
+    # on a shared machine every method meets the same load: a device_put round trip to the
+    # same host memory kind (nothing deleted, nothing kept), and NumPy copies of the bytes into
+    # fresh memory and into preallocated, touched buffers.
+    put_s, back_s, fresh_s, warm_s = [], [], [], []
+    buffers = [np.ones(per, np.float32) for _ in range(args.tensors)]
     for _ in range(args.rounds):
+        snap_s.append(backend.snapshot_sync(SnapshotRequest("bench")).seconds)
+        rest_s.append(backend.restore_sync(SnapshotRequest("bench")).seconds)
+        arrays = holder.value
+        to_host = [a.sharding.with_memory_kind(host_kind) for a in arrays] if host_kind else None
         started = time.perf_counter()
         hosts = jax.device_put(arrays, to_host) if to_host else [np.array(a) for a in arrays]
         jax.block_until_ready(hosts)
@@ -244,12 +241,19 @@ def bench_jax(args: argparse.Namespace) -> dict[str, object]:
         put_s.append(middle - started)
         back_s.append(time.perf_counter() - middle)
         del hosts
-    # A plain host copy of the same bytes: into fresh memory, and into touched buffers.
-    views = [np.asarray(a) for a in arrays]
-    fresh_s = timed(lambda: [np.array(v, copy=True) for v in views])
-    buffers = [np.ones_like(v) for v in views]
-    warm_s = timed(lambda: [np.copyto(b, v) for b, v in zip(buffers, views, strict=True)])
+        views = [np.asarray(a) for a in arrays]
+        started = time.perf_counter()
+        copies = [np.array(v, copy=True) for v in views]
+        fresh_s.append(time.perf_counter() - started)
+        del copies
+        started = time.perf_counter()
+        for buffer, view in zip(buffers, views, strict=True):
+            np.copyto(buffer, view)
+        warm_s.append(time.perf_counter() - started)
+        del views, arrays
     buffers.clear()
+    arrays = holder.value
+    assert all(float(a[0]) == float(i) for i, a in enumerate(arrays)), "restore corrupted state"
 
     def gbps(seconds: list[float]) -> float:
         return round(nbytes / statistics.median(seconds) / 1e9, 2)
@@ -265,6 +269,7 @@ def bench_jax(args: argparse.Namespace) -> dict[str, object]:
         "bytes": nbytes,
         "arrays": args.tensors,
         "rounds": args.rounds,
+        "switch_rounds": len(snap_s),
         "snapshot_GBps": gbps(snap_s),
         "restore_GBps": gbps(rest_s),
         "device_put_to_host_GBps": gbps(put_s),

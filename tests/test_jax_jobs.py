@@ -1,7 +1,8 @@
-"""Two grpo-jax jobs time-slicing one group under RLJobWorkflow, their state moved by the jax
-backend: real `timeslice job worker` processes, the session's Temporal dev server.
+"""JAX jobs time-slicing one group, their state moved by the jax backend, against the
+session's Temporal dev server: two grpo-jax jobs under RLJobWorkflow (real `timeslice job
+worker` processes), and the README's training loop through the client API.
 
-The same job (seed 7) also runs alone on a group of its own, at the same time, as the
+The RL job of seed 7 also runs alone on a group of its own, at the same time, as the
 reference: the time-sliced one must end with the very bytes of that one.
 """
 
@@ -25,6 +26,7 @@ from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GroupStatus, group_workflow_id
 from timeslice.protocol.rl_job import RLJobResult
+from timeslice.snapshot.jax_backend import JaxBackend
 from timeslice.workloads.base import JobSpec
 from timeslice.workloads.grpo_jax import create
 
@@ -146,3 +148,47 @@ def _state_bytes() -> int:
     size = workload.state_bytes()
     assert size is not None
     return size
+
+
+def test_the_readme_loop_trains_through_switches_like_a_loop_alone(group: str, make_client) -> None:
+    """Two clients in one process share a group; each keeps its JAX state in jax-backend holders
+    and trains only under a lease, as the README shows. Every turn of the other job evicts this
+    one's arrays (deleted on the device) and the next grant restores them into the holders; the
+    result is the very bytes of the same loop run without any switch."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def step(w: jax.Array, m: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        grad = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+        m = 0.9 * m + grad
+        return w - 0.01 * m, m
+
+    def batch(i: int) -> jax.Array:
+        return jax.random.normal(jax.random.key(i), (8, 16))
+
+    def start() -> tuple[jax.Array, jax.Array]:
+        return jax.random.normal(jax.random.key(0), (16, 16)), jnp.zeros((16, 16))
+
+    alone_w, alone_m = start()
+    backends, holders, clients = [], [], []
+    for job in ("jax-a", "jax-b"):
+        backend = JaxBackend()
+        w, m = start()
+        holders.append((backend.register("w", w), backend.register("m", m)))
+        backends.append(backend)
+        clients.append(make_client(job_id=f"{job}-{group}", snapshot_backends=[backend]))
+    (w_a, m_a), _ = holders
+    for i in range(4):
+        for client, (w, m) in zip(clients, holders, strict=True):
+            with client.on_accelerators(group_id=group):
+                assert not w.evicted
+                w.value, m.value = step(w.value, m.value, batch(i))
+        assert w_a.evicted  # b took the group: a's arrays are off the device
+        alone_w, alone_m = step(alone_w, alone_m, batch(i))
+    with clients[0].on_accelerators(group_id=group):
+        final_w, final_m = np.asarray(w_a.value), np.asarray(m_a.value)
+    assert final_w.tobytes() == np.asarray(alone_w).tobytes()
+    assert final_m.tobytes() == np.asarray(alone_m).tobytes()
+    status = clients[0].group_status(group)
+    assert status.stats.evictions >= 7 and status.stats.snapshot_failures == 0
