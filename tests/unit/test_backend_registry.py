@@ -70,6 +70,8 @@ def test_the_client_builds_by_name_only_backends_that_need_nothing_of_the_job() 
     )
     with pytest.raises(InvalidArgumentError, match="'torch' moves objects of yours"):
         _backends(["torch"])
+    with pytest.raises(InvalidArgumentError, match="'jax' moves objects of yours"):
+        _backends(["jax"])
 
 
 def test_create_passes_the_backends_own_options() -> None:
