@@ -9,6 +9,7 @@ subprocess (tests/jax_sharded_probe.py), since the device count is fixed when JA
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -103,14 +104,19 @@ def test_round_trip_is_bit_identical_and_the_holder_gets_the_new_arrays() -> Non
     expected = registered_bytes(backend)
     by_shape = sum(x.nbytes for x in jax.tree_util.tree_leaves((params.value, opt_state.value)))
     assert expected == by_shape > 0  # unsharded: the runtime's size is the arrays' own
-    alive = device_bytes_alive()
-
-    report = asyncio.run(backend.snapshot(REQUEST))
+    gc.collect()  # other tests' garbage must not be freed in between and count as ours
+    gc.disable()
+    try:
+        alive = device_bytes_alive()
+        report = asyncio.run(backend.snapshot(REQUEST))
+        freed = alive - device_bytes_alive()
+    finally:
+        gc.enable()
     assert (report.backend, report.mode, report.bytes) == ("jax", "offload", expected)
     assert report.seconds > 0
     assert params.evicted and opt_state.evicted and backend.evicted
     assert all(x.is_deleted() for x in old), "the device buffers were not freed"
-    assert alive - device_bytes_alive() == expected  # the device memory is gone ...
+    assert freed == expected  # the device memory is gone ...
     host = [moved.host for _, moved in params._out_names]
     assert {h.sharding.memory_kind for h in host} == {"pinned_host"}  # ... and it is host memory
     assert registered_bytes(backend) == expected  # still known while out
