@@ -108,7 +108,7 @@ class JaxState:
             if self._out is not None:
                 raise SnapshotError(
                     f"jax state {self.name!r} is off the device (snapshotted to host memory); "
-                    "it is restored before the job's next lease, use it only inside a phase"
+                    "it comes back before the job's next grant: use it only while holding the group"
                 )
             return self._tree
 
@@ -220,7 +220,10 @@ class JaxBackend:
                 if id(leaf) in seen:
                     continue
                 seen.add(id(leaf))
-                total += leaf.nbytes if isinstance(leaf, _Moved) else _device_bytes(leaf)
+                if isinstance(leaf, _Moved):
+                    total += leaf.nbytes
+                elif not leaf.is_deleted():  # a donated one: the snapshot will say so
+                    total += _device_bytes(leaf)
             return total
 
     # ------------------------------------------------------------ health

@@ -167,7 +167,10 @@ def test_deleted_buffers_are_never_read() -> None:
 
 def test_a_holder_left_with_a_donated_array_is_refused_and_nothing_moves() -> None:
     backend, params, opt_state = registered()
-    jax.tree_util.tree_leaves(params.value)[0].delete()  # what donate_argnums does to it
+    donated = jax.tree_util.tree_leaves(params.value)[0]
+    full = registered_bytes(backend)
+    donated.delete()  # what donate_argnums does to it
+    assert registered_bytes(backend) == full - donated.nbytes  # counted, not a crash
     before = leaves(opt_state.value)
     with pytest.raises(SnapshotError, match=r"policy\.embed was deleted before the snapshot"):
         backend.snapshot_sync(REQUEST)
