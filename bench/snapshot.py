@@ -1,6 +1,9 @@
-"""Snapshot / restore bandwidth of the torch backend against a plain copy of the same bytes.
+"""Snapshot / restore bandwidth of the torch or jax backend against plain copies of the bytes.
 
     .venv/bin/python bench/snapshot.py --gib 1
+    .venv/bin/python bench/snapshot.py --backend jax --gib 1
+
+torch:
 
 On CPU the state is ``--tensors`` float32 tensors totalling ``--gib`` GiB. Two plain copies of
 the same bytes are timed in the same run: ``dst.copy_(src)`` into preallocated, already-touched
@@ -10,6 +13,16 @@ memory is the process's maximum RSS over the snapshot / restore, against the RSS
 state resident: it must stay well under a second full copy. On CUDA (``--device cuda``) the
 ceiling is a pinned host <-> device copy in each direction (``plain_copy`` device to host, for
 snapshots; ``plain_copy_back`` host to device, for restores).
+
+jax (``--backend jax``): the state is ``--tensors`` float32 JAX arrays on the first local
+device, registered in one :class:`JaxBackend` holder. Timed against, in the same run: a plain
+``jax.device_put`` round trip of the same arrays to the backend's host memory kind and back
+(``pinned_host`` where the platform has it; nothing deleted: the ceiling for JAX's own copy),
+and a plain host copy of the same bytes with NumPy, into fresh memory (``np.array(copy=True)``)
+and into preallocated, already-touched buffers (``np.copyto``: memcpy). On a CPU, device and
+host memory are the same RAM: what this measures there is JAX's copy machinery, not a bus.
+XLA's CPU buffers come from glibc's malloc: run with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
+to have them on transparent huge pages (the output records the variable).
 """
 
 from __future__ import annotations
@@ -26,9 +39,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
 from timeslice.snapshot.base import SnapshotRequest
-from timeslice.snapshot.torch_backend import TorchBackend
 
 GIB = 1024**3
 
@@ -42,21 +53,59 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS count (VmHWM) from now; False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return peak_rss()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="torch", choices=["torch", "jax"])
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="torch only")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.gib <= 0 or args.tensors <= 0 or args.rounds <= 0:
         raise SystemExit("--gib, --tensors and --rounds must be > 0")
+    result = bench_jax(args) if args.backend == "jax" else bench_torch(args)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def bench_torch(args: argparse.Namespace) -> dict[str, object]:
+    import torch
+    from timeslice.snapshot.torch_backend import TorchBackend
+
+    def sync(device: str) -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     total = int(args.gib * GIB)
     per = total // args.tensors // 4
@@ -141,9 +190,102 @@ def main() -> None:
         "peak_rss_during_switches_GiB": round(peak / GIB, 2),
         "peak_extra_vs_state": round((peak - resident_rss) / nbytes, 2),
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def bench_jax(args: argparse.Namespace) -> dict[str, object]:
+    import jax
+    import numpy as np
+    from timeslice.snapshot.jax_backend import JaxBackend
+
+    device = jax.local_devices()[0]
+    total = int(args.gib * GIB)
+    per = total // args.tensors // 4
+    state = [
+        jax.device_put(np.full((per,), float(i), np.float32), device) for i in range(args.tensors)
+    ]
+    jax.block_until_ready(state)
+    nbytes = per * 4 * args.tensors
+    backend = JaxBackend()
+    holder = backend.register("state", state)
+    del state  # from here on the holder is the only way to the arrays, as in a training loop
+    host_kind = backend._host_kind(device)
+    resident_rss = rss()
+    # Building the state took a second copy (NumPy, then the device): count the switches only.
+    reset = reset_peak_rss()
+    snap_s, rest_s = [], []
+    for _ in range(args.rounds):
+        snap = backend.snapshot_sync(SnapshotRequest("bench"))
+        rest = backend.restore_sync(SnapshotRequest("bench"))
+        assert snap.bytes == rest.bytes == nbytes, (snap.bytes, rest.bytes, nbytes)
+        snap_s.append(snap.seconds)
+        rest_s.append(rest.seconds)
+    peak = peak_rss_since_reset() if reset else peak_rss()
+
+    # The same bytes in plain copies, each round right after one more snapshot / restore, so
+    # on a shared machine every method meets the same load: a device_put round trip to the
+    # same host memory kind (nothing deleted, nothing kept), and NumPy copies of the bytes into
+    # fresh memory and into preallocated, touched buffers.
+    put_s, back_s, fresh_s, warm_s = [], [], [], []
+    buffers = [np.ones(per, np.float32) for _ in range(args.tensors)]
+    for _ in range(args.rounds):
+        snap_s.append(backend.snapshot_sync(SnapshotRequest("bench")).seconds)
+        rest_s.append(backend.restore_sync(SnapshotRequest("bench")).seconds)
+        arrays = holder.value
+        to_host = [a.sharding.with_memory_kind(host_kind) for a in arrays] if host_kind else None
+        started = time.perf_counter()
+        hosts = jax.device_put(arrays, to_host) if to_host else [np.array(a) for a in arrays]
+        jax.block_until_ready(hosts)
+        middle = time.perf_counter()
+        jax.block_until_ready(jax.device_put(hosts, [a.sharding for a in arrays]))
+        put_s.append(middle - started)
+        back_s.append(time.perf_counter() - middle)
+        del hosts
+        views = [np.asarray(a) for a in arrays]
+        started = time.perf_counter()
+        copies = [np.array(v, copy=True) for v in views]
+        fresh_s.append(time.perf_counter() - started)
+        del copies
+        started = time.perf_counter()
+        for buffer, view in zip(buffers, views, strict=True):
+            np.copyto(buffer, view)
+        warm_s.append(time.perf_counter() - started)
+        del views, arrays
+    buffers.clear()
+    arrays = holder.value
+    assert all(float(a[0]) == float(i) for i, a in enumerate(arrays)), "restore corrupted state"
+
+    def gbps(seconds: list[float]) -> float:
+        return round(nbytes / statistics.median(seconds) / 1e9, 2)
+
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}",
+        "backend": "jax",
+        "platform": device.platform,
+        "host_memory": host_kind or "numpy",
+        # glibc.malloc.hugetlb=1 puts XLA's CPU buffers (glibc malloc) on transparent huge pages
+        "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+        "bytes": nbytes,
+        "arrays": args.tensors,
+        "rounds": args.rounds,
+        "switch_rounds": len(snap_s),
+        "snapshot_GBps": gbps(snap_s),
+        "restore_GBps": gbps(rest_s),
+        "device_put_to_host_GBps": gbps(put_s),
+        "device_put_back_GBps": gbps(back_s),
+        "host_copy_fresh_GBps": gbps(fresh_s),
+        "host_copy_warm_GBps": gbps(warm_s),
+        "snapshot_vs_device_put": round(gbps(snap_s) / gbps(put_s), 2),
+        "restore_vs_device_put": round(gbps(rest_s) / gbps(back_s), 2),
+        "snapshot_vs_host_copy_warm": round(gbps(snap_s) / gbps(warm_s), 2),
+        "restore_vs_host_copy_warm": round(gbps(rest_s) / gbps(warm_s), 2),
+        "snapshot_vs_host_copy_fresh": round(gbps(snap_s) / gbps(fresh_s), 2),
+        "restore_vs_host_copy_fresh": round(gbps(rest_s) / gbps(fresh_s), 2),
+        "resident_rss_GiB": round(resident_rss / GIB, 2),
+        "peak_rss_during_switches_GiB": round(peak / GIB, 2),
+        "peak_extra_vs_state": round((peak - resident_rss) / nbytes, 2),
+    }
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ MAX_REWARDS = 2000
 # The built-in workloads, by the names a job process knows them by (timeslice.workloads.registry
 # maps each to its factory; a test checks the two agree). Named here, without importing them, so
 # a job naming a workload that exists nowhere fails at once instead of waiting for a process.
-BUILTIN_WORKLOADS = ("grpo-toy", "hf-grpo", "simulated")
+BUILTIN_WORKLOADS = ("grpo-jax", "grpo-toy", "hf-grpo", "simulated")
 _FACTORY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 # Workload options travel in every job activity's input and the job's continue-as-new input.
 MAX_OPTIONS_BYTES = 64 * 1024

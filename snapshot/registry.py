@@ -1,9 +1,10 @@
 """Every snapshot backend Timeslice ships, in one table shared by the client, the node agent
 and the CLI.
 
-A backend's module is imported only when it is used: torch, vLLM and cuda-python stay optional.
-What a backend can do is declared on its class (``capabilities``); this table says where it
-runs, what it moves, which extra it needs and whether a client may ask for it by name alone.
+A backend's module is imported only when it is used: torch, JAX, vLLM and cuda-python stay
+optional. What a backend can do is declared on its class (``capabilities``); this table says
+where it runs, what it moves, which extra it needs and whether a client may ask for it by name
+alone.
 """
 
 from __future__ import annotations
@@ -88,6 +89,15 @@ BACKENDS: dict[str, BackendEntry] = {
             "timeslice.snapshot.torch_backend:TorchBackend",
             extra="torch",
             needs="torch",
+        ),
+        BackendEntry(
+            "jax",
+            Placement.JOB_PROCESS,
+            "registered JAX pytrees (parameters, optimizer state), to pinned host memory and "
+            "back with the same sharding; the new arrays go back through their holders",
+            "timeslice.snapshot.jax_backend:JaxBackend",
+            extra="jax",
+            needs="jax",
         ),
         BackendEntry(
             "vllm",

@@ -181,3 +181,9 @@ def test_backends_lists_the_registry() -> None:
         assert (
             rows["vllm"]["installed here"] == "no: vllm is not installed: install timeslice[vllm]"
         )
+    assert rows["jax"]["extra"] == "jax" and rows["jax"]["capabilities"] == ["knows-size"]
+    assert not rows["jax"]["client may name it"]  # it moves the caller's own pytrees
+    jax_here = importlib.util.find_spec("jax") is not None  # `make test` installs it
+    assert rows["jax"]["installed here"] == (
+        "yes" if jax_here else "no: jax is not installed: install timeslice[jax]"
+    )

@@ -70,6 +70,8 @@ def test_the_client_builds_by_name_only_backends_that_need_nothing_of_the_job() 
     )
     with pytest.raises(InvalidArgumentError, match="'torch' moves objects of yours"):
         _backends(["torch"])
+    with pytest.raises(InvalidArgumentError, match="'jax' moves objects of yours"):
+        _backends(["jax"])
 
 
 def test_create_passes_the_backends_own_options() -> None:
@@ -116,3 +118,20 @@ def test_the_node_agent_refuses_a_backend_of_the_old_interface() -> None:
 
     with pytest.raises(SnapshotError, match="is not a snapshot backend: it needs a name, cap"):
         build_node_agent(None, "n", extra_backends=[Old()])  # type: ignore[arg-type,list-item]
+
+
+def test_without_jax_the_jax_backend_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where JAX is not installed (``import jax`` fails), the backend's module still imports,
+    its health says what to install, and the registry names the extra."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jax", None)  # makes `import jax` raise ImportError
+    from timeslice.snapshot.jax_backend import JaxBackend
+
+    assert entry("jax").missing() == "jax is not installed: install timeslice[jax]"
+    health = JaxBackend().health()
+    assert not health.ok
+    assert "needs JAX" in health.detail and "install timeslice[jax]" in health.detail
+    assert "jax[tpu]" in health.detail
+    with pytest.raises(SnapshotError, match=r"needs JAX .*install timeslice\[jax\]"):
+        JaxBackend().register("params", {"w": 1.0})
