@@ -712,6 +712,24 @@ class GroupInput(_Model):
     config: GroupConfig
     state: GroupState | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _carried_keeps_fit(cls, data: Any) -> Any:
+        """A run carried from a release that allowed longer histories keeps what fits now
+        (a new group is refused such settings, by GroupConfig's bounds, instead)."""
+        if isinstance(data, dict) and data.get("state") is not None:
+            config = data.get("config")
+            if isinstance(config, dict):
+                config = dict(config)
+                for name, most in (
+                    ("history_keep", MAX_HISTORY_KEEP),
+                    ("wait_samples_keep", MAX_WAIT_SAMPLES_KEEP),
+                ):
+                    if isinstance(config.get(name), int) and config[name] > most:
+                        config[name] = most
+                data = {**data, "config": config}
+        return data
+
 
 class HolderView(_Model):
     job_id: str

@@ -440,11 +440,13 @@ def bound_record(record: EpochRecord) -> EpochRecord:
     past MAX_RECORD_BYTES the holds' snapshot reports go, last first (``dropped_reports``)."""
     kept: dict[str, float] = {}
     used = 2
-    for name, value in record.metrics.items():
+    for seen, (name, value) in enumerate(record.metrics.items()):
+        if len(kept) == MAX_RECORD_METRICS:
+            record.dropped_metrics += len(record.metrics) - seen
+            break
         cost = encoded_size(name) + encoded_size(value) + 2
         if (
-            len(kept) < MAX_RECORD_METRICS
-            and len(name) <= MAX_METRIC_NAME
+            len(name) <= MAX_METRIC_NAME
             and _finite(value)
             and used + cost <= MAX_RECORD_METRICS_BYTES
         ):

@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 from timeslice.protocol.group import (
     MAX_ACQUIRE_TIMEOUT_S,
+    STATUS_SLACK_S,
     AcquireRequest,
     GroupConfig,
     GroupState,
@@ -469,3 +470,51 @@ def test_wait_samples_are_bounded_and_give_percentiles():
     assert b.state.stats.wait_samples_s == [2.0, 3.0, 4.0]
     status = b.status(at(5))
     assert (status.wait_p50_s, status.wait_p99_s) == (3.0, 4.0)
+
+
+# ---------------------------------------------------------------------------- a reader's clock
+
+
+def test_status_read_on_a_clock_ahead_never_runs_past_the_next_deadline():
+    """A group runs a workflow task by its next deadline (here the lease's expiry), so a status
+    is stale at most until then: a reader an hour ahead sees the lease at its end, not 3,600 s
+    held and "expires in -3,580 s"."""
+    b = book(default_ttl_s=20.0)
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    status = b.status(at(0))
+    assert status.next_deadline == at(20)
+    ahead = status.advanced_to(at(3600))
+    assert ahead.holder is not None
+    assert ahead.holder.expires_in_s == 0.0
+    assert ahead.holder.held_s == pytest.approx(20 + STATUS_SLACK_S)
+    assert ahead.wall_s == pytest.approx(status.wall_s + 20 + STATUS_SLACK_S)
+    assert 0.0 <= ahead.utilization <= 1.0
+    # Within the deadline the figures advance exactly.
+    soon = status.advanced_to(at(8))
+    assert soon.holder is not None
+    assert (soon.holder.held_s, soon.holder.expires_in_s) == (pytest.approx(8), pytest.approx(12))
+    # A reader behind the group's clock sees the figures as of the query, never less.
+    behind = status.advanced_to(at(-3600))
+    assert behind.holder == status.holder and behind.wall_s == status.wall_s
+
+
+def test_a_waiters_time_out_bounds_a_status_too():
+    b = book(default_ttl_s=20.0)
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    b.enqueue(request("b", timeout_s=5.0), at(0))
+    status = b.status(at(1))
+    assert status.next_deadline == at(5)
+    ahead = status.advanced_to(at(1000))
+    assert ahead.queue[0].waited_s == pytest.approx(1 + 4 + STATUS_SLACK_S)
+    assert ahead.holder is not None and ahead.holder.expires_in_s == pytest.approx(
+        19 - 4 - STATUS_SLACK_S
+    )
+
+
+def test_an_idle_group_has_no_deadline_and_stays_idle_however_far_ahead():
+    status = book().status(at(10))
+    assert status.next_deadline is None
+    ahead = status.advanced_to(at(3610))
+    assert ahead.wall_s == pytest.approx(3610) and ahead.idle_s == pytest.approx(3610)
