@@ -180,3 +180,69 @@ def test_a_group_flooded_with_maximal_messages_keeps_serving(tmp_path: Path):
     finally:
         stop_process(worker)
         server.stop()
+
+
+def test_a_holder_that_dies_instead_of_evicting_is_forgotten(address: str, group: str):
+    """A holder answered ``evict`` dies before reporting; the group's own eviction finds no
+    process on its queue (GONE). Its state left with its processes: the job's next acquire is
+    granted, where the group used to try a restore from nowhere and refuse it as faulted."""
+    workflow_id = group_workflow_id(group)
+
+    async def scenario() -> tuple[GrantNotice | None, GroupStatus]:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        config = GroupConfig(group_id=group, grant_ack_timeout_s=1.0)
+        await client.start_workflow(
+            GROUP_WORKFLOW_TYPE,
+            GroupInput(config=config).model_dump(mode="json"),
+            id=workflow_id,
+            task_queue=CONTROL_TASK_QUEUE,
+        )
+
+        async def acquire_as(job_id: str, rid: str) -> AcquireAnswer:
+            target = SnapshotTarget(
+                queues=[QueueTarget(task_queue=f"nobody-{job_id}", backends=["x"])]
+            )
+            if job_id == "next":
+                target = None  # nothing of it to evict when "dies" comes back
+            request = AcquireRequest(
+                request_id=rid, job_id=job_id, reply_task_queue="nobody-polls",
+                key_hash=lease_key_hash(key(rid)), snapshot=target, ttl_s=600,
+            )  # fmt: skip
+            while True:
+                answer = await send_update(
+                    client, workflow_id, "acquire", AcquireCall(request=request), AcquireAnswer
+                )
+                if answer.outcome is not AcquireOutcome.RETRY:
+                    return answer
+
+        first = await acquire_as("dies", "dies:1")
+        assert first.notice is not None and first.notice.fault is None
+        waiting = asyncio.ensure_future(acquire_as("next", "next:1"))
+        await wait_until(client, workflow_id, lambda s: len(s.queue) == 1)
+        ret = LeaseReturn(
+            request_id="dies:1", token=first.notice.token, key=key("dies:1"), evicts_itself=True
+        )
+        answer = await send_update(client, workflow_id, "release_lease", ret, ReturnAnswer)
+        assert answer.evict  # ... and the process dies: no report comes
+        granted = await waiting
+        assert granted.notice is not None and granted.notice.fault is None
+        nxt = granted.notice
+        ret = LeaseReturn(request_id="next:1", token=nxt.token, key=key("next:1"))
+        await send_update(client, workflow_id, "release_lease", ret, ReturnAnswer)
+        again = await acquire_as("dies", "dies:2")
+        return again.notice, await status_of(client, workflow_id)
+
+    notice, final = asyncio.run(scenario())
+    assert notice is not None and notice.fault is None, notice
+    assert final.faulted_jobs == {} and final.stats.departed == 1
+
+
+async def status_of(client: Client, workflow_id: str) -> GroupStatus:
+    return await client.get_workflow_handle(workflow_id).query("status", result_type=GroupStatus)
+
+
+async def wait_until(client: Client, workflow_id: str, condition, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition(await status_of(client, workflow_id)):
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
