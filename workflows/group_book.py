@@ -253,9 +253,11 @@ class GroupBook:
         """Jobs whose state the group keeps track of: held, resident, evicting, evicted, faulted."""
         state = self.state
         jobs = set(state.evicted_jobs) | set(state.faulted_jobs)
-        for lease_job in (state.holder and state.holder.request, state.resident, state.evicting):
-            if lease_job is not None:
-                jobs.add(lease_job.job_id)
+        if state.holder is not None:
+            jobs.add(state.holder.request.job_id)
+        for resident in (state.resident, state.evicting):
+            if resident is not None:
+                jobs.add(resident.job_id)
         return jobs
 
     def _forged(self) -> None:
