@@ -218,6 +218,8 @@ class GpuGroupWorkflow:
         )
 
     async def _continue_as_new(self) -> None:
+        if not self._carriable():
+            return  # checked first: parked waits told to retry would retry for nothing
         # Parked waits must finish before this run ends: they are told to ask again, and their
         # requests travel in the carried queue.
         self._closing = True
@@ -226,33 +228,38 @@ class GpuGroupWorkflow:
                 self._parked[request_id] = AcquireAnswer(outcome=AcquireOutcome.RETRY)
         await workflow.wait_condition(workflow.all_handlers_finished)
         self._closing = False
-        if self._quiescent():
-            book = self._book
-            book.state.stats.runs += 1
-            carried, size, shed = book.carried_input()
-            if shed:
-                workflow.logger.warning(
-                    "group %s shed its %d oldest lease and switch records so that its "
-                    "continue-as-new input fits (%d bytes now)",
-                    self._config.group_id,
-                    shed,
-                    size,
-                )
-            if size > CARRY_CEILING_BYTES:
-                # Only a state from before the carried-state bounds can get here: keep serving in
-                # this run rather than send an input the server refuses (a task failing forever).
-                book.state.stats.runs -= 1
-                if not self._unfit_logged:
-                    self._unfit_logged = True
-                    workflow.logger.error(
-                        "group %s cannot continue as new: its state takes %d bytes, over %d "
-                        "even without history; it keeps serving in this run",
-                        self._config.group_id,
-                        size,
-                        CARRY_CEILING_BYTES,
-                    )
-                return
+        if self._quiescent() and self._carriable():
+            self._book.state.stats.runs += 1
+            carried, _, _ = self._book.carried_input()
             workflow.continue_as_new(carried)
+
+    def _carriable(self) -> bool:
+        """Whether the next run's input fits Temporal's payload limit (shedding the oldest
+        history first if it is over the budget, which only a state carried from before the
+        bounds can be). If not even that does, the group keeps serving in this run rather than
+        send an input the server refuses: a continue-as-new task failing forever."""
+        book = self._book
+        _, size, shed = book.carried_input()
+        if shed:
+            workflow.logger.warning(
+                "group %s shed its %d oldest lease and switch records so that its "
+                "continue-as-new input fits (%d bytes now)",
+                self._config.group_id,
+                shed,
+                size,
+            )
+        if size <= CARRY_CEILING_BYTES:
+            return True
+        if not self._unfit_logged:
+            self._unfit_logged = True
+            workflow.logger.error(
+                "group %s cannot continue as new: its state takes %d bytes, over %d even "
+                "without history; it keeps serving in this run",
+                self._config.group_id,
+                size,
+                CARRY_CEILING_BYTES,
+            )
+        return False
 
     # ---------------------------------------------------------------- granting
 
