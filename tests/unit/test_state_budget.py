@@ -541,3 +541,19 @@ def test_an_rl_state_over_a_budget_sheds_its_oldest_records(monkeypatch):
     assert size <= 10_000 and shed > 0 and state.shed_records == shed
     assert dumped["state"]["shed_records"] == shed
     assert state.records[-1].epoch == 31 and state.totals()[0] == {"train": 32.0}
+
+
+def test_a_state_that_shedding_cannot_save_is_reported_over_the_ceiling():
+    """A queue carried from a release that took 1 MiB of it, of requests up to 340 KB: shedding
+    every record is not enough, and the group (gpu_group._carriable) then keeps serving in its
+    run instead of sending an input the server refuses."""
+    config = GroupConfig(group_id="g")
+    state = GroupState(stats=GroupStats(created_at=T0))
+    state.history = [
+        LeaseRecord(job_id=job(i), token=i, start=T0, end=T0, outcome="released") for i in range(50)
+    ]
+    for i in range(1000):
+        state.queue.append(Waiter(request=request(i, pad=330), seq=i, enqueued_at=T0))
+    _, size, shed = GroupBook(config, state).carried_input()
+    assert shed == 50 and state.history == [] and state.stats.shed_records == 50
+    assert size > g.CARRY_CEILING_BYTES and len(state.queue) == 1000
