@@ -659,6 +659,9 @@ class RLJobProgress(_Model):
     wait_s: dict[str, float]
     rewinds: int
     last_checkpoint: CheckpointRef | None
+    shed_records: int = Field(
+        0, description="records folded early so that a continue-as-new input fits (RLJobState)"
+    )
 
 
 class RLJobResult(_Model):

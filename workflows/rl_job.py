@@ -817,6 +817,7 @@ class RLJobWorkflow:
             wait_s=wait_s,
             rewinds=state.rewinds,
             last_checkpoint=state.last_checkpoint,
+            shed_records=state.shed_records,
         )
 
     @workflow.signal(name=JobSignal.STOP)
