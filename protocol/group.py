@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -91,12 +92,71 @@ MAX_REPORTS = 64
 KEY_RULE = "16-200 characters"
 # The group's queue: a request beyond either bound is refused (an update) or dropped and counted
 # (a signal), so no flood of requests can grow the state the group carries past what one
-# continue-as-new input may hold.
+# continue-as-new input may hold. Bytes are counted as the data converter encodes them (JSON,
+# UTF-8, control characters escaped): `encoded_size`.
 MAX_WAITERS = 1000
-MAX_QUEUE_BYTES = 1024 * 1024
+MAX_QUEUE_BYTES = 512 * 1024
+MAX_REQUEST_BYTES = 64 * 1024
+
+# ---- What a group carries into its next run, and why it always fits.
+# Temporal refuses a payload over 2 MiB (the server's blob size limit); a continue-as-new whose
+# input is larger fails its workflow task on every retry, which wedges the group for good.
+PAYLOAD_LIMIT_BYTES = 2 * 1024 * 1024
+# What the bounds below add up to at most (`group_state_budget`); the rest of the limit is margin
+# (payload metadata, an encrypting codec's envelope). tests/unit/test_state_budget.py builds the
+# state at every limit and measures it with the real data converter.
+CARRIED_STATE_BUDGET_BYTES = 1536 * 1024
+# The most a carried input may take and still be sent (beside metadata and a codec's envelope).
+CARRY_CEILING_BYTES = PAYLOAD_LIMIT_BYTES - 128 * 1024
+RECENT_DONE_KEEP = 2048  # fingerprints of finished requests (16 hex digits each)
+JOB_KEYS_KEEP = 1024  # job id -> its last lease's key hash; jobs the group still tracks go last
+EVICTED_JOBS_KEEP = 256  # jobs whose state the group saved; past it the oldest is forgotten
+FAULTED_JOBS_KEEP = 64  # faults shown and refused; past it the oldest is forgotten
+MAX_FAULT_BYTES = 512  # a fault's text, encoded, is cut to this (it quotes others' errors)
+MAX_WAIT_SAMPLES_KEEP = 2048
+# The most one entry takes, encoded with its separator: ids are ASCII (ID_RULE), times at most
+# "2999-12-31T23:59:59.999999-23:59", integers 20 characters, floats 24.
+_ID_BYTES = 103
+_LEASE_RECORD_BYTES = 256
+_SWITCH_RECORD_BYTES = 384
+_FLOAT_BYTES = 25
+_FINGERPRINT_BYTES = 19
+_KEY_HASH_BYTES = 67
+_WAITER_OVERHEAD_BYTES = 96  # a waiter beside its request: seq, enqueued_at, field names
+_LEASE_OVERHEAD_BYTES = 512  # a held lease or a resident job beside its request or target
+_FIXED_BYTES = 4096  # the config, the counters, tokens, field names
+
+
+def group_state_budget(history_keep: int, wait_samples_keep: int) -> int:
+    """The most a group's continue-as-new input (``GroupInput``) encodes to, by its bounds."""
+    return (
+        _FIXED_BYTES
+        + wait_samples_keep * _FLOAT_BYTES
+        + MAX_QUEUE_BYTES
+        + MAX_WAITERS * _WAITER_OVERHEAD_BYTES
+        # the holder's request, the resident's and the evicting job's snapshot targets
+        + 3 * (MAX_REQUEST_BYTES + _LEASE_OVERHEAD_BYTES)
+        + EVICTED_JOBS_KEEP * _ID_BYTES
+        + FAULTED_JOBS_KEEP * (_ID_BYTES + MAX_FAULT_BYTES + 1)
+        + JOB_KEYS_KEEP * (_ID_BYTES + _KEY_HASH_BYTES)
+        + RECENT_DONE_KEEP * _FINGERPRINT_BYTES
+        + history_keep * (_LEASE_RECORD_BYTES + _SWITCH_RECORD_BYTES)
+    )
+
+
+def _max_history_keep() -> int:
+    spare = CARRIED_STATE_BUDGET_BYTES - group_state_budget(0, MAX_WAIT_SAMPLES_KEEP)
+    return spare // (_LEASE_RECORD_BYTES + _SWITCH_RECORD_BYTES)
+
+
+# Lease and switch records a group may keep: what fits in the budget beside everything else.
+MAX_HISTORY_KEEP = _max_history_keep()
 # Times a group records: timezone-aware and within these years, so no arithmetic on a carried
 # time can overflow or mix naive and aware datetimes.
 MIN_INSTANT = datetime(2000, 1, 1, tzinfo=UTC)
+# How long past its next deadline a group's status may still be current: the workflow task that
+# acts on the deadline has to be picked up and run.
+STATUS_SLACK_S = 5.0
 MAX_INSTANT = datetime(3000, 1, 1, tzinfo=UTC)
 
 
@@ -175,6 +235,39 @@ def parse_message(model: type[M], raw: tuple[Any, ...], what: str) -> M:
         ) from None
 
 
+_ANY_JSON: TypeAdapter[Any] = TypeAdapter(Any)
+
+
+def to_json(value: Any) -> bytes:
+    """``value`` as the data converter encodes it (pydantic's JSON)."""
+    return _ANY_JSON.dump_json(value)
+
+
+def encoded_size(value: BaseModel | Any) -> int:
+    """Bytes ``value`` takes as the data converter encodes it (pydantic's JSON: UTF-8, control
+    characters escaped), which is what Temporal's payload limit counts."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    return len(to_json(value))
+
+
+_CUT = " ... (cut)"
+
+
+def cut_to_encoded(text: str, max_bytes: int) -> str:
+    """``text``, cut so that it encodes (quotes included) to at most ``max_bytes``."""
+    if len(to_json(text)) <= max_bytes:
+        return text
+    room = max_bytes - len(to_json(_CUT))
+    kept, used = [], 0
+    for ch in text:
+        used += len(to_json(ch)) - 2
+        if used > room:
+            break
+        kept.append(ch)
+    return "".join(kept) + _CUT
+
+
 def lease_key_hash(key: str) -> str:
     """What a request carries of its lease key: releases, renewals and cancels must present the
     key itself, which only the requester knows (docs/security.md)."""
@@ -223,8 +316,13 @@ class GroupConfig(_Model):
         "this time is taken for dead and skipped",
     )
     snapshot_timeout_s: float = Field(300.0, gt=0, le=3600)
-    history_keep: int = Field(256, ge=0, le=4096)
-    wait_samples_keep: int = Field(512, ge=1, le=4096)
+    history_keep: int = Field(
+        256,
+        ge=0,
+        le=MAX_HISTORY_KEEP,
+        description="lease and switch records kept (at most what the carried state fits)",
+    )
+    wait_samples_keep: int = Field(512, ge=1, le=MAX_WAIT_SAMPLES_KEEP)
     memory_bytes: int | None = Field(
         None,
         gt=0,
@@ -571,6 +669,16 @@ class GroupStats(_Model):
     busy_s: float = 0.0
     switching_s: float = 0.0
     runs: int = 1
+    shed_records: int = Field(
+        0,
+        description="lease and switch records dropped, oldest first, so that a continue-as-new "
+        "input fits Temporal's payload limit",
+    )
+    forgotten_jobs: int = Field(
+        0,
+        description="evicted, faulted or key entries of jobs dropped, oldest first, past their "
+        "bounds (EVICTED_JOBS_KEEP, FAULTED_JOBS_KEEP, JOB_KEYS_KEEP)",
+    )
     wait_samples_s: list[float] = Field(default_factory=list)
 
 
@@ -595,11 +703,32 @@ class GroupState(_Model):
     switch_history: list[SwitchRecord] = Field(default_factory=list)
     # A holder that released with ``evicting`` and has not reported its eviction done yet.
     evicting: ResidentJob | None = None
+    # The key hash of the lease that was answered ``evict``: only that lease's report of a failed
+    # eviction faults the job (None: the group's own activity evicts, or a state from before).
+    evicting_key_hash: str | None = None
 
 
 class GroupInput(_Model):
     config: GroupConfig
     state: GroupState | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _carried_keeps_fit(cls, data: Any) -> Any:
+        """A run carried from a release that allowed longer histories keeps what fits now
+        (a new group is refused such settings, by GroupConfig's bounds, instead)."""
+        if isinstance(data, dict) and data.get("state") is not None:
+            config = data.get("config")
+            if isinstance(config, dict):
+                config = dict(config)
+                for name, most in (
+                    ("history_keep", MAX_HISTORY_KEEP),
+                    ("wait_samples_keep", MAX_WAIT_SAMPLES_KEEP),
+                ):
+                    if isinstance(config.get(name), int) and config[name] > most:
+                        config[name] = most
+                data = {**data, "config": config}
+        return data
 
 
 class HolderView(_Model):
@@ -637,13 +766,25 @@ class GroupStatus(_Model):
         description="the workflow time these figures are for: a query answers as of the "
         "group's last workflow task, so a reader advances them to its own clock",
     )
+    next_deadline: datetime | None = Field(
+        None,
+        description="the nearest time the group acts on its own (a lease's expiry or "
+        "confirmation, a waiter's time-out): these figures hold at most until then",
+    )
 
     def advanced_to(self, now: datetime) -> GroupStatus:
         """These figures as of ``now``: the holder (if any) kept holding, waiters kept
-        waiting, and the time since ``as_of`` counts as busy with a holder, idle without."""
+        waiting, and the time since ``as_of`` counts as busy with a holder, idle without.
+
+        A group runs a workflow task by its next deadline, so nothing may be extrapolated past
+        it (plus ``STATUS_SLACK_S`` for that task to run): a reader whose clock runs ahead of
+        the group's sees the holder's lease end at zero, never a negative time."""
         if self.as_of is None or now <= self.as_of:
             return self
         dt = (now - self.as_of).total_seconds()
+        if self.next_deadline is not None:
+            until = max(0.0, (self.next_deadline - self.as_of).total_seconds())
+            dt = min(dt, until + STATUS_SLACK_S)
         wall = self.wall_s + dt
         busy = self.utilization * self.wall_s + (dt if self.holder is not None else 0.0)
         holder = self.holder
@@ -653,7 +794,7 @@ class GroupStatus(_Model):
                     "held_s": holder.held_s + dt,
                     "expires_in_s": None
                     if holder.expires_in_s is None
-                    else holder.expires_in_s - dt,
+                    else max(0.0, holder.expires_in_s - dt),
                 }
             )
         return self.model_copy(

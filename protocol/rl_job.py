@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from timeslice.protocol.group import (
+    CARRIED_STATE_BUDGET_BYTES,
+    MAX_BACKENDS,
     MAX_LEASE_TTL_S,
     MAX_PRIORITY,
     MIN_LEASE_TTL_S,
@@ -21,6 +23,7 @@ from timeslice.protocol.group import (
     SnapshotReport,
     _Model,
     check_id,
+    encoded_size,
 )
 from timeslice.protocol.group import (
     explain_validation_error as explain_validation_error,  # re-exported: client/jobs.py, rl_job.py
@@ -65,6 +68,34 @@ Phase = Literal["sample", "rewards", "train"]
 # Older epochs live on as running totals (and in the workflow runs' histories).
 RECENT_EPOCH_RECORDS = 32
 MAX_REWARDS = 2000
+# ---- What one epoch record may carry (`bound_record` cuts it to these; what it drops is counted
+# in the record): the workload's metrics are the user's, and any number of them may come back.
+MAX_RECORD_METRICS = 64
+MAX_METRIC_NAME = 100  # characters
+MAX_RECORD_METRICS_BYTES = 8 * 1024  # the metrics, encoded
+MAX_RECORD_HOLDS = 2  # the GPU phases' intervals: sample and train
+MAX_RECORD_TIMES = 8  # phases in wait_s and phase_s (names at most 32 characters)
+MAX_RECORD_BYTES = 20 * 1024  # the whole record, encoded: hold reports go first past it
+MAX_CHECKPOINT_PATH = 4096  # Linux's PATH_MAX
+# The most an RL job's continue-as-new input (``RLJobInput``) encodes to, by the bounds above:
+# the config (its workload options at most MAX_OPTIONS_BYTES), the records, the rewards, the last
+# checkpoint, the backends' sizes, running totals and counters. tests/unit/test_state_budget.py
+# builds it at every limit and measures it with the real data converter.
+_RL_FIXED_BYTES = 8 * 1024
+_FLOAT_BYTES = 25
+_BACKEND_ENTRY_BYTES = 6 * 100 + 24  # a name of 100 characters, each escaped, and its size
+
+
+def rl_job_state_budget() -> int:
+    return (
+        _RL_FIXED_BYTES
+        + MAX_OPTIONS_BYTES
+        + RECENT_EPOCH_RECORDS * (MAX_RECORD_BYTES + 1)
+        + MAX_REWARDS * _FLOAT_BYTES
+        + 6 * MAX_CHECKPOINT_PATH
+        + MAX_BACKENDS * _BACKEND_ENTRY_BYTES
+        + 3 * MAX_RECORD_TIMES * 2 * (6 * 32 + _FLOAT_BYTES)  # the three totals' dicts
+    )
 
 
 # The built-in workloads, by the names a job process knows them by (timeslice.workloads.registry
@@ -206,7 +237,7 @@ class CheckpointRef(_Model):
     """A saved state: the model after ``epochs_done`` epochs, under ``path`` (one dir per rank)."""
 
     epochs_done: int = Field(ge=0)
-    path: str
+    path: str = Field(max_length=MAX_CHECKPOINT_PATH)
 
 
 class DescribeInput(_Model):
@@ -376,8 +407,75 @@ class EpochRecord(_Model):
     wait_s: dict[str, float] = Field(default_factory=dict, description="lease wait per phase")
     phase_s: dict[str, float] = Field(default_factory=dict, description="run time per phase")
     holds: list[PhaseResult] = Field(
-        default_factory=list, description="the GPU phases' own intervals (rank 0)"
+        default_factory=list,
+        description="the GPU phases' own intervals (rank 0; their metrics are in ``metrics``)",
     )
+    dropped_metrics: int = Field(
+        0,
+        description="metrics not kept: past MAX_RECORD_METRICS or MAX_RECORD_METRICS_BYTES, "
+        "names over MAX_METRIC_NAME characters, or not finite",
+    )
+    dropped_reports: int = Field(
+        0, description="snapshot reports of the holds not kept, so the record fits"
+    )
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def _bounded_times(times: dict[str, float]) -> dict[str, float]:
+    kept: dict[str, float] = {}
+    for name, value in times.items():
+        if len(kept) < MAX_RECORD_TIMES and len(name) <= 32 and _finite(value):
+            kept[name] = value
+    return kept
+
+
+def bound_record(record: EpochRecord) -> EpochRecord:
+    """``record`` cut to what one carried record may hold (in place; returned for chaining).
+
+    Metrics beyond the caps are dropped (first ones kept) and counted in ``dropped_metrics``; a
+    hold keeps its interval and reports but not its metrics (``metrics`` has them, by phase);
+    past MAX_RECORD_BYTES the holds' snapshot reports go, last first (``dropped_reports``)."""
+    kept: dict[str, float] = {}
+    used = 2
+    for seen, (name, value) in enumerate(record.metrics.items()):
+        if len(kept) == MAX_RECORD_METRICS:
+            record.dropped_metrics += len(record.metrics) - seen
+            break
+        cost = encoded_size(name) + encoded_size(value) + 2
+        if (
+            len(name) <= MAX_METRIC_NAME
+            and _finite(value)
+            and used + cost <= MAX_RECORD_METRICS_BYTES
+        ):
+            kept[name] = value
+            used += cost
+        else:
+            record.dropped_metrics += 1
+    record.metrics = kept
+    record.wait_s = _bounded_times(record.wait_s)
+    record.phase_s = _bounded_times(record.phase_s)
+    holds = record.holds[:MAX_RECORD_HOLDS]
+    record.holds = [
+        hold.model_copy(
+            update={
+                "metrics": {},
+                "group_id": None if hold.group_id is None else hold.group_id[:100],
+                "request_id": None if hold.request_id is None else hold.request_id[:200],
+                "restored": hold.restored[:MAX_BACKENDS],
+                "evicted": hold.evicted[:MAX_BACKENDS],
+            }
+        )
+        for hold in holds
+    ]
+    for hold in reversed(record.holds):
+        for reports in (hold.evicted, hold.restored):
+            while reports and encoded_size(record) > MAX_RECORD_BYTES:
+                reports.pop()
+                record.dropped_reports += 1
+    return record
 
 
 def phase_totals(records: list[EpochRecord]) -> tuple[dict[str, float], dict[str, float]]:
@@ -399,22 +497,49 @@ class EpochTotals(_Model):
     phase_s: dict[str, float] = Field(default_factory=dict)
     wait_s: dict[str, float] = Field(default_factory=dict)
 
+    def add(self, record: EpochRecord) -> None:
+        self.epochs += 1
+        for totals, times in ((self.phase_s, record.phase_s), (self.wait_s, record.wait_s)):
+            for key, value in times.items():
+                if key in totals or len(totals) < MAX_RECORD_TIMES:
+                    totals[key] = totals.get(key, 0.0) + value
+
+    def merge(self, other: EpochTotals) -> None:
+        self.epochs += other.epochs
+        for totals, times in ((self.phase_s, other.phase_s), (self.wait_s, other.wait_s)):
+            for key, value in times.items():
+                if key in totals or len(totals) < MAX_RECORD_TIMES:
+                    totals[key] = totals.get(key, 0.0) + value
+
 
 class RLJobState(_Model):
-    """What the job must not lose: carried across continue-as-new. Bounded: the records of
-    the recent epochs and of every epoch since the last checkpoint (a rewind may drop them),
-    totals for the rest, and the last ``MAX_REWARDS`` rewards."""
+    """What the job must not lose: carried across continue-as-new. Bounded by
+    ``rl_job_state_budget``: the records of the last RECENT_EPOCH_RECORDS epochs, each cut to
+    MAX_RECORD_BYTES; running totals for the rest (those since the last checkpoint apart, for a
+    rewind drops them); and the last ``MAX_REWARDS`` rewards."""
 
     epochs_done: int = 0
     prepared: bool = False
     last_checkpoint: CheckpointRef | None = None
     records: list[EpochRecord] = Field(default_factory=list)
     folded: EpochTotals = Field(default_factory=EpochTotals)
+    unconfirmed: EpochTotals = Field(
+        default_factory=EpochTotals,
+        description="totals of records folded away that are newer than the last checkpoint",
+    )
+    unconfirmed_until: int = Field(
+        0, description="the epoch after the last one folded into ``unconfirmed``"
+    )
     rewards: list[float | None] = Field(default_factory=list)
     rewards_from: int = Field(0, description="the epoch of rewards[0]")
     rewinds: int = 0
     redone_epochs: int = 0
     runs: int = 1
+    shed_records: int = Field(
+        0,
+        description="records folded early and rewards dropped, oldest first, so that a "
+        "continue-as-new input fits Temporal's payload limit",
+    )
     state_bytes: int | None = None
     backend_bytes: dict[str, int | None] = Field(
         default_factory=dict, description="device bytes of each state, summed over ranks"
@@ -427,43 +552,98 @@ class RLJobState(_Model):
         description="what the job's lease keys derive from (drawn once, by a local activity)",
     )
 
+    def _confirmed_from(self) -> int:
+        return self.last_checkpoint.epochs_done if self.last_checkpoint else 0
+
+    def _fold_oldest(self) -> None:
+        old = self.records.pop(0)
+        if old.epoch < self._confirmed_from():
+            self.folded.add(old)
+        else:  # a rewind to the last checkpoint may still drop it
+            self.unconfirmed.add(old)
+            self.unconfirmed_until = max(self.unconfirmed_until, old.epoch + 1)
+
+    def _confirm(self, up_to: int) -> None:
+        """Epochs before ``up_to`` are kept whatever comes: their unconfirmed totals are final."""
+        if self.unconfirmed.epochs and self.unconfirmed_until <= up_to:
+            self.folded.merge(self.unconfirmed)
+            self.unconfirmed, self.unconfirmed_until = EpochTotals(), 0
+
     def add_record(self, record: EpochRecord) -> None:
-        self.records.append(record)
+        self.records.append(bound_record(record))
         self.rewards.append(record.reward_mean)
         if len(self.rewards) > MAX_REWARDS:
             drop = len(self.rewards) - MAX_REWARDS
             del self.rewards[:drop]
             self.rewards_from += drop
-        kept_from = self.last_checkpoint.epochs_done if self.last_checkpoint else 0
-        while len(self.records) > RECENT_EPOCH_RECORDS and self.records[0].epoch < kept_from:
-            old = self.records.pop(0)
-            self.folded.epochs += 1
-            for key, value in old.phase_s.items():
-                self.folded.phase_s[key] = self.folded.phase_s.get(key, 0.0) + value
-            for key, value in old.wait_s.items():
-                self.folded.wait_s[key] = self.folded.wait_s.get(key, 0.0) + value
+        self._confirm(self._confirmed_from())
+        while len(self.records) > RECENT_EPOCH_RECORDS:
+            self._fold_oldest()
 
-    def drop_records_from(self, epoch: int) -> list[EpochRecord]:
-        """A rewind: forget the epochs from ``epoch`` on (never folded: newer than the
-        checkpoint it rewinds to). Returns the records dropped."""
-        lost = [r for r in self.records if r.epoch >= epoch]
+    def drop_records_from(self, epoch: int) -> int:
+        """A rewind: forget the epochs from ``epoch`` on (the records, and the totals of those
+        folded since the last checkpoint). Returns how many epochs were dropped."""
+        lost = sum(1 for r in self.records if r.epoch >= epoch)
         self.records = [r for r in self.records if r.epoch < epoch]
+        self._confirm(epoch)
+        lost += self.unconfirmed.epochs
+        self.unconfirmed, self.unconfirmed_until = EpochTotals(), 0
         del self.rewards[max(0, epoch - self.rewards_from) :]
         return lost
 
     def totals(self) -> tuple[dict[str, float], dict[str, float]]:
         """Seconds per phase and seconds waited per phase, over every epoch done."""
         phase_s, wait_s = phase_totals(self.records)
-        for key, value in self.folded.phase_s.items():
-            phase_s[key] = phase_s.get(key, 0.0) + value
-        for key, value in self.folded.wait_s.items():
-            wait_s[key] = wait_s.get(key, 0.0) + value
+        for folded in (self.folded, self.unconfirmed):
+            for key, value in folded.phase_s.items():
+                phase_s[key] = phase_s.get(key, 0.0) + value
+            for key, value in folded.wait_s.items():
+                wait_s[key] = wait_s.get(key, 0.0) + value
         return phase_s, wait_s
+
+    def bound(self) -> None:
+        """Cut what a state from an older release (or a process's answer) may hold past the
+        bounds: records, the backends' sizes."""
+        for record in self.records:
+            bound_record(record)
+        while len(self.records) > RECENT_EPOCH_RECORDS:
+            self._fold_oldest()
+        if len(self.backend_bytes) > MAX_BACKENDS or any(
+            len(name) > 100 for name in self.backend_bytes
+        ):
+            names = [n for n in self.backend_bytes if len(n) <= 100][:MAX_BACKENDS]
+            self.backend_bytes = {n: self.backend_bytes[n] for n in names}
 
 
 class RLJobInput(_Model):
     config: RLJobConfig
     state: RLJobState | None = None
+
+
+def carried_rl_job_input(config: RLJobConfig, state: RLJobState) -> tuple[dict[str, Any], int, int]:
+    """The next run's input (``RLJobInput`` as JSON), its encoded size, and how many records and
+    rewards were shed (oldest first: records folded into the totals, which lose nothing; then
+    rewards) to bring it within CARRIED_STATE_BUDGET_BYTES. A state within its bounds never needs
+    it; a continue-as-new input over Temporal's payload limit would fail its task forever."""
+    state.bound()
+    shed = 0
+    while True:
+        carried = RLJobInput(config=config, state=state).model_dump(mode="json")
+        size = encoded_size(carried)
+        if size <= CARRIED_STATE_BUDGET_BYTES or not (state.records or state.rewards):
+            break
+        if state.records:
+            state._fold_oldest()
+        else:
+            drop = max(1, len(state.rewards) // 4)
+            del state.rewards[:drop]
+            state.rewards_from += drop
+        shed += 1
+    if shed:
+        state.shed_records += shed
+        carried = RLJobInput(config=config, state=state).model_dump(mode="json")
+        size = encoded_size(carried)
+    return carried, size, shed
 
 
 class RLJobProgress(_Model):
@@ -479,6 +659,9 @@ class RLJobProgress(_Model):
     wait_s: dict[str, float]
     rewinds: int
     last_checkpoint: CheckpointRef | None
+    shed_records: int = Field(
+        0, description="records folded early so that a continue-as-new input fits (RLJobState)"
+    )
 
 
 class RLJobResult(_Model):

@@ -29,6 +29,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from timeslice.protocol.group import (
+    CARRY_CEILING_BYTES,
     DELIVER_GRANT_ACTIVITY,
     GRANT_SIGNAL,
     GROUP_WORKFLOW_TYPE,
@@ -70,6 +71,10 @@ from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
 # workflow.patched id: groups that started before it replay with the old, unbounded wait.
 BOUNDED_EVICTION_REPORT_WAIT = "bounded-eviction-report-wait"
+# workflow.patched ids: a holder that never reported its eviction and whose processes are gone
+# is forgotten; a failed-eviction report faults the job only from the lease answered `evict`.
+FORGET_GONE_EVICTOR = "forget-gone-evictor"
+FAULT_ONLY_ASKED_EVICTION = "fault-only-asked-eviction"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
 
@@ -175,6 +180,7 @@ class GpuGroupWorkflow:
         # A switch waiting for the previous holder's report of its own eviction: the report's
         # bytes belong to that switch's mark on the timeline.
         self._awaiting_eviction_of: str | None = None
+        self._unfit_logged = False
 
     # ---------------------------------------------------------------- main loop
 
@@ -212,6 +218,8 @@ class GpuGroupWorkflow:
         )
 
     async def _continue_as_new(self) -> None:
+        if not self._carriable():
+            return  # checked first: parked waits told to retry would retry for nothing
         # Parked waits must finish before this run ends: they are told to ask again, and their
         # requests travel in the carried queue.
         self._closing = True
@@ -220,11 +228,38 @@ class GpuGroupWorkflow:
                 self._parked[request_id] = AcquireAnswer(outcome=AcquireOutcome.RETRY)
         await workflow.wait_condition(workflow.all_handlers_finished)
         self._closing = False
-        if self._quiescent():
-            state = self._book.state
-            state.stats.runs += 1
-            carried = GroupInput(config=self._config, state=state)
-            workflow.continue_as_new(carried.model_dump(mode="json"))
+        if self._quiescent() and self._carriable():
+            self._book.state.stats.runs += 1
+            carried, _, _ = self._book.carried_input()
+            workflow.continue_as_new(carried)
+
+    def _carriable(self) -> bool:
+        """Whether the next run's input fits Temporal's payload limit (shedding the oldest
+        history first if it is over the budget, which only a state carried from before the
+        bounds can be). If not even that does, the group keeps serving in this run rather than
+        send an input the server refuses: a continue-as-new task failing forever."""
+        book = self._book
+        _, size, shed = book.carried_input()
+        if shed:
+            workflow.logger.warning(
+                "group %s shed its %d oldest lease and switch records so that its "
+                "continue-as-new input fits (%d bytes now)",
+                self._config.group_id,
+                shed,
+                size,
+            )
+        if size <= CARRY_CEILING_BYTES:
+            return True
+        if not self._unfit_logged:
+            self._unfit_logged = True
+            workflow.logger.error(
+                "group %s cannot continue as new: its state takes %d bytes, over %d even "
+                "without history; it keeps serving in this run",
+                self._config.group_id,
+                size,
+                CARRY_CEILING_BYTES,
+            )
+        return False
 
     # ---------------------------------------------------------------- granting
 
@@ -367,12 +402,16 @@ class GpuGroupWorkflow:
             self._awaiting_eviction_of = None
         late = book.state.evicting
         if late is not None:
-            book.state.evicting = None
+            book.clear_evicting()
             if late.snapshot is not None:
                 workflow.logger.warning(
                     "job %s did not report its own eviction; evicting it", late.job_id
                 )
-                await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
+                result = await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
+                if result is _Moved.GONE and workflow.patched(FORGET_GONE_EVICTOR):
+                    # No process picked the task up: the job's processes are gone, and its
+                    # state with them (as in _evict), so nothing is left to restore.
+                    book.evictor_gone(late.job_id)
         return evicting
 
     def _evict_beside(self, plan: SwitchPlan) -> None:
@@ -549,7 +588,10 @@ class GpuGroupWorkflow:
     def report_moved(self, *raw: Any) -> None:
         report = parse_message(MovedReport, raw, "the report_moved update")
         awaited = report.job_id == self._awaiting_eviction_of
-        self._book.moved(report, workflow.now(), marked=not awaited)
+        asked_only = report.error is None or workflow.patched(FAULT_ONLY_ASKED_EVICTION)
+        self._book.moved(
+            report, workflow.now(), marked=not awaited, faults_only_if_asked=asked_only
+        )
         self._wake = True
 
     @report_moved.validator

@@ -13,14 +13,22 @@ import hashlib
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from timeslice.protocol.group import (
+    CARRIED_STATE_BUDGET_BYTES,
+    EVICTED_JOBS_KEEP,
+    FAULTED_JOBS_KEEP,
+    JOB_KEYS_KEEP,
+    MAX_FAULT_BYTES,
     MAX_QUEUE_BYTES,
+    MAX_REQUEST_BYTES,
     MAX_WAITERS,
+    RECENT_DONE_KEEP,
     AcquireRequest,
     GrantNotice,
     GroupConfig,
+    GroupInput,
     GroupState,
     GroupStatus,
     HeldLease,
@@ -38,11 +46,12 @@ from timeslice.protocol.group import (
     SwitchRecord,
     Waiter,
     WaiterView,
+    cut_to_encoded,
+    encoded_size,
     lease_key_hash,
 )
 
-RECENT_DONE_KEEP = 2048
-JOB_KEYS_KEEP = 1024
+__all__ = ["JOB_KEYS_KEEP", "RECENT_DONE_KEEP", "GroupBook", "SwitchPlan"]
 # Deadlines further out than this are treated as none: a datetime cannot hold them, and a
 # waiter that patient is, for every purpose, waiting forever.
 FAR_FUTURE_S = 10 * 365 * 86_400.0
@@ -151,7 +160,14 @@ class GroupBook:
         queue = self.state.queue
         if len(queue) >= MAX_WAITERS:
             return f"group {self.config.group_id}'s queue is full ({len(queue)} waiters); ask later"
-        size = len(request.model_dump_json()) + sum(len(w.request.model_dump_json()) for w in queue)
+        own = encoded_size(request)
+        if own > MAX_REQUEST_BYTES:
+            return (
+                f"the request takes {own} bytes, more than a group carries for one request "
+                f"({MAX_REQUEST_BYTES}); send a smaller snapshot target (fewer queues, backends "
+                "or processes, shorter names)"
+            )
+        size = own + sum(encoded_size(w.request) for w in queue)
         if size > MAX_QUEUE_BYTES:
             return (
                 f"group {self.config.group_id}'s queue is full ({MAX_QUEUE_BYTES} bytes of "
@@ -226,7 +242,23 @@ class GroupBook:
         keys.pop(job_id, None)
         keys[job_id] = key_hash  # most recent last
         while len(keys) > JOB_KEYS_KEEP:
-            del keys[next(iter(keys))]
+            # The oldest key of a job the group no longer tracks goes first: a tracked job's
+            # reports and departure must still match (if every job is tracked, the oldest goes).
+            tracked = self._tracked_jobs()
+            oldest = next((j for j in keys if j not in tracked), next(iter(keys)))
+            del keys[oldest]
+            self.state.stats.forgotten_jobs += 1
+
+    def _tracked_jobs(self) -> set[str]:
+        """Jobs whose state the group keeps track of: held, resident, evicting, evicted, faulted."""
+        state = self.state
+        jobs = set(state.evicted_jobs) | set(state.faulted_jobs)
+        if state.holder is not None:
+            jobs.add(state.holder.request.job_id)
+        for resident in (state.resident, state.evicting):
+            if resident is not None:
+                jobs.add(resident.job_id)
+        return jobs
 
     def _forged(self) -> None:
         self.state.stats.forged_messages += 1
@@ -396,9 +428,9 @@ class GroupBook:
             assert state.resident is not None
             state.stats.evictions += 1
             state.evicting = state.resident
+            state.evicting_key_hash = holder.request.key_hash
             state.resident = None
-            if job_id not in state.evicted_jobs:
-                state.evicted_jobs.append(job_id)
+            self._note_evicted(job_id)
         self.end_lease(LeaseOutcome.RELEASED, now)
         return ReturnAnswer(valid=True, released=True, evict=evict)
 
@@ -507,9 +539,9 @@ class GroupBook:
         if overlapped:
             assert evict is not None
             state.evicting = evict
+            state.evicting_key_hash = None  # the group's own activity evicts it
             state.resident = None
-            if evict.job_id not in state.evicted_jobs:
-                state.evicted_jobs.append(evict.job_id)
+            self._note_evicted(evict.job_id)
         return SwitchPlan(
             evict=evict, restore=restore, restores_itself=restores_itself, overlapped=overlapped
         )
@@ -518,8 +550,7 @@ class GroupBook:
         """An eviction that ran beside a grant finished: ``ok`` (moved out), ``gone`` (the
         job's processes are gone, and its device memory with them), or failed (faulted)."""
         state = self.state
-        if state.evicting is not None and state.evicting.job_id == job_id:
-            state.evicting = None
+        self.clear_evicting(job_id)
         if ok:
             self.evicted(job_id)
         elif gone:
@@ -528,10 +559,36 @@ class GroupBook:
             state.evicted_jobs.remove(job_id)
 
     def evicted(self, job_id: str) -> None:
+        self.state.stats.evictions += 1
+        self._note_evicted(job_id)
+
+    def _note_evicted(self, job_id: str) -> None:
+        """The job's state is saved off the device: restore it when the job is granted next.
+        Past EVICTED_JOBS_KEEP the oldest is forgotten: its next grant restores nothing (a job
+        process restores in-process state itself before using it)."""
+        evicted = self.state.evicted_jobs
+        if job_id not in evicted:
+            evicted.append(job_id)
+        while len(evicted) > EVICTED_JOBS_KEEP:
+            del evicted[0]
+            self.state.stats.forgotten_jobs += 1
+
+    def clear_evicting(self, job_id: str | None = None) -> None:
+        """No eviction (of ``job_id``, if given) is under way any more."""
         state = self.state
-        state.stats.evictions += 1
-        if job_id not in state.evicted_jobs:
-            state.evicted_jobs.append(job_id)
+        if state.evicting is not None and (job_id is None or state.evicting.job_id == job_id):
+            state.evicting = None
+            state.evicting_key_hash = None
+
+    def asked_to_evict(self, job_id: str, key: str) -> bool:
+        """The lease under ``key`` was answered ``evict`` and its eviction is still awaited."""
+        state = self.state
+        return (
+            state.evicting is not None
+            and state.evicting.job_id == job_id
+            and state.evicting_key_hash is not None
+            and state.evicting_key_hash == lease_key_hash(key)
+        )
 
     def restored(self, job_id: str) -> None:
         self.state.stats.restores += 1
@@ -629,19 +686,37 @@ class GroupBook:
                     )
                 )
 
-    def moved(self, report: MovedReport, now: datetime, *, marked: bool = True) -> None:
+    def moved(
+        self,
+        report: MovedReport,
+        now: datetime,
+        *,
+        marked: bool = True,
+        faults_only_if_asked: bool = True,
+    ) -> None:
         """A job's state left this group's device (its own eviction after a release, or a move
         to another group's device): count the bytes, forget its residency.
 
         Unless a switch waited for it (``marked`` False: that switch's mark carries the bytes),
         its time is not switching time here: it overlapped the next holder's restore and work
-        (or belongs to the other group's switch), so its mark on the timeline has no width."""
+        (or belongs to the other group's switch), so its mark on the timeline has no width.
+
+        A report that the eviction *failed* counts only from the lease the group answered
+        ``evict`` (its key, while that eviction is awaited): anyone else who holds a lease under
+        the job's id (docs/security.md) cannot get the job faulted. Otherwise it is stale:
+        counted, never obeyed (``faults_only_if_asked`` False: runs from before this rule)."""
         state = self.state
         job_id = report.job_id
         if not self._job_key_matches(job_id, report.key):
             return
-        if state.evicting is not None and state.evicting.job_id == job_id:
-            state.evicting = None
+        if (
+            report.error is not None
+            and faults_only_if_asked
+            and not self.asked_to_evict(job_id, report.key)
+        ):
+            state.stats.stale_messages += 1
+            return
+        self.clear_evicting(job_id)
         if state.resident is not None and state.resident.job_id == job_id and report.error is None:
             self.evicted(job_id)
             state.resident = None
@@ -663,7 +738,17 @@ class GroupBook:
             self.fault(job_id, f"its own eviction failed: {report.error}")
 
     def fault(self, job_id: str, message: str) -> str:
-        return self.state.faulted_jobs.setdefault(job_id, f"job {job_id}: {message}")
+        """Mark the job faulted (its state is unknown): its requests are refused with this text.
+        The text quotes others' errors, so it is cut to MAX_FAULT_BYTES; past FAULTED_JOBS_KEEP
+        faults the oldest is forgotten."""
+        faults = self.state.faulted_jobs
+        text = faults.setdefault(
+            job_id, cut_to_encoded(f"job {job_id}: {message}", MAX_FAULT_BYTES)
+        )
+        while len(faults) > FAULTED_JOBS_KEEP:
+            del faults[next(iter(faults))]
+            self.state.stats.forgotten_jobs += 1
+        return text
 
     def depart(self, job_id: str, key: str) -> bool:
         """A job's processes closed: its state left the device with them. False if still held
@@ -683,6 +768,11 @@ class GroupBook:
             self.forget(job_id)
         return known
 
+    def evictor_gone(self, job_id: str) -> None:
+        """The job answered ``evict`` never reported, and the group's own eviction found no
+        process on its queues: its processes are gone, and its device state with them."""
+        self.forget(job_id)
+
     def forget(self, job_id: str) -> None:
         """The job's processes are gone: drop its residency, saved state and faults."""
         state = self.state
@@ -690,11 +780,48 @@ class GroupBook:
             state.resident = None
         if job_id in state.evicted_jobs:
             state.evicted_jobs.remove(job_id)
-        if state.evicting is not None and state.evicting.job_id == job_id:
-            state.evicting = None
+        self.clear_evicting(job_id)
         state.faulted_jobs.pop(job_id, None)
         state.job_keys.pop(job_id, None)
         state.stats.departed += 1
+
+    # ------------------------------------------------------------------ continue-as-new
+
+    def carried_input(self) -> tuple[dict[str, Any], int, int]:
+        """The next run's input (``GroupInput`` as JSON), its encoded size, and how many lease
+        and switch records were shed, oldest first, to bring it within CARRIED_STATE_BUDGET_BYTES.
+
+        A state reached by valid messages never needs it (its bounds add up to the budget:
+        ``group_state_budget``), but one carried from an older release may: a continue-as-new
+        input over Temporal's payload limit would fail its task forever and wedge the group."""
+        state = self.state
+        shed = 0
+        while True:
+            carried = GroupInput(config=self.config, state=state).model_dump(mode="json")
+            size = encoded_size(carried)
+            excess = size - CARRIED_STATE_BUDGET_BYTES
+            if excess <= 0 or not (state.history or state.switch_history):
+                break
+            shed += self._shed_history(excess)
+        if shed:  # the count travels with the state (a few bytes more)
+            state.stats.shed_records += shed
+            carried = GroupInput(config=self.config, state=state).model_dump(mode="json")
+            size = encoded_size(carried)
+        return carried, size, shed
+
+    def _shed_history(self, excess: int) -> int:
+        """Drop the oldest lease and switch records until ``excess`` bytes are gone."""
+        state = self.state
+        dropped = 0
+        while excess > 0 and (state.history or state.switch_history):
+            if state.history and (
+                not state.switch_history or state.history[0].start <= state.switch_history[0].start
+            ):
+                excess -= encoded_size(state.history.pop(0)) + 1
+            else:
+                excess -= encoded_size(state.switch_history.pop(0)) + 1
+            dropped += 1
+        return dropped
 
     # ------------------------------------------------------------------ views
 
@@ -749,6 +876,7 @@ class GroupBook:
             history=list(state.history),
             switch_history=list(state.switch_history),
             as_of=now,
+            next_deadline=self.next_deadline(),
         )
 
     def details(self, now: datetime) -> str:

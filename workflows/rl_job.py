@@ -64,6 +64,7 @@ from timeslice.protocol.rl_job import (
     RLJobProgress,
     RLJobResult,
     RLJobState,
+    carried_rl_job_input,
     protocol_mismatch,
     rl_job_workflow_id,
 )
@@ -498,7 +499,7 @@ class RLJobWorkflow:
         state = self._state
         back_to = state.last_checkpoint.epochs_done if state.last_checkpoint else 0
         lost = state.drop_records_from(back_to)
-        state.redone_epochs += len(lost) + 1  # + the epoch that failed midway
+        state.redone_epochs += lost + 1  # + the epoch that failed midway
         state.rewinds += 1
         state.epochs_done = back_to
         state.prepared = False
@@ -558,8 +559,16 @@ class RLJobWorkflow:
         if self._state.stop_requested:
             return
         self._state.runs += 1
-        carried = RLJobInput(config=self._config, state=self._state)
-        workflow.continue_as_new(carried.model_dump(mode="json"))
+        carried, size, shed = carried_rl_job_input(self._config, self._state)
+        if shed:
+            workflow.logger.warning(
+                "job %s shed %d of its oldest records and rewards so that its continue-as-new "
+                "input fits (%d bytes now)",
+                self._config.job_id,
+                shed,
+                size,
+            )
+        workflow.continue_as_new(carried)
 
     # ---------------------------------------------------------------- leases and phases
 
@@ -808,6 +817,7 @@ class RLJobWorkflow:
             wait_s=wait_s,
             rewinds=state.rewinds,
             last_checkpoint=state.last_checkpoint,
+            shed_records=state.shed_records,
         )
 
     @workflow.signal(name=JobSignal.STOP)

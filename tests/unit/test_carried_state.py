@@ -93,16 +93,33 @@ def test_a_thousand_epoch_job_carries_under_256_kb():
     assert len(state.rewards) == 1000 and state.rewards_from == 0
 
 
-def test_records_since_the_last_checkpoint_are_kept_for_a_rewind():
+def test_a_rewind_past_folded_records_stays_exact():
+    """Records beyond the recent ones are folded even if newer than the last checkpoint (they
+    used to be kept, without bound): a rewind drops their totals exactly."""
     state = RLJobState(last_checkpoint=CheckpointRef(epochs_done=10, path="/c"))
     for epoch in range(100):
         state.add_record(EpochRecord(epoch=epoch, reward_mean=float(epoch), phase_s={"train": 1.0}))
-    # Every record from the checkpoint on is still there, so a rewind can drop them exactly.
-    assert [r.epoch for r in state.records] == list(range(10, 100))
+    assert len(state.records) == RECENT_EPOCH_RECORDS
+    assert state.totals()[0] == {"train": 100.0}
     lost = state.drop_records_from(10)
-    assert [r.epoch for r in lost] == list(range(10, 100))
-    assert state.totals()[0] == {"train": 10.0}
+    assert lost == 90
+    assert state.records == [] and state.totals()[0] == {"train": 10.0}
     assert state.rewards == [float(e) for e in range(10)]
+    # Epochs folded before a checkpoint that later came are kept by a rewind to it.
+    state = RLJobState()
+    for epoch in range(60):
+        if epoch == 50:
+            state.last_checkpoint = CheckpointRef(epochs_done=50, path="/c")
+        state.add_record(EpochRecord(epoch=epoch, reward_mean=None, phase_s={"train": 1.0}))
+    assert state.drop_records_from(50) == 10
+    assert state.totals()[0] == {"train": 50.0} and len(state.records) == RECENT_EPOCH_RECORDS - 10
+    # ... and after a rewind, the next checkpoint confirms the epochs folded since.
+    for epoch in range(50, 200):
+        state.add_record(EpochRecord(epoch=epoch, reward_mean=None, phase_s={"train": 1.0}))
+    state.last_checkpoint = CheckpointRef(epochs_done=200, path="/c")
+    state.add_record(EpochRecord(epoch=200, reward_mean=None, phase_s={"train": 1.0}))
+    assert state.drop_records_from(200) == 1
+    assert state.totals()[0] == {"train": 200.0}
 
 
 def test_a_group_at_its_bounds_carries_under_256_kb():

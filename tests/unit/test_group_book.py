@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 from timeslice.protocol.group import (
     MAX_ACQUIRE_TIMEOUT_S,
+    STATUS_SLACK_S,
     AcquireRequest,
     GroupConfig,
     GroupState,
@@ -340,7 +341,7 @@ def test_a_faulted_job_is_refused_and_others_served():
     assert grant_next(b, at(2)) == "good"
 
 
-def test_moved_state_leaves_the_group_and_a_failed_move_faults_the_job():
+def test_moved_state_leaves_the_group():
     b = book()
     b.enqueue(request("a", snapshot=target("a")), at(0))
     grant_next(b, at(0))
@@ -349,8 +350,83 @@ def test_moved_state_leaves_the_group_and_a_failed_move_faults_the_job():
     b.moved(MovedReport(job_id="a", key=key("a:r"), evicted=[report("a", 64)]), at(2))
     assert b.state.resident is None and b.state.evicted_jobs == ["a"]
     assert b.state.switch_history[-1].bytes == 64
+
+
+def _answered_evict(b: GroupBook, job: str = "a") -> None:
+    """``job`` holds, another job waits, and ``job`` releases with evicts_itself: answered evict."""
+    b.enqueue(request(job, snapshot=target(job)), at(0))
+    grant_next(b, at(0))
+    b.enqueue(request("other"), at(0.5))
+    answer = b.release(
+        LeaseReturn(
+            request_id=f"{job}:r", key=key(f"{job}:r"), token=b.state.next_token - 1,
+            evicts_itself=True,
+        ),
+        at(1),
+    )  # fmt: skip
+    assert answer.evict and b.state.evicting is not None
+
+
+def test_a_failed_eviction_the_group_asked_for_faults_the_job():
+    b = book()
+    _answered_evict(b)
     b.moved(MovedReport(job_id="a", key=key("a:r"), evicted=[], error="disk full"), at(3))
     assert "disk full" in b.state.faulted_jobs["a"]
+    assert b.state.evicting is None and b.state.evicting_key_hash is None
+
+
+def test_naming_a_job_in_a_failed_eviction_report_does_not_fault_it():
+    """The tester's repro: acquire as the victim's job id, release (nobody waits, so the group
+    asks for no eviction), then report a failed eviction with the key that release left."""
+    b = book()
+    b.enqueue(request("victim", "mallory:1", snapshot=target("victim")), at(0))
+    grant_next(b, at(0))
+    b.release(LeaseReturn(request_id="mallory:1", key=key("mallory:1"), token=1), at(1))
+    report_ = MovedReport(job_id="victim", key=key("mallory:1"), evicted=[], error="x" * 2000)
+    b.moved(report_, at(2))
+    assert b.state.faulted_jobs == {} and b.state.stats.stale_messages == 1
+    # The victim's own next acquire is granted, not refused.
+    b.enqueue(request("victim", "victim:2", snapshot=target("victim")), at(3))
+    assert grant_next(b, at(3)) == "victim" and b.state.holder is not None
+    # Before this rule (runs recorded earlier replay with it), the same report faulted the job.
+    old = book()
+    old.enqueue(request("victim", "mallory:1"), at(0))
+    grant_next(old, at(0))
+    old.release(LeaseReturn(request_id="mallory:1", key=key("mallory:1"), token=1), at(1))
+    old.moved(report_, at(2), faults_only_if_asked=False)
+    assert "victim" in old.state.faulted_jobs
+
+
+def test_only_the_lease_answered_evict_reports_its_failure():
+    b = book(memory_bytes=1000)
+    _answered_evict(b)
+    # The key of another lease (here: forged) faults nothing and leaves the eviction awaited.
+    b.moved(MovedReport(job_id="a", key=key("a:other"), evicted=[], error="no"), at(2))
+    assert b.state.faulted_jobs == {} and b.state.evicting is not None
+    # An eviction the group runs itself (both fit) awaits no report from the holder.
+    c = book(memory_bytes=1000)
+    c.enqueue(request("a", snapshot=target("a"), state_bytes=300), at(0))
+    grant_next(c, at(0))
+    c.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(1))
+    c.enqueue(request("b", snapshot=target("b"), state_bytes=300), at(1))
+    waiter = c.take_next(at(1))
+    assert waiter is not None and c.plan_switch(waiter.request).overlapped
+    c.moved(MovedReport(job_id="a", key=key("a:r"), evicted=[], error="no"), at(2))
+    assert c.state.faulted_jobs == {} and c.state.stats.stale_messages == 1
+
+
+def test_a_gone_evictor_is_forgotten():
+    """The holder answered evict died before reporting, and the group's own eviction found no
+    process: its state went with its processes, so its next grant restores nothing."""
+    b = book()
+    _answered_evict(b)
+    assert "a" in b.state.evicted_jobs
+    b.clear_evicting()
+    b.evictor_gone("a")
+    assert "a" not in b.state.evicted_jobs and b.state.evicting is None
+    assert b.state.stats.departed == 1
+    plan = b.plan_switch(request("a", "a:2", snapshot=target("a")))
+    assert not plan.restore and plan.fault is None
 
 
 def test_depart_forgets_a_job_but_not_while_it_holds():
@@ -394,3 +470,51 @@ def test_wait_samples_are_bounded_and_give_percentiles():
     assert b.state.stats.wait_samples_s == [2.0, 3.0, 4.0]
     status = b.status(at(5))
     assert (status.wait_p50_s, status.wait_p99_s) == (3.0, 4.0)
+
+
+# ---------------------------------------------------------------------------- a reader's clock
+
+
+def test_status_read_on_a_clock_ahead_never_runs_past_the_next_deadline():
+    """A group runs a workflow task by its next deadline (here the lease's expiry), so a status
+    is stale at most until then: a reader an hour ahead sees the lease at its end, not 3,600 s
+    held and "expires in -3,580 s"."""
+    b = book(default_ttl_s=20.0)
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    status = b.status(at(0))
+    assert status.next_deadline == at(20)
+    ahead = status.advanced_to(at(3600))
+    assert ahead.holder is not None
+    assert ahead.holder.expires_in_s == 0.0
+    assert ahead.holder.held_s == pytest.approx(20 + STATUS_SLACK_S)
+    assert ahead.wall_s == pytest.approx(status.wall_s + 20 + STATUS_SLACK_S)
+    assert 0.0 <= ahead.utilization <= 1.0
+    # Within the deadline the figures advance exactly.
+    soon = status.advanced_to(at(8))
+    assert soon.holder is not None
+    assert (soon.holder.held_s, soon.holder.expires_in_s) == (pytest.approx(8), pytest.approx(12))
+    # A reader behind the group's clock sees the figures as of the query, never less.
+    behind = status.advanced_to(at(-3600))
+    assert behind.holder == status.holder and behind.wall_s == status.wall_s
+
+
+def test_a_waiters_time_out_bounds_a_status_too():
+    b = book(default_ttl_s=20.0)
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    b.enqueue(request("b", timeout_s=5.0), at(0))
+    status = b.status(at(1))
+    assert status.next_deadline == at(5)
+    ahead = status.advanced_to(at(1000))
+    assert ahead.queue[0].waited_s == pytest.approx(1 + 4 + STATUS_SLACK_S)
+    assert ahead.holder is not None and ahead.holder.expires_in_s == pytest.approx(
+        19 - 4 - STATUS_SLACK_S
+    )
+
+
+def test_an_idle_group_has_no_deadline_and_stays_idle_however_far_ahead():
+    status = book().status(at(10))
+    assert status.next_deadline is None
+    ahead = status.advanced_to(at(3610))
+    assert ahead.wall_s == pytest.approx(3610) and ahead.idle_s == pytest.approx(3610)

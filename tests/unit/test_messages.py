@@ -13,6 +13,7 @@ from temporalio.common import RawValue
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice.protocol.group import (
     MAX_QUEUE_BYTES,
+    MAX_REQUEST_BYTES,
     MAX_WAITERS,
     AcquireRequest,
     GroupConfig,
@@ -25,6 +26,7 @@ from timeslice.protocol.group import (
     SnapshotJobInput,
     SnapshotTarget,
     Undecodable,
+    encoded_size,
     lease_key_hash,
     parse_message,
 )
@@ -183,15 +185,35 @@ def test_queue_refuses_requests_past_its_count():
     assert b.refusal(request(0)) is None  # a request the group knows is never refused
 
 
-def test_queue_refuses_requests_past_its_bytes():
-    b = book()
-    big = SnapshotTarget(
+def _target(queues: int) -> SnapshotTarget:
+    return SnapshotTarget(
         queues=[
             QueueTarget(task_queue=f"q{i}-" + "q" * 250, backends=["b" * 100] * 16)
-            for i in range(64)
+            for i in range(queues)
         ]
     )
-    size = len(request(0, snapshot=big).model_dump_json())
+
+
+def test_a_request_past_its_bytes_is_refused():
+    """Bytes as the data converter encodes them (UTF-8: this emoji takes four), not characters."""
+    b = book()
+    assert encoded_size(request(0, snapshot=_target(64))) > MAX_REQUEST_BYTES
+    assert "more than a group carries for one request" in (
+        b.refusal(request(0, snapshot=_target(64))) or ""
+    )
+    escaped = SnapshotTarget(
+        queues=[
+            QueueTarget(task_queue=f"q{i}", backends=["\U0001f600" * 100] * 16) for i in range(12)
+        ]
+    )
+    assert len(request(0, snapshot=escaped).model_dump_json()) < MAX_REQUEST_BYTES
+    assert b.refusal(request(0, snapshot=escaped)) is not None
+
+
+def test_queue_refuses_requests_past_its_bytes():
+    b = book()
+    big = _target(24)
+    size = encoded_size(request(0, snapshot=big))
     fits = MAX_QUEUE_BYTES // size
     for n in range(fits):
         assert b.refusal(request(n, snapshot=big)) is None
