@@ -479,6 +479,11 @@ class RLJobProgress(_Model):
     wait_s: dict[str, float]
     rewinds: int
     last_checkpoint: CheckpointRef | None
+    forged_notices: int = Field(
+        0,
+        description="grant and fault notices this run dropped: their proof was missing or "
+        "wrong, so no group made them (docs/security.md)",
+    )
 
 
 class RLJobResult(_Model):

@@ -39,6 +39,7 @@ from timeslice.protocol.group import (
     Waiter,
     WaiterView,
     lease_key_hash,
+    prove_notice,
 )
 
 RECENT_DONE_KEEP = 2048
@@ -299,7 +300,9 @@ class GroupBook:
         *,
         parked: bool,
     ) -> GrantNotice:
-        return GrantNotice(
+        # Signed with the request's key hash, which only this group and the requester know:
+        # a notice anyone else sends (``status`` shows request ids and tokens) is dropped.
+        notice = GrantNotice(
             group_id=self.config.group_id,
             request_id=request.request_id,
             job_id=request.job_id,
@@ -311,6 +314,7 @@ class GroupBook:
             fault=fault,
             confirm_within_s=self.config.grant_ack_timeout_s if parked else None,
         )
+        return prove_notice(notice, request.key_hash)
 
     def holder_notice(self) -> GrantNotice | None:
         holder = self.state.holder

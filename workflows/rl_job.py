@@ -808,6 +808,7 @@ class RLJobWorkflow:
             wait_s=wait_s,
             rewinds=state.rewinds,
             last_checkpoint=state.last_checkpoint,
+            forged_notices=self._leases.forged_notices,
         )
 
     @workflow.signal(name=JobSignal.STOP)
