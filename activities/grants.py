@@ -45,15 +45,22 @@ class Delivery(StrEnum):
 @dataclass
 class _Expected:
     future: asyncio.Future[GrantNotice]
-    key_hash: str
+    key: str
+
+    @property
+    def key_hash(self) -> str:
+        return lease_key_hash(self.key)
 
 
 class GrantInbox:
     def __init__(self) -> None:
         self._waiting: dict[str, _Expected] = {}
         # A group that continued as new re-delivers a grant it had not yet seen taken:
-        # request id -> (token, key hash).
+        # request id -> (token, lease key).
         self._accepted: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        # Requests given up lately, with their keys: a grant that raced the give-up is
+        # declined with the key, so the group ends it at once.
+        self._withdrawn: OrderedDict[str, str] = OrderedDict()
         # Notices dropped because their proof was missing or wrong.
         self.forged = 0
 
@@ -61,7 +68,7 @@ class GrantInbox:
         """Wait for the grant of ``request_id``, whose lease key is ``key``: only a notice
         proven under its hash is taken."""
         future: asyncio.Future[GrantNotice] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = _Expected(future, lease_key_hash(key))
+        self._waiting[request_id] = _Expected(future, key)
         return future
 
     def withdraw(self, request_id: str) -> GrantNotice | None:
@@ -69,6 +76,9 @@ class GrantInbox:
         expected = self._waiting.pop(request_id, None)
         if expected is None:
             return None
+        self._withdrawn[request_id] = expected.key
+        while len(self._withdrawn) > _ACCEPTED_KEEP:
+            self._withdrawn.popitem(last=False)
         future = expected.future
         if future.done() and not future.cancelled():
             return future.result()
@@ -92,7 +102,7 @@ class GrantInbox:
         """Hand a notice to its waiting acquire, if its proof holds."""
         accepted = self._accepted.get(notice.request_id)
         if accepted is not None and accepted[0] == notice.token:
-            if not notice_is_proven(notice, accepted[1]):
+            if not notice_is_proven(notice, lease_key_hash(accepted[1])):
                 return self._forged(notice)
             return Delivery.TAKEN  # the same grant delivered again (e.g. after continue-as-new)
         expected = self._waiting.get(notice.request_id)
@@ -102,10 +112,26 @@ class GrantInbox:
             return self._forged(notice)  # the wait is not consumed
         expected.future.set_result(notice)
         if notice.fault is None:
-            self._accepted[notice.request_id] = (notice.token, expected.key_hash)
+            self._accepted[notice.request_id] = (notice.token, expected.key)
             while len(self._accepted) > _ACCEPTED_KEEP:
                 self._accepted.popitem(last=False)
         return Delivery.TAKEN
+
+    def answer_key(self, notice: GrantNotice) -> str | None:
+        """The key to answer ``notice``'s group with: only for a notice that group made
+        (proven under the key's hash), so a forger never learns a key from an answer."""
+        accepted = self._accepted.get(notice.request_id)
+        expected = self._waiting.get(notice.request_id)
+        key = (
+            expected.key
+            if expected is not None
+            else accepted[1]
+            if accepted is not None
+            else self._withdrawn.get(notice.request_id)
+        )
+        if key is None or not notice_is_proven(notice, lease_key_hash(key)):
+            return None
+        return key
 
     @activity.defn(name=DELIVER_GRANT_ACTIVITY)
     async def deliver_grant(self, notice: GrantNotice) -> GrantAck:
@@ -116,5 +142,9 @@ class GrantInbox:
                 notice.group_id,
                 notice.token,
             )
-        # A fault notice taken is not a lease: nothing for the group to confirm.
-        return GrantAck(accepted=delivery is Delivery.TAKEN and notice.fault is None)
+        # A fault notice taken is not a lease: nothing for the group to confirm. The key makes
+        # the answer the process's own (anyone can complete an activity by its id).
+        return GrantAck(
+            accepted=delivery is Delivery.TAKEN and notice.fault is None,
+            key=self.answer_key(notice),
+        )

@@ -383,8 +383,9 @@ class GrantNotice(_Model):
     fault: str | None = None
     confirm_within_s: float | None = Field(
         None,
-        description="a grant taken from a parked update counts as delivered once the holder "
-        "renews or releases; if neither comes within this time the holder is taken for dead",
+        description="a grant taken from a parked update (or whose delivery's outcome was not "
+        "the process's own) counts as delivered once the holder renews or releases; if neither "
+        "comes within this time the holder is taken for dead",
     )
     proof: str | None = Field(
         None,
@@ -429,7 +430,15 @@ def notice_is_proven(notice: GrantNotice, key_hash: str) -> bool:
 
 
 class GrantAck(_Model):
+    """A process's answer to a ``deliver_grant`` activity. Anyone in the namespace can complete
+    an activity by its id, so the group obeys only an answer that presents the request's key
+    (which only the process knows); any other outcome leaves the grant to be confirmed by the
+    holder's renewal or release."""
+
     accepted: bool
+    key: LeaseKey | None = Field(
+        None, description="the request's lease key: what makes this answer the process's own"
+    )
 
 
 class AcquireCall(_Model):

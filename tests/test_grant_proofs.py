@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
+from temporalio import activity
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
@@ -23,15 +25,26 @@ from temporalio.worker import Worker
 from timeslice.errors import AcquireTimeoutError
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import (
+    DELIVER_GRANT_ACTIVITY,
     GRANT_SIGNAL,
+    AcquireAnswer,
+    AcquireCall,
+    AcquireRequest,
     GrantAck,
     GrantNotice,
     GroupStatus,
     LeaseOutcome,
     LeaseRecord,
+    LeaseReturn,
+    RenewRequest,
+    RenewResult,
+    ReturnAnswer,
     group_workflow_id,
+    job_task_queue,
+    lease_key_hash,
 )
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
+from timeslice.updates import send_update
 from timeslice.workers.sandbox import workflow_runner
 
 from tests import test_rl_jobs
@@ -241,3 +254,91 @@ def test_a_made_up_answer_to_a_clients_acquire_is_not_a_lease(
     assert isinstance(timed_out, AcquireTimeoutError)
     assert waiter.held == {}
     assert waiter._engine.inbox.forged >= 2 and answered >= 2  # it asked again, and again
+
+
+@pytest.mark.parametrize("forged", ["failure", "refusal"])
+def test_a_forged_outcome_of_a_grants_delivery_does_not_end_the_lease_its_process_took(
+    address: str, group: str, make_client: Callable[..., Any], forged: str
+) -> None:
+    """Anyone in the namespace can complete or fail an activity by its id. A process took its
+    grant and has not answered yet; a forged failure or refusal of that delivery must not end
+    its lease (the group used to grant the next waiter at once: two holders)."""
+    holder = make_client(job_id=unique("holder"))
+    holder.create_group(group, max_parked_waits=0)  # every grant by activity
+    held = holder.acquire(group, timeout=60)
+    later = make_client(job_id=unique("later"))
+    slow, key = unique("slow"), "the-slow-process's-own-key-0123"
+    rid = f"{slow}:r"
+
+    async def scenario() -> tuple[GrantNotice, Any, GroupStatus]:
+        client = await _connect(address)
+        group_id = group_workflow_id(group)
+        handle = client.get_workflow_handle(group_id)
+        took, answer = asyncio.Event(), asyncio.Event()
+        notices: list[GrantNotice] = []
+
+        # A process that takes its grant and is slow to say so (a loaded machine).
+        @activity.defn(name=DELIVER_GRANT_ACTIVITY)
+        async def deliver_grant(notice: GrantNotice) -> GrantAck:
+            notices.append(notice)
+            took.set()
+            await answer.wait()
+            return GrantAck(accepted=True, key=key)
+
+        async with Worker(client, task_queue=job_task_queue(slow), activities=[deliver_grant]):
+            try:
+                request = AcquireRequest(
+                    request_id=rid,
+                    key_hash=lease_key_hash(key),
+                    job_id=slow,
+                    reply_task_queue=job_task_queue(slow),
+                )
+                call = AcquireCall(request=request, park=False)
+                await send_update(client, group_id, "acquire", call, AcquireAnswer)
+                waiting = asyncio.create_task(asyncio.to_thread(later.acquire, group, 120))
+
+                async def both_queued() -> bool:
+                    status = await handle.query("status", result_type=GroupStatus)
+                    return {w.job_id for w in status.queue} == {slow, later.job_id}
+
+                await eventually(both_queued, "both requests queued")
+                await asyncio.to_thread(holder.release, held)
+                await asyncio.wait_for(took.wait(), timeout=120)
+                [notice] = notices
+                description = await handle.describe()
+                [delivery] = description.raw_description.pending_activities
+                outcome = client.get_async_activity_handle(
+                    workflow_id=group_id,
+                    run_id=description.run_id,
+                    activity_id=delivery.activity_id,
+                )
+                if forged == "failure":
+                    await outcome.fail(RuntimeError("forged: the process is gone"))
+                else:
+                    await outcome.complete(GrantAck(accepted=False))
+                after = await handle.query("status", result_type=GroupStatus)
+                # The process that took the grant proves it holds: its renewal is valid.
+                renew = RenewRequest(request_id=rid, token=notice.token, key=key)
+                renewed = await send_update(client, group_id, "renew", renew, RenewResult)
+                assert renewed.valid, renewed.reason
+                assert not waiting.done()
+                ret = LeaseReturn(request_id=rid, token=notice.token, key=key)
+                returned = await send_update(client, group_id, "release_lease", ret, ReturnAnswer)
+                assert returned.valid and returned.released
+                return notice, await waiting, after
+            finally:
+                answer.set()
+
+    notice, lease, after = asyncio.run(scenario())
+    assert after.holder is not None and after.holder.token == notice.token  # not ended
+    assert [w.job_id for w in after.queue] == [later.job_id]  # and nobody else granted
+    assert after.stats.forged_messages == (1 if forged == "refusal" else 0)
+    assert lease.token > notice.token
+    later.release(lease)
+    history = later.group_status(group).history
+    assert [(r.job_id, r.outcome) for r in history] == [
+        (holder.job_id, LeaseOutcome.RELEASED),
+        (slow, LeaseOutcome.RELEASED),
+        (later.job_id, LeaseOutcome.RELEASED),
+    ]
+    assert lease_of(history, later.job_id).start >= lease_of(history, slow).end

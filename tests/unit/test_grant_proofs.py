@@ -187,3 +187,43 @@ def test_the_inbox_activity_declines_a_forged_grant() -> None:
         assert ack.accepted and waiting.result() == real
 
     asyncio.run(go())
+
+
+def test_the_inbox_answers_with_the_key_only_a_notice_its_group_made() -> None:
+    """The key makes an answer the process's own; a forger must never learn it from one."""
+    real = granted(new_book(), request("a"), at(0))
+
+    async def go() -> None:
+        inbox = GrantInbox()
+        inbox.expect(real.request_id, KEY)
+        forged = await inbox.deliver_grant(forged_like(real))
+        assert forged.key is None and not forged.accepted
+        taken = await inbox.deliver_grant(real)
+        assert taken.accepted and taken.key == KEY
+        inbox.withdraw(real.request_id)
+        # Given up: a grant that raced it is declined with the key (the group ends it at
+        # once), a forged copy without.
+        late = prove_notice(real.model_copy(update={"token": real.token + 1}), lease_key_hash(KEY))
+        declined = await inbox.deliver_grant(late)
+        assert not declined.accepted and declined.key == KEY
+        assert (await inbox.deliver_grant(forged_like(late))).key is None
+
+    asyncio.run(go())
+
+
+def test_a_grant_answered_without_its_key_waits_for_the_holders_renewal() -> None:
+    b = new_book()
+    grant = granted(b, request("a"), at(0))
+    assert grant.confirm_within_s == b.config.grant_ack_timeout_s  # the process renews soon
+    assert not b.answer_is_proven(grant.token, None)
+    assert not b.answer_is_proven(grant.token, OTHER_KEY)
+    assert not b.answer_is_proven(grant.token + 1, KEY)
+    assert b.answer_is_proven(grant.token, KEY)
+    b.unconfirmed(grant.token, at(1))
+    holder = b.state.holder
+    assert holder is not None and not holder.delivered
+    assert b.next_deadline() == at(1 + b.config.grant_ack_timeout_s)
+    b.expire(at(1 + b.config.grant_ack_timeout_s - 0.1))
+    assert b.state.holder is holder  # still held: its renewal may be on its way
+    b.expire(at(1 + b.config.grant_ack_timeout_s))
+    assert b.state.holder is None and b.state.history[-1].outcome.value == "dead"
