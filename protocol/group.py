@@ -410,7 +410,9 @@ def notice_proof(notice: GrantNotice, key_hash: str) -> str:
     metrics show it (docs/security.md). Every field is covered, so a field added later (a
     grant time) is covered too, and no field can be altered in transit."""
     fields = notice.model_dump(mode="json", exclude={"proof"})
-    message = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    # NaN and infinities (a forged notice may carry them) are written, never raised on: a
+    # check that raised would fail the receiving workflow's task.
+    message = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     mac = hmac.new(bytes.fromhex(key_hash), _NOTICE_PROOF_DOMAIN + message.encode(), "sha256")
     return mac.hexdigest()
 
@@ -600,7 +602,11 @@ class GroupStats(_Model):
     leases: int = 0
     released: int = 0
     stale_messages: int = 0
-    forged_messages: int = Field(0, description="messages whose lease key did not match")
+    forged_messages: int = Field(
+        0,
+        description="messages whose lease key did not match, and grant deliveries answered "
+        "without the request's key",
+    )
     malformed_messages: int = Field(
         0, description="signals dropped because they were not a valid message"
     )

@@ -121,7 +121,8 @@ class _GroupMetrics:
             ),
             "forged": meter.create_counter(
                 "timeslice_forged_messages",
-                "releases, renewals, cancels, reports and departures with a wrong lease key",
+                "releases, renewals, cancels, reports and departures with a wrong lease key, "
+                "and grant deliveries answered without the request's key",
             ),
         }
 

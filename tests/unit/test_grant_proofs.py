@@ -127,6 +127,17 @@ def test_the_proof_survives_the_trip_through_temporals_converter() -> None:
     assert notice_proof(raw, lease_key_hash(KEY)) == grant.proof
 
 
+def test_checking_a_notice_with_out_of_range_numbers_never_raises() -> None:
+    """A forged signal may carry NaN or infinity (JSON allows them through pydantic): the
+    check must answer False, not raise inside the receiving workflow's signal handler."""
+    raw = (
+        '{"group_id":"g","request_id":"a:r","job_id":"a","token":1,"ttl_s":1e400,'
+        f'"waited_s":NaN,"proof":"{"0" * 64}"}}'
+    )
+    notice = GrantNotice.model_validate_json(raw)
+    assert not notice_is_proven(notice, lease_key_hash(KEY))
+
+
 # ---------------------------------------------------------------- what status shows
 
 
