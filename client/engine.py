@@ -239,7 +239,7 @@ class Engine:
                 raise TimesliceError(str(err)) from err
             self._agent_registered = True
         if self._worker is None and self._serves_own_queue:
-            snapshots = SnapshotActivities(self.backends)
+            snapshots = SnapshotActivities(self.backends, job_id=self.job_id)
             self._worker = Worker(
                 client,
                 task_queue=self.task_queue,

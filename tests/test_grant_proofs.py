@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,26 +38,42 @@ from timeslice.protocol.group import (
     LeaseOutcome,
     LeaseRecord,
     LeaseReturn,
+    QueueTarget,
     RenewRequest,
     RenewResult,
     ReturnAnswer,
+    SnapshotTarget,
     group_workflow_id,
     job_task_queue,
     lease_key_hash,
 )
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
+from timeslice.snapshot import NoopBackend
 from timeslice.updates import send_update
 from timeslice.workers.sandbox import workflow_runner
 
-from tests import test_rl_jobs
+from tests.conftest import start_service, stop_process
 from tests.forger_workflows import GrantForgerWorkflow, RogueGroupWorkflow
 from tests.helpers import wait_for
 
-FAST = test_rl_jobs.FAST
-# The RL tests' fixtures: job processes (`timeslice job worker`) and their checkpoint folder.
-job_workers = test_rl_jobs.job_workers
-checkpoints = test_rl_jobs.checkpoints
+FAST = {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05}
 FORGER_QUEUE = "test-forgers"
+
+
+@pytest.fixture
+def job_process(address: str, tmp_path: Path) -> Iterator[Callable[[str], None]]:
+    """Start a `timeslice job worker` (simulated workload) for a job; stopped at the end."""
+    procs: list[subprocess.Popen] = []
+
+    def start(job_id: str) -> None:
+        args = ["job", "worker", "--address", address, "--job-id", job_id]
+        args += ["--workload", "simulated", "--threads", "1"]
+        args += ["--checkpoint-dir", str(tmp_path / "checkpoints")]
+        procs.append(start_service(args, f"job {job_id} rank 0", tmp_path / f"{job_id}.log"))
+
+    yield start
+    for proc in procs:
+        stop_process(proc)
 
 
 def unique(prefix: str) -> str:
@@ -90,10 +108,10 @@ async def _connect(address: str) -> Client:
 
 
 def test_a_queued_rl_job_drops_forged_grants_and_faults_and_takes_the_real_grant(
-    address: str, job_workers: Callable[..., Any], group: str, make_client: Callable[..., Any]
+    address: str, job_process: Callable[[str], None], group: str, make_client: Callable[..., Any]
 ) -> None:
     job = unique("forged")
-    job_workers(job, "simulated")
+    job_process(job)
     holder = make_client(job_id=unique("holder"))
     held = holder.acquire(group, timeout=60)
     config = {
@@ -342,3 +360,43 @@ def test_a_forged_outcome_of_a_grants_delivery_does_not_end_the_lease_its_proces
         (later.job_id, LeaseOutcome.RELEASED),
     ]
     assert lease_of(history, later.job_id).start >= lease_of(history, slow).end
+
+
+def test_a_request_naming_another_jobs_queue_cannot_move_that_jobs_state(
+    address: str, group: str, make_client: Callable[..., Any]
+) -> None:
+    """A request may name any job and any snapshot target. One for a made-up job whose target
+    is another job's process queue used to make the group's eviction of the made-up job move
+    the other job's state out (the process ignored the call's job), after which that job was
+    granted without its state and never restored."""
+    victim_backend = NoopBackend()
+    observer = make_client(job_id=unique("observer"))
+    observer.create_group(group)
+    victim = make_client(job_id=unique("victim"), snapshot_backends=[victim_backend])
+    fake = unique("fake")
+    victims_queue = SnapshotTarget(
+        queues=[QueueTarget(task_queue=victim.task_queue, backends=["noop"])]
+    )
+
+    async def request_as_fake_job() -> None:
+        client = await _connect(address)
+        request = AcquireRequest(
+            request_id=f"{fake}:r",
+            key_hash=lease_key_hash("the-fake-jobs-own-key-0123456"),
+            job_id=fake,
+            # Nobody takes its grant (no such workflow): it ends at once, its job resident.
+            reply_workflow_id=unique("nobody"),
+            snapshot=victims_queue,
+        )
+        await client.get_workflow_handle(group_workflow_id(group)).signal("request", request)
+
+    asyncio.run(request_as_fake_job())
+    wait_for(
+        lambda: (s := observer.group_status(group)).resident_job == fake and s.holder is None,
+        what="the made-up job resident",
+    )
+    victim.release(victim.acquire(group, timeout=120))  # the group evicts the made-up job first
+    status = observer.group_status(group)
+    assert victim_backend.snapshots == 0  # the victim's state was not moved for it
+    assert fake in status.faulted_jobs and "WrongJob" in status.faulted_jobs[fake]
+    assert status.stats.snapshot_failures == 1
