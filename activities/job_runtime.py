@@ -126,7 +126,7 @@ class JobRuntime:
             own_thread=False,
         )
         self.homes = StateHomes(job_id, self.engine.report_moved)
-        self.snapshots = SnapshotActivities(None, self.homes)
+        self.snapshots = SnapshotActivities(None, self.homes, job_id=job_id)
         # Restores done under a lease this process keeps, reported when it is released.
         self._unreported: dict[str, list[SnapshotReport]] = {}
         # request id -> the acquire of a lease asked for ahead of its phase (see _prefetch)

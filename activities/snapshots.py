@@ -36,12 +36,29 @@ class SnapshotActivities:
     another, and never races the job's own use of the state on the same group."""
 
     def __init__(
-        self, backends: dict[str, SnapshotBackend] | None, homes: StateHomes | None = None
+        self,
+        backends: dict[str, SnapshotBackend] | None,
+        homes: StateHomes | None = None,
+        *,
+        job_id: str | None = None,
     ) -> None:
+        """``job_id``: the one job this process's state belongs to (a client or job process);
+        a call for any other job is refused. None for a node agent, which serves many jobs and
+        checks each call against the processes registered for it."""
         self.backends = backends
         self._homes = homes
+        self.job_id = job_id
 
     def _resolve(self, call: SnapshotCall) -> tuple[list[SnapshotBackend], SnapshotRequest]:
+        if self.job_id is not None and call.job_id != self.job_id:
+            # A request may name any job and any snapshot target: one for job X naming this
+            # process's queue must not move this job's state when the group evicts X.
+            raise ApplicationError(
+                f"this process holds job {self.job_id!r}'s state, not {call.job_id!r}'s: "
+                "it moves no other job's state",
+                type="WrongJob",
+                non_retryable=True,
+            )
         available = self._homes.backends if self._homes is not None else self.backends
         if not available:
             return [], SnapshotRequest(call.job_id, call.group_id, call.reason)

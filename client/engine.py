@@ -33,7 +33,7 @@ from temporalio.client import (
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
-from timeslice.activities.grants import GrantInbox
+from timeslice.activities.grants import Delivery, GrantInbox
 from timeslice.activities.group_requests import start_group
 from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.connection import connect, control_workers_polling
@@ -239,7 +239,7 @@ class Engine:
                 raise TimesliceError(str(err)) from err
             self._agent_registered = True
         if self._worker is None and self._serves_own_queue:
-            snapshots = SnapshotActivities(self.backends)
+            snapshots = SnapshotActivities(self.backends, job_id=self.job_id)
             self._worker = Worker(
                 client,
                 task_queue=self.task_queue,
@@ -360,7 +360,7 @@ class Engine:
         )
         rid = request.request_id
         asked = time.monotonic()
-        granted = self.inbox.expect(rid)
+        granted = self.inbox.expect(rid, key)
         # Kept a while after the acquire ends: a grant that raced its give-up is handed back
         # with it.
         self._keys[rid] = key
@@ -464,8 +464,12 @@ class Engine:
                 ) from err
             self._known_groups.add(group_id)
             if answer.outcome == AcquireOutcome.GRANTED and answer.notice is not None:
-                self._take(answer.notice)
-                return
+                if self._take(answer.notice) is not Delivery.FORGED:
+                    return
+                # Not the group's answer: ask again (idempotent), the real grant still comes.
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
             if answer.outcome in (AcquireOutcome.QUEUED, AcquireOutcome.GONE):
                 return
 
@@ -480,11 +484,14 @@ class Engine:
                 "`timeslice worker` (nothing answers for the GPU groups until one runs)"
             )
 
-    def _take(self, notice: GrantNotice) -> None:
+    def _take(self, notice: GrantNotice) -> Delivery:
         """A grant that came as an update's result; one nobody waits for any more is handed
-        back at once (the acquire gave up, and its cancel may have crossed the grant)."""
-        if not self.inbox.accept(notice) and notice.fault is None:
+        back at once (the acquire gave up, and its cancel may have crossed the grant). One
+        without its group's proof is dropped by the inbox, and the request stays queued."""
+        delivery = self.inbox.accept(notice)
+        if delivery is Delivery.UNWANTED and notice.fault is None:
             self._track(self._withdraw(notice.group_id, notice.request_id))
+        return delivery
 
     async def _create_with_request(self, group_id: str, request: AcquireRequest) -> None:
         client = await self.connected()

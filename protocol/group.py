@@ -7,6 +7,8 @@ input), so it is a pydantic model; this module imports nothing with I/O so workf
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -479,13 +481,64 @@ class GrantNotice(_Model):
     fault: str | None = None
     confirm_within_s: float | None = Field(
         None,
-        description="a grant taken from a parked update counts as delivered once the holder "
-        "renews or releases; if neither comes within this time the holder is taken for dead",
+        description="a grant taken from a parked update (or whose delivery's outcome was not "
+        "the process's own) counts as delivered once the holder renews or releases; if neither "
+        "comes within this time the holder is taken for dead",
+    )
+    proof: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="notice_proof() of this notice under the request's key hash: only the "
+        "group the request went to (and the requester) can make it; receivers drop a notice "
+        "whose proof is missing or wrong",
     )
 
 
+# What a notice's proof is computed over starts with this, so that no other MAC made under a
+# key hash (now or later) can pass for a grant.
+_NOTICE_PROOF_DOMAIN = b"timeslice grant notice v1\n"
+
+
+def notice_proof(notice: GrantNotice, key_hash: str) -> str:
+    """HMAC-SHA256, keyed by the request's ``key_hash``, over every field of ``notice`` but
+    its proof (canonical JSON: sorted keys, no spaces).
+
+    The key hash is what the requester sent with its request: the group keeps it and the
+    requester can compute it, and neither ``status``, ``holder``, the group's details nor the
+    metrics show it (docs/security.md). Every field is covered, so a field added later (a
+    grant time) is covered too, and no field can be altered in transit."""
+    fields = notice.model_dump(mode="json", exclude={"proof"})
+    # NaN and infinities (a forged notice may carry them) are written, never raised on: a
+    # check that raised would fail the receiving workflow's task.
+    message = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    mac = hmac.new(bytes.fromhex(key_hash), _NOTICE_PROOF_DOMAIN + message.encode(), "sha256")
+    return mac.hexdigest()
+
+
+def prove_notice(notice: GrantNotice, key_hash: str) -> GrantNotice:
+    """``notice`` with its proof: what the group sends."""
+    return notice.model_copy(update={"proof": notice_proof(notice, key_hash)})
+
+
+def notice_is_proven(notice: GrantNotice, key_hash: str) -> bool:
+    """Whether ``notice`` carries the proof of the request whose key hash is ``key_hash``
+    (compared in constant time). A receiver drops a notice that is not: it was not made by
+    the group its request went to."""
+    if notice.proof is None:
+        return False
+    return hmac.compare_digest(notice.proof, notice_proof(notice, key_hash))
+
+
 class GrantAck(_Model):
+    """A process's answer to a ``deliver_grant`` activity. Anyone in the namespace can complete
+    an activity by its id, so the group obeys only an answer that presents the request's key
+    (which only the process knows); any other outcome leaves the grant to be confirmed by the
+    holder's renewal or release."""
+
     accepted: bool
+    key: LeaseKey | None = Field(
+        None, description="the request's lease key: what makes this answer the process's own"
+    )
 
 
 class AcquireCall(_Model):
@@ -647,7 +700,11 @@ class GroupStats(_Model):
     leases: int = 0
     released: int = 0
     stale_messages: int = 0
-    forged_messages: int = Field(0, description="messages whose lease key did not match")
+    forged_messages: int = Field(
+        0,
+        description="messages whose lease key did not match, and grant deliveries answered "
+        "without the request's key",
+    )
     malformed_messages: int = Field(
         0, description="signals dropped because they were not a valid message"
     )

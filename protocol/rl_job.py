@@ -662,6 +662,11 @@ class RLJobProgress(_Model):
     shed_records: int = Field(
         0, description="records folded early so that a continue-as-new input fits (RLJobState)"
     )
+    forged_notices: int = Field(
+        0,
+        description="grant and fault notices this run dropped: their proof was missing or "
+        "wrong, so no group made them (docs/security.md)",
+    )
 
 
 class RLJobResult(_Model):

@@ -158,15 +158,24 @@ def test_grant_that_races_a_give_up_is_released_at_once(address, group, make_cli
     lease = holder.acquire(group)
     gone = make_client(job_id="gone")
 
+    abandoned_id, abandoned_key = f"abandoned-{uuid.uuid4().hex}", "the-abandoned-request's-key"
+
+    async def give_up() -> None:
+        # The process serves its queue but no longer waits for this request: exactly the state
+        # of an acquire that gave up just before its grant arrived (it still knows the key, and
+        # declines with it, so the group ends the grant at once).
+        gone._engine.inbox.expect(abandoned_id, abandoned_key)
+        gone._engine.inbox.withdraw(abandoned_id)
+
+    gone._engine.run_sync(give_up())
+
     async def enqueue_abandoned_request() -> None:
         handle = (await _raw_client(address)).get_workflow_handle(group_workflow_id(group))
-        # The process serves its queue but has no waiter for this request: exactly the state of
-        # an acquire that gave up just before its grant arrived.
         await handle.signal(
             "request",
             AcquireRequest(
-                request_id=f"abandoned-{uuid.uuid4().hex}",
-                key_hash=lease_key_hash("the-abandoned-request's-key"),
+                request_id=abandoned_id,
+                key_hash=lease_key_hash(abandoned_key),
                 job_id="gone",
                 reply_task_queue=gone.task_queue,
             ),

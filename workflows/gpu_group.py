@@ -75,6 +75,8 @@ BOUNDED_EVICTION_REPORT_WAIT = "bounded-eviction-report-wait"
 # is forgotten; a failed-eviction report faults the job only from the lease answered `evict`.
 FORGET_GONE_EVICTOR = "forget-gone-evictor"
 FAULT_ONLY_ASKED_EVICTION = "fault-only-asked-eviction"
+# workflow.patched id: a grant's delivery outcome is obeyed only when it presents the lease key.
+AUTHENTICATED_GRANT_ANSWERS = "authenticated-grant-answers"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
 
@@ -124,7 +126,8 @@ class _GroupMetrics:
             ),
             "forged": meter.create_counter(
                 "timeslice_forged_messages",
-                "releases, renewals, cancels, reports and departures with a wrong lease key",
+                "releases, renewals, cancels, reports and departures with a wrong lease key, "
+                "and grant deliveries answered without the request's key",
             ),
         }
 
@@ -299,6 +302,9 @@ class GpuGroupWorkflow:
 
     async def _deliver(self, notice: GrantNotice) -> None:
         outcome: LeaseOutcome | None = None
+        # The process's answer, if it presented the request's key (see GrantAck).
+        answer_key: str | None = None
+        answered = False
         if notice.reply_workflow_id is not None:
             try:
                 handle = workflow.get_external_workflow_handle(notice.reply_workflow_id)
@@ -325,7 +331,9 @@ class GpuGroupWorkflow:
                     summary=f"grant {self._config.group_id} to {notice.job_id} · "
                     f"token {notice.token}",
                 )
-                if not GrantAck.model_validate(raw_ack).accepted:
+                ack = GrantAck.model_validate(raw_ack)
+                answered, answer_key = True, ack.key
+                if not ack.accepted:
                     outcome = LeaseOutcome.REJECTED
             except (ActivityError, ValidationError) as err:
                 workflow.logger.warning(
@@ -341,10 +349,22 @@ class GpuGroupWorkflow:
         holder = self._book.state.holder
         if notice.fault is not None or holder is None or holder.token != notice.token:
             return  # released, cancelled or revoked while the grant was on its way
-        if outcome is None:
-            self._book.confirm(notice.token, workflow.now())
+        now = workflow.now()
+        if (
+            notice.reply_task_queue is not None
+            and workflow.patched(AUTHENTICATED_GRANT_ANSWERS)
+            and not self._book.answer_is_proven(notice.token, answer_key)
+        ):
+            # Anyone in the namespace can complete or fail an activity by its id: an outcome
+            # without the key may hide a grant the process took, so it ends nothing. The
+            # holder's renewal or release confirms the lease, or it ends as dead.
+            if answered:
+                self._book.forged_answer()
+            self._book.unconfirmed(notice.token, now)
+        elif outcome is None:
+            self._book.confirm(notice.token, now)
         else:
-            self._book.end_lease(outcome, workflow.now())
+            self._book.end_lease(outcome, now)
 
     # ---------------------------------------------------------------- switching
 

@@ -10,6 +10,7 @@ handlers and runs the activities its switch plans ask for.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -49,6 +50,7 @@ from timeslice.protocol.group import (
     cut_to_encoded,
     encoded_size,
     lease_key_hash,
+    prove_notice,
 )
 
 __all__ = ["JOB_KEYS_KEEP", "RECENT_DONE_KEEP", "GroupBook", "SwitchPlan"]
@@ -264,6 +266,10 @@ class GroupBook:
         self.state.stats.forged_messages += 1
         self.observer.stale("forged")
 
+    def forged_answer(self) -> None:
+        """A grant delivery was answered without the request's key: not its process's answer."""
+        self._forged()
+
     def _job_key_matches(self, job_id: str, key: str) -> bool:
         expected = self.state.job_keys.get(job_id)
         if expected is None or lease_key_hash(key) != expected:
@@ -331,7 +337,9 @@ class GroupBook:
         *,
         parked: bool,
     ) -> GrantNotice:
-        return GrantNotice(
+        # Signed with the request's key hash, which only this group and the requester know:
+        # a notice anyone else sends (``status`` shows request ids and tokens) is dropped.
+        notice = GrantNotice(
             group_id=self.config.group_id,
             request_id=request.request_id,
             job_id=request.job_id,
@@ -341,8 +349,13 @@ class GroupBook:
             ttl_s=self.ttl(request),
             waited_s=waited,
             fault=fault,
-            confirm_within_s=self.config.grant_ack_timeout_s if parked else None,
+            # A process renews this soon after taking a grant: what confirms it if its
+            # delivery's outcome cannot be trusted (``unconfirmed``).
+            confirm_within_s=self.config.grant_ack_timeout_s
+            if parked or request.reply_task_queue is not None
+            else None,
         )
+        return prove_notice(notice, request.key_hash)
 
     def holder_notice(self) -> GrantNotice | None:
         holder = self.state.holder
@@ -363,6 +376,25 @@ class GroupBook:
             holder.delivered = True
             holder.confirm_by = None
             holder.expires_at = now + timedelta(seconds=self.ttl(holder.request))
+
+    def answer_is_proven(self, token: int, key: str | None) -> bool:
+        """Whether a grant's answer presents the key of the lease held under ``token``."""
+        holder = self.state.holder
+        return (
+            key is not None
+            and holder is not None
+            and holder.token == token
+            and hmac.compare_digest(lease_key_hash(key), holder.request.key_hash)
+        )
+
+    def unconfirmed(self, token: int, now: datetime) -> None:
+        """A grant whose delivery ended in an outcome anyone could have sent (a failure, an
+        answer without the key): it may have been taken, so the lease is not ended on that
+        word; the holder confirms it by renewing or releasing within ``grant_ack_timeout_s``,
+        or is taken for dead (as a grant taken from a parked update)."""
+        holder = self.state.holder
+        if holder is not None and holder.token == token and not holder.delivered:
+            holder.confirm_by = now + timedelta(seconds=self.config.grant_ack_timeout_s)
 
     def end_lease(self, outcome: LeaseOutcome, now: datetime) -> None:
         state = self.state

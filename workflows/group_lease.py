@@ -33,8 +33,12 @@ from timeslice.protocol.group import (
     SnapshotTarget,
     group_workflow_id,
     lease_key_hash,
+    notice_is_proven,
     parse_message,
 )
+
+# workflow.patched id: requester workflows that started before it replay taking grants unproven.
+GRANT_NOTICE_PROOFS = "grant-notice-proofs"
 
 
 class GroupLeases:
@@ -61,6 +65,8 @@ class GroupLeases:
         # Drawn once by a local activity (recorded in the history, so replay-safe): lease keys
         # derive from it, not from the workflow's randomness, which its run id reproduces.
         self.secret: str | None = None
+        # Grant and fault notices dropped because their proof was missing or wrong.
+        self.forged_notices = 0
         workflow.set_signal_handler(GRANT_SIGNAL, self._on_grant)
 
     async def draw_secret(self, carried: str | None = None) -> str:
@@ -96,11 +102,31 @@ class GroupLeases:
         except MalformedMessage as err:
             workflow.logger.warning("job %s dropped %s", self.job_id, err)
             return
-        if notice.request_id not in self._keys:
+        key = self._keys.get(notice.request_id)
+        if key is None:
             workflow.logger.warning(
                 "job %s dropped a grant for request %r, which it did not make",
                 self.job_id,
                 notice.request_id,
+            )
+            return
+        # Histories from before grants carried proofs replay as they ran (their grants have
+        # none); every new run checks.
+        if workflow.patched(GRANT_NOTICE_PROOFS) and not notice_is_proven(
+            notice, lease_key_hash(key)
+        ):
+            # Not made by the group: its request id and token are in anyone's `status`. The
+            # wait goes on, and the real grant is taken when it comes.
+            self.forged_notices += 1
+            workflow.logger.warning(
+                "job %s dropped a %s for request %r (token %s) whose proof is %s: it was not "
+                "made by group %r",
+                self.job_id,
+                "fault notice" if notice.fault is not None else "grant",
+                notice.request_id,
+                notice.token,
+                "missing" if notice.proof is None else "wrong",
+                notice.group_id,
             )
             return
         self._grants[notice.request_id] = notice

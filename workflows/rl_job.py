@@ -818,6 +818,7 @@ class RLJobWorkflow:
             rewinds=state.rewinds,
             last_checkpoint=state.last_checkpoint,
             shed_records=state.shed_records,
+            forged_notices=self._leases.forged_notices,
         )
 
     @workflow.signal(name=JobSignal.STOP)
