@@ -6,32 +6,122 @@ carries the rest (the group parks only a few waits at a time).
 The activity's answer closes the race between a grant and a give-up: whichever of the two reaches
 the waiting future first wins, on one event loop with no await in between; a grant that finds its
 waiter gone answers ``accepted=False`` and the group releases it at once.
+
+Every grant is taken with the times that bound it (:class:`Grant`): when the group made it and
+until when the group waits for it to be confirmed, on this process's monotonic clock. A grant
+reaching a paused process late is then known to be late (docs/architecture.md, local validity).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from temporalio import activity
+from timeslice.errors import GrantLostError
 from timeslice.protocol.group import DELIVER_GRANT_ACTIVITY, GrantAck, GrantNotice
 
 _ACCEPTED_KEEP = 1024
+# The clock assumption (docs/architecture.md): this host's wall clock and the Temporal server's
+# agree within this much. A server time is moved this much earlier when read on the local
+# clock, so every bound derived from one errs on the safe side.
+CLOCK_SKEW_S = 0.5
+# A grant taken later than this after the group made it (its time read on the local clock) is
+# confirmed by a renewal before use; a fresh one costs no round trip.
+LATE_GRANT_S = 1.0
+# An activity that reaches its handler with less than this left of its start-to-close time may
+# complete too late for the group to count it: it is declined instead of used.
+DELIVERY_MARGIN_S = 5.0
+
+
+def local_time_of(instant: datetime, *, wall_now: datetime, mono_now: float) -> float:
+    """The monotonic-clock time of a server-clock ``instant``, no later than the true one
+    (given the clock assumption); an instant that seems to lie ahead is taken as now."""
+    age = max(0.0, (wall_now - instant).total_seconds())
+    return mono_now - age - CLOCK_SKEW_S
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A grant as this process took it; times on the monotonic clock.
+
+    ``granted_at``: no later than when the group made it (None: unknown). ``confirm_by``: from
+    then on the group may have ended it as undelivered unless it was confirmed (by a renewal or
+    release for a parked update's grant; by the activity's own completion for an activity's):
+    None when unknown. A lease's local validity never runs past either bound."""
+
+    notice: GrantNotice
+    taken_at: float
+    granted_at: float | None
+    confirm_by: float | None
+
+    @property
+    def age_s(self) -> float | None:
+        """How long after the grant it was taken, counting the clock allowance."""
+        return None if self.granted_at is None else self.taken_at - self.granted_at
+
+
+def grant_from_update(notice: GrantNotice) -> Grant:
+    """A grant that came as an ``acquire`` update's result (parked, or a re-ask)."""
+    mono_now, wall_now = time.monotonic(), datetime.now(UTC)
+    granted = (
+        None
+        if notice.granted_at is None
+        else local_time_of(notice.granted_at, wall_now=wall_now, mono_now=mono_now)
+    )
+    confirm_by = (
+        None
+        if granted is None or notice.confirm_within_s is None
+        else granted + notice.confirm_within_s
+    )
+    return Grant(notice=notice, taken_at=mono_now, granted_at=granted, confirm_by=confirm_by)
+
+
+def _grant_from_activity(notice: GrantNotice, info: activity.Info) -> Grant:
+    mono_now, wall_now = time.monotonic(), datetime.now(UTC)
+    made = notice.granted_at or info.current_attempt_scheduled_time
+    granted = local_time_of(made, wall_now=wall_now, mono_now=mono_now)
+    # The group counts the grant taken once this activity completes; it ends it as undelivered
+    # if the activity times out first, at its start-to-close time.
+    confirm_by = None
+    if info.start_to_close_timeout is not None:
+        started = local_time_of(info.started_time, wall_now=wall_now, mono_now=mono_now)
+        confirm_by = started + info.start_to_close_timeout.total_seconds()
+    return Grant(notice=notice, taken_at=mono_now, granted_at=granted, confirm_by=confirm_by)
+
+
+def validity_if_fresh(grant: Grant, ttl_s: float) -> float | None:
+    """Until when a lease from ``grant`` is locally valid if it was taken fresh: from the
+    grant's own time, and never past the group's deadline for confirming it. None: it was taken
+    late, or its times are unknown, so it must be confirmed before use."""
+    age = grant.age_s
+    if grant.granted_at is None or grant.confirm_by is None or age is None:
+        return None
+    if age > LATE_GRANT_S + CLOCK_SKEW_S:
+        return None
+    return min(grant.granted_at + ttl_s, grant.confirm_by)
 
 
 class GrantInbox:
     def __init__(self) -> None:
-        self._waiting: dict[str, asyncio.Future[GrantNotice]] = {}
+        self._waiting: dict[str, asyncio.Future[Grant]] = {}
         # A group that continued as new re-delivers a grant it had not yet seen taken.
         self._accepted: OrderedDict[str, int] = OrderedDict()
+        self._closed: BaseException | None = None
 
-    def expect(self, request_id: str) -> asyncio.Future[GrantNotice]:
-        future: asyncio.Future[GrantNotice] = asyncio.get_running_loop().create_future()
+    def expect(self, request_id: str) -> asyncio.Future[Grant]:
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        if self._closed is not None:
+            future.set_exception(self._closed)
         self._waiting[request_id] = future
         return future
 
-    def withdraw(self, request_id: str) -> GrantNotice | None:
-        """Stop waiting for ``request_id``; return its grant if one had already arrived."""
+    def withdraw(self, request_id: str) -> Grant | None:
+        """Stop waiting for ``request_id``; return its grant if one had already arrived (or
+        raise why none will: GrantLostError, ClientClosedError)."""
         future = self._waiting.pop(request_id, None)
         if future is not None and future.done() and not future.cancelled():
             return future.result()
@@ -39,14 +129,32 @@ class GrantInbox:
             future.cancel()
         return None
 
-    def accept(self, notice: GrantNotice) -> bool:
+    def discard(self, request_id: str) -> None:
+        """Stop waiting for ``request_id``, whatever became of it."""
+        future = self._waiting.pop(request_id, None)
+        if future is None:
+            return
+        if future.done() and not future.cancelled():
+            future.exception()  # retrieved: nobody else will read it
+        else:
+            future.cancel()
+
+    def close(self, why: BaseException) -> None:
+        """End every wait with ``why`` (the client is closing); later waits end at once."""
+        self._closed = why
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(why)
+
+    def accept(self, grant: Grant) -> bool:
         """Hand a grant to its waiting acquire; False if nobody waits for it (any more)."""
+        notice = grant.notice
         if self._accepted.get(notice.request_id) == notice.token:
             return True  # the same grant delivered again (e.g. after continue-as-new)
         future = self._waiting.get(notice.request_id)
         if future is None or future.done():
             return False
-        future.set_result(notice)
+        future.set_result(grant)
         if notice.fault is not None:
             return False
         self._accepted[notice.request_id] = notice.token
@@ -54,9 +162,40 @@ class GrantInbox:
             self._accepted.popitem(last=False)
         return True
 
+    def lose(self, request_id: str, why: str) -> None:
+        """End the wait for ``request_id``: its grant came, but too late to be used."""
+        future = self._waiting.get(request_id)
+        if future is not None and not future.done():
+            future.set_exception(GrantLostError(why))
+
     @activity.defn(name=DELIVER_GRANT_ACTIVITY)
     async def deliver_grant(self, notice: GrantNotice) -> GrantAck:
-        accepted = self.accept(notice)
+        grant = _grant_from_activity(notice, activity.info())
+        if (
+            notice.fault is None
+            and grant.confirm_by is not None
+            and grant.taken_at > grant.confirm_by - DELIVERY_MARGIN_S
+        ):
+            # This process was paused (or stalled) while the task waited for it: its answer
+            # might reach the group after the activity timed out, when the group has already
+            # given the grant up and granted the next waiter. Declined, never used.
+            late = grant.age_s or 0.0
+            activity.logger.warning(
+                "grant of %s (token %s) reached this process %.1f s after it was made, too "
+                "late to be confirmed; declining",
+                notice.group_id,
+                notice.token,
+                late,
+            )
+            self.lose(
+                notice.request_id,
+                f"the grant of group {notice.group_id!r} (token {notice.token}) reached this "
+                f"process {late:.1f} s after it was made, too late to be confirmed (the "
+                "process was paused or stalled): it was declined and the group grants the next "
+                "waiter; acquire again",
+            )
+            return GrantAck(accepted=False)
+        accepted = self.accept(grant)
         if not accepted and notice.fault is None:
             activity.logger.info(
                 "grant of %s (token %s) arrived after the acquire gave up; declining",

@@ -229,7 +229,7 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     start.add_argument("--ranks", type=int, help="job processes (ranks) per phase (default 1)")
     start.add_argument(
         "--lease-ttl",
-        type=float,
+        type=_number(float),
         dest="lease_ttl_s",
         help="seconds a lease lives unless renewed (default: the group's)",
     )

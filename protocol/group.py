@@ -384,6 +384,12 @@ class GrantNotice(_Model):
         description="a grant taken from a parked update counts as delivered once the holder "
         "renews or releases; if neither comes within this time the holder is taken for dead",
     )
+    granted_at: Instant | None = Field(
+        None,
+        description="the group's (workflow) time of the grant: what its confirmation deadline "
+        "and the lease's TTL count from, so a process that takes the grant late knows it is "
+        "late (docs/architecture.md, local validity)",
+    )
 
 
 class GrantAck(_Model):

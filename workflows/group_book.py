@@ -279,7 +279,7 @@ class GroupBook:
         samples.append(waited)
         del samples[: max(0, len(samples) - self.config.wait_samples_keep)]
         self.observer.granted(waited)
-        return self.notice(waiter.request, token, waited, None, parked=parked)
+        return self.notice(waiter.request, token, waited, None, parked=parked, granted_at=now)
 
     def refuse(self, waiter: Waiter, fault: str, now: datetime) -> GrantNotice:
         """The waiter's job is faulted: no lease, a notice saying why."""
@@ -288,7 +288,7 @@ class GroupBook:
         self.state.next_token += 1
         self.remember_done(waiter.request.request_id)
         waited = (now - waiter.enqueued_at).total_seconds()
-        return self.notice(waiter.request, token, waited, fault, parked=False)
+        return self.notice(waiter.request, token, waited, fault, parked=False, granted_at=now)
 
     def notice(
         self,
@@ -298,6 +298,7 @@ class GroupBook:
         fault: str | None,
         *,
         parked: bool,
+        granted_at: datetime | None = None,
     ) -> GrantNotice:
         return GrantNotice(
             group_id=self.config.group_id,
@@ -310,6 +311,7 @@ class GroupBook:
             waited_s=waited,
             fault=fault,
             confirm_within_s=self.config.grant_ack_timeout_s if parked else None,
+            granted_at=granted_at,
         )
 
     def holder_notice(self) -> GrantNotice | None:
@@ -322,6 +324,7 @@ class GroupBook:
             holder.waited_s,
             None,
             parked=not holder.delivered and holder.confirm_by is not None,
+            granted_at=holder.granted_at,
         )
 
     def confirm(self, token: int, now: datetime) -> None:
