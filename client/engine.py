@@ -99,6 +99,9 @@ REASK_QUEUED_S = 15.0
 WITHDRAW_S = 5.0
 # How long one update is sent again while the server does not take it.
 UPDATE_GIVE_UP_S = 60.0
+# How long an update whose workflow task failed is sent again before the group is reported as
+# not answering.
+TASK_FAILING_RETRY_S = 10.0
 # How long close() waits for acquires that other threads are waiting in to end.
 CLOSE_ACQUIRES_S = WITHDRAW_S + 2.0
 
@@ -118,6 +121,17 @@ _TRANSIENT = {
     RPCStatusCode.UNKNOWN,
     RPCStatusCode.CANCELLED,
 }
+
+
+def _task_failing(err: RPCError) -> bool:
+    """The server's answer to an update whose workflow task failed ("... due to unexpected
+    workflow task failure", "... due to Workflow Task in failed state")."""
+    message = err.message.lower()
+    return (
+        err.status == RPCStatusCode.FAILED_PRECONDITION
+        and "workflow task" in message
+        and "fail" in message
+    )
 
 
 class LoopThread:
@@ -273,7 +287,8 @@ class Engine:
 
     async def _rpc(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run an idempotent RPC, retrying transient failures (e.g. a server restart)."""
-        deadline = time.monotonic() + self.rpc_retry_s
+        started = time.monotonic()
+        deadline = started + self.rpc_retry_s
         delay = 0.2
         while True:
             try:
@@ -284,9 +299,18 @@ class Engine:
                         f"{what}: no control worker is serving task queue "
                         f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
                     ) from err
-                if err.status not in _TRANSIENT:
+                if _task_failing(err):
+                    # The group's workflow task failed with this update in it: maybe once (a
+                    # worker that crashed mid-task), maybe every time (a wedged group).
+                    if time.monotonic() >= min(deadline, started + TASK_FAILING_RETRY_S):
+                        raise GroupNotAnsweringError(
+                            f"{what}: the group is not answering: its workflow task keeps "
+                            f"failing ({err.message.rstrip('.')}); see the control worker's log "
+                            "and the group's workflow in the Web UI"
+                        ) from err
+                elif err.status not in _TRANSIENT:
                     raise
-                if time.monotonic() >= deadline:
+                elif time.monotonic() >= deadline:
                     raise ServerUnreachableError(
                         f"{what}: Temporal at {self.connect_config['target_host']} did not answer "
                         f"for {self.rpc_retry_s:.0f} s ({err})"
@@ -427,15 +451,18 @@ class Engine:
             await self._withdraw(group_id, rid)
             raise
         if grant is None:
+            if not accepted.is_set():
+                # Nothing took the request: the withdrawal would wait on nothing as well, so it
+                # goes on in the background and the acquire keeps to its time-out.
+                self._track(self._withdraw(group_id, rid))
+                raise await self._not_answering(
+                    group_id, f"acquire {group_id}: the group took no request in {timeout} s"
+                )
             await self._withdraw(group_id, rid)
             if timeout == 0:
                 raise AcquireTimeoutError(
                     f"group {group_id!r} is held or has waiters: not granted to job "
                     f"{self.job_id} (timeout=0 only takes a free group)"
-                )
-            if not accepted.is_set():
-                raise await self._not_answering(
-                    group_id, f"acquire {group_id}: the group took no request in {timeout} s"
                 )
             raise AcquireTimeoutError(
                 f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
@@ -523,6 +550,7 @@ class Engine:
         """
         call = AcquireCall(request=request, only_if_free=only_if_free)
         delay = 0.2
+        failing_since: float | None = None
         while not granted.done():
             try:
                 answer = await send_update(
@@ -539,7 +567,15 @@ class Engine:
                 if err.status == RPCStatusCode.NOT_FOUND:
                     await self._create_with_request(group_id, request)
                     continue
-                if err.status not in _TRANSIENT:
+                if _task_failing(err):
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since >= TASK_FAILING_RETRY_S:
+                        raise GroupNotAnsweringError(
+                            f"acquire {group_id}: the group is not answering: its workflow task "
+                            f"keeps failing ({err.message.rstrip('.')}); see the control "
+                            "worker's log and the group's workflow in the Web UI"
+                        ) from err
+                elif err.status not in _TRANSIENT:
                     raise
                 log.debug("asking %s: %s; retrying in %.1f s", group_id, err, delay)
                 await asyncio.sleep(delay)
@@ -830,6 +866,13 @@ class Engine:
                 else contextlib.nullcontext()
             ):
                 answer = await self._rpc(f"release {lease.group_id}", call)
+        except GroupNotAnsweringError as err:
+            self._drop(lease, err)
+            raise GroupNotAnsweringError(
+                f"{err}. This process no longer holds or renews the lease on "
+                f"{lease.group_id!r} (token {lease.token}): the group ends it when its TTL "
+                f"({lease.ttl_s:g} s) has run out, once it answers again"
+            ) from err.__cause__
         except BaseException as err:
             self._drop(lease, err)
             raise
