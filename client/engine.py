@@ -23,6 +23,9 @@ from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import WorkflowTaskFailedCause
+from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
 from temporalio.client import (
     Client,
     WorkflowFailureError,
@@ -30,7 +33,7 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 from timeslice.activities.grants import Grant, GrantInbox, grant_from_update, validity_if_fresh
@@ -82,7 +85,7 @@ from timeslice.protocol.group import (
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
 from timeslice.telemetry import detached, end_span, tracer
-from timeslice.updates import send_update
+from timeslice.updates import UNPROCESSED_UPDATE, send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 log = logging.getLogger("timeslice.client")
@@ -285,8 +288,13 @@ class Engine:
             log.info("job %s serving task queue %s", self.job_id, self.task_queue)
         return client
 
-    async def _rpc(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run an idempotent RPC, retrying transient failures (e.g. a server restart)."""
+    async def _rpc(
+        self, what: str, call: Callable[[], Awaitable[T]], *, group_id: str | None = None
+    ) -> T:
+        """Run an idempotent RPC, retrying transient failures (e.g. a server restart).
+
+        ``group_id``: the call is an update of that group, which says why it is not answering
+        if its workflow task keeps failing."""
         started = time.monotonic()
         deadline = started + self.rpc_retry_s
         delay = 0.2
@@ -300,13 +308,15 @@ class Engine:
                         f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
                     ) from err
                 if _task_failing(err):
-                    # The group's workflow task failed with this update in it: maybe once (a
-                    # worker that crashed mid-task), maybe every time (a wedged group).
+                    # The group's workflow task failed (or timed out) with this update in it:
+                    # maybe once (a worker that crashed mid-task), maybe every time (a wedged
+                    # group, or a worker that stopped).
                     if time.monotonic() >= min(deadline, started + TASK_FAILING_RETRY_S):
+                        if group_id is not None:
+                            raise await self._not_answering(group_id, what) from err
                         raise GroupNotAnsweringError(
-                            f"{what}: the group is not answering: its workflow task keeps "
-                            f"failing ({err.message.rstrip('.')}); see the control worker's log "
-                            "and the group's workflow in the Web UI"
+                            f"{what}: the group is not answering ({err.message.rstrip('.')}); "
+                            "see the control worker's log and the group's workflow in the Web UI"
                         ) from err
                 elif err.status not in _TRANSIENT:
                     raise
@@ -511,6 +521,7 @@ class Engine:
                     RenewResult,
                     give_up_after_s=UPDATE_GIVE_UP_S,
                 ),
+                group_id=lease.group_id,
             )
         except BaseException:
             await asyncio.shield(self._track(self._withdraw(lease.group_id, lease.request_id)))
@@ -570,11 +581,7 @@ class Engine:
                 if _task_failing(err):
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since >= TASK_FAILING_RETRY_S:
-                        raise GroupNotAnsweringError(
-                            f"acquire {group_id}: the group is not answering: its workflow task "
-                            f"keeps failing ({err.message.rstrip('.')}); see the control "
-                            "worker's log and the group's workflow in the Web UI"
-                        ) from err
+                        raise await self._not_answering(group_id, f"acquire {group_id}") from err
                 elif err.status not in _TRANSIENT:
                     raise
                 log.debug("asking %s: %s; retrying in %.1f s", group_id, err, delay)
@@ -582,6 +589,12 @@ class Engine:
                 delay = min(delay * 2, 2.0)
                 continue
             except WorkflowUpdateFailedError as err:
+                cause = err.cause
+                if isinstance(cause, ApplicationError) and cause.type == UNPROCESSED_UPDATE:
+                    raise GroupNotAnsweringError(
+                        f"acquire {group_id}: the control worker left the request unprocessed "
+                        f"time after time ({cause}); see the control worker's log"
+                    ) from err
                 raise InvalidArgumentError(
                     f"group {group_id!r} refused the request: {err.cause or err}"
                 ) from err
@@ -628,32 +641,53 @@ class Engine:
             self._track(self._withdraw(notice.group_id, notice.request_id))
 
     async def _not_answering(self, group_id: str, what: str) -> TimesliceError:
-        """Why the group took no update: its workflow task failing, or no control worker
-        running it (the task queue may still list one that stopped moments ago)."""
+        """Why the group took no update: its workflow task failing (the group's history says
+        so), or no control worker running it (the task queue may still list one that stopped
+        moments ago, or one that took the group's task and never answered)."""
         client = self._client_now()
-        attempt = 0
+        failure: str | None = None
+        with contextlib.suppress(RPCError, TimeoutError):
+            failure = await asyncio.wait_for(self._task_failure(group_id), 5.0)
+        where = f"workflow {group_workflow_id(group_id)} in namespace {client.namespace!r}"
+        if failure is not None:
+            return GroupNotAnsweringError(
+                f"{what}: the group is not answering: its workflow task fails ({failure}); see "
+                f"the control worker's log and {where} in the Web UI"
+            )
         pollers: int | None = None
         with contextlib.suppress(RPCError, TimeoutError):
-            described = await asyncio.wait_for(self._group_handle(group_id).describe(), 5.0)
-            attempt = described.raw_description.pending_workflow_task.attempt
-        with contextlib.suppress(RPCError, TimeoutError):
             pollers = await asyncio.wait_for(control_workers_polling(client), 5.0)
-        where = f"workflow {group_workflow_id(group_id)} in namespace {client.namespace!r}"
-        if attempt > 1:
-            return GroupNotAnsweringError(
-                f"{what}: the group's workflow task is failing (attempt {attempt}); see the "
-                f"control worker's log and {where} in the Web UI"
-            )
         listed = (
             ""
             if pollers is None
-            else f" (the task queue lists {pollers} poller(s); a worker that stopped moments "
+            else f" (the task queue lists {pollers} poller(s): a worker that stopped moments "
             "ago stays listed for a while)"
         )
         return NoControlWorkerError(
             f"{what}: no control worker took it on task queue {CONTROL_TASK_QUEUE!r}{listed}; "
             f"start one with `timeslice worker`, or see its log ({where})"
         )
+
+    async def _task_failure(self, group_id: str) -> str | None:
+        """What the group's last workflow task failed with, if its last one failed (rather than
+        completed, or timed out on a worker that stopped)."""
+        client = self._client_now()
+        page = await client.workflow_service.get_workflow_execution_history_reverse(
+            GetWorkflowExecutionHistoryReverseRequest(
+                namespace=client.namespace,
+                execution=WorkflowExecution(workflow_id=group_workflow_id(group_id)),
+                maximum_page_size=50,
+            )
+        )
+        for event in page.history.events:
+            if event.HasField("workflow_task_failed_event_attributes"):
+                failed = event.workflow_task_failed_event_attributes
+                return failed.failure.message or WorkflowTaskFailedCause.Name(failed.cause)
+            if event.HasField("workflow_task_completed_event_attributes") or event.HasField(
+                "workflow_task_timed_out_event_attributes"
+            ):
+                return None
+        return None
 
     async def _create_with_request(self, group_id: str, request: AcquireRequest) -> None:
         client = await self.connected()
@@ -667,6 +701,8 @@ class Engine:
                     start_signal_args=[request],
                 ),
             )
+        except WorkflowAlreadyStartedError:
+            pass  # created meanwhile (a retried start whose first attempt got through): ask it
         except RPCError as err:
             if "TimesliceGroup" in str(err):
                 raise TimesliceError(
@@ -696,6 +732,7 @@ class Engine:
                 result_type,
                 give_up_after_s=give_up_after_s or UPDATE_GIVE_UP_S,
             ),
+            group_id=group_id,
         )
 
     async def _depart(self, group_id: str) -> None:
@@ -865,10 +902,10 @@ class Engine:
                 if spans
                 else contextlib.nullcontext()
             ):
-                answer = await self._rpc(f"release {lease.group_id}", call)
-        except GroupNotAnsweringError as err:
+                answer = await self._rpc(f"release {lease.group_id}", call, group_id=lease.group_id)
+        except (GroupNotAnsweringError, NoControlWorkerError) as err:
             self._drop(lease, err)
-            raise GroupNotAnsweringError(
+            raise type(err)(
                 f"{err}. This process no longer holds or renews the lease on "
                 f"{lease.group_id!r} (token {lease.token}): the group ends it when its TTL "
                 f"({lease.ttl_s:g} s) has run out, once it answers again"
