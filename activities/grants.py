@@ -170,6 +170,8 @@ class GrantInbox:
 
     @activity.defn(name=DELIVER_GRANT_ACTIVITY)
     async def deliver_grant(self, notice: GrantNotice) -> GrantAck:
+        if self._accepted.get(notice.request_id) == notice.token:
+            return GrantAck(accepted=True)  # taken already (e.g. from asking again): in use
         grant = _grant_from_activity(notice, activity.info())
         if (
             notice.fault is None

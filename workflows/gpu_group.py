@@ -70,6 +70,9 @@ from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
 # workflow.patched id: groups that started before it replay with the old, unbounded wait.
 BOUNDED_EVICTION_REPORT_WAIT = "bounded-eviction-report-wait"
+# workflow.patched id: a delivery activity that fails after its holder confirmed the grant by a
+# renewal no longer ends the lease (groups that started before end it, as they did).
+CONFIRMED_GRANT_OUTLIVES_DELIVERY = "confirmed-grant-outlives-delivery"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
 
@@ -308,6 +311,15 @@ class GpuGroupWorkflow:
             return  # released, cancelled or revoked while the grant was on its way
         if outcome is None:
             self._book.confirm(notice.token, workflow.now())
+        elif holder.delivered and workflow.patched(CONFIRMED_GRANT_OUTLIVES_DELIVERY):
+            # The holder confirmed the grant by a renewal while this activity was on its way
+            # (it took the grant by asking again): it holds it, whatever became of the activity.
+            workflow.logger.info(
+                "job %s confirmed its grant of %s before its delivery ended (%s); kept",
+                notice.job_id,
+                self._config.group_id,
+                outcome.value,
+            )
         else:
             self._book.end_lease(outcome, workflow.now())
 
