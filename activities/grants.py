@@ -15,6 +15,7 @@ reaching a paused process late is then known to be late (docs/architecture.md, l
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -91,6 +92,25 @@ def _grant_from_activity(notice: GrantNotice, info: activity.Info) -> Grant:
         started = local_time_of(info.started_time, wall_now=wall_now, mono_now=mono_now)
         confirm_by = started + info.start_to_close_timeout.total_seconds()
     return Grant(notice=notice, taken_at=mono_now, granted_at=granted, confirm_by=confirm_by)
+
+
+def with_ask_bound(grant: Grant, asked: float) -> Grant:
+    """``grant`` bounded also by when this process asked: a request first sent at ``asked``
+    (monotonic) was queued after it, so the group granted it no earlier than ``asked +
+    waited_s`` — durations on the group's clock, no agreement of wall clocks needed. Only for
+    a request this acquire created (a request id asked before, by another attempt, was queued
+    earlier). The earlier of the two bounds is kept, and the deadline moves with it."""
+    notice = grant.notice
+    causal = asked + notice.waited_s
+    if grant.granted_at is not None and grant.granted_at <= causal:
+        return grant
+    if grant.granted_at is None:
+        confirm_by = None if notice.confirm_within_s is None else causal + notice.confirm_within_s
+    else:
+        confirm_by = (
+            None if grant.confirm_by is None else grant.confirm_by - (grant.granted_at - causal)
+        )
+    return dataclasses.replace(grant, granted_at=causal, confirm_by=confirm_by)
 
 
 def validity_if_fresh(grant: Grant, ttl_s: float) -> float | None:

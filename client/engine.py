@@ -36,7 +36,13 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
-from timeslice.activities.grants import Grant, GrantInbox, grant_from_update, validity_if_fresh
+from timeslice.activities.grants import (
+    Grant,
+    GrantInbox,
+    grant_from_update,
+    validity_if_fresh,
+    with_ask_bound,
+)
 from timeslice.activities.group_requests import start_group
 from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.connection import connect, control_workers_polling
@@ -492,6 +498,8 @@ class Engine:
             asked_at=asked,
             key=key,
         )
+        if request_id is None:  # created here: queued after `asked`
+            grant = with_ask_bound(grant, asked)
         valid_until = validity_if_fresh(grant, notice.ttl_s)
         if valid_until is not None:
             # The fast path: no round trip. Valid from the grant's own time, and never past

@@ -14,6 +14,7 @@ from timeslice.activities.grants import (
     grant_from_update,
     local_time_of,
     validity_if_fresh,
+    with_ask_bound,
 )
 from timeslice.protocol.group import GrantNotice
 
@@ -94,3 +95,22 @@ def test_the_inbox_hands_a_grant_over_once_and_ends_waits_on_close():
         assert other.done()
 
     asyncio.run(scenario())
+
+
+def test_the_ask_bounds_the_grant_time_without_any_clock_agreement():
+    """A request created by this acquire was queued after it was asked: granted no earlier than
+    asked + waited_s, even if the local wall clock is far behind the group's."""
+    asked = time.monotonic() - 10.0  # asked 10 s ago, granted after waiting 4 s
+    # The local wall clock 30 s behind the group's: its grant time seems to lie ahead.
+    ahead = datetime.now(UTC) + timedelta(seconds=30 - 6)
+    grant = grant_from_update(_notice(granted_at=ahead, confirm_within_s=15.0, waited_s=4.0))
+    bounded = with_ask_bound(grant, asked)
+    assert bounded.granted_at == asked + 4.0
+    assert bounded.confirm_by == asked + 4.0 + 15.0
+    assert validity_if_fresh(bounded, 20.0) is None  # 6 s old: confirmed before use
+    # An older group's notice (no grant time) gets a deadline from the ask alone.
+    old = with_ask_bound(grant_from_update(_notice(confirm_within_s=15.0, waited_s=2.0)), asked)
+    assert old.granted_at == asked + 2.0 and old.confirm_by == asked + 17.0
+    # When the group's time is the earlier bound, it stays.
+    early = grant_from_update(_notice(granted_at=datetime.now(UTC), confirm_within_s=15.0))
+    assert with_ask_bound(early, time.monotonic() + 5.0) is early
