@@ -7,6 +7,7 @@ intervals on its own monotonic clock (one system-wide clock on Linux); none may 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,7 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from timeslice.protocol.group import LeaseOutcome
+from timeslice import GrantLostError
+from timeslice.connection import connect, connect_config
+from timeslice.engine import REASK_QUEUED_S, Engine
+from timeslice.protocol.group import LeaseOutcome, job_task_queue
 
 from tests.helpers import (
     assert_no_overlap,
@@ -125,3 +129,53 @@ def test_grant_taken_late_but_in_time_is_confirmed_and_held(address, group, tmp_
         ("paused", LeaseOutcome.RELEASED),
         ("next", LeaseOutcome.RELEASED),
     ]
+
+
+def test_waiter_whose_grant_activity_nobody_polls_is_told(address, group, make_client):
+    """A waiter whose grant comes by activity, and whose queue nobody polls when it is
+    scheduled (a job process whose worker stalled), is ended by the group as `dead`. Its acquire
+    learns so by asking again and raises GrantLostError, instead of waiting out its time-out."""
+    holder = make_client(job_id="holder")
+    assert holder.create_group(group, grant_ack_timeout_s=GRANT_ACK_S, max_parked_waits=0)
+    lease = holder.acquire(group)
+
+    async def unserved_acquire() -> BaseException | None:
+        # A job process's engine: its own worker is meant to serve the grant queue, and here
+        # none does.
+        engine = Engine(
+            connect_config=connect_config(address),
+            job_id="unserved",
+            task_queue=job_task_queue("unserved"),
+            priority=0,
+            lease_ttl_s=None,
+            backends={},
+            snapshot_target=None,
+            state_bytes=None,
+            rpc_retry_s=60.0,
+            own_thread=False,
+        )
+        engine.attach(await connect(connect_config(address)))
+        try:
+            await engine.acquire(group, 120.0, None, None)
+        except BaseException as err:  # what ended the acquire, for the assertions
+            return err
+        finally:
+            await engine.close()
+        return None
+
+    async def scenario() -> tuple[BaseException | None, float]:
+        waiting = asyncio.create_task(unserved_acquire())
+        await asyncio.to_thread(
+            wait_for, lambda: _queued(holder, group) == ["unserved"], what="unserved queued"
+        )
+        await asyncio.to_thread(holder.release, lease)
+        released = time.monotonic()
+        error = await waiting
+        return error, time.monotonic() - released
+
+    error, took = asyncio.run(scenario())
+    assert isinstance(error, GrantLostError), error
+    assert "gave the grant up as undelivered" in str(error)
+    # Given up after GRANT_ACK_S, learnt at the next re-ask: well before the 120-s time-out.
+    assert took < GRANT_ACK_S + REASK_QUEUED_S + 10, f"told after {took:.0f} s"
+    assert ("unserved", LeaseOutcome.DEAD) in _outcomes(holder, group)
