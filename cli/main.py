@@ -250,7 +250,7 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     start.add_argument("--ranks", type=int, help="job processes (ranks) per phase (default 1)")
     start.add_argument(
         "--lease-ttl",
-        type=float,
+        type=_number(float),
         dest="lease_ttl_s",
         help="seconds a lease lives unless renewed (default: the group's)",
     )
@@ -297,11 +297,15 @@ def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
     data: dict[str, object] = {}
     if args.config is not None:
         try:
-            loaded = json.loads(_read_small_file(args.config, "--config"))
+            loaded = json.loads(
+                _read_small_file(args.config, "--config"), parse_constant=_refuse_non_finite
+            )
         except OSError as err:
             raise TimesliceError(f"--config {args.config}: {err.strerror}") from err
         except json.JSONDecodeError as err:
             raise TimesliceError(f"--config {args.config}: not valid JSON ({err})") from err
+        except ValueError as err:
+            raise TimesliceError(f"--config {args.config}: {err}") from err
         if not isinstance(loaded, dict):
             raise TimesliceError(f"--config {args.config}: expected a JSON object")
         data.update(loaded)
@@ -317,6 +321,11 @@ def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
 
 
 MAX_CONFIG_BYTES = 1 << 20
+
+
+def _refuse_non_finite(constant: str) -> float:
+    """JSON's NaN / Infinity (Python's json reads them) are not numbers a setting can take."""
+    raise ValueError(f"{constant} is not a finite number")
 
 
 def _check_writable_dir(path: Path, flag: str) -> None:
@@ -353,9 +362,11 @@ def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
         if not sep or not key:
             raise TimesliceError(f"{flag} {item!r}: use KEY=JSON, e.g. some.key=200")
         try:
-            values[key] = json.loads(raw)
+            values[key] = json.loads(raw, parse_constant=_refuse_non_finite)
         except json.JSONDecodeError as err:
             raise TimesliceError(f"{flag} {item!r}: value is not JSON ({err})") from err
+        except ValueError as err:
+            raise TimesliceError(f"{flag} {item!r}: {err}") from err
     return values
 
 

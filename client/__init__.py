@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from timeslice.errors import (
         AcquireTimeoutError,
+        ClientClosedError,
+        GrantLostError,
+        GroupNotAnsweringError,
         InvalidArgumentError,
         JobFaultedError,
         LeaseRevokedError,
@@ -35,6 +38,9 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "AcquireTimeoutError": "timeslice.errors",
     "AsyncTimeSliceOrchestratorClient": "timeslice.orchestrator",
+    "ClientClosedError": "timeslice.errors",
+    "GrantLostError": "timeslice.errors",
+    "GroupNotAnsweringError": "timeslice.errors",
     "GroupStatus": "timeslice.protocol.group",
     "InvalidArgumentError": "timeslice.errors",
     "JobFaultedError": "timeslice.errors",
@@ -52,6 +58,9 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "AcquireTimeoutError",
     "AsyncTimeSliceOrchestratorClient",
+    "ClientClosedError",
+    "GrantLostError",
+    "GroupNotAnsweringError",
     "GroupStatus",
     "InvalidArgumentError",
     "JobFaultedError",

@@ -17,12 +17,15 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import WorkflowTaskFailedCause
+from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
 from temporalio.client import (
     Client,
     WorkflowFailureError,
@@ -30,15 +33,25 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
-from timeslice.activities.grants import Delivery, GrantInbox
+from timeslice.activities.grants import (
+    Delivery,
+    Grant,
+    GrantInbox,
+    grant_from_update,
+    validity_if_fresh,
+    with_ask_bound,
+)
 from timeslice.activities.group_requests import start_group
 from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.connection import connect, control_workers_polling
 from timeslice.errors import (
     AcquireTimeoutError,
+    ClientClosedError,
+    GrantLostError,
+    GroupNotAnsweringError,
     InvalidArgumentError,
     JobFaultedError,
     LeaseRevokedError,
@@ -79,7 +92,7 @@ from timeslice.protocol.group import (
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
 from timeslice.telemetry import detached, end_span, tracer
-from timeslice.updates import send_update
+from timeslice.updates import UNPROCESSED_UPDATE, send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 log = logging.getLogger("timeslice.client")
@@ -90,6 +103,17 @@ CLOSED = "this client is closed: create a new TimeSliceOrchestratorClient to use
 # the groups' task queue at all (with none, nothing ever answers).
 NO_WORKER_CHECK_S = 5.0
 STATUS_TIMEOUT = timedelta(seconds=10)
+# A waiter whose grant comes by activity asks again this often (see Engine._ask).
+REASK_QUEUED_S = 15.0
+# The most an acquire that gives up spends withdrawing its request.
+WITHDRAW_S = 5.0
+# How long one update is sent again while the server does not take it.
+UPDATE_GIVE_UP_S = 60.0
+# How long an update whose workflow task failed is sent again before the group is reported as
+# not answering.
+TASK_FAILING_RETRY_S = 10.0
+# How long close() waits for acquires that other threads are waiting in to end.
+CLOSE_ACQUIRES_S = WITHDRAW_S + 2.0
 
 
 class _Default:
@@ -107,6 +131,17 @@ _TRANSIENT = {
     RPCStatusCode.UNKNOWN,
     RPCStatusCode.CANCELLED,
 }
+
+
+def _task_failing(err: RPCError) -> bool:
+    """The server's answer to an update whose workflow task failed ("... due to unexpected
+    workflow task failure", "... due to Workflow Task in failed state")."""
+    message = err.message.lower()
+    return (
+        err.status == RPCStatusCode.FAILED_PRECONDITION
+        and "workflow task" in message
+        and "fail" in message
+    )
 
 
 class LoopThread:
@@ -176,6 +211,10 @@ class Engine:
         self._worker_task: asyncio.Task[None] | None = None
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Future[None]] = set()
+        # The asks of acquires (parked updates): close() cancels what is left of them.
+        self._asks: set[asyncio.Future[None]] = set()
+        # Acquires under way: close() ends them (ClientClosedError) and waits for them.
+        self._acquiring: set[asyncio.Task[Any]] = set()
         self._known_groups: set[str] = set()
         self._closed = False
         # group id -> its lease's (timeslice.lease, timeslice.hold) spans, ended by release
@@ -190,10 +229,14 @@ class Engine:
             raise TimesliceError("blocking client call made from the client's own event loop")
         if not self.thread.loop.is_running():
             coro.close()
-            raise TimesliceError(CLOSED)
+            raise ClientClosedError(CLOSED)
         future = self.thread.submit(coro)
         try:
             return future.result()
+        except CancelledError:
+            if self._closed:  # cancelled by close() from another thread
+                raise ClientClosedError(CLOSED) from None
+            raise
         except BaseException:
             # e.g. KeyboardInterrupt while waiting: cancel the coroutine so it withdraws cleanly.
             future.cancel()
@@ -204,7 +247,7 @@ class Engine:
             return await coro
         if not self.thread.loop.is_running():
             coro.close()
-            raise TimesliceError(CLOSED)
+            raise ClientClosedError(CLOSED)
         return await asyncio.wrap_future(self.thread.submit(coro))
 
     def attach(self, client: Client) -> None:
@@ -217,7 +260,7 @@ class Engine:
     async def connected(self) -> Client:
         """The Temporal client, connected on first use (no worker: enough for queries)."""
         if self._closed:
-            raise TimesliceError(CLOSED)
+            raise ClientClosedError(CLOSED)
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(connect(self.connect_config))
         try:
@@ -252,9 +295,15 @@ class Engine:
             log.info("job %s serving task queue %s", self.job_id, self.task_queue)
         return client
 
-    async def _rpc(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run an idempotent RPC, retrying transient failures (e.g. a server restart)."""
-        deadline = time.monotonic() + self.rpc_retry_s
+    async def _rpc(
+        self, what: str, call: Callable[[], Awaitable[T]], *, group_id: str | None = None
+    ) -> T:
+        """Run an idempotent RPC, retrying transient failures (e.g. a server restart).
+
+        ``group_id``: the call is an update of that group, which says why it is not answering
+        if its workflow task keeps failing."""
+        started = time.monotonic()
+        deadline = started + self.rpc_retry_s
         delay = 0.2
         while True:
             try:
@@ -265,9 +314,20 @@ class Engine:
                         f"{what}: no control worker is serving task queue "
                         f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
                     ) from err
-                if err.status not in _TRANSIENT:
+                if _task_failing(err):
+                    # The group's workflow task failed (or timed out) with this update in it:
+                    # maybe once (a worker that crashed mid-task), maybe every time (a wedged
+                    # group, or a worker that stopped).
+                    if time.monotonic() >= min(deadline, started + TASK_FAILING_RETRY_S):
+                        if group_id is not None:
+                            raise await self._not_answering(group_id, what) from err
+                        raise GroupNotAnsweringError(
+                            f"{what}: the group is not answering ({err.message.rstrip('.')}); "
+                            "see the control worker's log and the group's workflow in the Web UI"
+                        ) from err
+                elif err.status not in _TRANSIENT:
                     raise
-                if time.monotonic() >= deadline:
+                elif time.monotonic() >= deadline:
                     raise ServerUnreachableError(
                         f"{what}: Temporal at {self.connect_config['target_host']} did not answer "
                         f"for {self.rpc_retry_s:.0f} s ({err})"
@@ -302,6 +362,9 @@ class Engine:
         attributes = {"timeslice.group_id": group_id, "timeslice.job_id": self.job_id}
         lease_span = tracer().start_span("timeslice.lease", attributes=attributes)
         in_lease = trace.set_span_in_context(lease_span)
+        me = asyncio.current_task()
+        if me is not None:
+            self._acquiring.add(me)
         try:
             with tracer().start_as_current_span(
                 "timeslice.acquire", context=in_lease, attributes=attributes
@@ -313,6 +376,8 @@ class Engine:
         except BaseException as err:
             end_span(lease_span, err)
             raise
+        finally:
+            self._acquiring.discard(me)  # type: ignore[arg-type]
         lease_span.set_attribute("timeslice.token", lease.token)
         hold = tracer().start_span(
             "timeslice.hold",
@@ -343,6 +408,8 @@ class Engine:
                 f"{self.held[group_id].token}); release it before acquiring it again"
             )
         await self.start()
+        if self._closed:
+            raise ClientClosedError(CLOSED)
         # Only this process knows the key; the group holds its hash (docs/security.md).
         key = key or secrets.token_urlsafe(24)
         request = AcquireRequest(
@@ -366,10 +433,14 @@ class Engine:
         self._keys[rid] = key
         while len(self._keys) > _KEYS_KEEP:
             self._keys.popitem(last=False)
+        accepted = asyncio.Event()  # the group took the request (a control worker runs it)
         # The ask is not cancelled when the acquire ends: the group answers a parked wait as
         # soon as the request is granted or gone, and an RPC abandoned mid-flight would outlive
-        # its event loop. close() waits for it.
-        asking = self._track(self._ask(group_id, request, granted, only_if_free=timeout == 0))
+        # its event loop. close() cancels what is left of it.
+        asking = self._track(
+            self._ask(group_id, request, granted, accepted, asked, only_if_free=timeout == 0),
+            self._asks,
+        )
         try:
             # A try-lock (timeout 0) waits for the group's answer: granted if it was free.
             wait_s = None if timeout == 0 else timeout
@@ -380,18 +451,30 @@ class Engine:
                 if remaining is None or remaining > 0:
                     await asyncio.wait({granted}, timeout=remaining)
         except NoControlWorkerError:
-            self.inbox.withdraw(rid)  # nothing serves the group: a withdrawal would wait too
+            self.inbox.discard(rid)  # nothing serves the group: a withdrawal would wait too
             raise
         except BaseException:
-            self.inbox.withdraw(rid)
+            self.inbox.discard(rid)
             # Shielded and tracked: a cancelled acquire still withdraws, and close() waits for it.
             await asyncio.shield(self._track(self._withdraw(group_id, rid)))
             raise
-        if asking.done() and asking.exception() is not None:
-            self.inbox.withdraw(rid)
+        # (Once the grant came, what stopped the ask later no longer matters.)
+        if asking.done() and asking.exception() is not None and not granted.done():
+            self.inbox.discard(rid)
             asking.result()  # raises it
-        notice = self.inbox.withdraw(rid)
-        if notice is None:
+        try:
+            grant = self.inbox.withdraw(rid)
+        except (GrantLostError, ClientClosedError):
+            await self._withdraw(group_id, rid)
+            raise
+        if grant is None:
+            if not accepted.is_set():
+                # Nothing took the request: the withdrawal would wait on nothing as well, so it
+                # goes on in the background and the acquire keeps to its time-out.
+                self._track(self._withdraw(group_id, rid))
+                raise await self._not_answering(
+                    group_id, f"acquire {group_id}: the group took no request in {timeout} s"
+                )
             await self._withdraw(group_id, rid)
             if timeout == 0:
                 raise AcquireTimeoutError(
@@ -402,6 +485,7 @@ class Engine:
                 f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
                 "the request was withdrawn"
             )
+        notice = grant.notice
         if notice.fault is not None:
             raise JobFaultedError(f"group {group_id!r} refused job {self.job_id}: {notice.fault}")
         lease = Lease(
@@ -415,15 +499,61 @@ class Engine:
             asked_at=asked,
             key=key,
         )
+        if request_id is None:  # created here: queued after `asked`
+            grant = with_ask_bound(grant, asked)
+        valid_until = validity_if_fresh(grant, notice.ttl_s)
+        if valid_until is not None:
+            # The fast path: no round trip. Valid from the grant's own time, and never past
+            # the group's deadline for confirming it (the first renewal comes well before).
+            lease.valid_until = valid_until
+        else:
+            await self._confirm_late(lease, grant)
         self.held[group_id] = lease
         self.last_keys[group_id] = key
         return lease
+
+    async def _confirm_late(self, lease: Lease, grant: Grant) -> None:
+        """A grant taken late (the process was paused, or the group's time is unknown) is used
+        only once a renewal confirmed it: the group's answer is authoritative, and the lease is
+        valid from when that renewal was sent. A grant the group gave up is withdrawn."""
+        age = grant.age_s
+        late = "at an unknown time" if age is None else f"{age:.1f} s after it was made"
+        sent = time.monotonic()
+        try:
+            result = await self._rpc(
+                f"confirm the grant of {lease.group_id}",
+                lambda: send_update(
+                    self._client_now(),
+                    group_workflow_id(lease.group_id),
+                    GroupUpdate.RENEW,
+                    RenewRequest(request_id=lease.request_id, token=lease.token, key=lease.key),
+                    RenewResult,
+                    give_up_after_s=UPDATE_GIVE_UP_S,
+                ),
+                group_id=lease.group_id,
+            )
+        except BaseException:
+            await asyncio.shield(self._track(self._withdraw(lease.group_id, lease.request_id)))
+            raise
+        if not result.valid:
+            await self._withdraw(lease.group_id, lease.request_id)
+            raise GrantLostError(
+                f"group {lease.group_id!r} granted job {self.job_id} (token {lease.token}), but "
+                f"the grant reached this process {late} and the group had given it up by then "
+                f"({result.reason}): this process was paused or did not answer in time. "
+                "Nothing is held; acquire again"
+            )
+        log.info("grant of %s taken %s: confirmed by a renewal", lease.group_id, late)
+        lease.valid_until = sent + result.ttl_s
+        lease.confirm_within_s = None  # confirmed
 
     async def _ask(
         self,
         group_id: str,
         request: AcquireRequest,
         granted: asyncio.Future[Any],
+        accepted: asyncio.Event,
+        asked: float,
         *,
         only_if_free: bool = False,
     ) -> None:
@@ -432,11 +562,15 @@ class Engine:
         An ``acquire`` update carries the request and, if the group has a free parking place,
         waits there: the grant is its result. Asking again is safe (idempotent by request id),
         so a retry after the group continued as new, or after a dropped RPC, parks again. When
-        the group parks no more waits, the grant comes as an activity on this process's queue.
+        the group parks no more waits, the grant comes as an activity on this process's queue,
+        and the request is asked again every ``REASK_QUEUED_S``: a grant whose activity this
+        process missed (it was paused, its worker not polling) is ended by the group as
+        undelivered, and only asking again tells the waiter so.
         A group that does not exist yet is created by signal-with-start of the request.
         """
         call = AcquireCall(request=request, only_if_free=only_if_free)
         delay = 0.2
+        failing_since: float | None = None
         while not granted.done():
             try:
                 answer = await send_update(
@@ -447,21 +581,33 @@ class Engine:
                     AcquireAnswer,
                     wait_for_completion=False,  # it parks until granted
                     on_slow=self._check_control_worker,
+                    on_accepted=accepted.set,
                 )
             except RPCError as err:
                 if err.status == RPCStatusCode.NOT_FOUND:
                     await self._create_with_request(group_id, request)
                     continue
-                if err.status not in _TRANSIENT:
+                if _task_failing(err):
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since >= TASK_FAILING_RETRY_S:
+                        raise await self._not_answering(group_id, f"acquire {group_id}") from err
+                elif err.status not in _TRANSIENT:
                     raise
                 log.debug("asking %s: %s; retrying in %.1f s", group_id, err, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
             except WorkflowUpdateFailedError as err:
+                cause = err.cause
+                if isinstance(cause, ApplicationError) and cause.type == UNPROCESSED_UPDATE:
+                    raise GroupNotAnsweringError(
+                        f"acquire {group_id}: the control worker left the request unprocessed "
+                        f"time after time ({cause}); see the control worker's log"
+                    ) from err
                 raise InvalidArgumentError(
                     f"group {group_id!r} refused the request: {err.cause or err}"
                 ) from err
+            accepted.set()
             self._known_groups.add(group_id)
             if answer.outcome == AcquireOutcome.GRANTED and answer.notice is not None:
                 if self._take(answer.notice) is not Delivery.FORGED:
@@ -470,8 +616,25 @@ class Engine:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            if answer.outcome in (AcquireOutcome.QUEUED, AcquireOutcome.GONE):
-                return
+            if answer.outcome == AcquireOutcome.GONE:
+                if only_if_free or granted.done():
+                    return
+                # Not withdrawn by us, so ended by the group: granted while this process did
+                # not answer, and given up (or its own time-out passed there).
+                waited = time.monotonic() - asked
+                if request.timeout_s is not None and waited >= request.timeout_s - 1.0:
+                    return  # the acquire's own time-out ends it
+                raise GrantLostError(
+                    f"group {group_id!r} no longer has job {self.job_id}'s request (asked "
+                    f"{waited:.0f} s ago): it granted it while this process did not answer "
+                    "(paused, or its worker not polling) and gave the grant up as undelivered. "
+                    "Nothing is held; acquire again"
+                )
+            if answer.outcome == AcquireOutcome.QUEUED:
+                # The grant comes by activity; asking again now and then is how a waiter whose
+                # grant was given up learns it (not hand-off polling: the grant never waits
+                # for it).
+                await asyncio.wait({granted}, timeout=REASK_QUEUED_S)
 
     async def _check_control_worker(self) -> None:
         """Raise if no control worker polls the groups' task queue: with none, no group ever
@@ -488,10 +651,59 @@ class Engine:
         """A grant that came as an update's result; one nobody waits for any more is handed
         back at once (the acquire gave up, and its cancel may have crossed the grant). One
         without its group's proof is dropped by the inbox, and the request stays queued."""
-        delivery = self.inbox.accept(notice)
+        delivery = self.inbox.accept(grant_from_update(notice))
         if delivery is Delivery.UNWANTED and notice.fault is None:
             self._track(self._withdraw(notice.group_id, notice.request_id))
         return delivery
+
+    async def _not_answering(self, group_id: str, what: str) -> TimesliceError:
+        """Why the group took no update: its workflow task failing (the group's history says
+        so), or no control worker running it (the task queue may still list one that stopped
+        moments ago, or one that took the group's task and never answered)."""
+        client = self._client_now()
+        failure: str | None = None
+        with contextlib.suppress(RPCError, TimeoutError):
+            failure = await asyncio.wait_for(self._task_failure(group_id), 5.0)
+        where = f"workflow {group_workflow_id(group_id)} in namespace {client.namespace!r}"
+        if failure is not None:
+            return GroupNotAnsweringError(
+                f"{what}: the group is not answering: its workflow task fails ({failure}); see "
+                f"the control worker's log and {where} in the Web UI"
+            )
+        pollers: int | None = None
+        with contextlib.suppress(RPCError, TimeoutError):
+            pollers = await asyncio.wait_for(control_workers_polling(client), 5.0)
+        listed = (
+            ""
+            if pollers is None
+            else f" (the task queue lists {pollers} poller(s): a worker that stopped moments "
+            "ago stays listed for a while)"
+        )
+        return NoControlWorkerError(
+            f"{what}: no control worker took it on task queue {CONTROL_TASK_QUEUE!r}{listed}; "
+            f"start one with `timeslice worker`, or see its log ({where})"
+        )
+
+    async def _task_failure(self, group_id: str) -> str | None:
+        """What the group's last workflow task failed with, if its last one failed (rather than
+        completed, or timed out on a worker that stopped)."""
+        client = self._client_now()
+        page = await client.workflow_service.get_workflow_execution_history_reverse(
+            GetWorkflowExecutionHistoryReverseRequest(
+                namespace=client.namespace,
+                execution=WorkflowExecution(workflow_id=group_workflow_id(group_id)),
+                maximum_page_size=50,
+            )
+        )
+        for event in page.history.events:
+            if event.HasField("workflow_task_failed_event_attributes"):
+                failed = event.workflow_task_failed_event_attributes
+                return failed.failure.message or WorkflowTaskFailedCause.Name(failed.cause)
+            if event.HasField("workflow_task_completed_event_attributes") or event.HasField(
+                "workflow_task_timed_out_event_attributes"
+            ):
+                return None
+        return None
 
     async def _create_with_request(self, group_id: str, request: AcquireRequest) -> None:
         client = await self.connected()
@@ -505,6 +717,8 @@ class Engine:
                     start_signal_args=[request],
                 ),
             )
+        except WorkflowAlreadyStartedError:
+            pass  # created meanwhile (a retried start whose first attempt got through): ask it
         except RPCError as err:
             if "TimesliceGroup" in str(err):
                 raise TimesliceError(
@@ -515,13 +729,26 @@ class Engine:
         self._known_groups.add(group_id)
 
     async def _update(
-        self, what: str, group_id: str, name: GroupUpdate, arg: Any, result_type: type[T]
+        self,
+        what: str,
+        group_id: str,
+        name: GroupUpdate,
+        arg: Any,
+        result_type: type[T],
+        *,
+        give_up_after_s: float | None = None,
     ) -> T:
         return await self._rpc(
             what,
             lambda: send_update(
-                self._client_now(), group_workflow_id(group_id), name, arg, result_type
+                self._client_now(),
+                group_workflow_id(group_id),
+                name,
+                arg,
+                result_type,
+                give_up_after_s=give_up_after_s or UPDATE_GIVE_UP_S,
             ),
+            group_id=group_id,
         )
 
     async def _depart(self, group_id: str) -> None:
@@ -539,10 +766,14 @@ class Engine:
         except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
             log.debug("depart from %s: %s", group_id, err)
 
-    def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+    def _track(
+        self, coro: Coroutine[Any, Any, None], also: set[asyncio.Future[None]] | None = None
+    ) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        for tracked in (self._background, also):
+            if tracked is not None:
+                tracked.add(task)
+                task.add_done_callback(tracked.discard)
         return task
 
     async def snapshot_job(self, action: str) -> list[SnapshotReport]:
@@ -590,17 +821,35 @@ class Engine:
             )
             return
         try:
-            await self._update(
-                f"cancel {group_id}",
-                group_id,
-                GroupUpdate.CANCEL,
-                CancelRequest(request_id=request_id, key=key),
-                type(None),
+            # Bounded: a group nobody answers for must not hold the acquire past its time-out.
+            # A request that stays queued is granted to nobody waiting: declined, or given up
+            # as undelivered.
+            await asyncio.wait_for(
+                self._update(
+                    f"cancel {group_id}",
+                    group_id,
+                    GroupUpdate.CANCEL,
+                    CancelRequest(request_id=request_id, key=key),
+                    type(None),
+                    give_up_after_s=WITHDRAW_S,
+                ),
+                WITHDRAW_S,
             )
-        except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
+        except (RPCError, TimesliceError, WorkflowUpdateFailedError, TimeoutError) as err:
             log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)
 
     def resolve_lease(self, lease: Lease | None) -> Lease:
+        if lease is not None and not isinstance(lease, Lease):
+            hint = (
+                " (a group id: release takes the Lease that acquire returned, or nothing "
+                "when one lease is held)"
+                if isinstance(lease, str)
+                else ""
+            )
+            raise InvalidArgumentError(
+                f"release takes the Lease acquire returned (or nothing), not "
+                f"{type(lease).__name__} {lease!r}{hint}"
+            )
         if lease is None:
             if len(self.held) != 1:
                 held = sorted(self.held) or "none"
@@ -650,6 +899,7 @@ class Engine:
         )
         spans = self._spans.get(lease.group_id)
         attempts = 0
+        sent = time.monotonic()
 
         async def call() -> ReturnAnswer:
             nonlocal attempts
@@ -668,7 +918,14 @@ class Engine:
                 if spans
                 else contextlib.nullcontext()
             ):
-                answer = await self._rpc(f"release {lease.group_id}", call)
+                answer = await self._rpc(f"release {lease.group_id}", call, group_id=lease.group_id)
+        except (GroupNotAnsweringError, NoControlWorkerError) as err:
+            self._drop(lease, err)
+            raise type(err)(
+                f"{err}. This process no longer holds or renews the lease on "
+                f"{lease.group_id!r} (token {lease.token}): the group ends it when its TTL "
+                f"({lease.ttl_s:g} s) has run out, once it answers again"
+            ) from err.__cause__
         except BaseException as err:
             self._drop(lease, err)
             raise
@@ -679,7 +936,7 @@ class Engine:
         if answer.released or not answer.valid:
             self._drop(lease)
         else:
-            lease.valid_until = time.monotonic() + lease.ttl_s  # kept: the group renewed it
+            lease.valid_until = sent + lease.ttl_s  # kept: the group renewed it
         return answer
 
     def forget(self, lease: Lease) -> None:
@@ -722,9 +979,9 @@ class Engine:
         so it comes before the group's confirmation deadline (holds shorter than that are
         confirmed by their release and never renew)."""
         interval = lease.ttl_s / 3
-        wait = interval
-        if lease.confirm_within_s is not None:
-            wait = min(interval, lease.confirm_within_s / 3)
+        # Well before the lease's local validity ends: for a grant not yet confirmed, that is
+        # the group's deadline for confirming it.
+        wait = max(0.05, min(interval, (lease.valid_until - time.monotonic()) / 3))
         while True:
             await asyncio.sleep(wait)
             sent = time.monotonic()
@@ -785,6 +1042,14 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        # Acquires other threads wait in end now (they withdraw their requests, bounded).
+        self.inbox.close(ClientClosedError(CLOSED + " (closed while this acquire waited)"))
+        if self._acquiring:
+            await asyncio.wait(self._acquiring, timeout=CLOSE_ACQUIRES_S)
+            for task in self._acquiring:
+                task.cancel()
+        for ask in list(self._asks):
+            ask.cancel()  # a parked wait nobody awaits any more
         for lease in list(self.held.values()):
             try:
                 await asyncio.wait_for(self.release(lease), timeout=5)
@@ -809,7 +1074,9 @@ class Engine:
         gc.collect()
 
 
-def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
+def check_timeout(
+    timeout: float | None, what: str = "timeout", *, maximum: float | None = None
+) -> float | None:
     if timeout is None:
         return None
     if (
@@ -822,4 +1089,9 @@ def check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
         )
     if timeout < 0:
         raise InvalidArgumentError(f"{what} must be >= 0 seconds, not {timeout}")
+    if maximum is not None and timeout > maximum:
+        raise InvalidArgumentError(
+            f"{what} must be at most {maximum:.0f} s ({maximum / 86_400:.0f} days), not "
+            f"{timeout}; pass None to wait without a limit"
+        )
     return float(timeout)

@@ -41,3 +41,17 @@ class SnapshotFailedError(TimesliceError):
 
 class JobFaultedError(TimesliceError):
     """The group marked this job faulted (a snapshot or restore of its state failed)."""
+
+
+class GrantLostError(TimesliceError):
+    """The group granted the request but gave the grant up before this process took it (the
+    process was paused or did not answer in time): nothing is held; acquire again."""
+
+
+class ClientClosedError(TimesliceError):
+    """The client was closed (possibly by another thread while this call waited)."""
+
+
+class GroupNotAnsweringError(TimesliceError):
+    """The group's workflow took no update within the time allowed (its workflow task is
+    failing, or no control worker runs it): see the control worker's log."""

@@ -26,8 +26,9 @@ class Lease:
     key: str = field(default="", repr=False)
     revoked_reason: str | None = None
     released: bool = False
-    # Local validity is conservative: it runs from when a renewal was *sent*, so it always ends
-    # before the group's own expiry.
+    # Local validity is conservative from the first moment: it runs from the grant's own time
+    # (never past the group's deadline for confirming it), then from when each renewal was
+    # *sent*, so it always ends before the group's own expiry (docs/architecture.md).
     valid_until: float = 0.0
 
     def __post_init__(self) -> None:

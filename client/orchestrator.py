@@ -22,6 +22,7 @@ from timeslice.engine import Engine, check_timeout
 from timeslice.errors import InvalidArgumentError, LeaseRevokedError
 from timeslice.lease import Lease
 from timeslice.protocol.group import (
+    MAX_ACQUIRE_TIMEOUT_S,
     MAX_LEASE_TTL_S,
     MAX_PRIORITY,
     MIN_LEASE_TTL_S,
@@ -227,7 +228,7 @@ class _ClientBase:
             )
         return (
             _checked("group id", group),
-            check_timeout(timeout),
+            check_timeout(timeout, maximum=MAX_ACQUIRE_TIMEOUT_S),
             None if priority is None else self._check_priority(priority),
         )
 

@@ -55,6 +55,20 @@ _RESENDABLE = {
 }
 
 
+# The server's rejection of an update the worker's workflow task left unprocessed (safe to send
+# again: a rejection is not recorded), and how many times it is sent again.
+UNPROCESSED_UPDATE = "UnprocessedUpdate"
+MAX_UNPROCESSED_RESENDS = 5
+
+
+def _unprocessed(response: Any) -> bool:
+    return bool(
+        response.HasField("outcome")
+        and response.outcome.HasField("failure")
+        and response.outcome.failure.application_failure_info.type == UNPROCESSED_UPDATE
+    )
+
+
 _ACCEPTED = UpdateWorkflowExecutionLifecycleStage.UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_ACCEPTED
 _COMPLETED = (
     UpdateWorkflowExecutionLifecycleStage.UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_COMPLETED
@@ -72,6 +86,7 @@ async def send_update(
     give_up_after_s: float = 60.0,
     on_slow: Callable[[], Awaitable[None]] | None = None,
     slow_after_s: float = 5.0,
+    on_accepted: Callable[[], object] | None = None,
 ) -> T:
     """Send an update to the workflow's current run and return its result.
 
@@ -80,7 +95,8 @@ async def send_update(
     update id. With ``wait_for_completion`` False an attempt waits only until the update is
     accepted, and the result is then awaited without a limit (an update that parks).
     ``on_slow`` runs once if the update is still not accepted after ``slow_after_s`` (it may
-    raise, e.g. when no worker serves the workflow at all)."""
+    raise, e.g. when no worker serves the workflow at all). ``on_accepted`` runs once the
+    workflow took the update (a worker ran it)."""
     update_id = str(uuid.uuid4())
     with tracer().start_as_current_span(
         f"StartWorkflowUpdate:{name}",
@@ -88,7 +104,8 @@ async def send_update(
         attributes={"temporalWorkflowID": workflow_id, "temporalUpdateID": update_id},
     ):
         return await _send(client, workflow_id, name, arg, result_type, update_id,
-                           wait_for_completion, give_up_after_s, on_slow, slow_after_s)  # fmt: skip
+                           wait_for_completion, give_up_after_s, on_slow, slow_after_s,
+                           on_accepted)  # fmt: skip
 
 
 async def _send(
@@ -102,6 +119,7 @@ async def _send(
     give_up_after_s: float,
     on_slow: Callable[[], Awaitable[None]] | None,
     slow_after_s: float,
+    on_accepted: Callable[[], object] | None,
 ) -> T:
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
@@ -121,6 +139,7 @@ async def _send(
     started = time.monotonic()
     deadline = started + give_up_after_s
     attempt = 0
+    unprocessed = 0
     while True:
         if on_slow is not None and time.monotonic() - started >= slow_after_s:
             await on_slow()
@@ -129,8 +148,16 @@ async def _send(
             response = await client.workflow_service.update_workflow_execution(
                 request, retry=False, timeout=timedelta(seconds=UPDATE_ATTEMPT_S)
             )
-            if response.stage >= _ACCEPTED:
+            if response.stage >= _ACCEPTED and not _unprocessed(response):
                 break
+            if response.stage >= _ACCEPTED:
+                # The server rejected it because the worker's workflow task did not process
+                # it (e.g. the task raced a continue-as-new): a rejection leaves no trace, so
+                # the same update id is sent again, a few times.
+                unprocessed += 1
+                if unprocessed > MAX_UNPROCESSED_RESENDS or time.monotonic() >= deadline:
+                    break  # its failure is raised below
+                log.debug("update %s of %s was not processed; sending it again", name, workflow_id)
         except RPCError as err:
             if err.status not in _RESENDABLE or time.monotonic() >= deadline:
                 raise
@@ -140,6 +167,8 @@ async def _send(
         # Transient, or only admitted so far (the run was closing): send it again.
         await asyncio.sleep(_RESEND_DELAYS_S[min(attempt, len(_RESEND_DELAYS_S) - 1)])
         attempt += 1
+    if on_accepted is not None and not _unprocessed(response):
+        on_accepted()
     if not response.HasField("outcome"):  # accepted, still running (a parked acquire)
         update = client.get_workflow_handle(
             workflow_id, run_id=response.update_ref.workflow_execution.run_id

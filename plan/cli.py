@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +29,17 @@ timeslice plan profile JOB... [--group GROUP] [--out DIR] [--format yaml|json]
        timeslice plan PROFILE... (--groups N | --sampler-groups N --trainer-groups N) [options]"""
 
 PROFILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _finite(text: str) -> float:
+    """An argparse type: a finite number ("nan" and "inf" parse as floats, yet mean nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -51,14 +63,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     where.add_argument("--trainer-groups", help="N trainer groups, or their names")
     where.add_argument(
         "--group-memory",
-        type=float,
+        type=_finite,
         metavar="BYTES",
         help="device memory of a group: where two jobs' states fit, switches overlap "
         "eviction and restore (default: not declared)",
     )
     where.add_argument("--gpus-per-group", type=int, default=1, help="for GPUs saved (default 1)")
     where.add_argument(
-        "--aging", type=float, default=60.0, metavar="S", help="the groups' aging_s (default 60)"
+        "--aging", type=_finite, default=60.0, metavar="S", help="the groups' aging_s (default 60)"
     )
     limits = plan.add_argument_group("limits and priorities")
     limits.add_argument(
@@ -86,14 +98,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     model.add_argument(
         "--move-gbps",
-        type=float,
+        type=_finite,
         default=25.0,
         help="host <-> device copy rate for states with no measured move time (default 25)",
     )
     out = plan.add_argument_group("output")
     out.add_argument("--top", type=int, default=3, help="how many assignments (default 3)")
     out.add_argument(
-        "--time-limit", type=float, default=5.0, metavar="S", help="search time (default 5 s)"
+        "--time-limit", type=_finite, default=5.0, metavar="S", help="search time (default 5 s)"
     )
     out.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     out.add_argument("--json", type=Path, metavar="FILE", help="also write the answer as JSON")

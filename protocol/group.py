@@ -492,6 +492,12 @@ class GrantNotice(_Model):
         "group the request went to (and the requester) can make it; receivers drop a notice "
         "whose proof is missing or wrong",
     )
+    granted_at: Instant | None = Field(
+        None,
+        description="the group's (workflow) time of the grant: what its confirmation deadline "
+        "and the lease's TTL count from, so a process that takes the grant late knows it is "
+        "late (docs/architecture.md, local validity)",
+    )
 
 
 # What a notice's proof is computed over starts with this, so that no other MAC made under a

@@ -11,7 +11,12 @@ import json
 import sys
 import time
 
-from timeslice import AcquireTimeoutError, JobFaultedError, TimeSliceOrchestratorClient
+from timeslice import (
+    AcquireTimeoutError,
+    GrantLostError,
+    JobFaultedError,
+    TimeSliceOrchestratorClient,
+)
 
 
 def main() -> int:
@@ -71,6 +76,9 @@ def main() -> int:
                 lease = client.acquire(args.group, timeout=args.timeout)
             except AcquireTimeoutError:
                 emit("timeout")
+                continue
+            except GrantLostError:
+                emit("lost")  # granted while paused, and given up by the group meanwhile
                 continue
             except JobFaultedError:
                 emit("faulted")

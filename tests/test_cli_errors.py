@@ -187,3 +187,21 @@ def test_backends_lists_the_registry() -> None:
     assert rows["jax"]["installed here"] == (
         "yes" if jax_here else "no: jax is not installed: install timeslice[jax]"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["job", "start", "--job-id", "j", "--lease-ttl", "nan"], "'nan' is not a finite number"),
+        (["job", "start", "--job-id", "j", "--lease-ttl", "inf"], "'inf' is not a finite number"),
+        (["job", "start", "--job-id", "j", "--option", "lr=NaN"], "NaN is not a finite number"),
+        (["plan", "p.json", "--groups", "1", "--aging", "nan"], "'nan' is not a finite number"),
+        (["plan", "p.json", "--groups", "1", "--time-limit", "inf"], "is not a finite number"),
+    ],
+)
+def test_numbers_that_are_not_finite_are_named_so(argv: list[str], said: str) -> None:
+    """`nan` parses as a float; it must be refused as not a number, not as out of range."""
+    result = timeslice(*argv, "--address", "127.0.0.1:1") if argv[0] == "job" else timeslice(*argv)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert said in result.stderr
+    assert "should be" not in result.stderr and "Traceback" not in result.stderr

@@ -5,18 +5,27 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+from temporalio.client import Client
 from timeslice import (
     AcquireTimeoutError,
     AsyncTimeSliceOrchestratorClient,
+    ClientClosedError,
+    GroupNotAnsweringError,
+    InvalidArgumentError,
     Lease,
     NoControlWorkerError,
     TimeSliceOrchestratorClient,
 )
+from timeslice.cli.services import start_service
+from timeslice.connection import connect, connect_config, control_workers_polling
+from timeslice.protocol.group import CONTROL_TASK_QUEUE, group_workflow_id
 
 from tests.helpers import new_namespace, wait_for
 
@@ -141,3 +150,98 @@ def test_no_control_worker_is_a_clear_error(server, group):
     assert time.monotonic() - started < 30, "told within seconds, not after the RPC time-outs"
     assert "no control worker serves task queue 'timeslice'" in message
     assert f"namespace {namespace!r}" in message and "timeslice worker" in message
+
+
+def test_close_ends_an_acquire_waiting_in_another_thread(group, make_client):
+    """close() from one thread while another waits in acquire(): the waiting call ends at once
+    with ClientClosedError (its request withdrawn), and close() does not wait 10 s for it."""
+    holder = make_client(job_id="close-holder")
+    lease = holder.acquire(group)
+    waiter = make_client(job_id="close-waiter")
+    ended: dict[str, BaseException] = {}
+
+    def wait_in_acquire() -> None:
+        try:
+            waiter.acquire(group)
+        except BaseException as err:  # recorded for the assertion below
+            ended["error"] = err
+
+    thread = threading.Thread(target=wait_in_acquire, daemon=True)
+    thread.start()
+    wait_for(
+        lambda: [w.job_id for w in holder.group_status(group).queue] == ["close-waiter"],
+        what="the waiter queued",
+    )
+    started = time.monotonic()
+    waiter.close()
+    closing_s = time.monotonic() - started
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the waiting acquire never ended"
+    assert isinstance(ended.get("error"), ClientClosedError), ended
+    assert "closed" in str(ended["error"])
+    assert closing_s < 8, f"close() took {closing_s:.1f} s"
+    wait_for(lambda: holder.group_status(group).queue == [], what="the request withdrawn")
+    holder.release(lease)
+
+
+def test_bad_release_and_acquire_arguments_are_clear_errors(group, make_client):
+    client = make_client(job_id="bad-args")
+    with pytest.raises(InvalidArgumentError, match="release takes the Lease acquire returned"):
+        client.release(group)  # a group id, not the lease
+    with pytest.raises(InvalidArgumentError, match=r"at most 31622400 s \(366 days\)"):
+        client.acquire(group, timeout=400 * 86_400)
+    assert client.held == {}
+
+
+def test_acquire_right_after_the_control_worker_stopped(server, group, tmp_path):
+    """A worker that stopped answering is still listed as a poller (here it is stopped with
+    SIGSTOP, which keeps its polls open, so it stays listed for sure): the acquire keeps to
+    its time-out and says that no control worker took the request."""
+    namespace = new_namespace(server.address, "stopped")
+    worker = start_service(
+        ["worker", "--address", server.address, "--namespace", namespace],
+        "control worker on task queue",
+        tmp_path / "worker.log",
+    )
+
+    async def pollers() -> int:
+        return await control_workers_polling(
+            await connect(connect_config(server.address, namespace))
+        )
+
+    wait_for(lambda: asyncio.run(pollers()) > 0, what="the worker listed as a poller")
+    os.kill(worker.pid, signal.SIGSTOP)
+    client = TimeSliceOrchestratorClient(target=server.address, namespace=namespace)
+    try:
+        started = time.monotonic()
+        with pytest.raises(NoControlWorkerError) as caught:
+            client.acquire(group, timeout=10)
+        took = time.monotonic() - started
+    finally:
+        client.close()
+        worker.kill()
+        worker.wait()
+    assert took < 10 + 8, f"acquire(timeout=10) took {took:.0f} s"
+    message = str(caught.value)
+    assert "the group took no request in 10.0 s" in message and "timeslice worker" in message
+
+
+def test_release_on_a_wedged_group_says_the_group_is_not_answering(address, group, make_client):
+    """The group's workflow task fails every time: release says so, not a raw RPCError."""
+    client = make_client(job_id="wedged", lease_ttl=60)
+    lease = client.acquire(group)
+
+    async def wedge() -> None:
+        raw = await Client.connect(address)
+        workflow_id = group_workflow_id(group)
+        await raw.get_workflow_handle(workflow_id).terminate("wedged by the test")
+        # A workflow type the control worker does not know: each of its tasks fails.
+        await raw.start_workflow("NotAGpuGroup", id=workflow_id, task_queue=CONTROL_TASK_QUEUE)
+
+    asyncio.run(wedge())
+    started = time.monotonic()
+    with pytest.raises(GroupNotAnsweringError, match="the group is not answering") as caught:
+        client.release(lease)
+    assert time.monotonic() - started < 40
+    assert "control worker's log" in str(caught.value)
+    assert client.held == {}

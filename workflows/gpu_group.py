@@ -77,6 +77,9 @@ FORGET_GONE_EVICTOR = "forget-gone-evictor"
 FAULT_ONLY_ASKED_EVICTION = "fault-only-asked-eviction"
 # workflow.patched id: a grant's delivery outcome is obeyed only when it presents the lease key.
 AUTHENTICATED_GRANT_ANSWERS = "authenticated-grant-answers"
+# workflow.patched id: a delivery activity that fails after its holder confirmed the grant by a
+# renewal no longer ends the lease (groups that started before end it, as they did).
+CONFIRMED_GRANT_OUTLIVES_DELIVERY = "confirmed-grant-outlives-delivery"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
 
@@ -363,6 +366,15 @@ class GpuGroupWorkflow:
             self._book.unconfirmed(notice.token, now)
         elif outcome is None:
             self._book.confirm(notice.token, now)
+        elif holder.delivered and workflow.patched(CONFIRMED_GRANT_OUTLIVES_DELIVERY):
+            # The holder confirmed the grant by a renewal while this activity was on its way
+            # (it took the grant by asking again): it holds it, whatever became of the activity.
+            workflow.logger.info(
+                "job %s confirmed its grant of %s before its delivery ended (%s); kept",
+                notice.job_id,
+                self._config.group_id,
+                outcome.value,
+            )
         else:
             self._book.end_lease(outcome, now)
 

@@ -317,7 +317,7 @@ class GroupBook:
         samples.append(waited)
         del samples[: max(0, len(samples) - self.config.wait_samples_keep)]
         self.observer.granted(waited)
-        return self.notice(waiter.request, token, waited, None, parked=parked)
+        return self.notice(waiter.request, token, waited, None, parked=parked, granted_at=now)
 
     def refuse(self, waiter: Waiter, fault: str, now: datetime) -> GrantNotice:
         """The waiter's job is faulted: no lease, a notice saying why."""
@@ -326,7 +326,7 @@ class GroupBook:
         self.state.next_token += 1
         self.remember_done(waiter.request.request_id)
         waited = (now - waiter.enqueued_at).total_seconds()
-        return self.notice(waiter.request, token, waited, fault, parked=False)
+        return self.notice(waiter.request, token, waited, fault, parked=False, granted_at=now)
 
     def notice(
         self,
@@ -336,6 +336,7 @@ class GroupBook:
         fault: str | None,
         *,
         parked: bool,
+        granted_at: datetime | None = None,
     ) -> GrantNotice:
         # Signed with the request's key hash, which only this group and the requester know:
         # a notice anyone else sends (``status`` shows request ids and tokens) is dropped.
@@ -354,6 +355,7 @@ class GroupBook:
             confirm_within_s=self.config.grant_ack_timeout_s
             if parked or request.reply_task_queue is not None
             else None,
+            granted_at=granted_at,
         )
         return prove_notice(notice, request.key_hash)
 
@@ -367,6 +369,7 @@ class GroupBook:
             holder.waited_s,
             None,
             parked=not holder.delivered and holder.confirm_by is not None,
+            granted_at=holder.granted_at,
         )
 
     def confirm(self, token: int, now: datetime) -> None:

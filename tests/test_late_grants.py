@@ -1,0 +1,181 @@
+"""A grant that reaches a paused process late is never used as if it were fresh.
+
+Real processes: a holder (this test process) and two contender processes, one of which is
+stopped with SIGSTOP while it waits, across the holder's release. Every process logs its hold
+intervals on its own monotonic clock (one system-wide clock on Linux); none may overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from timeslice import GrantLostError
+from timeslice.connection import connect, connect_config
+from timeslice.engine import REASK_QUEUED_S, Engine
+from timeslice.protocol.group import LeaseOutcome, job_task_queue
+
+from tests.helpers import (
+    assert_no_overlap,
+    events,
+    finish,
+    hold_intervals,
+    read_log,
+    spawn_contender,
+    wait_for,
+)
+
+# Short, so the group gives the paused waiter up within seconds (the default is 15 s).
+GRANT_ACK_S = 5.0
+
+
+def _emit(log: Path, job: str, event: str, token: int) -> None:
+    record = {"job": job, "event": event, "token": token, "t": time.monotonic()}
+    with log.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _queued(client, group: str) -> list[str]:
+    return [w.job_id for w in client.group_status(group).queue]
+
+
+def _outcomes(client, group: str) -> list[tuple[str, LeaseOutcome]]:
+    return [(r.job_id, r.outcome) for r in client.group_status(group).history]
+
+
+def _hold_then_queue_two(
+    address, group, tmp_path, make_client, parked_waits: int, grant_ack_s: float = GRANT_ACK_S
+):
+    """The test holds; `paused` and then `next` queue behind it (their own processes)."""
+    holder = make_client(job_id="holder")
+    assert holder.create_group(
+        group, grant_ack_timeout_s=grant_ack_s, max_parked_waits=parked_waits
+    )
+    lease = holder.acquire(group)
+    log = tmp_path / "holds.jsonl"
+    _emit(log, "holder", "acquired", lease.token)
+    paused = spawn_contender(address, group, "paused", log, "--hold", "0.5")
+    wait_for(lambda: _queued(holder, group) == ["paused"], what="paused queued")
+    # Holds long enough that a paused process using a stale grant would overlap it.
+    after = spawn_contender(address, group, "next", log, "--hold", "5")
+    wait_for(lambda: _queued(holder, group) == ["paused", "next"], what="next queued")
+    return holder, lease, log, paused, after
+
+
+@pytest.mark.parametrize("parked_waits", [5, 0], ids=["parked", "activity"])
+def test_grant_given_up_while_paused_is_never_used(
+    address, group, tmp_path, make_client, parked_waits
+):
+    """`paused` is granted while stopped; the group gives the grant up and grants `next`.
+    Resumed, `paused` must not hold the group: its acquire ends with GrantLostError."""
+    holder, lease, log, paused, after = _hold_then_queue_two(
+        address, group, tmp_path, make_client, parked_waits
+    )
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        _emit(log, "holder", "releasing", lease.token)
+        holder.release(lease)
+        # The group gives `paused` up (its grant not confirmed / its activity not answered)
+        # and grants `next`: only then does `paused` resume.
+        wait_for(lambda: events(log, "acquired", "next"), timeout=120, what="next holds")
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
+    finish([paused, after], timeout=120)
+    assert [r["event"] for r in read_log(log) if r["job"] == "paused"] == [
+        "ready",
+        "lost",
+        "done",
+    ]
+    assert_no_overlap(hold_intervals(read_log(log)))
+    outcomes = _outcomes(holder, group)
+    assert outcomes[0] == ("holder", LeaseOutcome.RELEASED)
+    assert outcomes[1][0] == "paused" and outcomes[1][1] in (
+        LeaseOutcome.DEAD,
+        LeaseOutcome.REJECTED,
+    )
+    assert outcomes[2] == ("next", LeaseOutcome.RELEASED)
+
+
+def test_grant_taken_late_but_in_time_is_confirmed_and_held(address, group, tmp_path, make_client):
+    """Paused for a few seconds, less than the group allows: the late grant is confirmed by a
+    renewal, then held; `next` is granted only after `paused` released."""
+    holder, lease, log, paused, after = _hold_then_queue_two(
+        address, group, tmp_path, make_client, parked_waits=5, grant_ack_s=15.0
+    )
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        _emit(log, "holder", "releasing", lease.token)
+        holder.release(lease)
+
+        def paused_holds_for(seconds: float) -> bool:
+            view = holder.group_status(group).holder
+            return view is not None and view.job_id == "paused" and view.held_s >= seconds
+
+        # Late (over a second old when it is read) but well inside the 15-s confirm window.
+        wait_for(lambda: paused_holds_for(2.0), what="the paused process granted 2 s ago")
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
+    finish([paused, after], timeout=120)
+    jobs = [r["event"] for r in read_log(log) if r["job"] == "paused"]
+    assert jobs == ["ready", "acquired", "releasing", "done"]
+    assert_no_overlap(hold_intervals(read_log(log)))
+    assert _outcomes(holder, group) == [
+        ("holder", LeaseOutcome.RELEASED),
+        ("paused", LeaseOutcome.RELEASED),
+        ("next", LeaseOutcome.RELEASED),
+    ]
+
+
+def test_waiter_whose_grant_activity_nobody_polls_is_told(address, group, make_client):
+    """A waiter whose grant comes by activity, and whose queue nobody polls when it is
+    scheduled (a job process whose worker stalled), is ended by the group as `dead`. Its acquire
+    learns so by asking again and raises GrantLostError, instead of waiting out its time-out."""
+    holder = make_client(job_id="holder")
+    assert holder.create_group(group, grant_ack_timeout_s=GRANT_ACK_S, max_parked_waits=0)
+    lease = holder.acquire(group)
+
+    async def unserved_acquire() -> BaseException | None:
+        # A job process's engine: its own worker is meant to serve the grant queue, and here
+        # none does.
+        engine = Engine(
+            connect_config=connect_config(address),
+            job_id="unserved",
+            task_queue=job_task_queue("unserved"),
+            priority=0,
+            lease_ttl_s=None,
+            backends={},
+            snapshot_target=None,
+            state_bytes=None,
+            rpc_retry_s=60.0,
+            own_thread=False,
+        )
+        engine.attach(await connect(connect_config(address)))
+        try:
+            await engine.acquire(group, 120.0, None, None)
+        except BaseException as err:  # what ended the acquire, for the assertions
+            return err
+        finally:
+            await engine.close()
+        return None
+
+    async def scenario() -> tuple[BaseException | None, float]:
+        waiting = asyncio.create_task(unserved_acquire())
+        await asyncio.to_thread(
+            wait_for, lambda: _queued(holder, group) == ["unserved"], what="unserved queued"
+        )
+        await asyncio.to_thread(holder.release, lease)
+        released = time.monotonic()
+        error = await waiting
+        return error, time.monotonic() - released
+
+    error, took = asyncio.run(scenario())
+    assert isinstance(error, GrantLostError), error
+    assert "gave the grant up as undelivered" in str(error)
+    # Given up after GRANT_ACK_S, learnt at the next re-ask: well before the 120-s time-out.
+    assert took < GRANT_ACK_S + REASK_QUEUED_S + 10, f"told after {took:.0f} s"
+    assert ("unserved", LeaseOutcome.DEAD) in _outcomes(holder, group)

@@ -1,0 +1,115 @@
+"""send_update against a real server and a worker of our own, speaking the task protocol raw.
+
+The worker here completes its first workflow task for an update without processing the update,
+so the server rejects it as ``UnprocessedUpdate`` (safe to send again: a rejection leaves no
+trace). send_update must send it again under the same update id, not give up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+
+from google.protobuf.any_pb2 import Any as AnyProto
+from temporalio.api.command.v1 import Command, ProtocolMessageCommandAttributes
+from temporalio.api.common.v1 import Payloads
+from temporalio.api.enums.v1 import CommandType
+from temporalio.api.protocol.v1 import Message
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.update.v1 import Acceptance, Outcome, Request, Response
+from temporalio.api.workflowservice.v1 import (
+    PollWorkflowTaskQueueRequest,
+    RespondWorkflowTaskCompletedRequest,
+)
+from temporalio.client import Client
+from timeslice.connection import connect, connect_config
+from timeslice.updates import send_update
+
+IGNORED_DELIVERIES = 2
+
+
+async def _raw_worker(client: Client, task_queue: str, seen: list[str]) -> None:
+    """Complete every workflow task; ignore the first deliveries of an update (no message back),
+    then accept it and answer with its argument."""
+    service = client.workflow_service
+    while True:
+        task = await service.poll_workflow_task_queue(
+            PollWorkflowTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=task_queue),
+                identity="raw-test-worker",
+            ),
+            timeout=timedelta(seconds=70),
+        )
+        if not task.task_token:
+            continue  # the long poll ended empty
+        messages: list[Message] = []
+        commands: list[Command] = []
+        for incoming in task.messages:
+            request = Request()
+            if not incoming.body.Unpack(request):
+                continue
+            update_id = request.meta.update_id
+            seen.append(update_id)
+            if len(seen) <= IGNORED_DELIVERIES:
+                continue  # not processed: the server rejects it as UnprocessedUpdate
+            accept = AnyProto()
+            accept.Pack(
+                Acceptance(
+                    accepted_request_message_id=incoming.id,
+                    accepted_request_sequencing_event_id=incoming.event_id,
+                    accepted_request=request,
+                )
+            )
+            respond = AnyProto()
+            respond.Pack(
+                Response(
+                    meta=request.meta,
+                    outcome=Outcome(success=Payloads(payloads=list(request.input.args.payloads))),
+                )
+            )
+            for suffix, body in (("accept", accept), ("complete", respond)):
+                message_id = f"{update_id}/{suffix}"
+                messages.append(Message(id=message_id, protocol_instance_id=update_id, body=body))
+                commands.append(
+                    Command(
+                        command_type=CommandType.COMMAND_TYPE_PROTOCOL_MESSAGE,
+                        protocol_message_command_attributes=ProtocolMessageCommandAttributes(
+                            message_id=message_id
+                        ),
+                    )
+                )
+        await service.respond_workflow_task_completed(
+            RespondWorkflowTaskCompletedRequest(
+                namespace=client.namespace,
+                task_token=task.task_token,
+                identity="raw-test-worker",
+                commands=commands,
+                messages=messages,
+            )
+        )
+
+
+def test_unprocessed_update_is_sent_again_under_the_same_id(address: str) -> None:
+    async def scenario() -> tuple[str, list[str]]:
+        client = await connect(connect_config(address))
+        task_queue = f"raw-{uuid.uuid4().hex[:8]}"
+        workflow_id = f"raw-{uuid.uuid4().hex[:8]}"
+        seen: list[str] = []
+        worker = asyncio.create_task(_raw_worker(client, task_queue, seen))
+        try:
+            await client.start_workflow("RawWorkflow", id=workflow_id, task_queue=task_queue)
+            answer = await asyncio.wait_for(
+                send_update(client, workflow_id, "echo", "hello", str), timeout=60
+            )
+        finally:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+            await client.get_workflow_handle(workflow_id).terminate("test over")
+        return answer, seen
+
+    answer, seen = asyncio.run(scenario())
+    assert answer == "hello"
+    assert len(seen) == IGNORED_DELIVERIES + 1, seen
+    assert len(set(seen)) == 1, f"sent again under other update ids: {seen}"
