@@ -9,14 +9,17 @@ client's grant inbox, and that no view of the group shows what the proof is keye
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
-from timeslice.activities.grants import Delivery, GrantInbox
+from temporalio.testing import ActivityEnvironment
+from timeslice.activities.grants import Delivery, GrantInbox, grant_from_update
 from timeslice.protocol.group import (
     AcquireRequest,
+    GrantAck,
     GrantNotice,
     GroupConfig,
     GroupState,
@@ -163,24 +166,44 @@ def test_no_view_of_the_group_shows_a_key_or_its_hash() -> None:
 # ---------------------------------------------------------------- the client's inbox
 
 
+def take(inbox: GrantInbox, notice: GrantNotice) -> Delivery:
+    """Hand ``notice`` to the inbox as an ``acquire`` update's answer would."""
+    return inbox.accept(grant_from_update(notice))
+
+
+async def _deliver(inbox: GrantInbox, notice: GrantNotice) -> GrantAck:
+    """Run the inbox's delivery activity as the worker would: scheduled and started just now,
+    with the group's start-to-close time, so the grant is on time."""
+    env = ActivityEnvironment()
+    now = datetime.now(UTC)
+    env.info = dataclasses.replace(
+        env.info,
+        current_attempt_scheduled_time=now,
+        started_time=now,
+        start_to_close_timeout=timedelta(seconds=30),
+    )
+    return await env.run(inbox.deliver_grant, notice)
+
+
 def test_the_inbox_drops_a_forged_grant_and_still_takes_the_real_one() -> None:
     real = granted(new_book(), request("a"), at(0))
 
     async def go() -> None:
         inbox = GrantInbox()
         waiting = inbox.expect(real.request_id, KEY)
-        assert inbox.accept(forged_like(real)) is Delivery.FORGED
-        assert inbox.accept(forged_like(real, proof="f" * 64)) is Delivery.FORGED
-        assert inbox.accept(forged_like(real, fault="forged fault")) is Delivery.FORGED
+        assert take(inbox, forged_like(real)) is Delivery.FORGED
+        assert take(inbox, forged_like(real, proof="f" * 64)) is Delivery.FORGED
+        assert take(inbox, forged_like(real, fault="forged fault")) is Delivery.FORGED
         assert not waiting.done() and inbox.forged == 3
-        assert inbox.accept(real) is Delivery.TAKEN
-        assert waiting.done() and waiting.result() == real
+        assert take(inbox, real) is Delivery.TAKEN
+        assert waiting.done() and waiting.result().notice == real
         # The same grant again (a group that continued as new) is taken; a copy without its
         # proof is not, and neither is a notice for a request nobody waits for.
-        assert inbox.accept(real) is Delivery.TAKEN
-        assert inbox.accept(forged_like(real)) is Delivery.FORGED
-        assert inbox.accept(forged_like(real, request_id="a:nobody")) is Delivery.UNWANTED
-        assert inbox.withdraw(real.request_id) == real
+        assert take(inbox, real) is Delivery.TAKEN
+        assert take(inbox, forged_like(real)) is Delivery.FORGED
+        assert take(inbox, forged_like(real, request_id="a:nobody")) is Delivery.UNWANTED
+        taken = inbox.withdraw(real.request_id)
+        assert taken is not None and taken.notice == real
         assert inbox.forged == 4
 
     asyncio.run(go())
@@ -192,10 +215,10 @@ def test_the_inbox_activity_declines_a_forged_grant() -> None:
     async def go() -> None:
         inbox = GrantInbox()
         waiting = inbox.expect(real.request_id, KEY)
-        ack = await inbox.deliver_grant(forged_like(real))
+        ack = await _deliver(inbox, forged_like(real))
         assert not ack.accepted and not waiting.done() and inbox.forged == 1
-        ack = await inbox.deliver_grant(real)
-        assert ack.accepted and waiting.result() == real
+        ack = await _deliver(inbox, real)
+        assert ack.accepted and waiting.result().notice == real
 
     asyncio.run(go())
 
@@ -207,17 +230,17 @@ def test_the_inbox_answers_with_the_key_only_a_notice_its_group_made() -> None:
     async def go() -> None:
         inbox = GrantInbox()
         inbox.expect(real.request_id, KEY)
-        forged = await inbox.deliver_grant(forged_like(real))
+        forged = await _deliver(inbox, forged_like(real))
         assert forged.key is None and not forged.accepted
-        taken = await inbox.deliver_grant(real)
+        taken = await _deliver(inbox, real)
         assert taken.accepted and taken.key == KEY
         inbox.withdraw(real.request_id)
         # Given up: a grant that raced it is declined with the key (the group ends it at
         # once), a forged copy without.
         late = prove_notice(real.model_copy(update={"token": real.token + 1}), lease_key_hash(KEY))
-        declined = await inbox.deliver_grant(late)
+        declined = await _deliver(inbox, late)
         assert not declined.accepted and declined.key == KEY
-        assert (await inbox.deliver_grant(forged_like(late))).key is None
+        assert (await _deliver(inbox, forged_like(late))).key is None
 
     asyncio.run(go())
 

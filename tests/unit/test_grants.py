@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from timeslice.activities.grants import (
     CLOCK_SKEW_S,
     LATE_GRANT_S,
+    Delivery,
     Grant,
     GrantInbox,
     grant_from_update,
@@ -16,9 +17,10 @@ from timeslice.activities.grants import (
     validity_if_fresh,
     with_ask_bound,
 )
-from timeslice.protocol.group import GrantNotice
+from timeslice.protocol.group import GrantNotice, lease_key_hash, prove_notice
 
 WALL = datetime(2026, 1, 1, tzinfo=UTC)
+KEY = "k" * 32
 
 
 def _notice(**fields: object) -> GrantNotice:
@@ -73,14 +75,18 @@ def test_a_grant_taken_late_or_of_unknown_time_must_be_confirmed():
 
 
 def test_the_inbox_hands_a_grant_over_once_and_ends_waits_on_close():
+    def proven(**fields: object) -> GrantNotice:
+        return prove_notice(_notice(**fields), lease_key_hash(KEY))
+
     async def scenario() -> None:
         inbox = GrantInbox()
-        waiting = inbox.expect("r")
-        grant = Grant(notice=_notice(), taken_at=1.0, granted_at=1.0, confirm_by=16.0)
-        assert inbox.accept(grant)
-        assert inbox.accept(grant)  # delivered again: the same grant, still accepted
+        waiting = inbox.expect("r", KEY)
+        grant = Grant(notice=proven(), taken_at=1.0, granted_at=1.0, confirm_by=16.0)
+        assert inbox.accept(grant) is Delivery.TAKEN
+        # Delivered again: the same grant, still taken.
+        assert inbox.accept(grant) is Delivery.TAKEN
         assert inbox.withdraw("r") is grant and waiting.done()
-        other = inbox.expect("other")
+        other = inbox.expect("other", KEY)
         inbox.lose("other", "too late")
         try:
             inbox.withdraw("other")
@@ -88,10 +94,10 @@ def test_the_inbox_hands_a_grant_over_once_and_ends_waits_on_close():
             assert "too late" in str(err)
         else:
             raise AssertionError("a lost grant was handed over")
-        pending = inbox.expect("pending")
+        pending = inbox.expect("pending", KEY)
         inbox.close(RuntimeError("closed"))
         assert isinstance(pending.exception(), RuntimeError)
-        assert isinstance(inbox.expect("later").exception(), RuntimeError)
+        assert isinstance(inbox.expect("later", KEY).exception(), RuntimeError)
         assert other.done()
 
     asyncio.run(scenario())
