@@ -38,6 +38,7 @@ from timeslice.protocol.group import (
     SwitchRecord,
     Waiter,
     WaiterView,
+    lease_fingerprint,
     lease_key_hash,
 )
 
@@ -720,6 +721,7 @@ class GroupBook:
             else (holder.expires_at - now).total_seconds(),
             waiting=len(self.state.queue),
             request_id=holder.request.request_id,
+            fingerprint=lease_fingerprint(holder.request.key_hash, holder.token),
         )
 
     def status(self, now: datetime) -> GroupStatus:
