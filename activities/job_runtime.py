@@ -253,6 +253,14 @@ class JobRuntime:
     @activity.defn(name=PREPARE_ACTIVITY)
     async def prepare(self, inp: PrepareInput) -> PrepareResult:
         self._check_job(inp.spec.job_id)
+        if not any(order.token for order in inp.leases):
+            # A job prepares holding all its groups: a call with no lease to check is no job's.
+            raise ApplicationError(
+                f"job {self.job_id}: a preparation runs under the job's leases, and none was "
+                "handed to this process; not starting",
+                type=LEASE_REVOKED,
+                non_retryable=True,
+            )
         spec = JobSpec(
             job_id=inp.spec.job_id,
             seed=inp.spec.seed,
