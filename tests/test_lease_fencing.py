@@ -7,6 +7,7 @@ use of the device (tests/fenced_workload.py), contenders log their holds (tests/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import time
@@ -40,6 +41,7 @@ from tests.conftest import start_server, start_service, start_worker, stop_proce
 from tests.fenced_workload import LOG_ENV
 from tests.helpers import Interval, finish, hold_intervals, read_log, spawn_contender, wait_for
 from tests.requester_workflows import ForgedPhaseWorkflow
+from tests.test_soak import TcpProxy
 
 WORKLOAD = "tests.fenced_workload:create"
 FAST = {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05}
@@ -289,3 +291,67 @@ def test_job_worker_that_exits_departs_its_groups(
     lease = client.acquire(group, timeout=60)
     assert lease.waited_s < 5.0, f"the next holder waited {lease.waited_s:.1f} s"
     client.release(lease)
+
+
+class StallingProxy(TcpProxy):
+    """A TCP relay whose connections can all be stalled: while ``stalled``, nothing passes in
+    either direction (it is held, not lost), as on a network path that stops forwarding."""
+
+    stalled = False
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self._target)
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    while self.stalled:
+                        await asyncio.sleep(0.02)
+                    dst.write(data)
+                    await dst.drain()
+            with contextlib.suppress(Exception):
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+def test_job_process_cut_off_from_temporal_stops_its_phase_in_time(
+    address: str, group: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job process whose connection stalls mid-sample (TTL 6 s, heartbeat 10 s) cannot
+    renew nor check its lease: it must stop the phase by its own bound before the group
+    grants the waiting client, not when the phase would have ended."""
+    job = f"stall-{uuid.uuid4().hex[:8]}"
+    device, holds, gate = tmp_path / "device.jsonl", tmp_path / "holds.jsonl", tmp_path / "go"
+    monkeypatch.setenv(LOG_ENV, str(device))
+    with StallingProxy(address) as proxy:
+        proc = _job_worker(proxy.address, job, WORKLOAD, tmp_path)
+        client: subprocess.Popen | None = None
+        try:
+            _start_job(address, {
+                "job_id": job, "workload": WORKLOAD, "sampler_group": group, "epochs": 1,
+                "lease_ttl_s": 6, "heartbeat_timeout_s": 10,
+                "workload_options": {**FAST, "sample_until": str(gate)},
+            })  # fmt: skip
+            wait_for(lambda: _events(device, "start", "sample 0"), timeout=120, what="sampling")
+            client = spawn_contender(address, group, "client", holds, "--hold", "1")
+            wait_for(lambda: _queued(address, group), timeout=60, what="the client queued")
+            proxy.stalled = True
+            stalled_at = time.monotonic()
+            [stopped] = wait_for(
+                lambda: _events(device, "stopped", "sample 0"), timeout=60, what="the stop"
+            )
+            assert stopped["t"] - stalled_at < 6.0, "the phase ran on past its lease's TTL"
+            finish([client], timeout=120)  # granted once the job's lease expired, and done
+            client = None
+            proxy.stalled = False
+            gate.touch()
+            done = _job_result(address, job)
+        finally:
+            proxy.stalled = False
+            if client is not None:
+                client.kill()
+            stop_process(proc)
+    assert [r.epoch for r in done.records] == [0] and done.rewinds >= 1
+    _assert_apart(_device_intervals(device), hold_intervals(read_log(holds)))
