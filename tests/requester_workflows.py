@@ -36,6 +36,25 @@ class LeaseTakingWorkflow:
         return held
 
 
+@workflow.defn(name="LeaseKeepingWorkflow")
+class LeaseKeepingWorkflow:
+    """Acquire ``group`` and hold it up to ``hold_s``; returns ["lost", why] if the lease was
+    lost meanwhile (the workflow learns it from its renewals' answers), else ["held"]."""
+
+    @workflow.run
+    async def run(self, job_id: str, group: str, hold_s: float) -> list[str]:
+        leases = GroupLeases(job_id, ttl_s=3.0)
+        lease = await leases.acquire(group, timeout=60)
+        try:
+            await workflow.wait_condition(lambda: leases.lost(lease) is not None, timeout=hold_s)
+        except TimeoutError:
+            await leases.release(lease)
+            return ["held"]
+        why = leases.lost(lease)
+        await leases.release(lease)
+        return ["lost", why or ""]
+
+
 @workflow.defn(name="ImpostorWorkflow")
 class ImpostorWorkflow:
     """Asks a node agent to snapshot a job, as no group or snapshot workflow would (tests)."""
