@@ -268,6 +268,9 @@ class JobRuntime:
             group_size=inp.spec.group_size,
             options=dict(inp.spec.options),
         )
+        fences: list[LeaseFence] = [WorkflowLeaseFence(o) for o in inp.leases if o.token]
+        # Before anything touches the device (the state's restore included).
+        await _confirm(self, fences)
         async with _keep_alive(), self.homes.using(self._all_backends, None):
             if self._spec is not None and self._spec != spec:
                 raise ApplicationError(
@@ -306,7 +309,6 @@ class JobRuntime:
                     },
                 )
 
-            fences: list[LeaseFence] = [WorkflowLeaseFence(o) for o in inp.leases if o.token]
             return await self._supervise(
                 build, PhaseContext(0, "prepare"), fences, _check_every(fences)
             )
@@ -346,6 +348,8 @@ class JobRuntime:
         group_id = inp.lease.group_id if inp.lease is not None else None
         lease = self._owned(inp.lease) if inp.release else None
         try:
+            fences = self._fences(inp.lease, lease)
+            await _confirm(self, fences)
             async with _keep_alive(), self.homes.using(inp.backends, group_id):
                 self._expect(inp.epochs_done)
 
@@ -360,7 +364,6 @@ class JobRuntime:
                     self._prune()
 
                 ctx = PhaseContext(inp.epochs_done, "checkpoint")
-                fences = self._fences(inp.lease, lease)
                 await self._supervise(save, ctx, fences, _check_every(fences))
                 if lease is not None:
                     self._yield_in_background(lease, inp.backends, [])
@@ -389,6 +392,8 @@ class JobRuntime:
             owned = lease is not None
             token = lease.token if lease is not None else (order.token if order else None)
             try:
+                fences = self._fences(order, lease)
+                await _confirm(self, fences)
                 # Only GPU phases use the state: the rewards phase runs while other jobs hold
                 # the group, and a switch that evicts this job must not wait for it.
                 names = inp.group_backends if order is not None else []
@@ -399,7 +404,7 @@ class JobRuntime:
                         metrics = await self._supervise(
                             lambda: step(inp.epoch, ctx),
                             ctx,
-                            self._fences(order, lease),
+                            fences,
                             inp.lease_check_s,
                             inp.timeout_s,
                         )
@@ -654,9 +659,7 @@ class JobRuntime:
     ) -> T:
         """Run ``work`` in a thread; heartbeat; stop it if a lease goes (or cannot be
         confirmed in time: see LeaseFence), its time is up or we are cancelled."""
-        for fence in fences:
-            if isinstance(fence, WorkflowLeaseFence):
-                await fence.confirm(self, max(1.0, lease_check_s))
+        await _confirm(self, fences)
         running = asyncio.ensure_future(asyncio.to_thread(ctx.run, work))
         next_check = time.monotonic() + lease_check_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -783,7 +786,7 @@ class LeaseFence:
         self.group_id = group_id
         self.token = token
         self.ttl_s = ttl_s
-        self.margin_s = max(0.2, min(1.0, ttl_s / 10))
+        self.margin_s = max(0.2, min(5.0, ttl_s / 4))
         self.revoked: str | None = None
 
     @property
@@ -860,18 +863,35 @@ class WorkflowLeaseFence(LeaseFence):
     def held_until(self) -> float:
         return self._held_until
 
-    async def confirm(self, runtime: JobRuntime, timeout_s: float) -> None:
-        """Before the work starts: the lease must be the group's current one, and renewed."""
-        try:
-            holder = await asyncio.wait_for(runtime._holder(self.group_id), timeout_s)
-        except Exception as err:
-            raise self._refusal(f"its group could not be asked ({err})") from None
-        why = _not_this_lease(holder, self.token, self.order.key)
-        if why is not None:
-            raise self._refusal(why)
-        await self.check(runtime, timeout_s)
-        if self.revoked is not None or self._held_until <= time.monotonic():
-            raise self._refusal(self.revoked or "its renewal was not answered")
+    @property
+    def confirmed(self) -> bool:
+        return self._held_until > 0
+
+    async def confirm(self, runtime: JobRuntime) -> None:
+        """Before the work starts: the lease must be the group's current one, and renewed
+        (tried for up to half its TTL: a slow answer is no lost lease)."""
+        timeout_s = _check_every([self])
+        give_up = time.monotonic() + self.ttl_s / 2
+        problem = ""
+        while True:
+            activity.heartbeat()
+            try:
+                holder = await asyncio.wait_for(runtime._holder(self.group_id), timeout_s)
+            except Exception as err:
+                problem = f"its group could not be asked ({err})"
+            else:
+                why = _not_this_lease(holder, self.token, self.order.key)
+                if why is not None:
+                    raise self._refusal(why)
+                await self.check(runtime, timeout_s)
+                if self.revoked is not None:
+                    raise self._refusal(self.revoked)
+                if self._held_until > time.monotonic():
+                    return
+                problem = "its renewal was not answered"
+            if time.monotonic() >= give_up:
+                raise self._refusal(problem)
+            await asyncio.sleep(min(1.0, timeout_s))
 
     def _refusal(self, why: str) -> ApplicationError:
         return ApplicationError(
@@ -903,6 +923,13 @@ class WorkflowLeaseFence(LeaseFence):
             self.revoked = answer.reason
         else:
             self._held_until = max(self._held_until, sent + answer.ttl_s)
+
+
+async def _confirm(runtime: JobRuntime, fences: list[LeaseFence]) -> None:
+    """Confirm the workflow's leases among ``fences`` that are not confirmed yet."""
+    for fence in fences:
+        if isinstance(fence, WorkflowLeaseFence) and not fence.confirmed:
+            await fence.confirm(runtime)
 
 
 def _not_this_lease(holder: HolderView | None, token: int, key: str) -> str | None:
