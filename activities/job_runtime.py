@@ -669,8 +669,9 @@ class JobRuntime:
             while True:
                 now = time.monotonic()
                 wake = HEARTBEAT_EVERY_S
-                if not ctx.stopped:
-                    wake = min([wake, *(max(0.01, f.stop_at() - now) for f in fences)])
+                if fences:
+                    due = _exit_at(ctx, fences) if lost else min(f.stop_at() for f in fences)
+                    wake = min(wake, max(0.01, due - now))
                 done, _ = await asyncio.wait({running}, timeout=wake)
                 if done:
                     break
@@ -720,8 +721,11 @@ class JobRuntime:
     ) -> None:
         """Wait for stopped work to end, fencing it as the loop above does."""
         while not running.done():
+            wake = HEARTBEAT_EVERY_S
+            if fences:
+                wake = min(wake, max(0.01, _exit_at(ctx, fences) - time.monotonic()))
             with contextlib.suppress(BaseException):
-                await asyncio.wait({asyncio.shield(running)}, timeout=HEARTBEAT_EVERY_S)
+                await asyncio.wait({asyncio.shield(running)}, timeout=wake)
             if not running.done():
                 self._fence_or_exit(ctx, fences)
         with contextlib.suppress(BaseException):
@@ -732,12 +736,7 @@ class JobRuntime:
         group — the code does not check its context (a model load, a checkpoint write) — is
         stopped the only way there is: this process exits, and its device memory and GPU work
         go with it. The job workflow sees a dead process and rewinds."""
-        if not fences or not ctx.stopped:
-            return
-        now = time.monotonic()
-        bound = min(f.held_until() for f in fences)
-        grace = max(f.margin_s for f in fences)
-        if now < bound or now < ctx.stopped_at + grace:
+        if not fences or not ctx.stopped or time.monotonic() < _exit_at(ctx, fences):
             return
         log.critical(
             "job %s rank %d: %s did not stop when told to (%s) and its lease may now pass to "
@@ -923,6 +922,14 @@ class WorkflowLeaseFence(LeaseFence):
             self.revoked = answer.reason
         else:
             self._held_until = max(self._held_until, sent + answer.ttl_s)
+
+
+def _exit_at(ctx: PhaseContext, fences: list[LeaseFence]) -> float:
+    """When work that was told to stop, and still runs, makes the process exit: halfway from
+    the stop to the local bound, and never sooner than that after the stop was asked."""
+    margin = max(f.margin_s for f in fences)
+    bound = min(f.held_until() for f in fences) - margin / 2
+    return max(bound, ctx.stopped_at + margin / 2)
 
 
 async def _confirm(runtime: JobRuntime, fences: list[LeaseFence]) -> None:

@@ -5,7 +5,9 @@ Each record in ``$TIMESLICE_DEVICE_LOG`` is JSON: {"job", "pid", "event": "start
 "what", "t"} with ``t`` from time.monotonic() (one system-wide clock on Linux, so the records
 compare with the contenders' logs). Options, besides ``simulated``'s: ``setup_until`` /
 ``sample_until`` (a path): setup / each sampling holds the device until that file exists — or
-until it is told to stop (a lost lease), which is what the tests are about.
+until it is told to stop (a lost lease), which is what the tests are about;
+``setup_ignores_stop`` (true): the setup never checks whether it should stop, as a model load
+that is one long call does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, curren
 from timeslice.workloads.simulated import SimulatedWorkload
 
 LOG_ENV = "TIMESLICE_DEVICE_LOG"
-_OWN = ("setup_until", "sample_until")
+_OWN = ("setup_until", "sample_until", "setup_ignores_stop")
 
 
 def _simulated(options: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +64,8 @@ class FencedWorkload(SimulatedWorkload):
         self._emit("start", "setup")
         try:
             # Setup is handed no context: it checks the one it runs under, between steps.
-            self._hold_until("setup", current_context())
+            ignores = self._gates.get("setup_ignores_stop", False)
+            self._hold_until("setup", None if ignores else current_context())
         except PhaseStopped:
             self._emit("stopped", "setup")
             raise

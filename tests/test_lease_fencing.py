@@ -23,6 +23,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
+from timeslice.activities.job_runtime import FENCED_EXIT_STATUS
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import job_task_queue
@@ -56,8 +57,9 @@ def _job_worker(address: str, job: str, workload: str, tmp: Path) -> subprocess.
     )  # fmt: skip
 
 
-def _device_intervals(log: Path) -> list[Interval]:
-    """The job process's uses of the device: each start to its end (same process)."""
+def _device_intervals(log: Path, died_at: float | None = None) -> list[Interval]:
+    """The job process's uses of the device: each start to its end (same process); one left
+    open by a process that exited ends at ``died_at``."""
     open_by_pid: dict[int, dict] = {}
     found = []
     for r in read_log(log):
@@ -67,7 +69,11 @@ def _device_intervals(log: Path) -> list[Interval]:
         elif r["event"] == "end":
             start = open_by_pid.pop(r["pid"])
             found.append(Interval(f"{r['job']} {start['what']}", 0, start["t"], r["t"]))
-    assert not open_by_pid, f"uses of the device that never ended: {open_by_pid}"
+    if died_at is not None and len(open_by_pid) == 1:
+        [(_, start)] = open_by_pid.items()
+        found.append(Interval(f"{start['job']} {start['what']}", 0, start["t"], died_at))
+    elif open_by_pid:
+        raise AssertionError(f"uses of the device that never ended: {open_by_pid}")
     return found
 
 
@@ -102,13 +108,15 @@ def _queued(address: str, group: str) -> bool:
         return bool(client.group_status(group).queue)
 
 
+@pytest.mark.parametrize("setup_checks", [True, False], ids=["setup-stops", "setup-ignores"])
 def test_control_worker_outage_during_prepare_never_lets_two_hold(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setup_checks: bool
 ) -> None:
     """The control worker is killed (-9) while a job prepares under a lease its workflow holds
     (TTL 5 s), with a client waiting, and comes back 12 s later: the group then expires the
     job's lease and grants the client. The job process must have stopped preparing on its own,
-    while nothing of Temporal's side ran; the job then rewinds and finishes every epoch."""
+    while nothing of Temporal's side ran — a setup that checks its context stops; one that never
+    does is stopped by the process exiting. The job then rewinds and runs every epoch once."""
     server = start_server(tmp_path)
     worker = start_worker(server.address, tmp_path / "worker.log")
     procs: list[subprocess.Popen] = []
@@ -116,10 +124,12 @@ def test_control_worker_outage_during_prepare_never_lets_two_hold(
         device, holds, gate = tmp_path / "device.jsonl", tmp_path / "holds.jsonl", tmp_path / "go"
         monkeypatch.setenv(LOG_ENV, str(device))
         job, group = "outage", "gP"
-        procs.append(_job_worker(server.address, job, WORKLOAD, tmp_path))
+        job_proc = _job_worker(server.address, job, WORKLOAD, tmp_path)
+        procs.append(job_proc)
+        options = {**FAST, "setup_until": str(gate), "setup_ignores_stop": not setup_checks}
         _start_job(server.address, {
             "job_id": job, "workload": WORKLOAD, "sampler_group": group, "epochs": 2,
-            "lease_ttl_s": 5, "workload_options": {**FAST, "setup_until": str(gate)},
+            "lease_ttl_s": 5, "workload_options": options,
         })  # fmt: skip
         wait_for(lambda: _events(device, "start", "setup"), timeout=120, what="the job's setup")
         client = spawn_contender(server.address, group, "client", holds, "--hold", "1")
@@ -129,22 +139,32 @@ def test_control_worker_outage_during_prepare_never_lets_two_hold(
         worker.wait()
         killed = time.monotonic()
         # Nothing of Temporal's side runs now: the job process stops by its own reckoning.
-        [stopped] = wait_for(
-            lambda: _events(device, "stopped", "setup"), timeout=60, what="the setup stopped"
-        )
-        assert stopped["t"] - killed < 5.0, "the setup ran on past its lease's TTL"
+        exited_at = None
+        if setup_checks:
+            [stopped] = wait_for(
+                lambda: _events(device, "stopped", "setup"), timeout=60, what="the setup stopped"
+            )
+            stopped_at = stopped["t"]
+        else:
+            wait_for(lambda: job_proc.poll() is not None, timeout=60, what="the job process exit")
+            stopped_at = exited_at = time.monotonic()  # no earlier than the exit itself
+            assert job_proc.returncode == FENCED_EXIT_STATUS
+            assert "did not stop when told to" in (tmp_path / f"{job}.log").read_text()
+        assert stopped_at - killed < 5.0, "the setup ran on past its lease's TTL"
         # The outage is the fault itself, and must outlast the TTL; it is not waited on for
         # anything to happen.
         wait_for(lambda: time.monotonic() - killed >= 12.0, timeout=30, what="a 12-s outage")
         worker = start_worker(server.address, tmp_path / "worker.log")
         gate.touch()  # the setup that comes after the rewind runs through
+        if not setup_checks:  # as its supervisor would, once it exited
+            procs.append(_job_worker(server.address, job, WORKLOAD, tmp_path))
         finish([client], timeout=120)
         done = _job_result(server.address, job)
         assert [r.epoch for r in done.records] == [0, 1] and done.epochs_done == 2
         assert done.rewinds >= 1
         client_holds = hold_intervals(read_log(holds))
         assert len(client_holds) == 1
-        job_uses = _device_intervals(device)
+        job_uses = _device_intervals(device, died_at=exited_at)
         assert len([u for u in job_uses if u.job.endswith("setup")]) == 2
         _assert_apart(job_uses, client_holds)
         # The client was granted only after the job's lease expired at the group.

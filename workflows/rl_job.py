@@ -178,6 +178,7 @@ class RLJobWorkflow:
         # The next sampling's lease, asked for by the process as the epoch's last step ended.
         self._next_sample: LeaseOrder | None = None
         self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
+        self._protocol = JOB_PROTOCOL_VERSION
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
         )
@@ -200,6 +201,11 @@ class RLJobWorkflow:
                 type="InvalidConfig",
                 non_retryable=True,
             )
+        # Runs that began before v3 (leases fenced by the process itself) keep their processes'
+        # protocol, so their histories replay. Decided first thing, before any other command:
+        # asked later (after the lease secret's local activity) a query's replay was once seen
+        # to miss the marker.
+        self._protocol = JOB_PROTOCOL_VERSION if workflow.patched(JOB_PROTOCOL_V3) else 2
         workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
         try:
             return await self._run()
@@ -411,9 +417,7 @@ class RLJobWorkflow:
         still end on `job stop`)."""
         cfg = self._config
         self._set_phase("waiting for job processes", search=False)
-        # Jobs that began before v3 (leases fenced by the process itself) keep their processes'
-        # protocol: their histories replay with it.
-        protocol = JOB_PROTOCOL_VERSION if workflow.patched(JOB_PROTOCOL_V3) else 2
+        protocol = self._protocol
         describing = asyncio.gather(
             *(
                 workflow.execute_activity(
