@@ -57,14 +57,14 @@ class PhaseContext:
         self._why = ""
         self._lock = threading.Lock()
         self._progress: dict[str, Any] = {}
+        # When it was first told to stop (monotonic clock), and why: the first reason stands.
+        self.stopped_at = 0.0
 
     def stop(self, why: str) -> None:
         if not self._stop.is_set():
             self.stopped_at = time.monotonic()
             self._why = why
         self._stop.set()
-
-    stopped_at: float = 0.0
 
     @property
     def stop_reason(self) -> str:
