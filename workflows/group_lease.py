@@ -53,7 +53,8 @@ _RENEW_RETRY_S = 1.0
 
 
 class GroupLeases:
-    """Create inside a workflow (``__init__`` or ``run``); it registers the grant signal."""
+    """Create inside a workflow (``__init__`` or ``run``, before its first command); it
+    registers the grant signal."""
 
     def __init__(
         self,
@@ -80,6 +81,8 @@ class GroupLeases:
         # derive from it, not from the workflow's randomness, which its run id reproduces.
         self.secret: str | None = None
         workflow.set_signal_handler(GRANT_SIGNAL, self._on_grant)
+        # Decided once, as the requester starts (before any other command of its run).
+        self._answered_renewals = workflow.patched(ANSWERED_RENEWALS)
 
     async def draw_secret(self, carried: str | None = None) -> str:
         """The secret lease keys derive from: ``carried`` (from the previous run of a
@@ -198,7 +201,7 @@ class GroupLeases:
         wait = interval
         while True:
             await workflow.sleep(wait)
-            if not workflow.patched(ANSWERED_RENEWALS):
+            if not self._answered_renewals:
                 await self._signal(group_id, GroupSignal.RENEW, renew)
                 continue
             sent = workflow.now()
