@@ -4,7 +4,7 @@ The group grants a workflow requester by a ``timeslice_grant`` signal; the reque
 durable timer and releases by signal. A renewal goes as the group's ``renew`` update, through the
 ``timeslice.renew_lease`` local activity, so it is answered: a lease the group no longer holds
 (it expired while the control worker was down, say) is *lost*, and the requester learns it
-(:meth:`GroupLeases.lost`, :meth:`GroupLeases.wait_lost`) instead of working on under a lease
+(:meth:`GroupLeases.lost`, :meth:`GroupLeases.any_lost`) instead of working on under a lease
 someone else now holds. A missing group is created by the ``timeslice.request_group`` local
 activity (signal-with-start is a client call). The worker running the requester must register
 both activities (the control worker does).
