@@ -17,6 +17,7 @@ from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     DRAW_SECRET_ACTIVITY,
     GROUP_WORKFLOW_TYPE,
+    RENEW_LEASE_ACTIVITY,
     REQUEST_GROUP_ACTIVITY,
     AcquireAnswer,
     AcquireCall,
@@ -25,6 +26,8 @@ from timeslice.protocol.group import (
     GroupRequest,
     GroupSignal,
     GroupUpdate,
+    LeaseRenewal,
+    RenewResult,
     group_workflow_id,
 )
 from timeslice.updates import send_update
@@ -74,4 +77,18 @@ async def request_group(req: GroupRequest) -> None:
         GroupConfig(group_id=req.group_id),
         start_signal=GroupSignal.REQUEST,
         start_signal_args=[req.request],
+    )
+
+
+@activity.defn(name=RENEW_LEASE_ACTIVITY)
+async def renew_lease(req: LeaseRenewal) -> RenewResult:
+    """Renew a requester workflow's lease by the group's ``renew`` update, so the workflow
+    learns whether the lease was still held (a renewal by signal is never answered)."""
+    return await send_update(
+        activity.client(),
+        group_workflow_id(req.group_id),
+        GroupUpdate.RENEW,
+        req.renew,
+        RenewResult,
+        give_up_after_s=req.give_up_after_s,
     )

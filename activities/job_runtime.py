@@ -34,13 +34,19 @@ from timeslice.engine import Engine
 from timeslice.errors import TimesliceError
 from timeslice.lease import Lease
 from timeslice.protocol.group import (
+    DEFAULT_LEASE_TTL_S,
     GroupQuery,
+    GroupUpdate,
     HolderView,
     QueueTarget,
+    RenewRequest,
+    RenewResult,
     SnapshotReport,
     SnapshotTarget,
     group_workflow_id,
     job_task_queue,
+    lease_fingerprint,
+    lease_key_hash,
 )
 from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
@@ -65,12 +71,16 @@ from timeslice.protocol.rl_job import (
 )
 from timeslice.snapshot.base import registered_bytes
 from timeslice.telemetry import meter, span
+from timeslice.updates import send_update
 from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
 
 log = logging.getLogger("timeslice.job")
 T = TypeVar("T")
 
 HEARTBEAT_EVERY_S = 1.0
+# Exit status of a job process that stopped itself because work it could not interrupt ran on
+# past its lease (see LeaseFence): the GPU is freed with the process.
+FENCED_EXIT_STATUS = 75
 
 _PHASE_SECONDS = meter().create_histogram(
     "timeslice_phase_seconds", unit="s", description="one phase's (or checkpoint's) work"
@@ -243,6 +253,14 @@ class JobRuntime:
     @activity.defn(name=PREPARE_ACTIVITY)
     async def prepare(self, inp: PrepareInput) -> PrepareResult:
         self._check_job(inp.spec.job_id)
+        if not any(order.token for order in inp.leases):
+            # A job prepares holding all its groups: a call with no lease to check is no job's.
+            raise ApplicationError(
+                f"job {self.job_id}: a preparation runs under the job's leases, and none was "
+                "handed to this process; not starting",
+                type=LEASE_REVOKED,
+                non_retryable=True,
+            )
         spec = JobSpec(
             job_id=inp.spec.job_id,
             seed=inp.spec.seed,
@@ -250,6 +268,9 @@ class JobRuntime:
             group_size=inp.spec.group_size,
             options=dict(inp.spec.options),
         )
+        fences: list[LeaseFence] = [WorkflowLeaseFence(o) for o in inp.leases if o.token]
+        # Before anything touches the device (the state's restore included).
+        await _confirm(self, fences)
         async with _keep_alive(), self.homes.using(self._all_backends, None):
             if self._spec is not None and self._spec != spec:
                 raise ApplicationError(
@@ -288,7 +309,9 @@ class JobRuntime:
                     },
                 )
 
-            return await self._supervise(build, PhaseContext(0, "prepare"), None, None, 5.0)
+            return await self._supervise(
+                build, PhaseContext(0, "prepare"), fences, _check_every(fences)
+            )
 
     @activity.defn(name=SAMPLE_ACTIVITY)
     async def sample(self, inp: PhaseInput) -> PhaseResult:
@@ -325,6 +348,8 @@ class JobRuntime:
         group_id = inp.lease.group_id if inp.lease is not None else None
         lease = self._owned(inp.lease) if inp.release else None
         try:
+            fences = self._fences(inp.lease, lease)
+            await _confirm(self, fences)
             async with _keep_alive(), self.homes.using(inp.backends, group_id):
                 self._expect(inp.epochs_done)
 
@@ -339,7 +364,7 @@ class JobRuntime:
                     self._prune()
 
                 ctx = PhaseContext(inp.epochs_done, "checkpoint")
-                await self._supervise(save, ctx, None, None, 5)
+                await self._supervise(save, ctx, fences, _check_every(fences))
                 if lease is not None:
                     self._yield_in_background(lease, inp.backends, [])
                     lease = None
@@ -367,6 +392,8 @@ class JobRuntime:
             owned = lease is not None
             token = lease.token if lease is not None else (order.token if order else None)
             try:
+                fences = self._fences(order, lease)
+                await _confirm(self, fences)
                 # Only GPU phases use the state: the rewards phase runs while other jobs hold
                 # the group, and a switch that evicts this job must not wait for it.
                 names = inp.group_backends if order is not None else []
@@ -377,8 +404,7 @@ class JobRuntime:
                         metrics = await self._supervise(
                             lambda: step(inp.epoch, ctx),
                             ctx,
-                            inp.group_id,
-                            token,
+                            fences,
                             inp.lease_check_s,
                             inp.timeout_s,
                         )
@@ -485,6 +511,30 @@ class JobRuntime:
             ) from None
         return lease, asked, time.monotonic()
 
+    def _fences(self, order: LeaseOrder | None, lease: Lease | None) -> list[LeaseFence]:
+        """What fences work under ``order``: this process's own lease, or the workflow's."""
+        if lease is not None:
+            return [OwnLeaseFence(lease)]
+        if order is not None and order.held_by == "workflow" and order.token is not None:
+            # The job's latest lease there: what this process's reports and departure carry.
+            self.engine.last_keys[order.group_id] = order.key
+            return [WorkflowLeaseFence(order)]
+        return []
+
+    async def depart(self, timeout_s: float = 10.0) -> None:
+        """A normal exit: hand back what this process still holds and tell each group the job
+        was resident on that its state leaves the device with the process — so the group's
+        next holder does not wait for an eviction nobody picks up."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=timeout_s)
+        for lease in list(self.engine.held.values()):
+            await self._abandon(lease)
+        groups = list(self.engine.last_keys)
+        if groups:
+            departures = [self.engine._depart(group_id) for group_id in groups]
+            await asyncio.wait_for(asyncio.gather(*departures), timeout_s)
+            log.info("departed %s", ", ".join(groups))
+
     def _owned(self, order: LeaseOrder | None) -> Lease:
         """A lease this process holds and still may use (carried from the previous phase)."""
         lease = self.engine.held.get(order.group_id) if order is not None else None
@@ -581,8 +631,7 @@ class JobRuntime:
         self,
         work: Callable[[], T],
         ctx: PhaseContext,
-        group_id: str | None,
-        token: int | None,
+        fences: list[LeaseFence],
         lease_check_s: float,
         timeout_s: float | None = None,
     ) -> T:
@@ -591,12 +640,12 @@ class JobRuntime:
             "timeslice.job_id": self.job_id,
             "timeslice.rank": self.rank,
             "timeslice.epoch": ctx.epoch,
-            "timeslice.group_id": group_id,
-            "timeslice.token": token,
+            "timeslice.group_id": fences[0].group_id if fences else None,
+            "timeslice.token": fences[0].token if fences else None,
         }
         started = time.monotonic()
         with span(f"timeslice.phase.{ctx.phase}", attributes):
-            result = await self._supervised(work, ctx, group_id, token, lease_check_s, timeout_s)
+            result = await self._supervised(work, ctx, fences, lease_check_s, timeout_s)
         _PHASE_SECONDS.record(time.monotonic() - started, {"phase": ctx.phase, "job": self.job_id})
         return result
 
@@ -604,35 +653,60 @@ class JobRuntime:
         self,
         work: Callable[[], T],
         ctx: PhaseContext,
-        group_id: str | None,
-        token: int | None,
+        fences: list[LeaseFence],
         lease_check_s: float,
         timeout_s: float | None,
     ) -> T:
-        """Run ``work`` in a thread; heartbeat; stop it if the lease goes, its time is up or
-        we are cancelled."""
-        loop = asyncio.get_running_loop()
-        running = asyncio.ensure_future(asyncio.to_thread(work))
-        next_check = loop.time() + lease_check_s
-        deadline = None if timeout_s is None else loop.time() + timeout_s
+        """Run ``work`` in a thread; heartbeat; stop it if a lease goes (or cannot be
+        confirmed in time: see LeaseFence), its time is up or we are cancelled."""
+        await _confirm(self, fences)
+        running = asyncio.ensure_future(asyncio.to_thread(ctx.run, work))
+        next_check = time.monotonic() + lease_check_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        checking: asyncio.Future[Any] | None = None
+        lost = False
         try:
             while True:
-                done, _ = await asyncio.wait({running}, timeout=HEARTBEAT_EVERY_S)
+                now = time.monotonic()
+                wake = HEARTBEAT_EVERY_S
+                if fences:
+                    due = _exit_at(ctx, fences) if lost else min(f.stop_at() for f in fences)
+                    wake = min(wake, max(0.01, due - now))
+                done, _ = await asyncio.wait({running}, timeout=wake)
                 if done:
                     break
                 activity.heartbeat(ctx.latest_progress())
-                if deadline is not None and loop.time() >= deadline and not ctx.stopped:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline and not ctx.stopped:
                     ctx.stop(f"its time ran out ({timeout_s:g} s)")
-                if group_id is not None and token is not None and loop.time() >= next_check:
-                    next_check = loop.time() + lease_check_s
-                    if not await self._holds(group_id, token):
-                        ctx.stop(f"the lease on {group_id} (token {token}) was revoked")
+                for fence in fences:
+                    why = fence.gone(now)
+                    if why is not None and not lost:
+                        lost = True
+                        log.warning("job %s %s: stopping: %s", self.job_id, ctx.phase, why)
+                        ctx.stop(why)
+                if lost:
+                    self._fence_or_exit(ctx, fences)
+                if checking is not None and checking.done():
+                    checking = None
+                    next_check = time.monotonic() + lease_check_s
+                if fences and checking is None and now >= next_check and not lost:
+                    # In the background: a check that hangs (a stalled connection) must not
+                    # hold up the bound above.
+                    checking = asyncio.ensure_future(
+                        asyncio.gather(
+                            *(f.check(self, max(0.5, lease_check_s)) for f in fences),
+                            return_exceptions=True,
+                        )
+                    )
         except asyncio.CancelledError:
             # Never leave a phase running past its activity: a snapshot would race it.
             ctx.stop("the activity was cancelled")
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(running)
+            await self._await_stopped(running, ctx, fences)
             raise
+        finally:
+            if checking is not None:
+                checking.cancel()
         try:
             return running.result()
         except PhaseStopped as stopped:
@@ -642,17 +716,42 @@ class JobRuntime:
                 non_retryable=True,
             ) from None
 
+    async def _await_stopped(
+        self, running: asyncio.Future[Any], ctx: PhaseContext, fences: list[LeaseFence]
+    ) -> None:
+        """Wait for stopped work to end, fencing it as the loop above does."""
+        while not running.done():
+            wake = HEARTBEAT_EVERY_S
+            if fences:
+                wake = min(wake, max(0.01, _exit_at(ctx, fences) - time.monotonic()))
+            with contextlib.suppress(BaseException):
+                await asyncio.wait({asyncio.shield(running)}, timeout=wake)
+            if not running.done():
+                self._fence_or_exit(ctx, fences)
+        with contextlib.suppress(BaseException):
+            running.result()
+
+    def _fence_or_exit(self, ctx: PhaseContext, fences: list[LeaseFence]) -> None:
+        """Work told to stop (a lease lost) that still runs when its lease may end at the
+        group — the code does not check its context (a model load, a checkpoint write) — is
+        stopped the only way there is: this process exits, and its device memory and GPU work
+        go with it. The job workflow sees a dead process and rewinds."""
+        if not fences or not ctx.stopped or time.monotonic() < _exit_at(ctx, fences):
+            return
+        log.critical(
+            "job %s rank %d: %s did not stop when told to (%s) and its lease may now pass to "
+            "another holder; exiting so that nothing of it runs on the GPU any more",
+            self.job_id,
+            self.rank,
+            ctx.phase,
+            ctx.stop_reason,
+        )
+        logging.shutdown()
+        os._exit(FENCED_EXIT_STATUS)
+
     async def _holder(self, group_id: str) -> HolderView | None:
         handle = activity.client().get_workflow_handle(group_workflow_id(group_id))
         return await handle.query(GroupQuery.HOLDER, result_type=HolderView | None)  # type: ignore[arg-type]
-
-    async def _holds(self, group_id: str, token: int) -> bool:
-        try:
-            holder = await self._holder(group_id)
-        except Exception as err:  # an unreachable server is no proof the lease is gone
-            log.warning("cannot check the lease on %s: %s", group_id, err)
-            return True
-        return holder is not None and holder.token == token
 
     # ---------------------------------------------------------------- checkpoints on disk
 
@@ -666,6 +765,189 @@ class JobRuntime:
             shutil.rmtree(self._rank_dir(old), ignore_errors=True)
             with contextlib.suppress(OSError):
                 old.rmdir()  # only once every rank has pruned it
+
+
+def _check_every(fences: list[LeaseFence]) -> float:
+    """How often work under ``fences`` checks them: four times a TTL, at most every 5 s."""
+    return max(0.5, min([5.0, *(f.ttl_s / 4 for f in fences)]))
+
+
+class LeaseFence:
+    """Whether work may go on under one lease, by this process's own reckoning.
+
+    The process decides for itself: it runs on while the control worker (and with it the job
+    workflow and the group) is down, or while Temporal cannot be reached. A check that gets no
+    answer counts as "still held" only until ``held_until`` — a local bound that always ends
+    before the group's own expiry, because it runs from when an answer that extended the lease
+    was *sent* — and the work is told to stop ``margin_s`` before it."""
+
+    def __init__(self, group_id: str, token: int, ttl_s: float) -> None:
+        self.group_id = group_id
+        self.token = token
+        self.ttl_s = ttl_s
+        self.margin_s = max(0.2, min(5.0, ttl_s / 4))
+        self.revoked: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"the lease on {self.group_id} (token {self.token})"
+
+    def held_until(self) -> float:
+        raise NotImplementedError
+
+    def stop_at(self) -> float:
+        return self.held_until() - self.margin_s
+
+    def gone(self, now: float) -> str | None:
+        """Why the work must stop now, or None."""
+        if self.revoked is not None:
+            return f"{self.name} was revoked: {self.revoked}"
+        if now >= self.stop_at():
+            since = now - (self.held_until() - self.ttl_s)
+            return (
+                f"{self.name} was not confirmed within its {self.ttl_s:g}-s TTL (the group "
+                f"last answered {since:.1f} s ago): it may pass to another holder"
+            )
+        return None
+
+    async def check(self, runtime: JobRuntime, timeout_s: float) -> None:
+        raise NotImplementedError
+
+
+class OwnLeaseFence(LeaseFence):
+    """A lease this process holds (its engine renews it): ``Lease.valid`` is the bound, and
+    the holder query notices a revocation sooner than the next renewal would."""
+
+    def __init__(self, lease: Lease) -> None:
+        super().__init__(lease.group_id, lease.token, lease.ttl_s)
+        self.lease = lease
+
+    def held_until(self) -> float:
+        lease = self.lease
+        if lease.released or lease.revoked_reason is not None:
+            return 0.0
+        return lease.valid_until
+
+    def gone(self, now: float) -> str | None:
+        if self.revoked is None and self.lease.revoked_reason is not None:
+            self.revoked = self.lease.revoked_reason
+        return super().gone(now)
+
+    async def check(self, runtime: JobRuntime, timeout_s: float) -> None:
+        try:
+            holder = await asyncio.wait_for(runtime._holder(self.group_id), timeout_s)
+        except Exception as err:  # no answer is no proof the lease is gone: the bound decides
+            log.warning("cannot check the lease on %s: %s", self.group_id, err)
+            return
+        why = _not_this_lease(holder, self.token, self.lease.key)
+        if why is not None:
+            self.revoked = why
+
+
+class WorkflowLeaseFence(LeaseFence):
+    """A lease the job workflow holds and renews (preparing, checkpoints, several ranks).
+
+    The process renews it too, by the group's ``renew`` update: the answer comes from the
+    group's workflow task, so "sent + TTL" is a bound the group's expiry never precedes (a
+    query's answer is as of the group's last task, which may be long past). Before any work,
+    the holder query tells whether the lease handed over is the group's current one at all —
+    by its key, not only its token, which anyone may read off `timeslice status`."""
+
+    def __init__(self, order: LeaseOrder) -> None:
+        assert order.token is not None
+        super().__init__(order.group_id, order.token, order.ttl_s or DEFAULT_LEASE_TTL_S)
+        self.order = order
+        self._held_until = 0.0
+
+    def held_until(self) -> float:
+        return self._held_until
+
+    @property
+    def confirmed(self) -> bool:
+        return self._held_until > 0
+
+    async def confirm(self, runtime: JobRuntime) -> None:
+        """Before the work starts: the lease must be the group's current one, and renewed
+        (tried for up to half its TTL: a slow answer is no lost lease)."""
+        timeout_s = _check_every([self])
+        give_up = time.monotonic() + self.ttl_s / 2
+        problem = ""
+        while True:
+            activity.heartbeat()
+            try:
+                holder = await asyncio.wait_for(runtime._holder(self.group_id), timeout_s)
+            except Exception as err:
+                problem = f"its group could not be asked ({err})"
+            else:
+                why = _not_this_lease(holder, self.token, self.order.key)
+                if why is not None:
+                    raise self._refusal(why)
+                await self.check(runtime, timeout_s)
+                if self.revoked is not None:
+                    raise self._refusal(self.revoked)
+                if self._held_until > time.monotonic():
+                    return
+                problem = "its renewal was not answered"
+            if time.monotonic() >= give_up:
+                raise self._refusal(problem)
+            await asyncio.sleep(min(1.0, timeout_s))
+
+    def _refusal(self, why: str) -> ApplicationError:
+        return ApplicationError(
+            f"{self.name}, handed to this process, is not held: {why}; not starting",
+            type=LEASE_REVOKED,
+            non_retryable=True,
+        )
+
+    async def check(self, runtime: JobRuntime, timeout_s: float) -> None:
+        order = self.order
+        renew = RenewRequest(request_id=order.request_id, token=self.token, key=order.key)
+        sent = time.monotonic()
+        try:
+            answer = await asyncio.wait_for(
+                send_update(
+                    activity.client(),
+                    group_workflow_id(self.group_id),
+                    GroupUpdate.RENEW,
+                    renew,
+                    RenewResult,
+                    give_up_after_s=timeout_s,
+                ),
+                timeout_s,
+            )
+        except Exception as err:  # the bound decides
+            log.warning("cannot renew the lease on %s: %s", self.group_id, err)
+            return
+        if not answer.valid:
+            self.revoked = answer.reason
+        else:
+            self._held_until = max(self._held_until, sent + answer.ttl_s)
+
+
+def _exit_at(ctx: PhaseContext, fences: list[LeaseFence]) -> float:
+    """When work that was told to stop, and still runs, makes the process exit: halfway from
+    the stop to the local bound, and never sooner than that after the stop was asked."""
+    margin = max(f.margin_s for f in fences)
+    bound = min(f.held_until() for f in fences) - margin / 2
+    return max(bound, ctx.stopped_at + margin / 2)
+
+
+async def _confirm(runtime: JobRuntime, fences: list[LeaseFence]) -> None:
+    """Confirm the workflow's leases among ``fences`` that are not confirmed yet."""
+    for fence in fences:
+        if isinstance(fence, WorkflowLeaseFence) and not fence.confirmed:
+            await fence.confirm(runtime)
+
+
+def _not_this_lease(holder: HolderView | None, token: int, key: str) -> str | None:
+    """Why the group's current holder is not the lease of ``token`` and ``key``, or None."""
+    if holder is None:
+        return "the group has no holder"
+    if holder.token != token:
+        return f"the group's holder has token {holder.token}"
+    if holder.fingerprint and holder.fingerprint != lease_fingerprint(lease_key_hash(key), token):
+        return "the lease key does not match the group's holder's"
+    return None
 
 
 @contextlib.asynccontextmanager

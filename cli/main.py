@@ -396,7 +396,12 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
         )
         if metrics:
             print(f"metrics {metrics.where}", flush=True)
-        return await _serve(worker)
+        code = await _serve(worker)
+        try:
+            await runtime.depart()
+        except (TimeoutError, TimesliceError) as err:  # the groups fall back on their time-outs
+            print(f"could not tell the groups this process left: {err}", file=sys.stderr)
+        return code
 
 
 async def _run_job_start(args: argparse.Namespace) -> int:

@@ -35,6 +35,9 @@ DELIVER_GRANT_ACTIVITY = "timeslice.deliver_grant"
 # Served by the control worker, as a local activity of requester workflows.
 REQUEST_GROUP_ACTIVITY = "timeslice.request_group"
 DRAW_SECRET_ACTIVITY = "timeslice.draw_secret"
+# Served by the control worker too: a requester workflow's renewal, sent as an update so that it
+# is answered (a signal's renewal never says whether the lease was still held).
+RENEW_LEASE_ACTIVITY = "timeslice.renew_lease"
 # The signal a requester *workflow* receives its grant by.
 GRANT_SIGNAL = "timeslice_grant"
 SNAPSHOT_ACTIVITY = "timeslice.snapshot"
@@ -276,6 +279,14 @@ def lease_key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def lease_fingerprint(key_hash: str, token: int) -> str:
+    """What the holder query shows of the current lease: a value of its key hash and token,
+    which a process handed the lease's key recomputes to tell that lease is the current one.
+    It reveals neither the key nor its hash (what reports and departures are checked against),
+    and a lease's value says nothing about the next one's."""
+    return hashlib.sha256(f"timeslice-lease:{key_hash}:{token}".encode()).hexdigest()
+
+
 def check_id(kind: str, value: object) -> str:
     """Return ``value`` if it is a valid group / job id, else raise ValueError saying why."""
     if not isinstance(value, str) or not _ID_RE.fullmatch(value):
@@ -459,6 +470,14 @@ class RenewRequest(_Model):
     request_id: str = Field(min_length=1, max_length=200)
     token: int = Field(ge=0, le=2**63)
     key: LeaseKey
+
+
+class LeaseRenewal(_Model):
+    """For the renew-lease local activity: the ``renew`` update of ``renew`` on ``group_id``."""
+
+    group_id: str
+    renew: RenewRequest
+    give_up_after_s: float = Field(10.0, gt=0, le=600)
 
 
 class RenewResult(_Model):
@@ -801,6 +820,12 @@ class HolderView(_Model):
     expires_in_s: float | None
     waiting: int = Field(0, description="requests queued behind this lease")
     request_id: str = ""
+    fingerprint: str = Field(
+        "",
+        description="lease_fingerprint() of the lease's key hash and token: a process handed "
+        "a lease compares it with the one its key gives, so a token alone (which `timeslice "
+        "status` shows) never passes for the lease",
+    )
 
 
 class WaiterView(_Model):

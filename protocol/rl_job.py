@@ -48,7 +48,7 @@ class JobSignal(StrEnum):
 # activities' inputs and results, and what each side expects of the other between them). Raised
 # on any change an older or newer counterpart would get wrong; each side checks the other's at
 # `describe` (docs/upgrading.md), so a job never runs phases across releases that disagree.
-JOB_PROTOCOL_VERSION = 2
+JOB_PROTOCOL_VERSION = 3
 
 # Served by a job process on ``timeslice-job-<job_id>-<rank>``.
 DESCRIBE_ACTIVITY = "timeslice.job.describe"
@@ -284,20 +284,6 @@ def protocol_mismatch(workflow_version: int | None, process_version: int | None)
     )
 
 
-class PrepareInput(_Model):
-    spec: JobSpecModel
-    checkpoint: CheckpointRef | None = None
-    homes: dict[str, str] = Field(
-        default_factory=dict,
-        description="backend name -> the group whose device holds that state after preparing",
-    )
-    lease_keys: dict[str, str] = Field(
-        default_factory=dict,
-        description="group id -> the key of the lease the job prepared under there: what the "
-        "process's later reports to that group present",
-    )
-
-
 class PrepareResult(_Model):
     epochs_done: int
     state_bytes: int | None
@@ -324,6 +310,26 @@ class LeaseOrder(_Model):
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     ttl_s: float | None = Field(None, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
     state_bytes: int | None = Field(None, ge=0)
+
+
+class PrepareInput(_Model):
+    spec: JobSpecModel
+    checkpoint: CheckpointRef | None = None
+    homes: dict[str, str] = Field(
+        default_factory=dict,
+        description="backend name -> the group whose device holds that state after preparing",
+    )
+    lease_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="group id -> the key of the lease the job prepared under there: what the "
+        "process's later reports to that group present",
+    )
+    leases: list[LeaseOrder] = Field(
+        default_factory=list,
+        max_length=64,
+        description="the leases (held by the workflow) the preparation runs under: the process "
+        "checks them itself and stops once one is gone (since protocol v3)",
+    )
 
 
 class PhaseInput(_Model):

@@ -36,6 +36,25 @@ class LeaseTakingWorkflow:
         return held
 
 
+@workflow.defn(name="LeaseKeepingWorkflow")
+class LeaseKeepingWorkflow:
+    """Acquire ``group`` and hold it up to ``hold_s``; returns ["lost", why] if the lease was
+    lost meanwhile (the workflow learns it from its renewals' answers), else ["held"]."""
+
+    @workflow.run
+    async def run(self, job_id: str, group: str, hold_s: float) -> list[str]:
+        leases = GroupLeases(job_id, ttl_s=3.0)
+        lease = await leases.acquire(group, timeout=60)
+        try:
+            await workflow.wait_condition(lambda: leases.lost(lease) is not None, timeout=hold_s)
+        except TimeoutError:
+            await leases.release(lease)
+            return ["held"]
+        why = leases.lost(lease)
+        await leases.release(lease)
+        return ["lost", why or ""]
+
+
 @workflow.defn(name="ImpostorWorkflow")
 class ImpostorWorkflow:
     """Asks a node agent to snapshot a job, as no group or snapshot workflow would (tests)."""
@@ -91,3 +110,79 @@ class OtherReleaseJobWorkflow:
                 return f"{cause.type}: {cause.message}"
             return f"failed: {err}"
         return "served"
+
+
+@workflow.defn(name="ForgedPhaseWorkflow")
+class ForgedPhaseWorkflow:
+    """Drives a fresh job process as a forger would: a lease of its own on ``own_group`` to
+    prepare under, then a multi-rank phase "under" the lease another job holds on
+    ``victim_group``, named by its token (which `timeslice status` shows) and a made-up key.
+    Returns what each call answered ("ok" or "<error type>: <message>")."""
+
+    @workflow.run
+    async def run(
+        self, job_id: str, own_group: str, victim_group: str, victim_token: int
+    ) -> list[str]:
+        from datetime import timedelta
+
+        from temporalio.common import RetryPolicy
+        from temporalio.exceptions import ActivityError
+        from timeslice.protocol.group import job_task_queue
+        from timeslice.protocol.rl_job import (
+            DESCRIBE_ACTIVITY,
+            JOB_PROTOCOL_VERSION,
+            PREPARE_ACTIVITY,
+            SAMPLE_ACTIVITY,
+            DescribeInput,
+            JobSpecModel,
+            LeaseOrder,
+            PhaseInput,
+            PrepareInput,
+        )
+
+        leases = GroupLeases(job_id, ttl_s=10.0)
+        own = await leases.acquire(own_group, timeout=60)
+        own_order = LeaseOrder(
+            group_id=own_group,
+            request_id=own.request_id,
+            key=leases.key_of(own),
+            token=own.token,
+            held_by="workflow",
+            ttl_s=own.ttl_s,
+        )
+        forged = LeaseOrder(
+            group_id=victim_group,
+            request_id="forged",
+            key="f" * 32,
+            token=victim_token,
+            held_by="workflow",
+            ttl_s=10.0,
+        )
+        spec = JobSpecModel(job_id=job_id, workload="simulated", seed=0, batch_size=1, group_size=1)
+        calls = [
+            (DESCRIBE_ACTIVITY, DescribeInput(job_id=job_id, protocol=JOB_PROTOCOL_VERSION)),
+            (PREPARE_ACTIVITY, PrepareInput(spec=spec, leases=[own_order])),
+            (
+                SAMPLE_ACTIVITY,
+                PhaseInput(job_id=job_id, epoch=0, phase="sample", lease=forged, lease_check_s=0.5),
+            ),
+        ]
+        answers = []
+        for name, arg in calls:
+            try:
+                await workflow.execute_activity(
+                    name,
+                    arg,
+                    task_queue=job_task_queue(job_id, 0),
+                    start_to_close_timeout=timedelta(seconds=60),
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                )
+                answers.append("ok")
+            except ActivityError as err:
+                cause = err.cause
+                if isinstance(cause, ApplicationError):
+                    answers.append(f"{cause.type}: {cause.message}")
+                else:
+                    answers.append(f"failed: {err}")
+        await leases.release(own)
+        return answers

@@ -377,7 +377,9 @@ def test_revoked_lease_stops_the_running_phase(
     # max_failures=0: the first failed epoch fails the job, and says why.
     cause = failed.value.cause
     assert isinstance(cause, ApplicationError) and cause.type == "JobFailed"
-    assert "LeaseRevoked" in cause.message and "was revoked" in cause.message
+    # Thawed, it finds either the revocation or that its own bound ran out while frozen.
+    assert "LeaseRevoked" in cause.message
+    assert "was revoked" in cause.message or "was not confirmed within" in cause.message
 
 
 def test_cooperative_switches_keep_the_group_accounting_true(

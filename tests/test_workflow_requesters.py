@@ -8,12 +8,12 @@ import uuid
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
-from timeslice.activities.group_requests import draw_secret, request_group
+from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
 from timeslice.protocol.group import LeaseOutcome
 from timeslice.workers.sandbox import workflow_runner
 
-from .helpers import Interval, assert_no_overlap
-from .requester_workflows import LeaseTakingWorkflow
+from .helpers import Interval, assert_no_overlap, wait_for
+from .requester_workflows import LeaseKeepingWorkflow, LeaseTakingWorkflow
 
 QUEUE = "test-requesters"
 
@@ -24,7 +24,7 @@ async def _run_jobs(address: str, jobs: list[tuple[str, str, int, float, float |
         client,
         task_queue=QUEUE,
         workflows=[LeaseTakingWorkflow],
-        activities=[request_group, draw_secret],
+        activities=[request_group, draw_secret, renew_lease],
         workflow_runner=workflow_runner(),
     ):
         handles = [
@@ -81,3 +81,49 @@ def test_workflow_lease_is_renewed_past_its_ttl(address, group, make_client):
     assert len(rounds) == 1
     status = make_client().group_status(group)
     assert status.stats.expired == 0 and status.stats.released == 1
+
+
+def test_workflow_learns_that_its_lease_was_lost(address, group, make_client):
+    """The requester's worker is gone longer than the TTL (3 s): the group expires the lease.
+    When a worker runs the requester again, its next renewal is answered "expired" and the
+    workflow knows the lease is lost, instead of holding on in the belief it is renewed."""
+    status_client = make_client()
+
+    async def go() -> list[str]:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        queue = f"{QUEUE}-{uuid.uuid4().hex[:8]}"
+
+        def requester_worker() -> Worker:
+            return Worker(
+                client,
+                task_queue=queue,
+                workflows=[LeaseKeepingWorkflow],
+                activities=[request_group, draw_secret, renew_lease],
+                workflow_runner=workflow_runner(),
+                max_cached_workflows=0,  # the second worker replays it from its history
+            )
+
+        async with requester_worker():
+            handle = await client.start_workflow(
+                LeaseKeepingWorkflow.run,
+                args=["wf-keeper", group, 60.0],
+                id=f"lease-keeper-{uuid.uuid4().hex[:8]}",
+                task_queue=queue,
+            )
+            await asyncio.to_thread(
+                wait_for,
+                lambda: (h := status_client.group_status(group).holder) and h.job_id == "wf-keeper",
+                what="the workflow holding the group",
+            )
+        # No worker runs the requester now: nothing renews its lease.
+        await asyncio.to_thread(
+            wait_for,
+            lambda: status_client.group_status(group).stats.expired == 1,
+            what="the group expiring the lease",
+        )
+        async with requester_worker():
+            return await handle.result()
+
+    outcome = asyncio.run(go())
+    assert outcome[0] == "lost", f"the workflow never learned its lease was lost: {outcome}"
+    assert "expired" in outcome[1] or "no longer held" in outcome[1], outcome

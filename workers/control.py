@@ -18,7 +18,7 @@ from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
-from timeslice.activities.group_requests import draw_secret, request_group
+from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
 from timeslice.connection import control_workers_polling
 from timeslice.errors import TimesliceError
 from timeslice.protocol.group import (
@@ -172,7 +172,7 @@ def build_control_worker(client: Client, *, max_cached_workflows: int = 1000) ->
         Client(**config),
         task_queue=CONTROL_TASK_QUEUE,
         workflows=WORKFLOWS,
-        activities=[request_group, draw_secret],
+        activities=[request_group, draw_secret, renew_lease],
         max_cached_workflows=max_cached_workflows,
         workflow_runner=workflow_runner(),
     )

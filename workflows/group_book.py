@@ -49,6 +49,7 @@ from timeslice.protocol.group import (
     WaiterView,
     cut_to_encoded,
     encoded_size,
+    lease_fingerprint,
     lease_key_hash,
     prove_notice,
 )
@@ -882,6 +883,7 @@ class GroupBook:
             else (holder.expires_at - now).total_seconds(),
             waiting=len(self.state.queue),
             request_id=holder.request.request_id,
+            fingerprint=lease_fingerprint(holder.request.key_hash, holder.token),
         )
 
     def status(self, now: datetime) -> GroupStatus:

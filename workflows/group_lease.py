@@ -1,9 +1,13 @@
 """Acquire and release GPU groups from inside a workflow (the RL job workflow's side).
 
-The group grants a workflow requester by a ``timeslice_grant`` signal; the requester renews by a
-``renew_lease`` signal on a durable timer and releases by signal. A missing group is created by
-the ``timeslice.request_group`` local activity (signal-with-start is a client call), so the
-worker running the requester must register that activity (the control worker does).
+The group grants a workflow requester by a ``timeslice_grant`` signal; the requester renews on a
+durable timer and releases by signal. A renewal goes as the group's ``renew`` update, through the
+``timeslice.renew_lease`` local activity, so it is answered: a lease the group no longer holds
+(it expired while the control worker was down, say) is *lost*, and the requester learns it
+(:meth:`GroupLeases.lost`, :meth:`GroupLeases.any_lost`) instead of working on under a lease
+someone else now holds. A missing group is created by the ``timeslice.request_group`` local
+activity (signal-with-start is a client call). The worker running the requester must register
+both activities (the control worker does).
 """
 
 from __future__ import annotations
@@ -16,19 +20,23 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
 from timeslice.protocol.group import (
     DRAW_SECRET_ACTIVITY,
     GRANT_SIGNAL,
+    RENEW_LEASE_ACTIVITY,
     REQUEST_GROUP_ACTIVITY,
     AcquireRequest,
     CancelRequest,
     GrantNotice,
     GroupRequest,
     GroupSignal,
+    LeaseRenewal,
     MalformedMessage,
     ReleaseRequest,
     RenewRequest,
+    RenewResult,
     SnapshotReport,
     SnapshotTarget,
     group_workflow_id,
@@ -39,10 +47,17 @@ from timeslice.protocol.group import (
 
 # workflow.patched id: requester workflows that started before it replay taking grants unproven.
 GRANT_NOTICE_PROOFS = "grant-notice-proofs"
+# workflow.patched id: requesters that started before it replay with renewals by signal, which
+# the group never answers.
+ANSWERED_RENEWALS = "answered-lease-renewals"
+# A renewal that failed (no answer: the group's worker is down, the server unreachable) is tried
+# again this soon, until the lease's TTL since the last answered renewal runs out.
+_RENEW_RETRY_S = 1.0
 
 
 class GroupLeases:
-    """Create inside a workflow (``__init__`` or ``run``); it registers the grant signal."""
+    """Create inside a workflow (``__init__`` or ``run``, before its first command); it
+    registers the grant signal."""
 
     def __init__(
         self,
@@ -60,6 +75,9 @@ class GroupLeases:
         self.state_bytes = state_bytes
         self._grants: dict[str, GrantNotice] = {}
         self._renewers: dict[str, asyncio.Task[None]] = {}
+        # request id -> why its lease was lost (the group said so, or no renewal was answered
+        # within its TTL); kept until the lease is released or forgotten.
+        self._lost: dict[str, str] = {}
         # request id -> its lease key (drawn from the workflow's deterministic randomness)
         self._keys: dict[str, str] = {}
         # Drawn once by a local activity (recorded in the history, so replay-safe): lease keys
@@ -68,6 +86,8 @@ class GroupLeases:
         # Grant and fault notices dropped because their proof was missing or wrong.
         self.forged_notices = 0
         workflow.set_signal_handler(GRANT_SIGNAL, self._on_grant)
+        # Decided once, as the requester starts (before any other command of its run).
+        self._answered_renewals = workflow.patched(ANSWERED_RENEWALS)
 
     async def draw_secret(self, carried: str | None = None) -> str:
         """The secret lease keys derive from: ``carried`` (from the previous run of a
@@ -197,16 +217,75 @@ class GroupLeases:
         return notice
 
     async def _renew(self, group_id: str, notice: GrantNotice) -> None:
-        renew = RenewRequest(
-            request_id=notice.request_id, token=notice.token, key=self._keys[notice.request_id]
-        )
+        rid = notice.request_id
+        renew = RenewRequest(request_id=rid, token=notice.token, key=self._keys[rid])
+        interval = notice.ttl_s / 3
+        # Held for sure until then, as far as this workflow can tell: from the grant's arrival
+        # at first, then from each answered renewal's sending.
+        held_until = workflow.now() + timedelta(seconds=notice.ttl_s)
+        wait = interval
         while True:
-            await workflow.sleep(notice.ttl_s / 3)
-            await self._signal(group_id, GroupSignal.RENEW, renew)
+            await workflow.sleep(wait)
+            if not self._answered_renewals:
+                await self._signal(group_id, GroupSignal.RENEW, renew)
+                continue
+            sent = workflow.now()
+            answer = await self._renew_once(group_id, renew, interval)
+            if isinstance(answer, RenewResult) and answer.valid:
+                held_until = sent + timedelta(seconds=answer.ttl_s)
+                wait = interval
+                continue
+            if isinstance(answer, RenewResult):
+                self._lose(rid, group_id, f"the group revoked it: {answer.reason}")
+                return
+            if workflow.now() >= held_until:
+                self._lose(
+                    rid,
+                    group_id,
+                    f"no renewal was answered within its TTL ({notice.ttl_s:g} s): {answer}",
+                )
+                return
+            wait = min(
+                interval, _RENEW_RETRY_S, max(0.1, (held_until - workflow.now()).total_seconds())
+            )
+
+    async def _renew_once(
+        self, group_id: str, renew: RenewRequest, interval: float
+    ) -> RenewResult | str:
+        """The group's answer to one renewal, or why none came."""
+        try:
+            return await workflow.execute_local_activity(
+                RENEW_LEASE_ACTIVITY,
+                LeaseRenewal(group_id=group_id, renew=renew, give_up_after_s=max(1.0, interval)),
+                start_to_close_timeout=timedelta(seconds=max(2.0, interval + 1.0)),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                result_type=RenewResult,
+                summary=f"renew {group_id}",
+            )
+        except ActivityError as err:
+            return str(err.cause or err)
+
+    def _lose(self, request_id: str, group_id: str, why: str) -> None:
+        self._lost[request_id] = why
+        self._renewers.pop(request_id, None)
+        workflow.logger.warning("job %s lost its lease on %s: %s", self.job_id, group_id, why)
+
+    def lost(self, lease: GrantNotice) -> str | None:
+        """Why ``lease`` was lost, or None while it is (as far as this workflow knows) held."""
+        return self._lost.get(lease.request_id)
+
+    def any_lost(self, leases: list[GrantNotice]) -> str | None:
+        """Why the first of ``leases`` that was lost was, or None."""
+        for lease in leases:
+            why = self._lost.get(lease.request_id)
+            if why is not None:
+                return f"the lease on {lease.group_id} (token {lease.token}) was lost: {why}"
+        return None
 
     async def forget(self, lease: GrantNotice) -> None:
         """Stop renewing ``lease`` without releasing it (someone else already released it)."""
         self._keys.pop(lease.request_id, None)
+        self._lost.pop(lease.request_id, None)
         renewer = self._renewers.pop(lease.request_id, None)
         if renewer is not None:
             renewer.cancel()

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
@@ -32,6 +33,7 @@ from timeslice.protocol.group import (
     ReleaseRequest,
     SnapshotReport,
     SnapshotTarget,
+    explain_validation_error,
     group_workflow_id,
     job_task_queue,
     parse_message,
@@ -73,6 +75,8 @@ from timeslice.workflows.group_lease import GroupLeases
 JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
 PHASE_KEY = SearchAttributeKey.for_keyword("TimeslicePhase")
 
+# workflow.patched id of job protocol v3 (see JOB_PROTOCOL_VERSION).
+JOB_PROTOCOL_V3 = "job-protocol-v3"
 _PHASE_ACTIVITIES: dict[str, str] = {
     "sample": SAMPLE_ACTIVITY,
     "rewards": REWARDS_ACTIVITY,
@@ -99,6 +103,29 @@ _ENDS_THE_JOB = {
 
 class _EpochFailed(Exception):
     """A phase failed; the job rewinds to its last checkpoint."""
+
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def _validated(model: type[R], raw: Any, what: str) -> R:
+    """An activity's result as ``model``, or ``_InvalidResult`` saying what was wrong.
+
+    Results are taken raw and validated here rather than by the data converter: a result that
+    does not parse (a rogue poller on the job's queue, a job process of a release whose models
+    differ) would otherwise fail the workflow *task* on every replay, and the job would hang."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise _InvalidResult(
+            f"{what} returned an invalid {model.__name__} ({explain_validation_error(err)}); "
+            "is a process of another Timeslice release, or something that is no job process, "
+            "polling the job's task queue?"
+        ) from None
+
+
+class _InvalidResult(Exception):
+    """An activity's result did not parse."""
 
 
 def _parse_input(raw: tuple[Any, ...]) -> RLJobInput:
@@ -152,6 +179,7 @@ class RLJobWorkflow:
         # The next sampling's lease, asked for by the process as the epoch's last step ended.
         self._next_sample: LeaseOrder | None = None
         self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
+        self._protocol = JOB_PROTOCOL_VERSION
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
         )
@@ -174,6 +202,11 @@ class RLJobWorkflow:
                 type="InvalidConfig",
                 non_retryable=True,
             )
+        # Runs that began before v3 (leases fenced by the process itself) keep their processes'
+        # protocol, so their histories replay. Decided first thing, before any other command:
+        # asked later (after the lease secret's local activity) a query's replay was once seen
+        # to miss the marker.
+        self._protocol = JOB_PROTOCOL_VERSION if workflow.patched(JOB_PROTOCOL_V3) else 2
         workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
         try:
             return await self._run()
@@ -374,6 +407,7 @@ class RLJobWorkflow:
             key=self._leases.key_of(lease),
             token=lease.token,
             held_by="workflow",
+            ttl_s=lease.ttl_s,
         )
 
     # ---------------------------------------------------------------- preparing and rewinding
@@ -384,6 +418,7 @@ class RLJobWorkflow:
         still end on `job stop`)."""
         cfg = self._config
         self._set_phase("waiting for job processes", search=False)
+        protocol = self._protocol
         describing = asyncio.gather(
             *(
                 workflow.execute_activity(
@@ -392,12 +427,11 @@ class RLJobWorkflow:
                         job_id=cfg.job_id,
                         options=cfg.workload_options,
                         chain_id=workflow.info().first_execution_run_id,
-                        protocol=JOB_PROTOCOL_VERSION,
+                        protocol=protocol,
                     ),
                     task_queue=job_task_queue(cfg.job_id, rank),
                     schedule_to_close_timeout=timedelta(seconds=cfg.process_wait_s),
                     start_to_close_timeout=timedelta(seconds=30),
-                    result_type=DescribeResult,
                     summary=f"wait for rank {rank} · {cfg.workload}",
                 )
                 for rank in range(cfg.ranks)
@@ -412,7 +446,7 @@ class RLJobWorkflow:
             return False
         stopped.cancel()
         try:
-            results: list[DescribeResult] = await describing
+            raws: list[Any] = await describing
         except ActivityError as err:
             cause = err.cause
             if isinstance(cause, ApplicationError) and cause.type in _ENDS_THE_JOB:
@@ -422,8 +456,17 @@ class RLJobWorkflow:
                     non_retryable=True,
                 ) from None
             raise
+        try:
+            results = [
+                _validated(DescribeResult, raw, f"the job process of rank {rank}")
+                for rank, raw in enumerate(raws)
+            ]
+        except _InvalidResult as err:
+            raise ApplicationError(
+                f"job {cfg.job_id}: {err}", type="InvalidResult", non_retryable=True
+            ) from None
         for rank, found in enumerate(results):
-            mismatch = protocol_mismatch(JOB_PROTOCOL_VERSION, found.protocol)
+            mismatch = protocol_mismatch(protocol, found.protocol)
             if mismatch is not None:
                 raise ApplicationError(
                     f"job {cfg.job_id} rank {rank}: {mismatch}",
@@ -473,6 +516,7 @@ class RLJobWorkflow:
                     checkpoint=checkpoint,
                     homes=self._homes(),
                     lease_keys={g: self._leases.key_of(n) for g, n in self._held.items()},
+                    leases=[order for g in self._held if (order := self._held_order(g))],
                 ),
                 PrepareResult,
                 cfg.train_timeout_s,
@@ -731,9 +775,10 @@ class RLJobWorkflow:
         return results[0]
 
     async def _on_all_ranks(
-        self, activity: str, arg: Any, result_type: type, timeout_s: float, summary: str
-    ) -> list[Any]:
-        """Run ``activity`` on every rank's process at once; any failure fails the epoch."""
+        self, activity: str, arg: Any, result_type: type[R], timeout_s: float, summary: str
+    ) -> list[R]:
+        """Run ``activity`` on every rank's process at once; any failure fails the epoch, and
+        so does the loss of a lease this workflow holds (the work stops before it goes on)."""
         cfg = self._config
         tasks = [
             asyncio.ensure_future(
@@ -747,18 +792,23 @@ class RLJobWorkflow:
                     retry_policy=_NO_RETRY,
                     # A cancelled rank's work must have stopped before the lease moves on.
                     cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-                    result_type=result_type,
                     summary=summary if cfg.ranks == 1 else f"{summary} · rank {rank}",
                 )
             )
             for rank in range(cfg.ranks)
         ]
+        held = list(self._held.values())
+        gathered = asyncio.gather(*tasks)
         try:
-            return list(await asyncio.gather(*tasks))
+            lost = await self._first_lost(gathered, held)
+            if lost is not None:
+                await self._cancel_all(tasks)
+                if gathered.done() and not gathered.cancelled():
+                    gathered.exception()  # retrieved: the lease's loss is what failed the work
+                raise _EpochFailed(f"{lost}; the job's work under it was stopped")
+            raws = await gathered
         except ActivityError as err:
-            for task in tasks:
-                task.cancel()
-            await workflow.wait(tasks)  # deterministic, unlike asyncio.wait
+            await self._cancel_all(tasks)
             cause = err.cause
             if isinstance(cause, ApplicationError) and cause.type in _ENDS_THE_JOB:
                 # Waiting longer or rewinding would not change these: the job fails.
@@ -768,6 +818,32 @@ class RLJobWorkflow:
                     non_retryable=True,
                 ) from None
             raise _EpochFailed(_failure(err)) from None
+        try:
+            return [
+                _validated(result_type, raw, f"{activity} on rank {rank}")
+                for rank, raw in enumerate(raws)
+            ]
+        except _InvalidResult as err:
+            raise _EpochFailed(f"InvalidResult: {err}") from None
+
+    async def _first_lost(self, work: asyncio.Future[Any], held: list[GrantNotice]) -> str | None:
+        """Wait for ``work``; if one of the ``held`` leases is lost first, why (else None)."""
+        if not held:
+            await workflow.wait([work])  # its outcome is read by the caller
+            return None
+        watch = asyncio.ensure_future(
+            workflow.wait_condition(lambda: self._leases.any_lost(held) is not None)
+        )
+        try:
+            await workflow.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        return None if work.done() else self._leases.any_lost(held)
+
+    async def _cancel_all(self, tasks: list[asyncio.Future[Any]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await workflow.wait(tasks)  # deterministic, unlike asyncio.wait
 
     def _note(self, record: EpochRecord, result: PhaseResult, phase: str, carried: bool) -> None:
         record.phase_s[result.phase] = result.seconds

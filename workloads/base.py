@@ -14,12 +14,17 @@ generator.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from timeslice.snapshot.base import SnapshotBackend, registered_bytes
+
+T = TypeVar("T")
+_running = threading.local()
 
 
 class PhaseStopped(RuntimeError):
@@ -52,10 +57,26 @@ class PhaseContext:
         self._why = ""
         self._lock = threading.Lock()
         self._progress: dict[str, Any] = {}
+        # When it was first told to stop (monotonic clock), and why: the first reason stands.
+        self.stopped_at = 0.0
 
     def stop(self, why: str) -> None:
-        self._why = why
+        if not self._stop.is_set():
+            self.stopped_at = time.monotonic()
+            self._why = why
         self._stop.set()
+
+    @property
+    def stop_reason(self) -> str:
+        return self._why
+
+    def run(self, work: Callable[[], T]) -> T:
+        """Run ``work`` in this thread as this context's work (see :func:`current_context`)."""
+        _running.ctx = self
+        try:
+            return work()
+        finally:
+            _running.ctx = None
 
     @property
     def stopped(self) -> bool:
@@ -77,6 +98,14 @@ class PhaseContext:
     def latest_progress(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._progress)
+
+
+def current_context() -> PhaseContext | None:
+    """The context of the work this thread runs for the job process — a phase, the job's
+    preparation, a checkpoint — or None. Work that is not handed one (``setup``, ``load``,
+    ``save``) calls its :meth:`~PhaseContext.check` between long steps, so that a lost lease
+    stops it; work that never checks is stopped by the process exiting (docs/architecture.md)."""
+    return getattr(_running, "ctx", None)
 
 
 class Workload(ABC):
