@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from timeslice.workloads.base import JobSpec, PhaseContext
+from timeslice.workloads.base import JobSpec, PhaseContext, current_context
 from timeslice.workloads.simulated import SimulatedWorkload
 
 LOG_DIR_ENV = "TIMESLICE_SOAK_LOG_DIR"
@@ -73,7 +73,13 @@ class SoakWorkload(SimulatedWorkload):
         except (OSError, ValueError):
             return
         self._emit("slow_prepare", seconds=seconds)
-        time.sleep(seconds)  # stands in for building a large model
+        ctx = current_context()
+        if ctx is None:
+            time.sleep(seconds)  # stands in for building a large model
+        else:
+            # A careful loader checks its stop between steps: a lost lease ends it at once
+            # (a loader that never checks is stopped by its process exiting).
+            ctx.wait(seconds)
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
         self._emit("phase_start", epoch=epoch, phase="sample")
