@@ -821,6 +821,12 @@ class OwnLeaseFence(LeaseFence):
     def __init__(self, lease: Lease) -> None:
         super().__init__(lease.group_id, lease.token, lease.ttl_s)
         self.lease = lease
+        # A grant not yet confirmed is valid only until the group's deadline for confirming
+        # it (grant_ack_timeout_s, which may be far shorter than the TTL); the engine renews a
+        # third of the way in. The margin fits that window, or the work would stop before the
+        # first renewal could extend it.
+        window = lease.valid_until - time.monotonic()
+        self.margin_s = max(0.2, min(self.margin_s, window / 4))
 
     def held_until(self) -> float:
         lease = self.lease

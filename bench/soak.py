@@ -77,7 +77,7 @@ GROUP = "soak"
 # TIMESLICE_SOAK_LOG_LEVEL=DEBUG: every process logs what the client library does, for digging.
 VERBOSE = ["-v"] if os.environ.get("TIMESLICE_SOAK_LOG_LEVEL") == "DEBUG" else []
 # Lease records the group keeps; polled every ``--progress-every`` s, they cover minutes.
-HISTORY_KEEP = 1024
+HISTORY_KEEP = 656  # the most a group carries (GroupConfig.history_keep)
 FAULT_KINDS = (
     "kill_holder",
     "kill_waiter",
