@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 CONTENDER = REPO / "tests" / "contender.py"
@@ -81,7 +81,9 @@ def assert_no_overlap(intervals: list[Interval]) -> None:
         )
 
 
-def spawn_contender(address: str, group: str, job: str, log: Path, *extra: str) -> subprocess.Popen:
+def spawn_contender(
+    address: str, group: str, job: str, log: Path, *extra: str, stderr: IO[bytes] | None = None
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         str(CONTENDER),
@@ -96,7 +98,7 @@ def spawn_contender(address: str, group: str, job: str, log: Path, *extra: str) 
         *extra,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    return subprocess.Popen(cmd, env=env)
+    return subprocess.Popen(cmd, env=env, stderr=stderr)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 180.0) -> None:

@@ -231,7 +231,11 @@ def test_cancelled_acquire_leaves_the_queue(address, group, make_client):
 
 def test_killed_holder_loses_the_lease_after_its_ttl(address, group, tmp_path, make_client):
     log = tmp_path / "kill.jsonl"
-    victim = spawn_contender(address, group, "victim", log, "--ttl", "3", "--hold-forever")
+    victim_err = tmp_path / "victim.stderr"
+    with victim_err.open("wb") as err:
+        victim = spawn_contender(
+            address, group, "victim", log, "--ttl", "3", "--hold-forever", stderr=err
+        )
     wait_for(lambda: events(log, "acquired", "victim"), what="victim holds the group")
     waiter = spawn_contender(address, group, "survivor", log, "--hold", "0.01")
     observer = make_client(job_id="observer")
@@ -241,7 +245,8 @@ def test_killed_holder_loses_the_lease_after_its_ttl(address, group, tmp_path, m
     victim.wait()
     finish([waiter], timeout=120)
     status = observer.group_status(group)
-    assert status.stats.expired == 1
+    said = (status.stats, status.history, victim_err.read_text(errors="replace")[-3000:])
+    assert status.stats.expired == 1, said
     assert [(r.job_id, r.outcome) for r in status.history][:2] == [
         ("victim", LeaseOutcome.EXPIRED),
         ("survivor", LeaseOutcome.RELEASED),
