@@ -23,6 +23,40 @@ from typing import Any, TypeVar
 
 from timeslice.snapshot.base import SnapshotBackend, registered_bytes
 
+OptionsT = TypeVar("OptionsT")
+
+
+def options_as(
+    options_type: type[OptionsT], workload: str, options: dict[str, Any] | None
+) -> OptionsT:
+    """A job's ``workload_options`` as the dataclass ``options_type``: an unknown name, or a
+    value whose type differs from the field's default, is refused with a message naming the
+    option (an int is taken for a float field; a bool never for a number)."""
+    values = dict(options or {})
+    fields = options_type.__dataclass_fields__  # type: ignore[attr-defined]
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{workload}: unknown option(s) {unknown}; allowed: {sorted(fields)}")
+    for key, value in values.items():
+        default = fields[key].default
+        if isinstance(default, bool) or isinstance(value, bool):
+            ok = type(value) is type(default)
+        elif isinstance(default, int):
+            ok = isinstance(value, int)
+        elif isinstance(default, float):
+            ok = isinstance(value, int | float)
+            if ok:
+                values[key] = float(value)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ValueError(
+                f"{workload}: option {key!r} must be {type(default).__name__}, "
+                f"not {type(value).__name__} ({value!r})"
+            )
+    return options_type(**values)
+
+
 T = TypeVar("T")
 _running = threading.local()
 

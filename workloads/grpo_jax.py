@@ -45,7 +45,13 @@ except ImportError as err:  # a clean message instead of a bare ImportError deep
     ) from err
 
 from timeslice.snapshot.jax_backend import JaxBackend, JaxState, path_name
-from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
+from timeslice.workloads.base import (
+    JobSpec,
+    PhaseContext,
+    PhaseStopped,
+    Workload,
+    options_as,
+)
 
 TASKS = ("sort", "reverse", "copy")
 _FILES = ("trainer.npz", "pending.npz", "meta.json")
@@ -71,29 +77,7 @@ class GrpoJaxOptions:
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> GrpoJaxOptions:
-        options = dict(options or {})
-        fields = cls.__dataclass_fields__
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise ValueError(f"grpo-jax: unknown option(s) {unknown}; allowed: {sorted(fields)}")
-        for key, value in options.items():
-            default = fields[key].default
-            if isinstance(default, bool) or isinstance(value, bool):
-                ok = type(value) is type(default)
-            elif isinstance(default, int):
-                ok = isinstance(value, int)
-            elif isinstance(default, float):
-                ok = isinstance(value, int | float)
-                if ok:
-                    options[key] = float(value)
-            else:
-                ok = isinstance(value, str)
-            if not ok:
-                raise ValueError(
-                    f"grpo-jax: option {key!r} must be {type(default).__name__}, "
-                    f"not {type(value).__name__} ({value!r})"
-                )
-        opts = cls(**options)
+        opts = options_as(cls, "grpo-jax", options)
         opts._check()
         return opts
 

@@ -36,7 +36,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timeslice.snapshot.torch_backend import TorchBackend
-from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
+from timeslice.workloads.base import (
+    JobSpec,
+    PhaseContext,
+    PhaseStopped,
+    Workload,
+    options_as,
+)
 from torch import nn
 
 TASKS = ("sort", "reverse", "copy")
@@ -71,29 +77,7 @@ class GrpoToyOptions:
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> GrpoToyOptions:
-        options = dict(options or {})
-        fields = cls.__dataclass_fields__
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise ValueError(f"grpo-toy: unknown option(s) {unknown}; allowed: {sorted(fields)}")
-        for key, value in options.items():
-            default = fields[key].default
-            if isinstance(default, bool) or isinstance(value, bool):
-                ok = type(value) is type(default)
-            elif isinstance(default, int):
-                ok = isinstance(value, int)
-            elif isinstance(default, float):
-                ok = isinstance(value, int | float)
-                if ok:
-                    options[key] = float(value)
-            else:
-                ok = isinstance(value, str)
-            if not ok:
-                raise ValueError(
-                    f"grpo-toy: option {key!r} must be {type(default).__name__}, "
-                    f"not {type(value).__name__} ({value!r})"
-                )
-        opts = cls(**options)
+        opts = options_as(cls, "grpo-toy", options)
         opts._check()
         return opts
 
