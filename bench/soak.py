@@ -839,8 +839,10 @@ def check_grants(
         if waiting is None:
             unclaimed["after its process gave up or died"] += 1
             continue
-        if any(stopped <= start <= resumed for stopped, resumed in inc.paused_wall):
-            unclaimed["made while its process was paused"] += 1
+        # Paused (pause_waiter) at any moment of the grant's confirmation time: the process
+        # did not run for all of it, so a grant it missed is the pause's doing, not lost.
+        if any(stopped < start + ack_s and start <= resumed for stopped, resumed in inc.paused_wall):
+            unclaimed["its process was paused within the confirmation time"] += 1
             continue
         gave_up = waiting if waiting > 0 else float("inf")
         alive_until = inc.killed_wall if inc.killed_wall is not None else float("inf")
