@@ -841,7 +841,8 @@ def check_grants(
             continue
         # Paused (pause_waiter) at any moment of the grant's confirmation time: the process
         # did not run for all of it, so a grant it missed is the pause's doing, not lost.
-        if any(stopped < start + ack_s and start <= resumed for stopped, resumed in inc.paused_wall):
+        pauses = inc.paused_wall
+        if any(stopped < start + ack_s and start <= resumed for stopped, resumed in pauses):
             unclaimed["its process was paused within the confirmation time"] += 1
             continue
         gave_up = waiting if waiting > 0 else float("inf")
