@@ -240,6 +240,15 @@ def test_killed_holder_loses_the_lease_after_its_ttl(address, group, tmp_path, m
     waiter = spawn_contender(address, group, "survivor", log, "--hold", "0.01")
     observer = make_client(job_id="observer")
     wait_for(lambda: queued_jobs(observer, group) == ["survivor"], what="survivor queued")
+    # A grant taken from a parked update is confirmed by the holder's first renewal (TTL / 3
+    # after it); until then the group bounds it by grant_ack_timeout_s (15 s), not the TTL.
+    # Killed before that renewal, the victim ends DEAD after 15 s (seen on a loaded machine);
+    # this test is about a holder whose TTL runs.
+    wait_for(
+        lambda: (holder := observer.group_status(group).holder) is not None
+        and holder.expires_in_s is not None,
+        what="the victim's grant confirmed by its first renewal",
+    )
     killed_at = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
