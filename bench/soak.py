@@ -77,7 +77,6 @@ GROUP = "soak"
 # TIMESLICE_SOAK_LOG_LEVEL=DEBUG: every process logs what the client library does, for digging.
 VERBOSE = ["-v"] if os.environ.get("TIMESLICE_SOAK_LOG_LEVEL") == "DEBUG" else []
 # Lease records the group keeps; polled every ``--progress-every`` s, they cover minutes.
-HISTORY_KEEP = 656  # the most a group carries (GroupConfig.history_keep)
 FAULT_KINDS = (
     "kill_holder",
     "kill_waiter",
@@ -691,7 +690,7 @@ def stop_rl_jobs(address: str, jobs: list[str], deadline: float) -> dict[str, An
 
 class LeaseHistory:
     """The group's own lease records (job, token, start, end, outcome), gathered from its
-    status while the soak runs: the group keeps only its latest ``HISTORY_KEEP``."""
+    status while the soak runs: the group keeps only its latest ``MAX_HISTORY_KEEP``."""
 
     def __init__(self, address: str, every_s: float) -> None:
         self.address = address
@@ -1079,13 +1078,15 @@ def run(args: argparse.Namespace) -> int:
             for future in starting:
                 future.result()
 
+        from timeslice.protocol.group import MAX_HISTORY_KEEP
+
         with TimeSliceOrchestratorClient(target=server.address) as client:
             # A killed waiter is found when its grant goes unconfirmed: bounded by this.
             client.create_group(
                 GROUP,
                 default_ttl_s=args.ttl,
                 grant_ack_timeout_s=args.ttl,
-                history_keep=HISTORY_KEEP,
+                history_keep=MAX_HISTORY_KEEP,  # the most a group carries
             )
         history = LeaseHistory(server.address, args.progress_every)
         history.start()

@@ -68,6 +68,13 @@ class GroupSignal(StrEnum):
     CANCEL = "cancel"
 
 
+class GrantPolicy(StrEnum):
+    """Who gets a group when (workflows/grant_policy.py explains both and their bounds)."""
+
+    FIFO = "fifo"  # a lease is kept into the holder's next phase only when nobody waits
+    PHASE_AWARE = "phase_aware"  # it may be carried past waiters, within bounds
+
+
 class GroupQuery(StrEnum):
     HOLDER = "holder"
     STATUS = "status"
@@ -119,6 +126,13 @@ EVICTED_JOBS_KEEP = 256  # jobs whose state the group saved; past it the oldest 
 FAULTED_JOBS_KEEP = 64  # faults shown and refused; past it the oldest is forgotten
 MAX_FAULT_BYTES = 512  # a fault's text, encoded, is cut to this (it quotes others' errors)
 MAX_WAIT_SAMPLES_KEEP = 2048
+# The grant policy's waiting shares (workflows/grant_policy.py): grants per job a share is
+# computed over, and jobs a group remembers them for (the least recently granted go first).
+WAIT_RECORDS_KEEP = 16
+WAIT_SHARE_JOBS_KEEP = 32
+DEFAULT_MAX_CARRIES = 1
+DEFAULT_CARRY_LIMIT_S = 60.0
+DEFAULT_SHARE_SLACK = 0.05
 # The most one entry takes, encoded with its separator: ids are ASCII (ID_RULE), times at most
 # "2999-12-31T23:59:59.999999-23:59", integers 20 characters, floats 24.
 _ID_BYTES = 103
@@ -146,6 +160,7 @@ def group_state_budget(history_keep: int, wait_samples_keep: int) -> int:
         + JOB_KEYS_KEEP * (_ID_BYTES + _KEY_HASH_BYTES)
         + RECENT_DONE_KEEP * _FINGERPRINT_BYTES
         + history_keep * (_LEASE_RECORD_BYTES + _SWITCH_RECORD_BYTES)
+        + WAIT_SHARE_JOBS_KEEP * (_ID_BYTES + 2 * WAIT_RECORDS_KEEP * _FLOAT_BYTES)
     )
 
 
@@ -342,6 +357,32 @@ class GroupConfig(_Model):
         le=MAX_STATE_BYTES,
         description="device memory of the group: when the resident job's and the "
         "next job's declared state both fit, eviction and restore run at the same time",
+    )
+    grant_policy: GrantPolicy = Field(
+        GrantPolicy.PHASE_AWARE,
+        description="phase_aware: a holder whose next GPU phase here follows at once keeps "
+        "the lease into it even when others wait, within max_carries, carry_limit_s and the "
+        "waiting-share rule; fifo: only when nobody waits",
+    )
+    max_carries: int = Field(
+        DEFAULT_MAX_CARRIES,
+        ge=0,
+        le=4,
+        description="phase boundaries one lease may cross while someone waits (phase_aware)",
+    )
+    carry_limit_s: float = Field(
+        DEFAULT_CARRY_LIMIT_S,
+        gt=0,
+        le=MAX_LEASE_TTL_S,
+        description="the longest next phase (as its holder states it) a lease is carried into "
+        "past waiters",
+    )
+    share_slack: float = Field(
+        DEFAULT_SHARE_SLACK,
+        ge=0,
+        le=1,
+        description="a lease is carried past a waiter only while the holder's waiting share is "
+        "at least the waiter's minus this",
     )
     max_parked_waits: int = Field(
         5,
@@ -591,6 +632,15 @@ class AcquireAnswer(_Model):
     notice: GrantNotice | None = None
 
 
+class NextPhase(_Model):
+    """The holder's next GPU phase, on the same group and right after this one."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    expected_s: float = Field(
+        ge=0, le=MAX_LEASE_TTL_S, allow_inf_nan=False, description="its expected length"
+    )
+
+
 class LeaseReturn(_Model):
     """The ``release_lease`` update: end a lease, and learn whether to move the state out.
 
@@ -613,6 +663,12 @@ class LeaseReturn(_Model):
     keep_if_uncontended: bool = Field(
         False, description="keep the lease instead when nobody waits (the job's next phase uses it)"
     )
+    carry_into: NextPhase | None = Field(
+        None,
+        description="the holder's next GPU phase follows at once here: keep the lease for it "
+        "when nobody waits and, under the phase_aware policy, within its bounds when others "
+        "do (implies keep_if_uncontended)",
+    )
     evicts_itself: bool = Field(
         False,
         description="the holder moves its own state out (in-process backends) when another job "
@@ -622,7 +678,10 @@ class LeaseReturn(_Model):
 
 class ReturnAnswer(_Model):
     valid: bool = Field(description="the lease was held under this token")
-    released: bool = Field(description="False: kept (nobody waits) or not valid")
+    released: bool = Field(description="False: kept (nobody waits, or carried) or not valid")
+    reason: str = Field(
+        "", max_length=300, description="why a lease asked to carry was kept or not"
+    )
     evict: bool = Field(
         False,
         description="another job takes the group: move the state out now and report it; the "
@@ -687,6 +746,10 @@ class HeldLease(_Model):
     # A grant handed out as a parked update's result: the holder confirms it by its first
     # renewal or its release before this time, or is taken for dead.
     confirm_by: Instant | None = None
+    # Phase boundaries this lease crossed while someone waited (grant policy), and the phase
+    # it is carried into now.
+    carries: int = Field(0, ge=0)
+    carrying_into: str | None = None
 
 
 class ResidentJob(_Model):
@@ -742,6 +805,9 @@ class GroupStats(_Model):
     rejected: int = 0
     dead_waiters: int = 0
     switches: int = 0
+    carried: int = Field(
+        0, description="leases kept past waiters into their holder's next phase (grant policy)"
+    )
     overlapped_switches: int = 0
     evictions: int = 0
     restores: int = 0
@@ -788,6 +854,9 @@ class GroupState(_Model):
     # The key hash of the lease that was answered ``evict``: only that lease's report of a failed
     # eviction faults the job (None: the group's own activity evicts, or a state from before).
     evicting_key_hash: str | None = None
+    # job id -> flat [asked_at, waited_s, ...] of its last grants, seconds since
+    # stats.created_at: the grant policy's waiting shares (most recently granted last).
+    wait_shares: dict[str, list[float]] = Field(default_factory=dict)
 
 
 class GroupInput(_Model):
@@ -820,6 +889,9 @@ class HolderView(_Model):
     expires_in_s: float | None
     waiting: int = Field(0, description="requests queued behind this lease")
     request_id: str = ""
+    carrying_into: str | None = Field(
+        None, description="the lease was kept past waiters into the holder's next phase"
+    )
     fingerprint: str = Field(
         "",
         description="lease_fingerprint() of the lease's key hash and token: a process handed "

@@ -80,6 +80,9 @@ AUTHENTICATED_GRANT_ANSWERS = "authenticated-grant-answers"
 # workflow.patched id: a delivery activity that fails after its holder confirmed the grant by a
 # renewal no longer ends the lease (groups that started before end it, as they did).
 CONFIRMED_GRANT_OUTLIVES_DELIVERY = "confirmed-grant-outlives-delivery"
+# workflow.patched id: a lease may be carried past waiters into its holder's next phase (the
+# phase_aware grant policy); groups that started before it replay releasing as FIFO did.
+PHASE_AWARE_GRANTS = "phase-aware-grants"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
 
@@ -173,6 +176,7 @@ class GpuGroupWorkflow:
             inp.state or GroupState(stats=GroupStats(created_at=workflow.now())),
             self._metrics,
         )
+        self._book.policy_gate = lambda: workflow.patched(PHASE_AWARE_GRANTS)
         self._wake = False
         # Fault notices live nowhere else, so they hold up continue-as-new; so does any
         # delivery activity (its completion arriving during continue-as-new would fail it).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -52,6 +53,13 @@ from timeslice.protocol.group import (
     lease_fingerprint,
     lease_key_hash,
     prove_notice,
+)
+from timeslice.workflows.grant_policy import (
+    CarryLimits,
+    decide_carry,
+    record_wait,
+    remember_job,
+    waiting_share,
 )
 
 __all__ = ["JOB_KEYS_KEEP", "RECENT_DONE_KEEP", "GroupBook", "SwitchPlan"]
@@ -135,6 +143,23 @@ class GroupBook:
         self.switching_for: str | None = None
         self.switching_key_hash: str | None = None
         self.switch_cancelled = False
+        # Asked before a decision that differs from the FIFO one (a lease carried past
+        # waiters): the workflow answers with workflow.patched, so groups that started before
+        # the grant policy replay as they ran.
+        self.policy_gate: Callable[[], bool] = lambda: True
+
+    @property
+    def carry_limits(self) -> CarryLimits:
+        c = self.config
+        return CarryLimits(c.grant_policy, c.max_carries, c.carry_limit_s, c.share_slack)
+
+    def _seconds(self, when: datetime) -> float:
+        """A time as the waiting-share records keep it: seconds since the group's creation."""
+        return (when - self.state.stats.created_at).total_seconds()
+
+    def waiting_share(self, job_id: str, now: datetime) -> float:
+        records = self.state.wait_shares.get(job_id)
+        return waiting_share(records, self._seconds(now)) if records else 0.0
 
     # ------------------------------------------------------------------ the queue
 
@@ -314,6 +339,11 @@ class GroupBook:
         )
         state.stats.leases += 1
         self._remember_key(waiter.request.job_id, waiter.request.key_hash)
+        record_wait(
+            remember_job(state.wait_shares, waiter.request.job_id),
+            self._seconds(waiter.enqueued_at),
+            waited,
+        )
         samples = state.stats.wait_samples_s
         samples.append(waited)
         del samples[: max(0, len(samples) - self.config.wait_samples_keep)]
@@ -447,7 +477,12 @@ class GroupBook:
         job_id = holder.request.job_id
         self.account_own_moves(job_id, ret.restored, ret.evicted, now)
         after = self.peek_next(now)
-        if ret.keep_if_uncontended and after is None:
+        why = ""
+        if ret.carry_into is not None:
+            kept, why = self._carry(holder, ret, now)
+            if kept:
+                return ReturnAnswer(valid=True, released=False, reason=why)
+        elif ret.keep_if_uncontended and after is None:
             holder.expires_at = now + timedelta(seconds=self.ttl(holder.request))
             return ReturnAnswer(valid=True, released=False)
         state = self.state
@@ -468,7 +503,38 @@ class GroupBook:
             state.resident = None
             self._note_evicted(job_id)
         self.end_lease(LeaseOutcome.RELEASED, now)
-        return ReturnAnswer(valid=True, released=True, evict=evict)
+        return ReturnAnswer(valid=True, released=True, evict=evict, reason=why)
+
+    def _carry(self, holder: HeldLease, ret: LeaseReturn, now: datetime) -> tuple[bool, str]:
+        """Keep the lease into the holder's next phase if the grant policy allows: whether it
+        is kept, and why."""
+        assert ret.carry_into is not None
+        job_id = holder.request.job_id
+        waiters = {
+            w.request.job_id: self.waiting_share(w.request.job_id, now)
+            for w in self.state.queue
+            if w.request.job_id != job_id
+        }
+        decision = decide_carry(
+            self.carry_limits,
+            next_phase=ret.carry_into.name,
+            next_phase_s=ret.carry_into.expected_s,
+            carries=holder.carries,
+            holder_share=self.waiting_share(job_id, now),
+            waiters=waiters.items(),
+        )
+        if not decision.keep:
+            return False, decision.reason
+        if decision.contended and not self.policy_gate():
+            return False, f"fifo: {len(waiters)} waiting (group started before phase-aware grants)"
+        holder.expires_at = now + timedelta(seconds=self.ttl(holder.request))
+        if decision.contended:
+            holder.carries += 1
+            holder.carrying_into = ret.carry_into.name
+            self.state.stats.carried += 1
+        else:
+            holder.carrying_into = None
+        return True, decision.reason
 
     def release_by_signal(self, release: ReleaseRequest, now: datetime) -> None:
         """A requester workflow's release (a signal: no answer, so no eviction by the holder)."""
@@ -883,6 +949,7 @@ class GroupBook:
             else (holder.expires_at - now).total_seconds(),
             waiting=len(self.state.queue),
             request_id=holder.request.request_id,
+            carrying_into=holder.carrying_into,
             fingerprint=lease_fingerprint(holder.request.key_hash, holder.token),
         )
 

@@ -17,6 +17,7 @@ WORKFLOW_MAY_IMPORT = {
     "__future__",
     "asyncio",
     "collections",
+    "collections.abc",
     "contextlib",
     "dataclasses",
     "datetime",

@@ -48,6 +48,7 @@ from timeslice.protocol.rl_job import (
     bound_record,
     carried_rl_job_input,
 )
+from timeslice.workflows.grant_policy import record_wait, remember_job
 from timeslice.workflows.group_book import GroupBook
 
 # A control character: six bytes as JSON ("\u0001"), the most any character takes. Task queue
@@ -155,6 +156,8 @@ def worst_group_input() -> GroupInput:
         wait_samples_keep=g.MAX_WAIT_SAMPLES_KEEP,
         memory_bytes=2**50,
         max_parked_waits=8,
+        carry_limit_s=1.2345678901234567,
+        share_slack=0.12345678901234567,
     )
     counters = {
         name: BIG
@@ -204,6 +207,11 @@ def worst_group_input() -> GroupInput:
         book._remember_key(job(i), "f" * 64)
     for i in range(g.RECENT_DONE_KEEP + 10):
         book.remember_done(f"request-{i}")
+    for i in range(g.WAIT_SHARE_JOBS_KEEP + 10):  # the grant policy's waiting shares
+        for _ in range(g.WAIT_RECORDS_KEEP + 10):
+            record_wait(remember_job(state.wait_shares, job(i)), HUGE, -HUGE)
+    assert len(state.wait_shares) == g.WAIT_SHARE_JOBS_KEEP
+    assert all(len(r) == 2 * g.WAIT_RECORDS_KEEP for r in state.wait_shares.values())
     state.history = [
         LeaseRecord(job_id=job(i), token=BIG, start=LATE, end=LATE, outcome=LeaseOutcome.CANCELLED)
         for i in range(g.MAX_HISTORY_KEEP)
