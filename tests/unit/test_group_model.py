@@ -1,6 +1,8 @@
 """The group's protocol against a model: Hypothesis drives random sequences of requests,
-releases (genuine and forged), renewals, cancels, time passing, holders that die, and
-continue-as-new through ``GroupBook``, and checks the invariants after every step.
+releases (genuine, forged, and carried into the holder's next phase by the grant policy),
+renewals, cancels, time passing, holders that die, and continue-as-new through ``GroupBook``,
+and checks the invariants after every step (one lease at most; no waiter held off by more
+carries than the grant policy's bound).
 
 The driver does what ``GpuGroupWorkflow``'s main loop does with the book: after each message,
 while the group is free and someone waits, take the best waiter and grant it (these jobs have
@@ -29,6 +31,7 @@ from timeslice.protocol.group import (
     GroupStats,
     LeaseOutcome,
     LeaseReturn,
+    NextPhase,
     RenewRequest,
     lease_key_hash,
 )
@@ -50,7 +53,10 @@ class GroupModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.config = GroupConfig(group_id="model", default_ttl_s=10, grant_ack_timeout_s=5)
+        self.config = GroupConfig(
+            group_id="model", default_ttl_s=10, grant_ack_timeout_s=5, max_carries=2,
+            carry_limit_s=5,
+        )  # fmt: skip
         self.book = GroupBook(self.config, GroupState(stats=GroupStats(created_at=T0)))
         self.now = T0
         self.seq = 0
@@ -58,6 +64,8 @@ class GroupModel(RuleBasedStateMachine):
         self.withdrawn: set[str] = set()
         self.granted: list[tuple[str, int]] = []  # (request id, token), in grant order
         self.enqueued_at: dict[str, tuple[int, datetime, int]] = {}  # rid -> priority, t, seq
+        # rid -> (grants, carries past waiters) when it was queued: the starvation bound.
+        self.queued_after: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ the driver
 
@@ -79,6 +87,12 @@ class GroupModel(RuleBasedStateMachine):
             )  # fmt: skip
             notice = book.grant(waiter, self.now, parked=True)
             assert rid not in self.withdrawn, "granted a request that was withdrawn"
+            grants, carries = self.queued_after.pop(rid)
+            # The grant policy's bound: each lease it waited behind (the one held when it was
+            # queued, and each granted since) crossed at most max_carries boundaries past it.
+            carried = book.state.stats.carried - carries
+            ahead = len(self.granted) - grants + 1
+            assert carried <= self.config.max_carries * ahead, (carried, ahead)
             self.granted.append((rid, notice.token))
 
     def _score(self, rid: str) -> tuple[float, int]:
@@ -104,6 +118,7 @@ class GroupModel(RuleBasedStateMachine):
         assert self.book.enqueue(request, self.now)
         assert not self.book.enqueue(request, self.now), "a retried request queued twice"
         self.enqueued_at[rid] = (priority, self.now, self.book.state.next_seq - 1)
+        self.queued_after[rid] = (len(self.granted), self.book.state.stats.carried)
         self._grant_while_free()
         return rid
 
@@ -113,6 +128,30 @@ class GroupModel(RuleBasedStateMachine):
         token = holder.token if holder and holder.request.request_id == rid else 10**6
         answer = self.book.release(LeaseReturn(request_id=rid, key=key(rid), token=token), self.now)
         assert answer.valid == (token != 10**6)
+        self._grant_while_free()
+
+    @rule(rid=requests, expected_s=st.floats(min_value=0, max_value=10))
+    def carry_release(self, rid: str, expected_s: float) -> None:
+        """The holder's next GPU phase follows at once: kept or released by the policy."""
+        holder = self.book.state.holder
+        held = holder is not None and holder.request.request_id == rid
+        token = holder.token if held and holder else 10**6
+        carries = holder.carries if held and holder else 0
+        before = self.book.state.stats.carried
+        answer = self.book.release(
+            LeaseReturn(
+                request_id=rid, key=key(rid), token=token, keep_if_uncontended=True,
+                carry_into=NextPhase(name="sample", expected_s=expected_s),
+            ),
+            self.now,
+        )  # fmt: skip
+        assert answer.valid == held
+        others = [w for w in self.book.state.queue if w.request.job_id != rid.split(":")[0]]
+        if held and not answer.released:
+            if self.book.state.stats.carried > before:  # kept past waiters: within bounds
+                assert others and carries < self.config.max_carries and expected_s <= 5
+            else:
+                assert not others
         self._grant_while_free()
 
     @rule(rid=requests)
