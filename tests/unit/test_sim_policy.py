@@ -245,3 +245,39 @@ def test_the_demo_pair_gains_what_issue_21_measured() -> None:
     assert ours[0]["g"] == pytest.approx(0.706, abs=0.005)
     assert max(ours[1].values()) < 1.12 < 1.39 < min(fifo[1].values())
     assert ours[2]["g"] < 0.6 * fifo[2]["g"]
+
+
+def _replay() -> ModuleType:
+    sys.path.insert(0, str(REPO))
+    try:
+        import bench.replay
+
+        return bench.replay
+    finally:
+        sys.path.remove(str(REPO))
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        # issue 21's demo shape: each job alone is on the GPU 1.05 / 2.55 = 41% of its time.
+        ("one-group", {"shared": 2 * 1.05 / 2.55}),
+        ("disaggregated", {"samplers": 2 * 0.2 / 2.55, "trainers": 2 * 0.85 / 2.55}),
+        ("dedicated", {"dedicated-0": 1.05 / 2.55, "dedicated-1": 1.05 / 2.55}),
+    ],
+)
+def test_replays_demand_bound_sums_the_jobs_gpu_shares(layout: str, expected: dict[str, float]):
+    replay = _replay()
+    configs = [
+        dict(zip(("sampler_group", "trainer_group"), replay.groups_of(layout, i, "x"), strict=True))
+        for i in range(2)
+    ]
+    bound = replay.demand_bound(configs, {"sample_s": 0.2, "reward_s": 1.5, "train_s": 0.85})
+    assert {g.replace("-x", ""): b for g, b in bound.items()} == pytest.approx(expected)
+
+
+def test_replays_demand_bound_is_capped_at_the_whole_group():
+    # Two GPU-bound jobs (2.2 of 2.6 s each on the GPU) need 169% of one group.
+    group = {"sampler_group": "g", "trainer_group": "g"}
+    bound = _replay().demand_bound([group, group], {"sample_s": 1, "reward_s": 0.4, "train_s": 1.2})
+    assert bound == {"g": 1.0}
