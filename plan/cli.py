@@ -465,9 +465,9 @@ def describe_policy(layout: Layout) -> str:
     if spec.grant_policy.value == "fifo":
         return "fifo (a lease is kept into its holder's next phase only when nobody waits)"
     return (
-        f"phase_aware (a lease may be carried past waiters into its holder's next phase: at "
-        f"most {spec.max_carries} phase boundary(-ies) per lease, into phases <= {spec.carry_limit_s:g} s, "
-        f"share slack {spec.share_slack:g})"
+        "phase_aware (a lease may be carried past waiters into its holder's next phase: "
+        f"max_carries {spec.max_carries}, carry_limit_s {spec.carry_limit_s:g}, share_slack "
+        f"{spec.share_slack:g})"
     )
 
 
