@@ -20,7 +20,10 @@
    phase start to its last phase end; slowdown = completion in the mix / completion of the same
    kind alone in step 1. Predicted figures are computed the same way on the simulated run.
 
-    .venv/bin/python bench/plan_check.py --epochs 8 --json plan_check.json
+5. **Policy.** ``--policy`` (default ``phase_aware``, ``GroupConfig``'s): the groups of the mixes
+   are created with that ``grant_policy`` and the predictions made under it.
+
+    .venv/bin/python bench/plan_check.py --epochs 8 --json plan_check.json [--policy fifo]
 
 Prints one line per group (utilization: predicted, measured, error in points) and per job
 (slowdown: predicted, measured, error in %), and the worst of each.
@@ -45,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.handoff import cpu_model  # noqa: E402
-from bench.replay import holds_by_group, run_jobs, utilization  # noqa: E402
+from bench.replay import POLICIES, holds_by_group, run_jobs, utilization  # noqa: E402
 
 STATE_BYTES = 4 * 2**30
 MOVE_S = 0.1
@@ -100,10 +103,11 @@ def memory_for(configs: list[dict[str, Any]]) -> dict[str, int]:
 
 
 class Bench:
-    def __init__(self, address: str, tmp: Path, epochs: int) -> None:
+    def __init__(self, address: str, tmp: Path, epochs: int, policy: str = POLICIES[0]) -> None:
         self.address = address
         self.tmp = tmp
         self.epochs = epochs
+        self.policy = policy
 
     def run(self, configs: list[dict[str, Any]]) -> list[Any]:
         from timeslice.cli.services import start_service, stop_service
@@ -120,7 +124,7 @@ class Bench:
                     )
                 )  # fmt: skip
             memory: dict[str, int | None] = dict(memory_for(configs))
-            return asyncio.run(run_jobs(self.address, configs, memory))
+            return asyncio.run(run_jobs(self.address, configs, memory, self.policy))
         finally:
             for proc in reversed(procs):
                 stop_service(proc)
@@ -139,6 +143,12 @@ class Bench:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=8)
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=POLICIES[0],
+        help="the groups' grant_policy, and the predictions' (default phase_aware)",
+    )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument(
         "--profiles-out", type=Path, help="write the dedicated runs' profiles here (YAML)"
@@ -157,6 +167,7 @@ def main() -> None:
     )
     from timeslice.plan.profile import dump_profile
     from timeslice.plan.simulator import GroupSpec, Placement, simulate
+    from timeslice.protocol.group import GrantPolicy
 
     stamp = str(int(time.time()))
     started = time.monotonic()
@@ -167,7 +178,8 @@ def main() -> None:
             ["worker", "--address", server.address], "control worker", tmp / "worker.log"
         )
         try:
-            bench = Bench(server.address, tmp, args.epochs)
+            bench = Bench(server.address, tmp, args.epochs, args.policy)
+            policy = GrantPolicy(args.policy)
             print(f"dedicated: {len(KINDS)} jobs, each alone on its group ...", flush=True)
             own = {kind: f"own-{kind}-{stamp}" for kind in KINDS}
             alone = [
@@ -196,7 +208,11 @@ def main() -> None:
                 )
 
             predicted_alone = {
-                kind: predict([Placement(prof, "own", "own")], {}).jobs[prof.job_id].completion_s
+                kind: predict(
+                    [Placement(prof, "own", "own")], {"own": GroupSpec(grant_policy=policy)}
+                )
+                .jobs[prof.job_id]
+                .completion_s
                 for kind, prof in by_kind.items()
             }
             mixes = []
@@ -225,7 +241,11 @@ def main() -> None:
                 ]
                 memory = memory_for(configs)
                 specs = {
-                    g: GroupSpec(memory_bytes=m, opens_s=opens.get(g, origin_mono) - origin_mono)
+                    g: GroupSpec(
+                        memory_bytes=m,
+                        opens_s=opens.get(g, origin_mono) - origin_mono,
+                        grant_policy=policy,
+                    )
                     for g, m in memory.items()
                 }
                 outcome = predict(placements, specs)
@@ -279,6 +299,7 @@ def main() -> None:
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, "
         f"Python {platform.python_version()}",
         "epochs": args.epochs,
+        "grant_policy": args.policy,
         "kinds": {
             k: dict(zip(("sample_s", "reward_s", "train_s"), v, strict=True))
             for k, v in KINDS.items()

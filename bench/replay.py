@@ -13,14 +13,19 @@ Figures (docs/report.md defines them the same way):
 
 - **utilization** of a group = the time GPU phases ran on it (the phases' own monotonic-clock
   intervals) / wall time from its first phase start to its last phase end;
-- **ideal** = the same profile through ``timeslice.plan.simulator`` with free switches, FIFO,
-  the jobs starting when they did here (same ramp-up and tail);
+- **ideal** = the same profile through ``timeslice.plan.simulator`` with free switches, under
+  the grant policy the groups ran (``--policy``), the jobs starting when they did here (same
+  ramp-up and tail): what this policy reaches when switching costs nothing;
+- **demand bound** = the jobs' summed GPU demand on the group, capped at 100%: for each job
+  on it, its GPU seconds per epoch there (sample on its sampler group, train on its trainer
+  group) / its epoch alone (sample + rewards + train); no policy beats it (a policy's loss
+  shows as ideal < bound);
 - **switch overhead** = for every hand-off between jobs on a group (the next job asked before
   the previous one released): previous release sent → next phase started, minus the state
   moves on that path (the next job's restore, and the previous job's eviction when the group's
   memory does not hold both states).
 
-    .venv/bin/python bench/replay.py --layout one-group --jobs 2 --epochs 20
+    .venv/bin/python bench/replay.py --layout one-group --jobs 2 --epochs 20 [--policy fifo]
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ sys.path.insert(0, str(REPO))
 from bench.handoff import cpu_model, percentile  # noqa: E402
 
 LAYOUTS = ("one-group", "disaggregated", "shared-trainer", "dedicated")
+POLICIES = ("phase_aware", "fifo")  # GroupConfig.grant_policy; the first is its default
 
 
 def groups_of(layout: str, job: int, stamp: str) -> tuple[str, str]:
@@ -91,12 +97,34 @@ def switch_overheads(holds: list[Any], both_fit: bool) -> list[float]:
     return overheads
 
 
-def ideal(results: list[Any], configs: list[dict[str, Any]], profile: dict[str, float]) -> Any:
+def demand_bound(configs: list[dict[str, Any]], profile: dict[str, float]) -> dict[str, float]:
+    """Per group: the jobs' GPU seconds per epoch there over their epoch alone, summed, capped
+    at 1 (every job here runs ``profile``)."""
+    epoch_s = profile["sample_s"] + profile["reward_s"] + profile["train_s"]
+    demand: dict[str, float] = {}
+    for c in configs:
+        gpu = {c["sampler_group"]: 0.0, c["trainer_group"]: 0.0}
+        gpu[c["sampler_group"]] += profile["sample_s"]
+        gpu[c["trainer_group"]] += profile["train_s"]
+        for group, seconds in gpu.items():
+            demand[group] = demand.get(group, 0.0) + (seconds / epoch_s if epoch_s > 0 else 1.0)
+    return {g: min(1.0, d) for g, d in demand.items()}
+
+
+def ideal(
+    results: list[Any],
+    configs: list[dict[str, Any]],
+    profile: dict[str, float],
+    policy: str = POLICIES[0],
+) -> Any:
+    """The same jobs, started when they did, with free switches under ``policy``."""
     from timeslice.plan.profile import Overheads
-    from timeslice.plan.simulator import Placement, rl_profile, simulate
+    from timeslice.plan.simulator import GroupSpec, Placement, rl_profile, simulate
+    from timeslice.protocol.group import GrantPolicy
 
     firsts = {r.job_id: min(h.mono_start for rec in r.records for h in rec.holds) for r in results}
     origin = min(firsts.values())
+    groups = {g for c in configs for g in (c["sampler_group"], c["trainer_group"])}
     return simulate(
         [
             Placement(
@@ -113,22 +141,31 @@ def ideal(results: list[Any], configs: list[dict[str, Any]], profile: dict[str, 
             )
             for c in configs
         ],
+        groups={g: GroupSpec(grant_policy=GrantPolicy(policy)) for g in groups},
         overheads=Overheads.zero(),
     )
 
 
 async def run_jobs(
-    address: str, configs: list[dict[str, Any]], memory: dict[str, int | None]
+    address: str,
+    configs: list[dict[str, Any]],
+    memory: dict[str, int | None],
+    policy: str = POLICIES[0],
 ) -> list[Any]:
     from timeslice.activities.group_requests import start_group
     from timeslice.connection import connect, connect_config
     from timeslice.jobs import parse_job_config, start_rl_job
-    from timeslice.protocol.group import GroupConfig
+    from timeslice.protocol.group import GrantPolicy, GroupConfig
 
     client = await connect(connect_config(address))
     for group, memory_bytes in memory.items():
         # Declaring the device memory lets a switch evict and restore at the same time.
-        await start_group(client, GroupConfig(group_id=group, memory_bytes=memory_bytes))
+        await start_group(
+            client,
+            GroupConfig(
+                group_id=group, memory_bytes=memory_bytes, grant_policy=GrantPolicy(policy)
+            ),
+        )
     handles = [await start_rl_job(client, parse_job_config(c)) for c in configs]
     return list(await asyncio.gather(*(h.result() for h in handles)))
 
@@ -149,6 +186,12 @@ def main() -> None:
         "--no-overlap",
         action="store_true",
         help="do not declare group memory for two jobs' states (evict, then restore)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=POLICIES[0],
+        help="the groups' grant_policy, and the ideal's (default phase_aware, GroupConfig's)",
     )
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     p.add_argument("--records", type=Path, help="write every job's result here (JSON)")
@@ -212,7 +255,7 @@ def main() -> None:
                 )  # fmt: skip
             print(f"{args.layout}: {args.jobs} jobs x {args.epochs} epochs ...", flush=True)
             started = time.monotonic()
-            results = asyncio.run(run_jobs(server.address, configs, memory))
+            results = asyncio.run(run_jobs(server.address, configs, memory, args.policy))
             elapsed = time.monotonic() - started
         finally:
             for proc in reversed(procs):
@@ -220,7 +263,8 @@ def main() -> None:
             server.stop()
 
     by_group = holds_by_group(results)
-    simulated = ideal(results, configs, options)
+    simulated = ideal(results, configs, options, args.policy)
+    bounds = demand_bound(configs, options)
     overheads = [
         o
         for group, holds in by_group.items()
@@ -234,13 +278,25 @@ def main() -> None:
             "utilization": round(measured["utilization"], 4),
             "ideal": round(best, 4),
             "of_ideal": round(measured["utilization"] / best, 4),
+            "demand_bound": round(bounds[group], 4),
+            "of_demand_bound": round(measured["utilization"] / bounds[group], 4),
             "phases": len(holds),
         }
+        print(
+            f"{group}: utilization {measured['utilization']:.1%}; ideal {best:.1%} (free "
+            f"switches, {args.policy}); demand bound {bounds[group]:.1%} (the jobs' GPU "
+            "seconds per epoch here / their epoch alone, summed, capped at 100%)",
+            flush=True,
+        )
     result = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, "
         f"Python {platform.python_version()}",
         "layout": args.layout,
+        "grant_policy": args.policy,
+        "ideal_is": f"the simulator with free switches under {args.policy}",
+        "demand_bound_is": "sum over the group's jobs of GPU seconds per epoch on it / epoch "
+        "alone (sample + rewards + train), capped at 100%",
         "profile": {**options, "jobs": args.jobs, "epochs": args.epochs},
         "group_memory_declared": not args.no_overlap,
         "groups": groups,

@@ -21,7 +21,10 @@ from timeslice.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from timeslice.plan.profile import JobProfile, Overheads
-    from timeslice.plan.search import Layout, PlanResult
+    from timeslice.plan.search import Assignment, Layout, Planner, PlanResult
+
+    # The other grant policy's name, and the assignments found predicted under it.
+    Compared = tuple[str, list[Assignment]]
 
 USAGE = """\
 timeslice plan profile JOB... [--group GROUP] [--out DIR] [--format yaml|json]
@@ -71,6 +74,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     where.add_argument("--gpus-per-group", type=int, default=1, help="for GPUs saved (default 1)")
     where.add_argument(
         "--aging", type=_finite, default=60.0, metavar="S", help="the groups' aging_s (default 60)"
+    )
+    where.add_argument(
+        "--policy",
+        choices=("phase_aware", "fifo"),
+        default="phase_aware",
+        help="the groups' grant_policy, which predictions and the recommendation use (default "
+        "phase_aware, GroupConfig's default; its bounds are GroupConfig's defaults)",
+    )
+    where.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help="also predict the assignments shown under the other grant policy, side by side",
     )
     limits = plan.add_argument_group("limits and priorities")
     limits.add_argument(
@@ -276,6 +291,7 @@ def _names(value: str, flag: str, prefix: str) -> tuple[str, ...]:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     from timeslice.plan.search import Layout
+    from timeslice.plan.simulator import GroupSpec
 
     pooled = args.sampler_groups is not None or args.trainer_groups is not None
     if pooled and args.groups is not None:
@@ -296,6 +312,7 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
     if args.aging <= 0:
         raise InvalidArgumentError("--aging must be > 0 seconds")
     try:
+        policy = GroupSpec(grant_policy=getattr(args, "policy", "phase_aware"))
         if pooled:
             return Layout(
                 sampler_groups=_names(args.sampler_groups, "--sampler-groups", "sampler"),
@@ -303,12 +320,14 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
                 memory_bytes=memory,
                 aging_s=args.aging,
                 gpus_per_group=args.gpus_per_group,
+                policy=policy,
             )
         return Layout(
             groups=_names(args.groups, "--groups", "group"),
             memory_bytes=memory,
             aging_s=args.aging,
             gpus_per_group=args.gpus_per_group,
+            policy=policy,
         )
     except ValueError as err:
         raise InvalidArgumentError(str(err)) from None
@@ -398,9 +417,10 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise InvalidArgumentError(str(err)) from None
     result = planner.search(top=args.top, time_limit_s=args.time_limit)
-    print(format_plan(result, origin))
+    compared = compare_policies(planner, result) if args.compare_policies else None
+    print(format_plan(result, origin, compared))
     if args.json is not None:
-        args.json.write_text(json.dumps(plan_json(result, origin), indent=2) + "\n")
+        args.json.write_text(json.dumps(plan_json(result, origin, compared), indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.html is not None and result.assignments:
         from timeslice.plan.timeline import write_timeline
@@ -411,11 +431,47 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if result.assignments and not result.assignments[0].violations else 1
 
 
+def compare_policies(planner: Planner, result: PlanResult) -> Compared:
+    """The assignments found, predicted again under the other grant policy (same groups,
+    same bounds, same epochs)."""
+    from timeslice.plan.search import Planner
+    from timeslice.protocol.group import GrantPolicy
+
+    ours = result.layout.policy.grant_policy
+    other = GrantPolicy.FIFO if ours is GrantPolicy.PHASE_AWARE else GrantPolicy.PHASE_AWARE
+    rival = Planner(
+        list(planner.profiles.values()),
+        result.layout.with_policy(other),
+        overheads=planner.overheads,
+        move_bytes_per_s=planner.move_bps,
+        limits=planner.limit,
+        sim_epochs=planner.sim_epochs,
+        final_epochs=planner.final_epochs,
+    )
+    return other.value, [
+        rival.evaluate(
+            {j.job_id: (j.sampler_group, j.trainer_group) for j in a.jobs}, planner.final_epochs
+        )
+        for a in result.assignments
+    ]
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
 
-def format_plan(result: PlanResult, origin: str) -> str:
+def describe_policy(layout: Layout) -> str:
+    spec = layout.policy
+    if spec.grant_policy.value == "fifo":
+        return "fifo (a lease is kept into its holder's next phase only when nobody waits)"
+    return (
+        "phase_aware (a lease may be carried past waiters into its holder's next phase: "
+        f"max_carries {spec.max_carries}, carry_limit_s {spec.carry_limit_s:g}, share_slack "
+        f"{spec.share_slack:g})"
+    )
+
+
+def format_plan(result: PlanResult, origin: str, compared: Compared | None = None) -> str:
     ov = result.overheads
     layout = result.layout
     n_jobs = len(result.assignments[0].jobs) if result.assignments else 0
@@ -430,6 +486,7 @@ def format_plan(result: PlanResult, origin: str) -> str:
         f"protocol costs ({origin}): request {ov.request_s * 1000:.0f} ms, grant "
         f"{ov.grant_s * 1000:.0f} ms, hop {ov.hop_s * 1000:.0f} ms, carried lease "
         f"{ov.carry_s * 1000:.0f} ms",
+        f"grant policy: {describe_policy(layout)}",
         f"searched {result.evaluated} assignments ({result.simulations} simulations) in "
         f"{result.seconds:.2f} s",
     ]
@@ -466,6 +523,10 @@ def format_plan(result: PlanResult, origin: str) -> str:
                 )
             )
         lines += _table(rows)
+        if compared is not None:
+            lines += _comparison(
+                a, compared[1][rank - 1], layout.policy.grant_policy.value, compared[0]
+            )
     scaled = [j for a in result.assignments[:1] for j in a.jobs if j.epochs_simulated < j.epochs]
     if scaled:
         lines.append("")
@@ -479,6 +540,34 @@ def format_plan(result: PlanResult, origin: str) -> str:
     return "\n".join(lines)
 
 
+def _comparison(ours: Assignment, theirs: Assignment, our_name: str, their_name: str) -> list[str]:
+    """The same assignment under both policies: utilization per group, slowdown per job."""
+    rows = [("compared", our_name, their_name)]
+    other_groups = {g.group_id: g for g in theirs.groups}
+    rows += [
+        (
+            f"{g.group_id} utilization",
+            _pct(g.utilization),
+            _pct(other_groups[g.group_id].utilization),
+        )
+        for g in ours.groups
+        if g.jobs
+    ]
+    other_jobs = {j.job_id: j for j in theirs.jobs}
+    rows += [
+        (f"{j.job_id} slowdown", f"{j.slowdown:.2f}x", f"{other_jobs[j.job_id].slowdown:.2f}x")
+        for j in ours.jobs
+    ]
+    rows.append(
+        (
+            "limits broken",
+            str(len(ours.violations)),
+            str(len(theirs.violations)),
+        )
+    )
+    return _table(rows)
+
+
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
@@ -486,46 +575,64 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     ]
 
 
-def plan_json(result: PlanResult, origin: str) -> dict[str, object]:
+def _assignment_json(a: Assignment) -> dict[str, object]:
     return {
+        "groups_used": a.groups_used,
+        "gpus_used": a.gpus_used,
+        "gpus_saved": a.gpus_saved,
+        "mean_utilization": a.mean_utilization,
+        "violations": [j.job_id for j in a.violations],
+        "groups": [
+            {
+                "group": g.group_id,
+                "role": g.role,
+                "jobs": g.jobs,
+                "utilization": g.utilization,
+                "switches": g.switches,
+            }
+            for g in a.groups
+            if g.jobs
+        ],
+        "jobs": [
+            {
+                "job": j.job_id,
+                "sampler_group": j.sampler_group,
+                "trainer_group": j.trainer_group,
+                "slowdown": j.slowdown,
+                "max_slowdown": None if j.max_slowdown == float("inf") else j.max_slowdown,
+                "dedicated_s": j.dedicated_s,
+                "shared_s": j.completion_s,
+                "epochs_simulated": j.epochs_simulated,
+            }
+            for j in a.jobs
+        ],
+    }
+
+
+def plan_json(
+    result: PlanResult, origin: str, compared: Compared | None = None
+) -> dict[str, object]:
+    spec = result.layout.policy
+    answer: dict[str, object] = {
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "grant_policy": {
+            "policy": spec.grant_policy.value,
+            "max_carries": spec.max_carries,
+            "carry_limit_s": spec.carry_limit_s,
+            "share_slack": spec.share_slack,
+        },
         "overheads": result.overheads.model_dump(),
         "overheads_from": origin,
         "searched": result.evaluated,
         "simulations": result.simulations,
         "seconds": round(result.seconds, 3),
         "notes": result.notes,
-        "assignments": [
-            {
-                "groups_used": a.groups_used,
-                "gpus_used": a.gpus_used,
-                "gpus_saved": a.gpus_saved,
-                "mean_utilization": a.mean_utilization,
-                "violations": [j.job_id for j in a.violations],
-                "groups": [
-                    {
-                        "group": g.group_id,
-                        "role": g.role,
-                        "jobs": g.jobs,
-                        "utilization": g.utilization,
-                    }
-                    for g in a.groups
-                    if g.jobs
-                ],
-                "jobs": [
-                    {
-                        "job": j.job_id,
-                        "sampler_group": j.sampler_group,
-                        "trainer_group": j.trainer_group,
-                        "slowdown": j.slowdown,
-                        "max_slowdown": None if j.max_slowdown == float("inf") else j.max_slowdown,
-                        "dedicated_s": j.dedicated_s,
-                        "shared_s": j.completion_s,
-                        "epochs_simulated": j.epochs_simulated,
-                    }
-                    for j in a.jobs
-                ],
-            }
-            for a in result.assignments
-        ],
+        "assignments": [_assignment_json(a) for a in result.assignments],
     }
+    if compared is not None:
+        # The same assignments, in the same order, predicted under the other policy.
+        answer["compared"] = {
+            "grant_policy": compared[0],
+            "assignments": [_assignment_json(a) for a in compared[1]],
+        }
+    return answer

@@ -22,6 +22,7 @@ fraction for every job in one simulation), which keeps their relative lengths.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -37,6 +38,7 @@ from timeslice.plan.simulator import (
     Placement,
     simulate,
 )
+from timeslice.protocol.group import GrantPolicy
 
 DEFAULT_MAX_SLOWDOWN = 1.5
 COARSE_MARGIN = 0.05
@@ -53,6 +55,9 @@ class Layout:
     memory_bytes: int | None = None
     aging_s: float = 60.0
     gpus_per_group: int = 1
+    # Every group's settings but its memory and ageing: the grant policy and its bounds
+    # (GroupConfig's defaults).
+    policy: GroupSpec = field(default_factory=GroupSpec)
 
     def __post_init__(self) -> None:
         pooled = bool(self.sampler_groups) or bool(self.trainer_groups)
@@ -75,7 +80,15 @@ class Layout:
         return bool(self.sampler_groups)
 
     def spec(self) -> GroupSpec:
-        return GroupSpec(memory_bytes=self.memory_bytes, aging_s=self.aging_s)
+        return dataclasses.replace(
+            self.policy, memory_bytes=self.memory_bytes, aging_s=self.aging_s
+        )
+
+    def with_policy(self, policy: GrantPolicy | str) -> Layout:
+        """The same groups under another grant policy (same bounds)."""
+        return dataclasses.replace(
+            self, policy=dataclasses.replace(self.policy, grant_policy=GrantPolicy(policy))
+        )
 
 
 @dataclass

@@ -7,26 +7,40 @@ What it models, each rule taken from the code it stands for:
   equals; sticky residency (a release with nobody waiting leaves the state on the device);
   when the group's ``memory_bytes`` holds both jobs' states the next holder is granted at once
   and its restore overlaps the eviction, otherwise the grant waits for the eviction's report.
+- **the grant policy** (``workflows/grant_policy.py``, called here, not copied): a holder whose
+  next GPU phase on the same group follows at once asks to *carry* its lease into it (what
+  ``LeaseReturn.carry_into`` says), stating that phase's length (the step's mean: a job knows
+  its phases from its own records). Nobody waiting, the lease is kept under every policy;
+  under ``fifo`` it goes to a waiter; under ``phase_aware`` (the default) :func:`decide_carry`
+  keeps it past waiters within the group's ``max_carries`` (counted per lease),
+  ``carry_limit_s`` and the waiting-share rule, the shares recorded at each grant as
+  ``GroupBook.grant`` does (the time the request reached the group, and the wait until the
+  grant), of other jobs than the holder's own;
 - **RL jobs** (``workflows/rl_job.py``, ``activities/job_runtime.py``): each GPU phase takes its
   own lease; the lease of a job's next GPU phase is asked for as its previous step ends
   (prefetch); a GPU phase releases as it ends, except that a phase followed by a GPU phase on
-  the same group releases *if contended* — nobody waiting, the job keeps the lease (carry-over);
-  a checkpoint runs under the trainer lease after train every ``checkpoint_every`` epochs and
-  at the end; the job moves its own state: it restores before its phase and, when its release
-  is answered "evict", evicts after it (co-operative switching); a state another group holds
-  is moved out of there first (states move with the lease).
+  the same group asks to carry its lease into it (the grant policy above); a checkpoint runs
+  under the trainer lease after train every ``checkpoint_every`` epochs and at the end (that
+  lease is released after it, carrying nothing); the job moves its own state: it restores
+  before its phase and, when its release is answered "evict", evicts after it (co-operative
+  switching); a state another group holds is moved out of there first (states move with the
+  lease).
 - **client jobs** (``timeslice.TimeSliceOrchestratorClient``): acquire, hold, release (the
-  release is awaited), work off the GPU, acquire again; the group evicts and restores their
-  state with its own activities.
+  release is awaited, and carries nothing: a plain acquire), work off the GPU, acquire again;
+  the group evicts and restores their state with its own activities.
 - **the protocol's own costs** (:class:`~timeslice.plan.profile.Overheads`): a message's way
   to the group and back, a job's hop from one activity to the next, the carried lease's gap.
 
 With :meth:`Overheads.zero` and no states it is the *ideal* the benchmarks compare against:
-what the same jobs reach when switching costs nothing (``bench/replay.py``).
+what the same jobs reach under the same grant policy when switching costs nothing
+(``bench/replay.py``, which prints beside it the jobs' summed GPU demand, the bound no policy
+beats).
 
 Figures: a group's **utilization** = the time GPU phases ran on it / wall time from its first
 phase start to its last phase end (restores, evictions, checkpoints and gaps count as not
-busy); a job's **completion** = its first phase start to its last phase end.
+busy); a job's **completion** = its first phase start to its last phase end. With
+``record=True`` the outcome also lists each group's asks, grants and releases
+(:class:`GroupEvent`), which ``tests/unit/test_sim_policy.py`` replays through ``GroupBook``.
 """
 
 from __future__ import annotations
@@ -38,9 +52,24 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from timeslice.plan.profile import JobProfile, Overheads, Seconds, StateProfile
+from timeslice.protocol.group import (
+    DEFAULT_CARRY_LIMIT_S,
+    DEFAULT_MAX_CARRIES,
+    DEFAULT_SHARE_SLACK,
+    GrantPolicy,
+)
+from timeslice.workflows.grant_policy import (
+    Carry,
+    CarryLimits,
+    decide_carry,
+    record_wait,
+    remember_job,
+    waiting_share,
+)
 
 DEFAULT_MOVE_BYTES_PER_S = 25e9  # a host <-> device copy over PCIe Gen4 x16, roughly
 SegmentKind = Literal["phase", "restore", "evict", "checkpoint", "wait", "lease"]
+GroupEventKind = Literal["ask", "grant", "release"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +88,35 @@ class Placement:
 
 @dataclass(frozen=True)
 class GroupSpec:
+    """A group's settings, as its ``GroupConfig`` has them (same defaults)."""
+
     memory_bytes: int | None = None
     aging_s: float = 60.0
     # The group grants nothing before this (the jobs' preparation held it; bench/plan_check.py
     # lines a simulated run up with a real one this way).
     opens_s: float = 0.0
+    grant_policy: GrantPolicy = GrantPolicy.PHASE_AWARE
+    max_carries: int = DEFAULT_MAX_CARRIES
+    carry_limit_s: float = DEFAULT_CARRY_LIMIT_S
+    share_slack: float = DEFAULT_SHARE_SLACK
+
+    def __post_init__(self) -> None:
+        try:
+            policy = GrantPolicy(self.grant_policy)
+        except ValueError:
+            names = ", ".join(p.value for p in GrantPolicy)
+            raise ValueError(f"grant policy {self.grant_policy!r}: use one of {names}") from None
+        object.__setattr__(self, "grant_policy", policy)
+        if self.max_carries < 0 or self.carry_limit_s <= 0 or not 0 <= self.share_slack <= 1:
+            raise ValueError(
+                "max_carries must be >= 0, carry_limit_s > 0 and share_slack within 0..1"
+            )
+
+    @property
+    def limits(self) -> CarryLimits:
+        return CarryLimits(
+            self.grant_policy, self.max_carries, self.carry_limit_s, self.share_slack
+        )
 
 
 @dataclass(frozen=True)
@@ -80,6 +133,22 @@ class Segment:
     kind: SegmentKind = "phase"
 
 
+@dataclass(frozen=True)
+class GroupEvent:
+    """What a group saw (recorded with ``record=True``): a request reaching it, a grant, or a
+    release; a release that asked to carry names the next phase, its stated length, and the
+    decision (kept or not, and why)."""
+
+    time: float
+    group_id: str
+    job_id: str
+    event: GroupEventKind
+    carry_into: str | None = None
+    expected_s: float = 0.0
+    kept: bool = False
+    reason: str = ""
+
+
 @dataclass
 class GroupResult:
     busy_s: float = 0.0
@@ -87,6 +156,7 @@ class GroupResult:
     last_end: float = 0.0
     leases: int = 0
     switches: int = 0
+    carried: int = 0  # leases kept past waiters into their holder's next phase
     bytes_moved: int = 0
     holds: list[tuple[str, float, float]] = field(default_factory=list)
 
@@ -117,6 +187,7 @@ class Outcome:
     groups: dict[str, GroupResult]
     jobs: dict[str, JobResult]
     segments: list[Segment]
+    events: list[GroupEvent] = field(default_factory=list)
 
     @property
     def completion_s(self) -> dict[str, float]:
@@ -222,6 +293,7 @@ class _Waiter:
 
 class _Group:
     __slots__ = (
+        "carries",
         "evicting",
         "holder",
         "id",
@@ -230,6 +302,7 @@ class _Group:
         "queue",
         "resident",
         "result",
+        "shares",
         "spec",
         "states",
         "switching",
@@ -248,6 +321,10 @@ class _Group:
         self.lease_start = 0.0
         self.states: dict[str, list[_State]] = {}  # job id -> its states that live here
         self.result = GroupResult()
+        # The grant policy's memory: the holder's lease crossed this many phase boundaries
+        # past waiters; job id -> flat [asked_at, waited_s, ...] of its last grants.
+        self.carries = 0
+        self.shares: dict[str, list[float]] = {}
 
 
 # ---------------------------------------------------------------- the simulation
@@ -271,6 +348,7 @@ class Simulation:
         self.rng = random.Random(seed) if seed is not None else None
         self.record = record
         self.segments: list[Segment] = []
+        self.events: list[GroupEvent] = []
         self.jobs = [_Job(p, move_bytes_per_s) for p in placements]
         specs = groups or {}
         self.groups: dict[str, _Group] = {}
@@ -321,6 +399,7 @@ class Simulation:
             groups={g.id: g.result for g in self.groups.values()},
             jobs={j.id: j.result for j in self.jobs},
             segments=self.segments,
+            events=self.events,
         )
 
     def _duration(self, step: _Step) -> float:
@@ -450,7 +529,7 @@ class Simulation:
         group = self.groups[step.group]
         nxt = self._next_step(job)
         if job.client:
-            self._release(t, job, group, keep=False)
+            self._release(t, job, group, carry=None)
             self._advance(t + ov.request_s + ov.grant_s, job)  # the client awaits its release
             return
         done = job.epoch + 1
@@ -464,30 +543,37 @@ class Simulation:
             begin = t + ov.hop_s
             end = begin + job.ckpt.mean
             self._segment(job, group.id, "checkpoint", begin, end, "checkpoint")
-            self._release(end, job, group, keep=False)
+            self._release(end, job, group, carry=None)
             self._prefetch(end, job, nxt)
             self._advance(end + ov.hop_s, job)
             return
         if nxt is not None and nxt.gpu and nxt.group == group.id:
-            # Released only if someone waits; the process awaits the answer, then its next
-            # activity is dispatched: the group idles for the carried lease's gap.
-            self._release(t, job, group, keep=True)
+            # Asks to carry the lease into the next phase (the grant policy decides); the
+            # process awaits the answer, then its next activity is dispatched: the group idles
+            # for the carried lease's gap.
+            self._release(t, job, group, carry=nxt)
             self._advance(t + max(ov.carry_s, ov.request_s + ov.grant_s), job)
             return
-        self._release(t, job, group, keep=False)  # sent in the background
+        self._release(t, job, group, carry=None)  # sent in the background
         self._prefetch(t, job, nxt)
         self._advance(t + ov.hop_s, job)
 
-    def _release(self, t: float, job: _Job, group: _Group, *, keep: bool) -> None:
-        if not keep:
+    def _release(self, t: float, job: _Job, group: _Group, *, carry: _Step | None) -> None:
+        """``carry``: the next GPU phase on this group, which the lease is asked to carry into."""
+        if carry is None:
             # No longer the process's to use from now on: a lease asked for next on the same
             # group is a new one (``_yield_in_background``).
             job.held.discard(group.id)
-        self._at(t + self.ov.request_s, self._released, group, job, keep)
+        self._at(t + self.ov.request_s, self._released, group, job, carry)
 
     # ------------------------------------------------------------ the group
 
+    def _event(self, t: float, group: _Group, job: _Job, event: GroupEventKind, **kw: Any) -> None:
+        if self.record:
+            self.events.append(GroupEvent(t, group.id, job.id, event, **kw))
+
     def _request(self, t: float, group: _Group, job: _Job, asked: float) -> None:
+        self._event(t, group, job, "ask")
         self._seq += 1
         group.queue.append(_Waiter(job, t, self._seq, asked))
         self._decide(t, group)
@@ -498,16 +584,50 @@ class Simulation:
         aging = group.spec.aging_s
         return max(group.queue, key=lambda w: (w.job.priority + (t - w.enqueued) / aging, -w.seq))
 
-    def _released(self, t: float, group: _Group, job: _Job, keep: bool) -> None:
+    def _share(self, group: _Group, job: _Job, t: float) -> float:
+        records = group.shares.get(job.id)
+        return waiting_share(records, t) if records else 0.0
+
+    def _carry(self, t: float, group: _Group, job: _Job, into: _Step) -> Carry:
+        """The grant policy's answer to the holder's ask to keep its lease into ``into``
+        (``GroupBook._carry`` asks the same of the same function)."""
+        waiters = {w.job.id: self._share(group, w.job, t) for w in group.queue if w.job is not job}
+        return decide_carry(
+            group.spec.limits,
+            next_phase=into.name,
+            next_phase_s=into.mean,
+            carries=group.carries,
+            holder_share=self._share(group, job, t),
+            waiters=waiters.items(),
+        )
+
+    def _released(self, t: float, group: _Group, job: _Job, carry: _Step | None) -> None:
         if group.holder is not job:
             return
-        if keep and not group.queue:
-            return  # kept: the job's next phase runs under the same lease
+        if carry is not None:
+            decision = self._carry(t, group, job, carry)
+            self._event(
+                t,
+                group,
+                job,
+                "release",
+                carry_into=carry.name,
+                expected_s=carry.mean,
+                kept=decision.keep,
+                reason=decision.reason,
+            )
+            if decision.keep:
+                if decision.contended:
+                    group.carries += 1
+                    group.result.carried += 1
+                return  # kept: the job's next phase runs under the same lease
+        else:
+            self._event(t, group, job, "release")
         group.holder = None
         job.held.discard(group.id)
         if self.record:
             self._segment(job, group.id, "lease", group.lease_start, t, "lease")
-        if keep:
+        if carry is not None:
             # Released after all: the process asks for the next phase's lease once it hears.
             self._ask(t + self.ov.grant_s, job, group.id)
         best = self._best(t, group)
@@ -576,14 +696,18 @@ class Simulation:
         group.resident = job
         if grant_at > t:
             group.switching = True
-            self._at(grant_at, self._grant, group, job)
+            self._at(grant_at, self._grant, group, job, best.enqueued)
         else:
-            self._grant(t, group, job)
+            self._grant(t, group, job, best.enqueued)
 
-    def _grant(self, t: float, group: _Group, job: _Job) -> None:
+    def _grant(self, t: float, group: _Group, job: _Job, enqueued: float) -> None:
         group.switching = False
         group.holder = job
         group.lease_start = t
+        group.carries = 0
+        # The wait as GroupBook.grant records it: from reaching the group to the grant.
+        record_wait(remember_job(group.shares, job.id), enqueued, t - enqueued)
+        self._event(t, group, job, "grant")
         group.result.leases += 1
         if group.last_holder is not None and group.last_holder is not job:
             group.result.switches += 1

@@ -212,3 +212,45 @@ def test_plan_cli_answers_from_profile_files(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "broken.yaml: invalid profile" in done.stderr
     assert "phases.0: GPU phase 'sample' needs a pool" in done.stderr
+
+
+def test_plan_cli_predicts_with_the_groups_policy_and_compares(tmp_path: Path) -> None:
+    """Two demo-shaped jobs (issue 21) with 3 GB states: sharing a group pays under
+    phase_aware (the default), not under FIFO; --compare-policies shows both."""
+    folder = tmp_path / "p"
+    folder.mkdir()
+    for name in ("demo-a", "demo-b"):
+        profile = {
+            "job_id": name,
+            "epochs": 12,
+            "phases": [
+                {"name": "sample", "gpu": True, "pool": "sampler", "seconds": 0.2},
+                {"name": "rewards", "gpu": False, "seconds": 1.5},
+                {"name": "train", "gpu": True, "pool": "trainer", "seconds": 0.85},
+            ],
+            "states": [
+                {"name": "w", "pool": "both", "bytes": 3e9, "snapshot_s": 0.1, "restore_s": 0.1}
+            ],
+        }
+        (folder / f"{name}.json").write_text(json.dumps(profile))
+    answer = tmp_path / "plan.json"
+    done = plan_cli(str(folder), "--groups", "2", "--compare-policies", "--json", str(answer))
+    assert done.returncode == 0, done.stderr
+    assert "grant policy: phase_aware" in done.stdout
+    assert "compared             phase_aware  fifo" in done.stdout
+    figures = json.loads(answer.read_text())
+    assert figures["grant_policy"]["policy"] == "phase_aware"
+    best = figures["assignments"][0]
+    under_fifo = figures["compared"]["assignments"][0]
+    assert figures["compared"]["grant_policy"] == "fifo"
+    assert best["groups_used"] == under_fifo["groups_used"] == 1  # the same assignment
+    assert not best["violations"] and sorted(under_fifo["violations"]) == ["demo-a", "demo-b"]
+    assert best["groups"][0]["utilization"] > under_fifo["groups"][0]["utilization"] + 0.1
+
+    done = plan_cli(str(folder), "--groups", "2", "--policy", "fifo", "--json", str(answer))
+    assert done.returncode == 0, done.stderr
+    assert "grant policy: fifo" in done.stdout
+    assert json.loads(answer.read_text())["assignments"][0]["groups_used"] == 2
+
+    done = plan_cli(str(folder), "--groups", "2", "--policy", "lifo")
+    assert done.returncode == 2 and "invalid choice: 'lifo'" in done.stderr

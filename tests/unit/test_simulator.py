@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 from timeslice.plan.profile import JobProfile, Overheads, StateProfile
 from timeslice.plan.simulator import GroupSpec, Outcome, Placement, rl_profile, simulate
+from timeslice.protocol.group import GrantPolicy, GroupConfig
+from timeslice.workflows.grant_policy import CarryLimits
 
 ZERO = Overheads.zero()
+FIFO = {"g": GroupSpec(grant_policy=GrantPolicy.FIFO)}
 
 
 def rl(job: str, s: float, r: float, t: float, epochs: int = 1, **kw: object) -> JobProfile:
@@ -28,7 +31,7 @@ def state(name: str = "s", nbytes: int = 10, snap: float = 0.2, rest: float = 0.
 def test_fifo_release_and_carry_over_when_nobody_waits() -> None:
     a = rl("a", 2, 1, 1, epochs=2)
     b = rl("b", 1.5, 2.7, 0.5, epochs=2)
-    out = simulate([on("g", a), on("g", b, start=0.5)], overheads=ZERO)
+    out = simulate([on("g", a), on("g", b, start=0.5)], groups=FIFO, overheads=ZERO)
     # a samples 0-2; b asked at 0.5 and gets the group at 2; a's train (asked at 3) waits for
     # b's release at 3.5. At 4.5 nobody waits: a keeps the lease and samples 4.5-6.5. b asked
     # for its train at 6.2: granted at 6.5; at 7 nobody waits, b keeps it and samples 7-8.5.
@@ -49,22 +52,83 @@ def test_fifo_release_and_carry_over_when_nobody_waits() -> None:
     assert out.groups["g"].switches == 5  # a→b, b→a, a→b, b→a, a→b
 
 
-def test_lease_is_not_carried_when_someone_waits() -> None:
+FIRST_HOLDS = [("a", 0, 1), ("b", 1, 1.8), ("a", 2, 4), ("b", 4, 5)]
+
+
+@pytest.mark.parametrize(
+    ("policy", "later_holds"),
+    [
+        # a asks again at 4 and waits for b's release at 5, and so on.
+        (GrantPolicy.FIFO, [("a", 5, 6), ("b", 6, 6.8), ("a", 7, 9), ("b", 9, 10)]),
+        # At 5 b (waited 0.9 + 1.7 s since 0.1: share 0.53) carries past a (its two grants
+        # came at once: share 0; its wait since 4 is what max_carries bounds) into its
+        # sample 5-5.8; then a samples 5.8-6.8, b trains 6.8-7.8, a 7.8-9.8.
+        (
+            GrantPolicy.PHASE_AWARE,
+            [("b", 5, 5.8), ("a", 5.8, 6.8), ("b", 6.8, 7.8), ("a", 7.8, 9.8)],
+        ),
+    ],
+)
+def test_lease_is_not_carried_past_a_waiter_that_waited_more(
+    policy: GrantPolicy, later_holds: list[tuple[str, float, float]]
+) -> None:
     a = rl("a", 1, 1, 2, epochs=2)
     b = rl("b", 0.8, 0.5, 1, epochs=2)
-    out = simulate([on("g", a), on("g", b, start=0.1)], overheads=ZERO)
+    groups = {"g": GroupSpec(grant_policy=policy)}
+    out = simulate([on("g", a), on("g", b, start=0.1)], groups=groups, overheads=ZERO, record=True)
     # a trains 2-4 while b (asked at 2.3) waits: at 4 a's lease goes to b, not to a's next
-    # sampling; a asks again and waits for b's release at 5, and so on.
-    assert holds(out) == [
-        ("a", 0, 1),
-        ("b", 1, 1.8),
-        ("a", 2, 4),
-        ("b", 4, 5),
-        ("a", 5, 6),
-        ("b", 6, 6.8),
-        ("a", 7, 9),
-        ("b", 9, 10),
-    ]
+    # sampling. Under phase_aware too: b waited 0.9 s for its one grant (asked at 0.1), a 0 s
+    # for its two, so at 4 b's waiting share 0.9 / 3.9 = 0.23 is above a's 0 + the slack.
+    assert holds(out) == FIRST_HOLDS + later_holds
+    [carry] = [e for e in out.events if e.carry_into is not None and e.time == 4]
+    assert not carry.kept
+    assert ("b waited more" if policy is GrantPolicy.PHASE_AWARE else "fifo") in carry.reason
+
+
+@pytest.mark.parametrize(
+    ("policy", "a_holds", "b_holds"),
+    [
+        # b samples 0-0.5; a (asked at 0.1, waited 0.4 s) samples 0.5-1.5, trains 2.5-3.5.
+        # b asked for its train at 3 and waits: at 3.5 FIFO hands it the group (3.5-4); a asks
+        # again, samples 4-5 and trains 6-7.
+        (GrantPolicy.FIFO, [(0.5, 1.5), (2.5, 3.5), (4, 5), (6, 7)], [(0, 0.5), (3.5, 4)]),
+        # phase_aware: a's share 0.4 / 3.4 = 0.12 is not below b's 0 (b never waited): a
+        # carries its lease into its sample (3.5-4.5); b trains 4.5-5, a's last train 5.5-6.5.
+        (
+            GrantPolicy.PHASE_AWARE,
+            [(0.5, 1.5), (2.5, 3.5), (3.5, 4.5), (5.5, 6.5)],
+            [(0, 0.5), (4.5, 5)],
+        ),
+    ],
+)
+def test_a_lease_is_carried_past_a_waiter_that_waited_less(
+    policy: GrantPolicy,
+    a_holds: list[tuple[float, float]],
+    b_holds: list[tuple[float, float]],
+) -> None:
+    a = rl("a", 1, 1, 1, epochs=2)
+    b = rl("b", 0.5, 2.5, 0.5)
+    out = simulate(
+        [on("g", b), on("g", a, start=0.1)],
+        groups={"g": GroupSpec(grant_policy=policy)},
+        overheads=ZERO,
+    )
+    assert [(x, y) for j, x, y in holds(out) if j == "a"] == a_holds
+    assert [(x, y) for j, x, y in holds(out) if j == "b"] == b_holds
+    assert out.groups["g"].carried == (1 if policy is GrantPolicy.PHASE_AWARE else 0)
+
+
+def test_group_spec_mirrors_the_group_config() -> None:
+    spec, config = GroupSpec(), GroupConfig(group_id="g")
+    assert spec.limits == CarryLimits(
+        config.grant_policy, config.max_carries, config.carry_limit_s, config.share_slack
+    )
+    assert spec.aging_s == config.aging_s
+    assert GroupSpec(grant_policy="fifo").grant_policy is GrantPolicy.FIFO  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="use one of fifo, phase_aware"):
+        GroupSpec(grant_policy="lifo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_carries"):
+        GroupSpec(max_carries=-1)
 
 
 def client_job(job: str, hold: float, priority: int = 0) -> JobProfile:
