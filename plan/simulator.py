@@ -591,14 +591,19 @@ class Simulation:
     def _carry(self, t: float, group: _Group, job: _Job, into: _Step) -> Carry:
         """The grant policy's answer to the holder's ask to keep its lease into ``into``
         (``GroupBook._carry`` asks the same of the same function)."""
-        waiters = {w.job.id: self._share(group, w.job, t) for w in group.queue if w.job is not job}
+        waiters = [
+            (w.job.id, self._share(group, w.job, t), w.job.priority)
+            for w in group.queue
+            if w.job is not job
+        ]
         return decide_carry(
             group.spec.limits,
             next_phase=into.name,
             next_phase_s=into.mean,
             carries=group.carries,
             holder_share=self._share(group, job, t),
-            waiters=waiters.items(),
+            waiters=waiters,
+            holder_priority=job.priority,
         )
 
     def _released(self, t: float, group: _Group, job: _Job, carry: _Step | None) -> None:

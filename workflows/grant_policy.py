@@ -22,6 +22,9 @@ The bounds a carry must pass (every one is enforced here, and tested):
   ``carry_limit_s``. So a waiter is held off by at most ``max_carries`` extra phases per lease
   ahead of it: with ``n`` leases granted before it under FIFO order (priority and ageing keep
   their meaning), it waits for at most ``n * (1 + max_carries)`` phases.
+- **Priority**: a lease is never carried past a waiter that asked with a higher priority than
+  the holder's lease (ageing orders waiters as before; it does not stop a carry, which the
+  bound above limits anyway).
 - **Fairness** (waiting shares): a job's *waiting share* is the time it spent waiting for its
   last ``WAIT_RECORDS_KEEP`` grants over the time since the first of them was asked for. A
   lease is carried past waiters only while the holder's waiting share is within
@@ -108,7 +111,8 @@ def decide_carry(
     next_phase_s: float,
     carries: int,
     holder_share: float,
-    waiters: Iterable[tuple[str, float]],
+    waiters: Iterable[tuple[str, float, int]],
+    holder_priority: int = 0,
 ) -> Carry:
     """Whether a holder keeps its lease into its next GPU phase on this group.
 
@@ -118,10 +122,12 @@ def decide_carry(
         next_phase_s: how long the holder says that phase will take.
         carries: phase boundaries this lease already crossed while someone waited.
         holder_share: the holder's waiting share now (:func:`waiting_share`).
-        waiters: ``(job_id, waiting share)`` of each other job waiting for the group. The
+        waiters: ``(job_id, waiting share, priority)`` of each other job's request waiting
+            for the group (its priority as asked, ageing aside). The
             share is of its recorded grants: its current wait is what ``max_carries`` bounds
             (counting it made the share rule refuse the carries that help both jobs: 70.6% ->
             55.7% on the demo pair in the simulator).
+        holder_priority: the priority the holder's lease was asked with.
 
     Returns:
         The decision and its reason; nobody waiting is always a keep (as under FIFO).
@@ -136,7 +142,10 @@ def decide_carry(
     if next_phase_s > limits.carry_limit_s:
         limit = limits.carry_limit_s
         return Carry(False, f"{next_phase} expected {next_phase_s:.1f} s > carry limit {limit:g} s")
-    worst_job, worst = max(others, key=lambda w: w[1])
+    higher = [job for job, _, priority in others if priority > holder_priority]
+    if higher:
+        return Carry(False, f"{higher[0]} waits with a higher priority")
+    worst_job, worst, _ = max(others, key=lambda w: w[1])
     if holder_share + limits.share_slack < worst:
         return Carry(
             False,

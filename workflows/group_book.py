@@ -510,18 +510,19 @@ class GroupBook:
         is kept, and why."""
         assert ret.carry_into is not None
         job_id = holder.request.job_id
-        waiters = {
-            w.request.job_id: self.waiting_share(w.request.job_id, now)
+        waiters = [
+            (w.request.job_id, self.waiting_share(w.request.job_id, now), w.request.priority)
             for w in self.state.queue
             if w.request.job_id != job_id
-        }
+        ]
         decision = decide_carry(
             self.carry_limits,
             next_phase=ret.carry_into.name,
             next_phase_s=ret.carry_into.expected_s,
             carries=holder.carries,
             holder_share=self.waiting_share(job_id, now),
-            waiters=waiters.items(),
+            waiters=waiters,
+            holder_priority=holder.request.priority,
         )
         if not decision.keep:
             return False, decision.reason

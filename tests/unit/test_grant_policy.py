@@ -50,21 +50,24 @@ FIFO = CarryLimits(policy=GrantPolicy.FIFO)
         (FIFO, 0.2, 0, 0.0, [], True, False, "carrying into sample"),
         (PHASE, 0.2, 0, 0.0, [], True, False, "carrying into sample"),
         # Someone waits: FIFO releases; phase_aware carries when every bound allows.
-        (FIFO, 0.2, 0, 0.3, [("b", 0.0)], False, False, "fifo: 1 waiting"),
-        (PHASE, 0.2, 0, 0.0, [("b", 0.0)], True, True, "carrying into sample"),
+        (FIFO, 0.2, 0, 0.3, [("b", 0.0, 0)], False, False, "fifo: 1 waiting"),
+        (PHASE, 0.2, 0, 0.0, [("b", 0.0, 0)], True, True, "carrying into sample"),
         # Starvation bound: one boundary per lease past waiters (max_carries=1) ...
-        (PHASE, 0.2, 1, 0.5, [("b", 0.0)], False, False, "carried 1 phase(s)"),
-        (CarryLimits(max_carries=2), 0.2, 1, 0.5, [("b", 0.0)], True, True, "carrying"),
-        (CarryLimits(max_carries=0), 0.2, 0, 0.5, [("b", 0.0)], False, False, "carried 0"),
+        (PHASE, 0.2, 1, 0.5, [("b", 0.0, 0)], False, False, "carried 1 phase(s)"),
+        (CarryLimits(max_carries=2), 0.2, 1, 0.5, [("b", 0.0, 0)], True, True, "carrying"),
+        (CarryLimits(max_carries=0), 0.2, 0, 0.5, [("b", 0.0, 0)], False, False, "carried 0"),
         # ... and only into a phase stated no longer than carry_limit_s.
-        (CarryLimits(carry_limit_s=5), 5.0, 0, 0.0, [("b", 0.0)], True, True, "carrying"),
-        (CarryLimits(carry_limit_s=5), 5.1, 0, 0.0, [("b", 0.0)], False, False, "> carry limit"),
+        (CarryLimits(carry_limit_s=5), 5.0, 0, 0.0, [("b", 0.0, 0)], True, True, "carrying"),
+        (CarryLimits(carry_limit_s=5), 5.1, 0, 0.0, [("b", 0.0, 0)], False, False, "> carry limit"),
         # Fairness: a waiter that waited more than the holder (beyond the slack) goes first.
-        (PHASE, 0.2, 0, 0.10, [("b", 0.15)], True, True, "carrying"),
-        (PHASE, 0.2, 0, 0.10, [("b", 0.16)], False, False, "b waited more"),
-        (PHASE, 0.2, 0, 0.10, [("b", 0.0), ("c", 0.3)], False, False, "c waited more"),
-        (CarryLimits(share_slack=0), 0.2, 0, 0.1, [("b", 0.1)], True, True, "carrying"),
-        (CarryLimits(share_slack=0), 0.2, 0, 0.1, [("b", 0.11)], False, False, "b waited"),
+        (PHASE, 0.2, 0, 0.10, [("b", 0.15, 0)], True, True, "carrying"),
+        (PHASE, 0.2, 0, 0.10, [("b", 0.16, 0)], False, False, "b waited more"),
+        (PHASE, 0.2, 0, 0.10, [("b", 0.0, 0), ("c", 0.3, 0)], False, False, "c waited more"),
+        (CarryLimits(share_slack=0), 0.2, 0, 0.1, [("b", 0.1, 0)], True, True, "carrying"),
+        (CarryLimits(share_slack=0), 0.2, 0, 0.1, [("b", 0.11, 0)], False, False, "b waited"),
+        # Priority: never past a waiter that asked higher than the holder; lower is fine.
+        (PHASE, 0.2, 0, 0.5, [("b", 0.0, 1)], False, False, "b waits with a higher priority"),
+        (PHASE, 0.2, 0, 0.0, [("b", 0.0, -1)], True, True, "carrying"),
     ],
 )
 def test_decide_carry(limits, expected_s, carries, mine, waiters, keep, contended, why):
