@@ -26,6 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from temporalio.common import SearchAttributeKey
 
 CONTROL_TASK_QUEUE = "timeslice"
 GROUP_WORKFLOW_TYPE = "GpuGroupWorkflow"
@@ -73,11 +74,12 @@ class GroupQuery(StrEnum):
     STATUS = "status"
 
 
-SEARCH_ATTRIBUTES: dict[str, str] = {
-    "TimesliceGroup": "Keyword",
-    "TimesliceJob": "Keyword",
-    "TimeslicePhase": "Keyword",
-}
+# The Web UI's search attributes, defined here once: the group's id on its workflow, the job's
+# id and current phase on an RL job's workflow (`timeslice setup` registers them).
+GROUP_KEY = SearchAttributeKey.for_keyword("TimesliceGroup")
+JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
+PHASE_KEY = SearchAttributeKey.for_keyword("TimeslicePhase")
+SEARCH_ATTRIBUTES: dict[str, str] = {key.name: "Keyword" for key in (GROUP_KEY, JOB_KEY, PHASE_KEY)}
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 ID_RULE = "1-100 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"

@@ -12,7 +12,7 @@ import re
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from timeslice.protocol.group import (
     CARRIED_STATE_BUDGET_BYTES,
     MAX_BACKENDS,
@@ -257,11 +257,13 @@ class DescribeInput(_Model):
 
 
 class DescribeResult(_Model):
+    # Ignores what it does not know: job processes before this release also sent `pid` and
+    # `ready`, which nothing read, and their answers stay in running jobs' histories.
+    model_config = ConfigDict(extra="ignore")
+
     workload: str
     sampler_backends: list[str]
     trainer_backends: list[str]
-    pid: int
-    ready: bool
     epochs_done: int | None
     protocol: int | None = Field(
         None, description="the process's JOB_PROTOCOL_VERSION (None: a release before it)"
