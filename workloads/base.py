@@ -6,7 +6,7 @@ only the small metric dicts the phases return cross Temporal.
 
 Determinism is the workload's contract with the platform: given the same :class:`JobSpec`,
 ``setup`` followed by the phases of epochs 0..N must produce the same state whether or not the
-process was snapshotted, restored or restarted from a checkpoint in between. The built-ins get
+state was evicted and restored, or the job resumed from a checkpoint, in between. The built-ins get
 there by drawing every epoch's randomness from ``(seed, epoch)`` rather than from a running
 generator.
 """

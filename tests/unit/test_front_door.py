@@ -47,3 +47,20 @@ def test_the_contributing_guide_names_real_markers_and_paths() -> None:
     assert named, "the guide names no files"
     missing = sorted(path for path in named if not (REPO / path).exists())
     assert not missing, f"CONTRIBUTING.md names files that do not exist: {missing}"
+
+
+def test_one_verb_for_taking_state_off_the_device() -> None:
+    """docs/architecture.md names the verb (evict) and the names kept for compatibility; the
+    user-facing packages no longer say "snapshotted" for it."""
+    architecture = (REPO / "docs" / "architecture.md").read_text()
+    glossary = architecture.split("## Glossary", 1)[1].split("\n## ", 1)[0]
+    assert "**Evict**" in glossary and "**Restore**" in glossary
+    for kept in ("SnapshotBackend", "report_moved", "snapshot_backends=", "offload"):
+        assert kept in glossary, f"the glossary does not say {kept} stays"
+    said = [
+        f"{path.relative_to(REPO)}"
+        for package in ("client", "cli", "snapshot", "workloads")
+        for path in sorted((REPO / package).rglob("*.py"))
+        if "snapshotted" in path.read_text()
+    ]
+    assert not said, f"say evicted, not snapshotted: {said}"
