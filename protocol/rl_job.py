@@ -12,7 +12,7 @@ import re
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from timeslice.protocol.group import (
     CARRIED_STATE_BUDGET_BYTES,
     MAX_BACKENDS,
@@ -291,11 +291,13 @@ class DescribeInput(_Model):
     )
 
 
-class DescribeResult(_Model):
-    # Ignores what it does not know: job processes before this release also sent `pid` and
-    # `ready`, which nothing read, and their answers stay in running jobs' histories.
-    model_config = ConfigDict(extra="ignore")
+# Fields job processes of earlier releases sent in DescribeResult, which nothing read: their
+# answers stay in running jobs' histories, so they are dropped rather than refused. Any other
+# unknown field is still refused, naming it.
+_RETIRED_DESCRIBE_FIELDS = ("pid", "ready")
 
+
+class DescribeResult(_Model):
     workload: str
     sampler_backends: list[str]
     trainer_backends: list[str]
@@ -303,6 +305,13 @@ class DescribeResult(_Model):
     protocol: int | None = Field(
         None, description="the process's JOB_PROTOCOL_VERSION (None: a release before it)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(f in data for f in _RETIRED_DESCRIBE_FIELDS):
+            return {k: v for k, v in data.items() if k not in _RETIRED_DESCRIBE_FIELDS}
+        return data
 
 
 def protocol_mismatch(workflow_version: int | None, process_version: int | None) -> str | None:

@@ -281,3 +281,5 @@ def test_describe_result_tolerates_the_fields_older_job_processes_sent():
     assert "pid" not in parsed.model_dump() and "ready" not in parsed.model_dump()
     with pytest.raises(ValidationError):  # what it needs is still checked
         DescribeResult.model_validate({k: v for k, v in older.items() if k != "workload"})
+    with pytest.raises(ValidationError, match="nonsense"):  # and any other field refused
+        DescribeResult.model_validate({**older, "nonsense": True})
