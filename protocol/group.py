@@ -847,7 +847,8 @@ class GroupStatus(_Model):
     Attributes:
         group_id: The group.
         holder: The lease held now (job, token, held and remaining seconds, waiters), or None.
-        queue: The waiting requests, best first (priority, then age).
+        queue: The waiting requests in the order they queued, each with its priority and wait
+            (the best score, priority plus ageing, is granted next).
         resident_job: The job whose state is on the device now (held or not), or None.
         faulted_jobs: Jobs whose state could not be evicted or restored, with why; their
             next acquire raises ``JobFaultedError``.
