@@ -345,9 +345,9 @@ class TimeSliceOrchestratorClient(_ClientBase):
     ) -> Lease:
         """Wait until this job holds the group, and return the lease.
 
-        A job that holds the group already is granted at once. When another job's state is
-        resident, the group evicts it first, and restores this job's state if the group
-        evicted it earlier.
+        When another job's state is resident, the group evicts it first (or beside this
+        job's work, when the group's memory holds both states), and restores this job's state
+        if it was evicted earlier; a job whose state is resident is granted without a switch.
 
         Args:
             group_id: The group; defaults to the constructor's ``group_id``.
@@ -551,9 +551,9 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
     ) -> Lease:
         """Wait until this job holds the group, and return the lease.
 
-        A job that holds the group already is granted at once. When another job's state is
-        resident, the group evicts it first, and restores this job's state if the group
-        evicted it earlier.
+        When another job's state is resident, the group evicts it first (or beside this
+        job's work, when the group's memory holds both states), and restores this job's state
+        if it was evicted earlier; a job whose state is resident is granted without a switch.
 
         Args:
             group_id: The group; defaults to the constructor's ``group_id``.
