@@ -11,11 +11,12 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     DRAW_SECRET_ACTIVITY,
+    GROUP_KEY,
     GROUP_WORKFLOW_TYPE,
     RENEW_LEASE_ACTIVITY,
     REQUEST_GROUP_ACTIVITY,
@@ -31,8 +32,6 @@ from timeslice.protocol.group import (
     group_workflow_id,
 )
 from timeslice.updates import send_update
-
-GROUP_KEY = SearchAttributeKey.for_keyword("TimesliceGroup")
 
 
 async def start_group(client: Client, config: GroupConfig, **signal: Any) -> None:

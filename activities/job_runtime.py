@@ -244,8 +244,6 @@ class JobRuntime:
             workload=self.workload_ref,
             sampler_backends=list(sampler),
             trainer_backends=list(trainer),
-            pid=os.getpid(),
-            ready=self._spec is not None,
             epochs_done=self._epochs_done,
             protocol=JOB_PROTOCOL_VERSION,
         )

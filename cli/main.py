@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_metrics_arg(worker)
     _add_connection_args(worker)
 
-    agent = sub.add_parser("agent", help="run the node agent (transparent snapshots on a node)")
+    agent = sub.add_parser("agent", help="run the node agent (evicts whole processes on a node)")
     agent.add_argument("--node", required=True, help="this node's name (task queue suffix)")
     agent.add_argument(
         "--lock-timeout",

@@ -65,6 +65,7 @@ from timeslice.errors import (
 from timeslice.lease import Lease
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
+    GROUP_KEY,
     AcquireAnswer,
     AcquireCall,
     AcquireOutcome,
@@ -720,7 +721,7 @@ class Engine:
         except WorkflowAlreadyStartedError:
             pass  # created meanwhile (a retried start whose first attempt got through): ask it
         except RPCError as err:
-            if "TimesliceGroup" in str(err):
+            if GROUP_KEY.name in str(err):
                 raise TimesliceError(
                     f"the Temporal namespace lacks Timeslice's search attributes ({err}); "
                     "run `timeslice setup` once against this cluster"

@@ -16,14 +16,13 @@ from typing import Any
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import (
-    SearchAttributeKey,
     SearchAttributePair,
     TypedSearchAttributes,
     WorkflowIDReusePolicy,
 )
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from timeslice.errors import InvalidArgumentError
-from timeslice.protocol.group import CONTROL_TASK_QUEUE
+from timeslice.protocol.group import CONTROL_TASK_QUEUE, JOB_KEY
 from timeslice.protocol.rl_job import (
     RL_JOB_WORKFLOW_TYPE,
     JobQuery,
@@ -34,7 +33,6 @@ from timeslice.protocol.rl_job import (
     rl_job_workflow_id,
 )
 
-JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
 SILENCE_S = 10.0
 
 

@@ -116,6 +116,8 @@ def _backends(spec: list[str | SnapshotBackend] | None) -> dict[str, SnapshotBac
 
 
 class _ClientBase:
+    """What both clients share: argument checks, the engine, ``held``, ``on_accelerators``."""
+
     def __init__(
         self,
         target: str | None = None,
@@ -239,26 +241,97 @@ class _ClientBase:
 
     @property
     def address(self) -> str:
+        """The Temporal server's ``HOST:PORT`` this client talks to."""
         return str(self._engine.connect_config["target_host"])
 
     def on_accelerators(
         self, group_id: str | None = None, timeout: float | None = None, priority: int | None = None
     ) -> _AcceleratorScope:
-        """Hold ``group_id`` around a function (decorator) or a block (``with``, ``async with``)."""
+        """Hold a group around a function (decorator) or a block (``with``, ``async with``).
+
+        The lease is acquired on entry and released on exit, also when the body raises; a
+        revocation found at the release (``LeaseRevokedError``) is raised only if the body
+        itself succeeded. A sync function or ``with`` block needs the blocking client.
+
+        Args:
+            group_id: The group; defaults to the constructor's ``group_id``.
+            timeout: As for ``acquire``.
+            priority: As for ``acquire``.
+
+        Returns:
+            A scope usable as ``@decorator``, ``with scope as lease`` or
+            ``async with scope as lease``.
+
+        Raises:
+            InvalidArgumentError: No group given, or a malformed argument (raised at once,
+                not at the first call).
+        """
         self._acquire_args(group_id, timeout, priority)  # fail fast on bad arguments
         return _AcceleratorScope(self, group_id, timeout, priority)
 
 
 class TimeSliceOrchestratorClient(_ClientBase):
-    """Blocking client. ``target`` defaults to TEMPORAL_ADDRESS, then localhost:7233."""
+    """The blocking client: take and hand back GPU groups from a training loop.
+
+    Its calls block the calling thread; grants are taken and leases renewed on the client's
+    own event-loop thread, so a loop that keeps its thread busy with GPU work keeps its lease.
+    A lease is handed back by ``release``, by ``close`` (also at interpreter exit), or lost
+    after its TTL when the process dies.
+
+    Args:
+        target: The Temporal server's ``HOST:PORT``. Defaults to ``TEMPORAL_ADDRESS`` (or the
+            profile's address), then ``localhost:7233``.
+        job_id: This job's id (1-100 letters, digits, ``.``, ``_`` or ``-``), the same in
+            every process of the job. Defaults to a unique ``job-<12 hex digits>``.
+        group_id: The group that ``acquire``, ``release``, ``group_status`` and
+            ``on_accelerators`` use when they are not given one.
+        namespace: The Temporal namespace. Defaults to ``TEMPORAL_NAMESPACE`` (or the
+            profile's), then ``default``.
+        rank: This process's rank within the job (an integer >= 0); it names the process's
+            task queue, ``timeslice-job-<job_id>-<rank>``.
+        priority: The priority of this client's requests, from -100 to 100 (higher first;
+            a waiter gains one level per ``aging_s`` of waiting).
+        lease_ttl: Seconds a lease lives without renewal (1 to 3600). None: the group's
+            ``default_ttl_s`` (20 s unless the group was created otherwise).
+        snapshot_backends: What a group may evict from this process when another job takes
+            the group: backend names this process can build by name (``noop``,
+            ``simulated``) or backend objects (``TorchBackend``, ``JaxBackend``,
+            ``VllmSleepBackend``, your own ``SnapshotBackend``). None: nothing is evicted.
+        node: The name of this node's agent (``timeslice agent --node NAME``), to evict
+            through it as well (whole-process backends such as ``cuda-checkpoint``).
+        node_backends: The agent's backends to use (needs ``node``). None: every backend
+            the agent may run.
+        state_bytes: The job's declared device footprint in bytes, which lets a group whose
+            ``memory_bytes`` holds two states overlap an eviction with the next restore.
+        profile: The Temporal client-configuration profile to read defaults from.
+        api_key: An API key for the Temporal server (Temporal Cloud).
+        rpc_retry: Seconds a call keeps retrying a server that does not answer (a restart)
+            before it raises ``ServerUnreachableError``.
+
+    Raises:
+        InvalidArgumentError: An argument is malformed (an id, the rank, the priority, a TTL,
+            a backend this process cannot run, ``node_backends`` without ``node``, a process
+            not launched for its job with ``node=`` and a whole-process backend). Nothing is
+            sent: the constructor connects to nothing; the first call (or ``connect``) does.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Check the arguments (see the class docstring) and prepare the engine; connects to
+        nothing yet."""
         super().__init__(*args, **kwargs)
         # A process that exits without closing still withdraws its requests and releases.
         atexit.register(_close_quietly, weakref.ref(self))
 
     def connect(self) -> TimeSliceOrchestratorClient:
-        """Connect and start serving grants now (otherwise the first call does it)."""
+        """Connect and start serving grants now (otherwise the first call does it).
+
+        Returns:
+            This client, connected.
+
+        Raises:
+            ServerUnreachableError: No Temporal server answered within ``rpc_retry`` seconds.
+            ClientClosedError: The client was closed.
+        """
         self._engine.run_sync(self._engine.start())
         return self
 
@@ -270,45 +343,142 @@ class TimeSliceOrchestratorClient(_ClientBase):
         priority: int | None = None,
         ttl: float | None = None,
     ) -> Lease:
-        """Wait until the group is granted; raise AcquireTimeoutError after ``timeout`` seconds."""
+        """Wait until this job holds the group, and return the lease.
+
+        When another job's state is resident, the group evicts it first (or beside this
+        job's work, when the group's memory holds both states), and restores this job's state
+        if it was evicted earlier; a job whose state is resident is granted without a switch.
+
+        Args:
+            group_id: The group; defaults to the constructor's ``group_id``.
+            timeout: Seconds to wait (at most 366 days); ``0`` is a try-lock (granted only if
+                the group is free and nobody waits); None waits without limit.
+            priority: This request's priority (-100 to 100); defaults to the client's.
+            ttl: Seconds the lease lives without renewal (1 to 3600); defaults to the
+                client's ``lease_ttl``, then the group's ``default_ttl_s``.
+
+        Returns:
+            The lease (``Lease``): ``token`` is the group's fencing token, ``valid`` a
+            conservative local view of whether it is still held.
+
+        Raises:
+            InvalidArgumentError: No group given, or a malformed argument; nothing was sent.
+            AcquireTimeoutError: Not granted within ``timeout``; the request was withdrawn.
+            GrantLostError: The group gave the grant up before this process took it (it was
+                paused or did not answer in time); nothing is held, acquire again.
+            JobFaultedError: The group could not restore (or evict) this job's state.
+            NoControlWorkerError: No control worker (``timeslice worker``) serves the groups.
+            GroupNotAnsweringError: The group's workflow task keeps failing.
+            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
+            ClientClosedError: The client was closed, also by another thread meanwhile.
+        """
         group, timeout, priority = self._acquire_args(group_id, timeout, priority)
         ttl = _checked_ttl(ttl, "ttl")
         return self._engine.run_sync(self._engine.acquire(group, timeout, priority, ttl))
 
     def release(self, lease: Lease | None = None) -> None:
-        """Yield the group to the next waiter (the only held lease if none is given)."""
+        """Hand the group to the next waiter.
+
+        If another job takes the group next, this job's registered state is evicted before
+        that job is granted (or beside its work, when the group's memory holds both states).
+
+        Args:
+            lease: The lease to end; None: the only lease this client holds.
+
+        Raises:
+            InvalidArgumentError: ``lease`` is not a ``Lease`` (a group id, say).
+            NotHolderError: The client does not hold that lease (already released, another
+                client.s), or holds none or several and none was given.
+            LeaseRevokedError: The lease had ended at the group while held (its TTL ran out
+                without renewal); it is released all the same.
+            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
+        """
         self._engine.run_sync(self._engine.release(lease))
 
     yield_ = release
 
     def group_status(self, group_id: str | None = None) -> GroupStatus:
+        """What the group is doing now: holder, queue, resident job, counters, recent leases.
+
+        Args:
+            group_id: The group; defaults to the constructor's ``group_id``.
+
+        Returns:
+            The group's ``GroupStatus``, brought forward from the group's last workflow task
+            to this host's clock.
+
+        Raises:
+            InvalidArgumentError: No group given, or a malformed id.
+            UnknownGroupError: No such group exists (a group is created by its first acquire).
+            TimesliceError: The group's workflow could not answer the query.
+            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
+        """
         group, _, _ = self._acquire_args(group_id, None, None)
         return self._engine.run_sync(self._engine.group_status(group))
 
     def snapshot(self) -> list[SnapshotReport]:
-        """Standalone: move this job's registered state off the device now, and wait."""
+        """Standalone, no group involved: evict this job's registered state now, and wait.
+
+        For frameworks with a scheduler of their own; runs a ``SnapshotJobWorkflow`` on the
+        control worker, which calls every queue of this job's snapshot target.
+
+        Returns:
+            One ``SnapshotReport`` per backend: what it moved (or dropped), in how long.
+
+        Raises:
+            InvalidArgumentError: The client has no snapshot backend and no ``node``, or
+                holds a lease (release it first).
+            SnapshotFailedError: A backend failed on at least one of the job's queues.
+        """
         return self._engine.run_sync(self._engine.snapshot_job("snapshot"))
 
     def restore(self) -> list[SnapshotReport]:
-        """Standalone: bring this job's state back, and wait."""
+        """Standalone, no group involved: restore this job's evicted state, and wait.
+
+        Returns:
+            One ``SnapshotReport`` per backend.
+
+        Raises:
+            InvalidArgumentError: The client has no snapshot backend and no ``node``, or
+                holds a lease.
+            SnapshotFailedError: A backend failed on at least one of the job's queues.
+        """
         return self._engine.run_sync(self._engine.snapshot_job("restore"))
 
     def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
-        """Create a group with settings (see ``GroupConfig``: ``memory_bytes``,
-        ``default_ttl_s``, ``aging_s`` ...). False if it exists already: a group's settings are
-        fixed for its lifetime. Groups are otherwise created with defaults by their first
-        acquire."""
+        """Create a group with settings fixed for its lifetime.
+
+        Groups are otherwise created with defaults by their first acquire.
+
+        Args:
+            group_id: The group; defaults to the constructor's ``group_id``.
+            **settings: ``GroupConfig`` fields: ``memory_bytes`` (the device memory for two
+                states at once, which lets evictions overlap restores), ``default_ttl_s``,
+                ``aging_s``, ``grant_ack_timeout_s``, ``snapshot_timeout_s``,
+                ``max_parked_waits`` ...
+
+        Returns:
+            True if this call created the group; False if it existed already (its settings
+            are unchanged).
+
+        Raises:
+            InvalidArgumentError: No group given, or a setting that ``GroupConfig`` refuses.
+            NoControlWorkerError: No control worker serves the groups.
+            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
+        """
         config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
         return self._engine.run_sync(self._engine.create_group(config))
 
     def close(self) -> None:
-        """Release held leases and stop the client's worker."""
+        """Release held leases, withdraw waiting requests, tell the groups this job left, and
+        stop the client's worker. Idempotent; every later call raises ``ClientClosedError``."""
         thread = self._engine.thread
         if thread is not None and thread.loop.is_running():
             self._engine.run_sync(self._engine.close())
             thread.stop()
 
     def __enter__(self) -> TimeSliceOrchestratorClient:
+        """The client itself; ``close`` runs when the block ends."""
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -316,9 +486,58 @@ class TimeSliceOrchestratorClient(_ClientBase):
 
 
 class AsyncTimeSliceOrchestratorClient(_ClientBase):
-    """The asyncio twin: the same calls as coroutines, for async training loops."""
+    """The asyncio twin of ``TimeSliceOrchestratorClient``: the same calls as coroutines.
+
+    For async training loops. The client still runs its own event-loop thread (grants,
+    renewals), so the caller's loop never has to be free for the lease to be kept.
+
+    Args:
+        target: The Temporal server's ``HOST:PORT``. Defaults to ``TEMPORAL_ADDRESS`` (or the
+            profile's address), then ``localhost:7233``.
+        job_id: This job's id (1-100 letters, digits, ``.``, ``_`` or ``-``), the same in
+            every process of the job. Defaults to a unique ``job-<12 hex digits>``.
+        group_id: The group that ``acquire``, ``release``, ``group_status`` and
+            ``on_accelerators`` use when they are not given one.
+        namespace: The Temporal namespace. Defaults to ``TEMPORAL_NAMESPACE`` (or the
+            profile's), then ``default``.
+        rank: This process's rank within the job (an integer >= 0); it names the process's
+            task queue, ``timeslice-job-<job_id>-<rank>``.
+        priority: The priority of this client's requests, from -100 to 100 (higher first;
+            a waiter gains one level per ``aging_s`` of waiting).
+        lease_ttl: Seconds a lease lives without renewal (1 to 3600). None: the group's
+            ``default_ttl_s`` (20 s unless the group was created otherwise).
+        snapshot_backends: What a group may evict from this process when another job takes
+            the group: backend names this process can build by name (``noop``,
+            ``simulated``) or backend objects (``TorchBackend``, ``JaxBackend``,
+            ``VllmSleepBackend``, your own ``SnapshotBackend``). None: nothing is evicted.
+        node: The name of this node's agent (``timeslice agent --node NAME``), to evict
+            through it as well (whole-process backends such as ``cuda-checkpoint``).
+        node_backends: The agent's backends to use (needs ``node``). None: every backend
+            the agent may run.
+        state_bytes: The job's declared device footprint in bytes, which lets a group whose
+            ``memory_bytes`` holds two states overlap an eviction with the next restore.
+        profile: The Temporal client-configuration profile to read defaults from.
+        api_key: An API key for the Temporal server (Temporal Cloud).
+        rpc_retry: Seconds a call keeps retrying a server that does not answer (a restart)
+            before it raises ``ServerUnreachableError``.
+
+    Raises:
+        InvalidArgumentError: An argument is malformed (an id, the rank, the priority, a TTL,
+            a backend this process cannot run, ``node_backends`` without ``node``, a process
+            not launched for its job with ``node=`` and a whole-process backend). Nothing is
+            sent: the constructor connects to nothing; the first call (or ``connect``) does.
+    """
 
     async def connect(self) -> AsyncTimeSliceOrchestratorClient:
+        """Connect and start serving grants now (otherwise the first call does it).
+
+        Returns:
+            This client, connected.
+
+        Raises:
+            ServerUnreachableError: No Temporal server answered within ``rpc_retry`` seconds.
+            ClientClosedError: The client was closed.
+        """
         await self._engine.run_async(self._engine.start())
         return self
 
@@ -330,36 +549,142 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         priority: int | None = None,
         ttl: float | None = None,
     ) -> Lease:
+        """Wait until this job holds the group, and return the lease.
+
+        When another job's state is resident, the group evicts it first (or beside this
+        job's work, when the group's memory holds both states), and restores this job's state
+        if it was evicted earlier; a job whose state is resident is granted without a switch.
+
+        Args:
+            group_id: The group; defaults to the constructor's ``group_id``.
+            timeout: Seconds to wait (at most 366 days); ``0`` is a try-lock (granted only if
+                the group is free and nobody waits); None waits without limit.
+            priority: This request's priority (-100 to 100); defaults to the client's.
+            ttl: Seconds the lease lives without renewal (1 to 3600); defaults to the
+                client's ``lease_ttl``, then the group's ``default_ttl_s``.
+
+        Returns:
+            The lease (``Lease``): ``token`` is the group's fencing token, ``valid`` a
+            conservative local view of whether it is still held.
+
+        Raises:
+            InvalidArgumentError: No group given, or a malformed argument; nothing was sent.
+            AcquireTimeoutError: Not granted within ``timeout``; the request was withdrawn.
+            GrantLostError: The group gave the grant up before this process took it (it was
+                paused or did not answer in time); nothing is held, acquire again.
+            JobFaultedError: The group could not restore (or evict) this job's state.
+            NoControlWorkerError: No control worker (``timeslice worker``) serves the groups.
+            GroupNotAnsweringError: The group's workflow task keeps failing.
+            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
+            ClientClosedError: The client was closed, also by another thread meanwhile.
+        """
         group, timeout, priority = self._acquire_args(group_id, timeout, priority)
         ttl = _checked_ttl(ttl, "ttl")
         return await self._engine.run_async(self._engine.acquire(group, timeout, priority, ttl))
 
     async def release(self, lease: Lease | None = None) -> None:
+        """Hand the group to the next waiter.
+
+        If another job takes the group next, this job's registered state is evicted before
+        that job is granted (or beside its work, when the group's memory holds both states).
+
+        Args:
+            lease: The lease to end; None: the only lease this client holds.
+
+        Raises:
+            InvalidArgumentError: ``lease`` is not a ``Lease`` (a group id, say).
+            NotHolderError: The client does not hold that lease (already released, another
+                client.s), or holds none or several and none was given.
+            LeaseRevokedError: The lease had ended at the group while held (its TTL ran out
+                without renewal); it is released all the same.
+            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
+        """
         await self._engine.run_async(self._engine.release(lease))
 
     yield_ = release
 
     async def group_status(self, group_id: str | None = None) -> GroupStatus:
+        """What the group is doing now: holder, queue, resident job, counters, recent leases.
+
+        Args:
+            group_id: The group; defaults to the constructor's ``group_id``.
+
+        Returns:
+            The group's ``GroupStatus``, brought forward from the group's last workflow task
+            to this host's clock.
+
+        Raises:
+            InvalidArgumentError: No group given, or a malformed id.
+            UnknownGroupError: No such group exists (a group is created by its first acquire).
+            TimesliceError: The group's workflow could not answer the query.
+            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
+        """
         group, _, _ = self._acquire_args(group_id, None, None)
         return await self._engine.run_async(self._engine.group_status(group))
 
     async def snapshot(self) -> list[SnapshotReport]:
+        """Standalone, no group involved: evict this job's registered state now, and wait.
+
+        For frameworks with a scheduler of their own; runs a ``SnapshotJobWorkflow`` on the
+        control worker, which calls every queue of this job's snapshot target.
+
+        Returns:
+            One ``SnapshotReport`` per backend: what it moved (or dropped), in how long.
+
+        Raises:
+            InvalidArgumentError: The client has no snapshot backend and no ``node``, or
+                holds a lease (release it first).
+            SnapshotFailedError: A backend failed on at least one of the job's queues.
+        """
         return await self._engine.run_async(self._engine.snapshot_job("snapshot"))
 
     async def restore(self) -> list[SnapshotReport]:
+        """Standalone, no group involved: restore this job's evicted state, and wait.
+
+        Returns:
+            One ``SnapshotReport`` per backend.
+
+        Raises:
+            InvalidArgumentError: The client has no snapshot backend and no ``node``, or
+                holds a lease.
+            SnapshotFailedError: A backend failed on at least one of the job's queues.
+        """
         return await self._engine.run_async(self._engine.snapshot_job("restore"))
 
     async def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
+        """Create a group with settings fixed for its lifetime.
+
+        Groups are otherwise created with defaults by their first acquire.
+
+        Args:
+            group_id: The group; defaults to the constructor's ``group_id``.
+            **settings: ``GroupConfig`` fields: ``memory_bytes`` (the device memory for two
+                states at once, which lets evictions overlap restores), ``default_ttl_s``,
+                ``aging_s``, ``grant_ack_timeout_s``, ``snapshot_timeout_s``,
+                ``max_parked_waits`` ...
+
+        Returns:
+            True if this call created the group; False if it existed already (its settings
+            are unchanged).
+
+        Raises:
+            InvalidArgumentError: No group given, or a setting that ``GroupConfig`` refuses.
+            NoControlWorkerError: No control worker serves the groups.
+            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
+        """
         config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
         return await self._engine.run_async(self._engine.create_group(config))
 
     async def close(self) -> None:
+        """Release held leases, withdraw waiting requests, tell the groups this job left, and
+        stop the client's worker. Idempotent; every later call raises ``ClientClosedError``."""
         thread = self._engine.thread
         if thread is not None and thread.loop.is_running():
             await self._engine.run_async(self._engine.close())
             thread.stop()
 
     async def __aenter__(self) -> AsyncTimeSliceOrchestratorClient:
+        """The client itself; ``close`` runs when the block ends."""
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -26,6 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from temporalio.common import SearchAttributeKey
 
 CONTROL_TASK_QUEUE = "timeslice"
 GROUP_WORKFLOW_TYPE = "GpuGroupWorkflow"
@@ -80,11 +81,12 @@ class GroupQuery(StrEnum):
     STATUS = "status"
 
 
-SEARCH_ATTRIBUTES: dict[str, str] = {
-    "TimesliceGroup": "Keyword",
-    "TimesliceJob": "Keyword",
-    "TimeslicePhase": "Keyword",
-}
+# The Web UI's search attributes, defined here once: the group's id on its workflow, the job's
+# id and current phase on an RL job's workflow (`timeslice setup` registers them).
+GROUP_KEY = SearchAttributeKey.for_keyword("TimesliceGroup")
+JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
+PHASE_KEY = SearchAttributeKey.for_keyword("TimeslicePhase")
+SEARCH_ATTRIBUTES: dict[str, str] = {key.name: "Keyword" for key in (GROUP_KEY, JOB_KEY, PHASE_KEY)}
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 ID_RULE = "1-100 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -908,6 +910,34 @@ class WaiterView(_Model):
 
 
 class GroupStatus(_Model):
+    """What a group is doing: the answer of its ``status`` query (``client.group_status``,
+    ``timeslice status``).
+
+    A query answers as of the group's last workflow task; ``advanced_to`` brings the figures
+    to the reader's clock (the clients do so), never past ``next_deadline``.
+
+    Attributes:
+        group_id: The group.
+        holder: The lease held now (job, token, held and remaining seconds, waiters), or None.
+        queue: The waiting requests in the order they queued, each with its priority and wait
+            (the best score, priority plus ageing, is granted next).
+        resident_job: The job whose state is on the device now (held or not), or None.
+        faulted_jobs: Jobs whose state could not be evicted or restored, with why; their
+            next acquire raises ``JobFaultedError``.
+        utilization: Busy time (sum of lease intervals) over wall time since creation.
+        wall_s: Seconds since the group was created.
+        idle_s: Seconds the group was held by nobody.
+        wait_p50_s: The median of the recent acquire waits (None: none yet).
+        wait_p99_s: Their 99th percentile.
+        stats: Counters: leases, releases, expiries, time-outs, evictions, restores, bytes
+            moved, busy and switching time, forged or malformed messages ...
+        history: The recent lease records (job, token, start, end, outcome).
+        switch_history: The recent switches (from, to, bytes, overlapped or not).
+        as_of: The workflow time these figures are for.
+        next_deadline: The nearest time the group acts on its own; the figures hold at
+            most until then.
+    """
+
     group_id: str
     holder: HolderView | None
     queue: list[WaiterView]

@@ -149,7 +149,41 @@ def rl_job_workflow_id(job_id: str) -> str:
 
 
 class RLJobConfig(_Model):
-    """One RL job: what to run, where its GPU phases run, and for how long."""
+    """One RL job: what to run, where its GPU phases run, and for how long.
+
+    The input of ``RLJobWorkflow`` (``timeslice job start``, ``timeslice.jobs.start_rl_job``
+    or the ``temporal`` CLI). Parse a user's dict with ``timeslice.jobs.parse_job_config``,
+    which raises ``InvalidArgumentError`` naming each bad field; a workflow started with bad
+    input fails at once with a non-retryable ``InvalidInput``.
+
+    Attributes:
+        job_id: The job's id (1-100 letters, digits, ``.``, ``_``, ``-``); its workflow is
+            ``rl-job-<job_id>`` and its processes serve ``timeslice-job-<job_id>-<rank>``.
+        workload: A built-in name (``grpo-toy``, ``grpo-jax``, ``hf-grpo``, ``simulated``)
+            or ``MODULE:FACTORY``; the job processes must run the same.
+        workload_options: JSON options handed to the workload (at most 64 KiB as JSON).
+        sampler_group: The group the ``sample`` phase runs on.
+        trainer_group: The group ``train`` runs on (None: the sampler group).
+        epochs: How many epochs to run (1 to 1,000,000).
+        batch_size: Prompts per epoch.
+        group_size: Completions per prompt (the GRPO group).
+        seed: The seed every epoch's randomness is drawn from, with the epoch.
+        ranks: Job processes running each phase together (1 to 64).
+        priority: The priority of the job's lease requests (-100 to 100).
+        lease_ttl_s: The TTL of the job's leases (None: each group's default).
+        acquire_timeout_s: Give up on a group after this long (None: wait without limit);
+            the job then fails as ``AcquireTimeout``.
+        sample_timeout_s: The longest one ``sample`` phase may run.
+        reward_timeout_s: The longest one ``compute_rewards`` phase may run.
+        train_timeout_s: The longest one ``train`` phase may run.
+        checkpoint_timeout_s: The longest one checkpoint may take.
+        heartbeat_timeout_s: A job process silent this long is taken for dead.
+        process_wait_s: How long to wait for the job processes to serve the job.
+        checkpoint_every: Save a checkpoint every this many epochs.
+        continue_as_new_every: Epochs per workflow run (then it continues as new).
+        max_failures: Consecutive failed epochs (each rewinds to the last checkpoint)
+            before the job fails.
+    """
 
     job_id: str
     workload: str = Field(
@@ -215,6 +249,7 @@ class RLJobConfig(_Model):
 
     @property
     def trainer(self) -> str:
+        """The group the ``train`` phase runs on."""
         return self.trainer_group or self.sampler_group
 
     def groups(self) -> list[str]:
@@ -256,16 +291,27 @@ class DescribeInput(_Model):
     )
 
 
+# Fields job processes of earlier releases sent in DescribeResult, which nothing read: their
+# answers stay in running jobs' histories, so they are dropped rather than refused. Any other
+# unknown field is still refused, naming it.
+_RETIRED_DESCRIBE_FIELDS = ("pid", "ready")
+
+
 class DescribeResult(_Model):
     workload: str
     sampler_backends: list[str]
     trainer_backends: list[str]
-    pid: int
-    ready: bool
     epochs_done: int | None
     protocol: int | None = Field(
         None, description="the process's JOB_PROTOCOL_VERSION (None: a release before it)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(f in data for f in _RETIRED_DESCRIBE_FIELDS):
+            return {k: v for k, v in data.items() if k not in _RETIRED_DESCRIBE_FIELDS}
+        return data
 
 
 def protocol_mismatch(workflow_version: int | None, process_version: int | None) -> str | None:

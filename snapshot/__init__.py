@@ -1,4 +1,4 @@
-"""Snapshot backends: move a job's GPU state to host DRAM and back.
+"""Snapshot backends: evict a job's GPU state to host DRAM, and restore it.
 
 A backend has a name, declared capabilities and two calls, ``snapshot(request)`` and
 ``restore(request)``, each taking a :class:`SnapshotRequest` (the job, the group, why, and for a
@@ -11,6 +11,7 @@ lives in :mod:`timeslice.snapshot.torch_backend` (it imports torch).
 from timeslice.snapshot.base import (
     Capability,
     Health,
+    SizedSnapshotBackend,
     SnapshotBackend,
     SnapshotError,
     SnapshotRequest,
@@ -24,6 +25,7 @@ __all__ = [
     "Health",
     "NoopBackend",
     "SimulatedBackend",
+    "SizedSnapshotBackend",
     "SnapshotBackend",
     "SnapshotError",
     "SnapshotRequest",

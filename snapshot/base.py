@@ -1,4 +1,9 @@
-"""The one interface every snapshot backend implements, and the request it takes."""
+"""The one interface every snapshot backend implements, and the request it takes.
+
+A backend evicts a job's state from the device (to host memory, or drops it to be rebuilt)
+and restores it. Add one by implementing :class:`SnapshotBackend` and giving it a row in
+:mod:`timeslice.snapshot.registry` (CONTRIBUTING.md says how).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ if TYPE_CHECKING:  # processes.py builds on this module
 
 
 class SnapshotError(RuntimeError):
-    """A snapshot or restore could not be performed."""
+    """An eviction or restore could not be performed; the message says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -56,27 +61,122 @@ class SnapshotRequest:
 
 @runtime_checkable
 class SnapshotBackend(Protocol):
+    """The interface every backend implements: evict a job's state from the device, restore it.
+
+    A job process calls its in-process backends (the ones a client was given as
+    ``snapshot_backends=``, or a workload's ``snapshot_backends()``) when the group evicts or
+    restores the job; the node agent calls whole-process ones. Calls for one job never
+    overlap: a restore follows the eviction it undoes. A backend that also knows its size
+    before moving anything declares ``Capability.KNOWS_SIZE`` and implements
+    :class:`SizedSnapshotBackend`.
+
+    Attributes:
+        name: The backend's name, unique within a process: the snapshot target and every
+            report name the backend by it (1-100 characters).
+        capabilities: What the backend declares it can do (``Capability``); an empty set
+            for a plain in-process backend.
+    """
+
     name: str
     capabilities: frozenset[Capability]
 
-    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport: ...
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        """Evict the job's state from the device: copy it to host memory (or drop it, for a
+        state the job rebuilds) and free the device memory it held.
 
-    async def restore(self, request: SnapshotRequest) -> SnapshotReport: ...
+        Args:
+            request: The job, the group it is evicted for, why, and for a whole-process
+                backend the job's processes on this node.
 
-    def health(self) -> Health: ...
+        Returns:
+            What was moved: the backend's name, a ``mode`` (``offload``: copied out;
+            ``discard``: dropped), the bytes freed or copied, and the seconds it took.
+
+        Raises:
+            SnapshotError: The state could not be evicted (the message says why). The group
+                marks the job faulted, and serves the others.
+        """
+        ...
+
+    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        """Bring the state evicted by the last ``snapshot`` back onto the device, into the
+        same objects where the backend can (torch tensors keep their identity).
+
+        Args:
+            request: As for ``snapshot``; ``reason`` says which group the job is restored for.
+
+        Returns:
+            What was moved back, as for ``snapshot``.
+
+        Raises:
+            SnapshotError: The state could not be restored; the job is marked faulted, and
+                its next acquire raises ``JobFaultedError``.
+        """
+        ...
+
+    def health(self) -> Health:
+        """Whether this backend can work here (its library, device or driver is present).
+
+        Returns:
+            ``Health(backend, ok, detail)``; ``detail`` says what is missing when not ok.
+        """
+        ...
+
+
+@runtime_checkable
+class SizedSnapshotBackend(SnapshotBackend, Protocol):
+    """A backend that says how many bytes an eviction would move before it moves them.
+
+    Declared with ``Capability.KNOWS_SIZE``; the job process reports the size to the group
+    as the state's declared bytes (which decides whether two states fit at once). Kept apart
+    from :class:`SnapshotBackend` so a backend that cannot know its size (vLLM's sleep mode,
+    a whole process) need not pretend to.
+    """
+
+    @property
+    def registered_bytes(self) -> int:
+        """The bytes of device state an eviction would move now (also while it is out)."""
+        ...
 
 
 def registered_bytes(backend: SnapshotBackend) -> int | None:
-    """What a snapshot would move, for a backend that declares ``KNOWS_SIZE``; else None."""
+    """What an eviction would move, for a backend that declares ``KNOWS_SIZE``.
+
+    Args:
+        backend: Any backend.
+
+    Returns:
+        The backend's ``registered_bytes``, or None if it does not declare
+        ``Capability.KNOWS_SIZE``.
+
+    Raises:
+        SnapshotError: The backend declares ``KNOWS_SIZE`` but has no ``registered_bytes``.
+    """
     if Capability.KNOWS_SIZE not in backend.capabilities:
         return None
-    return int(backend.registered_bytes)  # type: ignore[attr-defined]
+    if not isinstance(backend, SizedSnapshotBackend):
+        raise SnapshotError(
+            f"snapshot backend {backend.name!r} declares {Capability.KNOWS_SIZE.value!r} but "
+            "has no registered_bytes: implement it (SizedSnapshotBackend) or drop the capability"
+        )
+    return int(backend.registered_bytes)
 
 
 def resolve_backends(
     requested: list[str], available: dict[str, SnapshotBackend]
 ) -> list[SnapshotBackend]:
-    """Return the backends named in ``requested``, in order, or raise naming the missing ones."""
+    """The backends named in ``requested``, in order.
+
+    Args:
+        requested: Backend names, as a snapshot target lists them.
+        available: The backends registered in this process, by name.
+
+    Returns:
+        The named backends, in the order asked.
+
+    Raises:
+        SnapshotError: Some names are not registered here (the message names them).
+    """
     missing = [name for name in requested if name not in available]
     if missing:
         raise SnapshotError(

@@ -107,7 +107,7 @@ class JaxState:
         with self._backend._lock:
             if self._out is not None:
                 raise SnapshotError(
-                    f"jax state {self.name!r} is off the device (snapshotted to host memory); "
+                    f"jax state {self.name!r} is off the device (evicted to host memory); "
                     "it comes back before the job's next grant: use it only while holding the group"
                 )
             return self._tree
@@ -118,7 +118,7 @@ class JaxState:
             if self._out is not None:
                 raise SnapshotError(
                     f"cannot set jax state {self.name!r} while it is off the device "
-                    "(snapshotted to host memory): restore it first"
+                    "(evicted to host memory): restore it first"
                 )
             self._tree = tree
 
@@ -314,7 +314,7 @@ class JaxBackend:
                         continue
                     if leaf.is_deleted():
                         raise SnapshotError(
-                            f"{name} was deleted before the snapshot (donated to a jitted call, "
+                            f"{name} was deleted before the eviction (donated to a jitted call, "
                             f"or deleted by hand): assign the arrays each step returns to "
                             f"{state.name}.value, so the holder never keeps a spent one"
                         )

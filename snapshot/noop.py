@@ -9,6 +9,9 @@ from timeslice.snapshot.base import Capability, Health, SnapshotRequest
 
 
 class NoopBackend:
+    """Evicts nothing and restores nothing, and reports each call (``mode="none"``, 0 bytes):
+    for groups of CPU-only jobs and for tests. ``snapshots`` and ``restores`` count the calls."""
+
     name = "noop"
     capabilities: frozenset[Capability] = frozenset()
 

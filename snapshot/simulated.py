@@ -14,6 +14,17 @@ from timeslice.snapshot.base import Capability, Health, SnapshotRequest
 
 
 class SimulatedBackend:
+    """Moves nothing, but takes the configured time and reports the configured bytes.
+
+    Args:
+        nbytes: The bytes each eviction and restore reports (its ``registered_bytes``).
+        snapshot_s: Seconds an eviction takes.
+        restore_s: Seconds a restore takes (None: as long as an eviction).
+
+    Raises:
+        ValueError: A negative size or duration.
+    """
+
     name = "simulated"
     capabilities = frozenset({Capability.KNOWS_SIZE})
 
@@ -32,6 +43,7 @@ class SimulatedBackend:
 
     @property
     def registered_bytes(self) -> int:
+        """The configured ``nbytes``."""
         return self.nbytes
 
     @property

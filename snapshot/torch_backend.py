@@ -225,7 +225,7 @@ class TorchBackend:
         for e in entries:
             if e.host is None:
                 if not to_host:
-                    raise SnapshotError(f"{e.names[0]}: restore without a snapshot")
+                    raise SnapshotError(f"{e.names[0]}: restore without an eviction")
                 e.host = torch.empty(
                     e.nbytes, dtype=torch.uint8, pin_memory=e.device.type == "cuda"
                 )

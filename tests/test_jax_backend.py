@@ -172,7 +172,7 @@ def test_a_holder_left_with_a_donated_array_is_refused_and_nothing_moves() -> No
     donated.delete()  # what donate_argnums does to it
     assert registered_bytes(backend) == full - donated.nbytes  # counted, not a crash
     before = leaves(opt_state.value)
-    with pytest.raises(SnapshotError, match=r"policy\.embed was deleted before the snapshot"):
+    with pytest.raises(SnapshotError, match=r"policy\.embed was deleted before the eviction"):
         backend.snapshot_sync(REQUEST)
     assert not backend.evicted
     assert bit_identical(opt_state.value, before)

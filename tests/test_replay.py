@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 from timeslice.workers.control import WORKFLOWS
 from timeslice.workers.sandbox import workflow_runner
+from timeslice.workflows.gpu_group import BOUNDED_EVICTION_REPORT_WAIT, FORGET_GONE_EVICTOR
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 
@@ -34,3 +36,23 @@ def test_stored_history_replays(path: Path):
     )
     result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
+
+
+def _patch_markers(text: str) -> set[str]:
+    """The ``workflow.patched`` ids whose markers a history recorded."""
+    found: set[str] = set()
+    for event in json.loads(text)["events"]:
+        marker = event.get("markerRecordedEventAttributes")
+        if marker is None or marker.get("markerName") != "core_patch":
+            continue
+        for payload in marker["details"]["patch-data"]["payloads"]:
+            found.add(json.loads(base64.b64decode(payload["data"]))["id"])
+    return found
+
+
+@pytest.mark.parametrize("patch", [BOUNDED_EVICTION_REPORT_WAIT, FORGET_GONE_EVICTOR])
+def test_a_stored_history_takes_the_patched_path(patch: str):
+    """A history recorded after the patch (tests/histories/record_eviction_wait.py), so the
+    replay above runs the new branch too, not only the old one."""
+    recorded = {path.name for path in HISTORIES if patch in _patch_markers(path.read_text())}
+    assert recorded, f"no stored history records the {patch!r} patch"

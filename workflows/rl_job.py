@@ -21,10 +21,12 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from temporalio.workflow import ActivityCancellationType
 from timeslice.protocol.group import (
+    JOB_KEY,
+    PHASE_KEY,
     CancelRequest,
     GrantNotice,
     GroupSignal,
@@ -72,9 +74,6 @@ from timeslice.protocol.rl_job import (
 )
 from timeslice.workflows.group_lease import GroupLeases
 
-JOB_KEY = SearchAttributeKey.for_keyword("TimesliceJob")
-PHASE_KEY = SearchAttributeKey.for_keyword("TimeslicePhase")
-
 # workflow.patched id of job protocol v3 (see JOB_PROTOCOL_VERSION).
 JOB_PROTOCOL_V3 = "job-protocol-v3"
 _PHASE_ACTIVITIES: dict[str, str] = {
@@ -87,10 +86,11 @@ _NO_RETRY = RetryPolicy(maximum_attempts=1)
 # heartbeat, not this, is what notices a dead process.
 _NO_WAIT_LIMIT_S = 30 * 86_400.0
 _DEFAULT_TTL_S = 20.0
-# Failures inside a phase's own acquire that no rewind would cure.
-# Failures that waiting or rewinding would not change: the job fails at once.
 # How long a job stopped while waiting for its processes still waits for them.
 _STOP_GRACE = timedelta(seconds=5)
+# Failures that waiting or rewinding would not change (a phase's own acquire timing out, a
+# faulted job, a bad config, a job process of another release): the job fails at once, with
+# the workflow-side error type each activity-side type becomes.
 _ENDS_THE_JOB = {
     "AcquireTimeoutError": "AcquireTimeout",
     "JobFaultedError": "JobFaulted",
@@ -99,6 +99,17 @@ _ENDS_THE_JOB = {
     "ProcessTaken": "ProcessTaken",
     "ProtocolMismatch": "ProtocolMismatch",
 }
+
+
+def _ending_the_job(err: ActivityError, job_id: str) -> ApplicationError | None:
+    """The job's own non-retryable failure for an activity failure in ``_ENDS_THE_JOB``, or
+    None if a rewind may still cure it."""
+    cause = err.cause
+    if not (isinstance(cause, ApplicationError) and cause.type in _ENDS_THE_JOB):
+        return None
+    return ApplicationError(
+        f"job {job_id}: {cause.message}", type=_ENDS_THE_JOB[cause.type], non_retryable=True
+    )
 
 
 class _EpochFailed(Exception):
@@ -448,13 +459,9 @@ class RLJobWorkflow:
         try:
             raws: list[Any] = await describing
         except ActivityError as err:
-            cause = err.cause
-            if isinstance(cause, ApplicationError) and cause.type in _ENDS_THE_JOB:
-                raise ApplicationError(
-                    f"job {cfg.job_id}: {cause.message}",
-                    type=_ENDS_THE_JOB[cause.type],
-                    non_retryable=True,
-                ) from None
+            ending = _ending_the_job(err, cfg.job_id)
+            if ending is not None:
+                raise ending from None
             raise
         try:
             results = [
@@ -809,14 +816,9 @@ class RLJobWorkflow:
             raws = await gathered
         except ActivityError as err:
             await self._cancel_all(tasks)
-            cause = err.cause
-            if isinstance(cause, ApplicationError) and cause.type in _ENDS_THE_JOB:
-                # Waiting longer or rewinding would not change these: the job fails.
-                raise ApplicationError(
-                    f"job {cfg.job_id}: {cause.message}",
-                    type=_ENDS_THE_JOB[cause.type],
-                    non_retryable=True,
-                ) from None
+            ending = _ending_the_job(err, cfg.job_id)
+            if ending is not None:
+                raise ending from None
             raise _EpochFailed(_failure(err)) from None
         try:
             return [

@@ -6,7 +6,7 @@ only the small metric dicts the phases return cross Temporal.
 
 Determinism is the workload's contract with the platform: given the same :class:`JobSpec`,
 ``setup`` followed by the phases of epochs 0..N must produce the same state whether or not the
-process was snapshotted, restored or restarted from a checkpoint in between. The built-ins get
+state was evicted and restored, or the job resumed from a checkpoint, in between. The built-ins get
 there by drawing every epoch's randomness from ``(seed, epoch)`` rather than from a running
 generator.
 """
@@ -67,7 +67,15 @@ class PhaseStopped(RuntimeError):
 
 @dataclass(frozen=True)
 class JobSpec:
-    """The job's settings a workload needs (from the workflow's ``RLJobConfig``)."""
+    """The job's settings a workload needs (from the workflow's ``RLJobConfig``).
+
+    Attributes:
+        job_id: The job's id.
+        seed: The job's seed: draw every epoch's randomness from ``(seed, epoch)``.
+        batch_size: Prompts per epoch.
+        group_size: Completions per prompt.
+        options: The job's ``workload_options``.
+    """
 
     job_id: str
     seed: int
@@ -95,6 +103,12 @@ class PhaseContext:
         self.stopped_at = 0.0
 
     def stop(self, why: str) -> None:
+        """Tell the phase to stop (the job process does, when the lease is lost or the
+        activity cancelled); the first reason given stands.
+
+        Args:
+            why: The reason, shown in the ``PhaseStopped`` that ``check`` raises.
+        """
         if not self._stop.is_set():
             self.stopped_at = time.monotonic()
             self._why = why
@@ -102,6 +116,7 @@ class PhaseContext:
 
     @property
     def stop_reason(self) -> str:
+        """Why the phase was told to stop ("" while it was not)."""
         return self._why
 
     def run(self, work: Callable[[], T]) -> T:
@@ -114,22 +129,39 @@ class PhaseContext:
 
     @property
     def stopped(self) -> bool:
+        """True once the phase was told to stop."""
         return self._stop.is_set()
 
     def check(self) -> None:
+        """Call between steps: return at once while the phase may go on.
+
+        Raises:
+            PhaseStopped: The phase must stop now (its lease was lost or the activity
+                cancelled); let it propagate, and the job resumes from its last checkpoint.
+        """
         if self._stop.is_set():
             raise PhaseStopped(self._why)
 
     def wait(self, seconds: float) -> None:
-        """Sleep ``seconds`` unless stopped first (then raise PhaseStopped)."""
+        """Sleep ``seconds`` unless told to stop first.
+
+        Args:
+            seconds: How long to sleep.
+
+        Raises:
+            PhaseStopped: The phase was told to stop before (or while) it slept.
+        """
         if self._stop.wait(seconds):
             raise PhaseStopped(self._why)
 
     def progress(self, **details: Any) -> None:
+        """Report progress (small JSON values: ``step=3, loss=0.4``); the job process sends
+        the latest with the activity's heartbeats, and the Web UI shows it."""
         with self._lock:
             self._progress.update(details)
 
     def latest_progress(self) -> dict[str, Any]:
+        """Everything reported by ``progress`` so far, latest value per key."""
         with self._lock:
             return dict(self._progress)
 
@@ -143,7 +175,27 @@ def current_context() -> PhaseContext | None:
 
 
 class Workload(ABC):
-    """One RL job's model and algorithm, driven phase by phase by the job workflow."""
+    """One RL job's model and algorithm, driven phase by phase by the job workflow.
+
+    Subclass it, implement the abstract methods, and name it in a job's config as
+    ``workload="my_package.module:factory"`` (a callable returning the workload) or add it to
+    ``timeslice.workloads.registry.BUILTIN``. A job process builds one instance when it
+    starts; its methods run in a worker thread of that process, one at a time. Each epoch
+    runs ``sample`` (under the sampler group's lease), ``compute_rewards`` (no lease), then
+    ``train`` (under the trainer group's); ``save`` runs every ``checkpoint_every`` epochs.
+
+    An exception raised by a phase fails that phase: the job rewinds to its last checkpoint
+    (``load``) and runs the epochs again; after ``max_failures`` consecutive failed epochs
+    the job fails.
+    A ``ValueError`` from ``state_names`` is a bad config: the job fails at once.
+
+    Attributes:
+        name: A short name shown in summaries and reports.
+        sampler_backends: The keys of ``snapshot_backends()`` that the sampler group's
+            switches evict and restore.
+        trainer_backends: Those that the trainer group's switches evict and restore; a
+            group that serves both phases evicts both.
+    """
 
     #: Short name shown in summaries and reports.
     name: str = "workload"
@@ -154,42 +206,110 @@ class Workload(ABC):
     trainer_backends: tuple[str, ...] = ()
 
     def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The backends the sampler group's switches move and the trainer group's, for a job
-        with these options (raise ValueError naming a bad option). Default: the class's."""
+        """The backends the sampler group's switches evict, and the trainer group's.
+
+        Known before ``setup``: the job asks for its first lease before its state exists.
+
+        Args:
+            options: The job's ``workload_options``.
+
+        Returns:
+            ``(sampler backend names, trainer backend names)``; by default the class's
+            ``sampler_backends`` and ``trainer_backends``.
+
+        Raises:
+            ValueError: An option is bad (say which); the job fails as ``InvalidConfig``.
+        """
         return self.sampler_backends, self.trainer_backends
 
     @abstractmethod
     def setup(self, spec: JobSpec) -> None:
-        """Create the initial state from ``spec`` (model from its seed, optimizer, data)."""
+        """Create the initial state from ``spec`` (model from its seed, optimizer, data).
+
+        Runs under every lease the job takes (it may put state on the device). Call
+        ``current_context().check()`` between long steps, so a lost lease stops it.
+
+        Args:
+            spec: The job's id, seed, batch and group sizes and workload options.
+        """
 
     @abstractmethod
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
-        """Generate this epoch's rollouts (a GPU phase); keep them in the process."""
+        """Generate this epoch's rollouts, under the sampler group's lease; keep them in the
+        process (only the returned metrics cross Temporal).
+
+        Args:
+            epoch: The epoch, from 0; draw its randomness from ``(seed, epoch)``.
+            ctx: Call ``ctx.check()`` between steps; ``ctx.progress(...)`` to report.
+
+        Returns:
+            Metrics (name to number), recorded with the epoch.
+
+        Raises:
+            PhaseStopped: From ``ctx.check()``, when the lease is lost; let it propagate.
+        """
 
     @abstractmethod
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
-        """Score this epoch's rollouts (no GPU lease). Returns at least ``reward_mean``."""
+        """Score this epoch's rollouts, holding no lease (CPU work).
+
+        Args:
+            epoch: The epoch.
+            ctx: As for ``sample``.
+
+        Returns:
+            Metrics, at least ``reward_mean``.
+        """
 
     @abstractmethod
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
-        """Update the policy from this epoch's scored rollouts (a GPU phase)."""
+        """Update the policy from this epoch's scored rollouts, under the trainer group's lease.
+
+        Args:
+            epoch: The epoch.
+            ctx: As for ``sample``.
+
+        Returns:
+            Metrics (a loss, say), recorded with the epoch.
+
+        Raises:
+            PhaseStopped: From ``ctx.check()``, when the lease is lost; let it propagate.
+        """
 
     @abstractmethod
     def save(self, directory: Path) -> None:
-        """Write everything needed to resume after the last trained epoch into ``directory``."""
+        """Write everything needed to resume after the last trained epoch.
+
+        Args:
+            directory: An empty directory of the job's checkpoint folder, which the job
+                process renames into place once this returns (a crash leaves no half copy).
+        """
 
     @abstractmethod
     def load(self, directory: Path) -> None:
-        """Replace the state with the one :meth:`save` wrote into ``directory``."""
+        """Replace the state with the one :meth:`save` wrote.
+
+        Args:
+            directory: A directory that ``save`` filled.
+        """
 
     @abstractmethod
     def snapshot_backends(self) -> dict[str, SnapshotBackend]:
-        """The in-process backends that move this job's device state (called after setup).
+        """The in-process backends that evict and restore this job's device state.
 
-        Keys are the names that :attr:`sampler_backends` / :attr:`trainer_backends` use.
+        Called after ``setup``.
+
+        Returns:
+            Backends by the names that ``sampler_backends`` / ``trainer_backends`` (or
+            ``state_names``) use.
         """
 
     def state_bytes(self) -> int | None:
-        """Device bytes the job's state occupies (lets a group overlap switches); None: unknown."""
+        """Device bytes the job's state occupies, which lets a group overlap switches.
+
+        Returns:
+            The sum of the backends' ``registered_bytes``; None when any backend cannot
+            know its size (it does not declare ``Capability.KNOWS_SIZE``).
+        """
         sizes = [registered_bytes(b) for b in self.snapshot_backends().values()]
         return None if None in sizes else sum(s for s in sizes if s is not None)

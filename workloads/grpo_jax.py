@@ -20,7 +20,7 @@ a host-side *pending* copy (NumPy arrays, in no backend): ``train`` writes it at
 Determinism: the parameters are drawn from a NumPy generator seeded with ``spec.seed``; all of
 epoch ``e``'s randomness (the prompts, and the uniforms each sampled digit inverts the policy's
 CDF at) from a fresh generator seeded with ``(seed, e)``. JAX on one CPU computes the
-same bytes every run, and a move copies bytes, so a job that was snapshotted and restored ends
+same bytes every run, and an eviction copies bytes, so a job that was evicted and restored ends
 with the very parameters of one run alone. A ``train`` stopped part-way puts the arrays it began
 with back into the holders (JAX arrays are immutable: keeping the old references is the backup).
 """

@@ -11,6 +11,7 @@ from timeslice.snapshot import (
     Capability,
     NoopBackend,
     SimulatedBackend,
+    SizedSnapshotBackend,
     SnapshotBackend,
     SnapshotError,
     SnapshotRequest,
@@ -135,3 +136,20 @@ def test_without_jax_the_jax_backend_says_what_to_install(monkeypatch: pytest.Mo
     assert "jax[tpu]" in health.detail
     with pytest.raises(SnapshotError, match=r"needs JAX .*install timeslice\[jax\]"):
         JaxBackend().register("params", {"w": 1.0})
+
+
+def test_a_backend_that_claims_its_size_without_saying_it_gets_a_clear_error() -> None:
+    """``KNOWS_SIZE`` promises ``registered_bytes`` (SizedSnapshotBackend); a backend that
+    declares the one without the other is told so, not met with an AttributeError."""
+
+    class Boasting(NoopBackend):
+        name = "boasting"
+        capabilities = frozenset({Capability.KNOWS_SIZE})
+
+    with pytest.raises(SnapshotError, match=r"'boasting' declares 'knows-size'.*registered_bytes"):
+        registered_bytes(Boasting())
+    sized = SimulatedBackend()
+    assert isinstance(sized, SizedSnapshotBackend)
+    assert registered_bytes(sized) == sized.registered_bytes
+    assert not isinstance(NoopBackend(), SizedSnapshotBackend)
+    assert registered_bytes(NoopBackend()) is None

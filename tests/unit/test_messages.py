@@ -33,6 +33,7 @@ from timeslice.protocol.group import (
 from timeslice.protocol.rl_job import (
     BUILTIN_WORKLOADS,
     MAX_OPTIONS_BYTES,
+    DescribeResult,
     RLJobConfig,
     check_workload,
 )
@@ -261,3 +262,24 @@ def test_workload_options_are_bounded(options, problem):
 def test_plain_workload_options_pass():
     options = {"lr": 0.003, "sampler": "vllm", "nested": {"list": [1, 2.5, None, True]}}
     assert RLJobConfig.model_validate(config(workload_options=options)).workload_options == options
+
+
+def test_describe_result_tolerates_the_fields_older_job_processes_sent():
+    """`pid` and `ready` were sent by job processes before they were dropped (nothing read
+    them); an answer carrying them, as running jobs' histories do, still parses."""
+    older = {
+        "workload": "simulated",
+        "sampler_backends": ["sampler"],
+        "trainer_backends": ["trainer"],
+        "pid": 4242,
+        "ready": True,
+        "epochs_done": 3,
+        "protocol": 3,
+    }
+    parsed = DescribeResult.model_validate(older)
+    assert parsed.epochs_done == 3 and parsed.protocol == 3
+    assert "pid" not in parsed.model_dump() and "ready" not in parsed.model_dump()
+    with pytest.raises(ValidationError):  # what it needs is still checked
+        DescribeResult.model_validate({k: v for k, v in older.items() if k != "workload"})
+    with pytest.raises(ValidationError, match="nonsense"):  # and any other field refused
+        DescribeResult.model_validate({**older, "nonsense": True})

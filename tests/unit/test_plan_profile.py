@@ -190,8 +190,6 @@ def test_rl_profile_from_records() -> None:
             workload="simulated",
             sampler_backends=["sampler"],
             trainer_backends=["trainer"],
-            pid=1,
-            ready=True,
             epochs_done=0,
         ),
         prepare=PrepareResult(
