@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         SnapshotFailedError,
         TimesliceError,
         UnknownGroupError,
+        VersionMismatchError,
     )
     from timeslice.lease import Lease
     from timeslice.orchestrator import (
@@ -53,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "TimeSliceOrchestratorClient": "timeslice.orchestrator",
     "TimesliceError": "timeslice.errors",
     "UnknownGroupError": "timeslice.errors",
+    "VersionMismatchError": "timeslice.errors",
 }
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "TimeSliceOrchestratorClient",
     "TimesliceError",
     "UnknownGroupError",
+    "VersionMismatchError",
 ]
 
 

@@ -52,6 +52,11 @@ class ClientClosedError(TimesliceError):
     """The client was closed (possibly by another thread while this call waited)."""
 
 
+class VersionMismatchError(TimesliceError):
+    """A group or job answered with a message this client cannot read: the two run different
+    releases of Timeslice (docs/upgrading.md says which processes upgrade together)."""
+
+
 class GroupNotAnsweringError(TimesliceError):
     """The group's workflow took no update within the time allowed (its workflow task is
     failing, or no control worker runs it): see the control worker's log."""

@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from opentelemetry import propagate, trace
+from pydantic import ValidationError
 from temporalio.api.common.v1 import Header, Payloads, WorkflowExecution
 from temporalio.api.enums.v1 import UpdateWorkflowExecutionLifecycleStage
 from temporalio.api.update.v1 import Input as UpdateInput
@@ -28,6 +29,7 @@ from temporalio.api.workflowservice.v1 import UpdateWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowUpdateFailedError, WorkflowUpdateHandle
 from temporalio.converter import PayloadConverter
 from temporalio.service import RPCError, RPCStatusCode
+from timeslice.errors import VersionMismatchError
 from timeslice.telemetry import tracer
 
 T = TypeVar("T")
@@ -173,16 +175,33 @@ async def _send(
         update = client.get_workflow_handle(
             workflow_id, run_id=response.update_ref.workflow_execution.run_id
         ).get_update_handle(update_id, result_type=result_type)
-        return await _await_result(update, name, workflow_id, give_up_after_s)
+        return await _await_result(update, name, workflow_id, give_up_after_s, result_type)
     outcome = response.outcome
     if outcome.HasField("failure"):
         raise WorkflowUpdateFailedError(await client.data_converter.decode_failure(outcome.failure))
-    (result,) = await client.data_converter.decode(outcome.success.payloads, [result_type])
+    try:
+        (result,) = await client.data_converter.decode(outcome.success.payloads, [result_type])
+    except ValidationError as err:
+        raise _mismatch(name, workflow_id, result_type, err) from None
     return result
 
 
+def _mismatch(name: str, workflow_id: str, result_type: type, err: ValidationError) -> Exception:
+    first = err.errors()[0] if err.errors() else {}
+    where = ".".join(str(part) for part in first.get("loc", ())) or "?"
+    return VersionMismatchError(
+        f"{workflow_id} answered {name} with a {result_type.__name__} this client cannot read "
+        f"({where}: {first.get('msg', err)}): it runs another release of Timeslice; upgrade "
+        "clients, job workers and control workers together (docs/upgrading.md)"
+    )
+
+
 async def _await_result(
-    update: WorkflowUpdateHandle[T], name: str, workflow_id: str, give_up_after_s: float
+    update: WorkflowUpdateHandle[T],
+    name: str,
+    workflow_id: str,
+    give_up_after_s: float,
+    result_type: type,
 ) -> T:
     """The result of an accepted update, polled for again — same update id — while polling
     fails transiently: a server that restarts ends the poll with a transport error, which the
@@ -193,6 +212,8 @@ async def _await_result(
     while True:
         try:
             return await update.result()
+        except ValidationError as err:
+            raise _mismatch(name, workflow_id, result_type, err) from None
         except RPCError as err:
             now = time.monotonic()
             failing_since = now if failing_since is None else failing_since

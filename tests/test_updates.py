@@ -23,7 +23,9 @@ from temporalio.api.workflowservice.v1 import (
     RespondWorkflowTaskCompletedRequest,
 )
 from temporalio.client import Client
+from timeslice import VersionMismatchError
 from timeslice.connection import connect, connect_config
+from timeslice.protocol.group import ReturnAnswer
 from timeslice.updates import send_update
 
 IGNORED_DELIVERIES = 2
@@ -113,3 +115,36 @@ def test_unprocessed_update_is_sent_again_under_the_same_id(address: str) -> Non
     assert answer == "hello"
     assert len(seen) == IGNORED_DELIVERIES + 1, seen
     assert len(set(seen)) == 1, f"sent again under other update ids: {seen}"
+
+
+def test_an_answer_from_another_release_is_a_version_mismatch_not_a_pydantic_error(
+    address: str,
+) -> None:
+    """A control worker of a newer release answers with a field this client does not know
+    (seen in a soak whose control worker restarted onto newer code): the caller gets a typed
+    error that says what to do, not a raw ValidationError."""
+
+    async def scenario() -> BaseException | None:
+        client = await connect(connect_config(address))
+        task_queue = f"raw-{uuid.uuid4().hex[:8]}"
+        workflow_id = f"raw-{uuid.uuid4().hex[:8]}"
+        worker = asyncio.create_task(_raw_worker(client, task_queue, []))
+        newer = {"valid": True, "released": True, "added_in_a_newer_release": "x"}
+        try:
+            await client.start_workflow("RawWorkflow", id=workflow_id, task_queue=task_queue)
+            await asyncio.wait_for(
+                send_update(client, workflow_id, "release_lease", newer, ReturnAnswer),
+                timeout=60,
+            )
+        except Exception as err:  # the error itself is what is checked
+            return err
+        finally:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+            await client.get_workflow_handle(workflow_id).terminate("test over")
+        return None
+
+    err = asyncio.run(scenario())
+    assert isinstance(err, VersionMismatchError), repr(err)
+    assert "added_in_a_newer_release" in str(err) and "upgrade" in str(err)
+    assert "ReturnAnswer" in str(err)
