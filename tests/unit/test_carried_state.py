@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from timeslice.protocol.group import (
+    WAIT_SHARE_JOBS_KEEP,
     AcquireRequest,
     GroupConfig,
     GroupInput,
@@ -16,6 +17,7 @@ from timeslice.protocol.group import (
     QueueTarget,
     SnapshotReport,
     SnapshotTarget,
+    group_state_budget,
     lease_key_hash,
 )
 from timeslice.protocol.rl_job import (
@@ -122,36 +124,80 @@ def test_a_rewind_past_folded_records_stays_exact():
     assert state.totals()[0] == {"train": 200.0}
 
 
-def test_a_group_at_its_bounds_carries_under_256_kb():
-    config = GroupConfig(group_id="g" * 100, history_keep=256, wait_samples_keep=512)
-    book = GroupBook(config, GroupState(stats=GroupStats(created_at=T0)))
-    target = SnapshotTarget(
-        queues=[QueueTarget(task_queue="timeslice-job-" + "j" * 90 + "-0", backends=["torch"])]
+def _serve_one(book: GroupBook, now: datetime) -> datetime:
+    """Grant the best waiter and release it: one lease; returns the time after."""
+    waiter = book.take_next(now)
+    assert waiter is not None
+    plan = book.plan_switch(waiter.request)
+    later = now + timedelta(seconds=1)
+    book.finish_switch(plan, waiter.request, started=now, ended=later, moved_bytes=1,
+                       waited_for=None)  # fmt: skip
+    notice = book.grant(waiter, later, parked=False)
+    now = later + timedelta(seconds=1)
+    rid = waiter.request.request_id
+    book.release(LeaseReturn(request_id=rid, key=key(rid), token=notice.token), now)
+    return now
+
+
+def _lease_through(book: GroupBook, request: AcquireRequest, now: datetime) -> datetime:
+    """Queue ``request`` and serve the best waiter: one lease."""
+    assert book.refusal(request) is None
+    book.enqueue(request, now)
+    return _serve_one(book, now)
+
+
+def _request(job: str, i: int, target: SnapshotTarget) -> AcquireRequest:
+    rid = f"{job}:{i:032x}"
+    return AcquireRequest(
+        request_id=rid,
+        key_hash=lease_key_hash(key(rid)),
+        job_id=job,
+        reply_task_queue="q" * 300,
+        snapshot=target,
     )
+
+
+TARGET = SnapshotTarget(
+    queues=[QueueTarget(task_queue="timeslice-job-" + "j" * 90 + "-0", backends=["torch"])]
+)
+
+
+def test_a_group_of_a_few_jobs_with_default_settings_carries_under_256_kb():
+    """The common case: a handful of jobs, long-lived, history_keep and wait samples at their
+    defaults. (At the bounds a group carries far more: the next test.)"""
+    config = GroupConfig(group_id="g" * 100)
+    book = GroupBook(config, GroupState(stats=GroupStats(created_at=T0)))
     now = T0
     for i in range(5000):  # far more leases than any bound
-        job = f"{'j' * 90}{i % 7}"
-        rid = f"{job}:{i:032x}"
-        book.enqueue(
-            AcquireRequest(
-                request_id=rid,
-                key_hash=lease_key_hash(key(rid)),
-                job_id=job,
-                reply_task_queue="q" * 300,
-                snapshot=target,
-            ),
-            now,
-        )
-        waiter = book.take_next(now)
-        assert waiter is not None
-        plan = book.plan_switch(waiter.request)
-        later = now + timedelta(seconds=1)
-        book.finish_switch(plan, waiter.request, started=now, ended=later, moved_bytes=1,
-                           waited_for=None)  # fmt: skip
-        book.grant(waiter, later, parked=False)
-        now = later + timedelta(seconds=1)
-        book.release(
-            LeaseReturn(request_id=rid, key=key(rid), token=book.state.next_token - 1), now
-        )
+        now = _lease_through(book, _request(f"{'j' * 90}{i % 7}", i, TARGET), now)
     carried = GroupInput(config=config, state=book.state)
     assert _size(carried) < LIMIT, _size(carried)
+
+
+def test_a_group_at_its_real_limits_carries_what_its_budget_says():
+    """3,000 leases by distinct 100-character job ids, behind a queue kept full: every list the
+    group keeps reaches its bound. What it carries is then what ``group_state_budget`` counts
+    for its settings (over 1 MB: a full queue alone may take 512 KiB), not 256 KB."""
+    config = GroupConfig(group_id="g" * 100)
+    book = GroupBook(config, GroupState(stats=GroupStats(created_at=T0)))
+    now = T0
+    n = 0
+    while book.refusal(request := _request(f"{n:0100d}", n, TARGET)) is None:
+        book.enqueue(request, now)
+        n += 1
+    queued = len(book.state.queue)
+    sizes = []
+    for lease in range(3000):  # each lease goes to a job never seen before
+        now = _serve_one(book, now)
+        book.enqueue(_request(f"{n:0100d}", n, TARGET), now)
+        n += 1
+        assert len(book.state.queue) == queued  # full again behind each lease
+        if lease % 500 == 499:
+            sizes.append(_size(GroupInput(config=config, state=book.state)))
+    budget = group_state_budget(config.history_keep, config.wait_samples_keep)
+    print(f"group at its real limits: {sizes} bytes over 3,000 leases; budget {budget}")
+    assert max(sizes) <= budget, (sizes, budget)
+    assert max(sizes) > LIMIT  # the 256-KB figure is the common case's, not this one's
+    state = book.state
+    assert len(state.history) == config.history_keep
+    assert len(state.wait_shares) == WAIT_SHARE_JOBS_KEEP
