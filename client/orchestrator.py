@@ -275,9 +275,26 @@ class TimeSliceOrchestratorClient(_ClientBase):
         ttl = _checked_ttl(ttl, "ttl")
         return self._engine.run_sync(self._engine.acquire(group, timeout, priority, ttl))
 
-    def release(self, lease: Lease | None = None) -> None:
-        """Yield the group to the next waiter (the only held lease if none is given)."""
-        self._engine.run_sync(self._engine.release(lease))
+    def release(
+        self,
+        lease: Lease | None = None,
+        *,
+        next_phase: str | None = None,
+        expected_s: float | None = None,
+    ) -> bool:
+        """Yield the group to the next waiter (the only held lease if none is given).
+
+        When this holder's next GPU phase on the same group follows at once, say so:
+        ``release(lease, next_phase="train", expected_s=0.8)`` asks the group to keep the
+        lease for that phase, and it decides by its grant policy (``GroupConfig.grant_policy``:
+        kept when nobody waits; under ``phase_aware`` also past waiters, within its bounds).
+        ``expected_s`` is that phase's expected length as you measured it; without it the
+        lease is kept only when nobody waits. Returns True if the lease was kept (go on under
+        it; release it again later), False if it was released (acquire again for the next
+        phase). A plain ``release(lease)`` always releases, and returns False."""
+        return self._engine.run_sync(
+            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s)
+        )
 
     yield_ = release
 
@@ -334,8 +351,18 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         ttl = _checked_ttl(ttl, "ttl")
         return await self._engine.run_async(self._engine.acquire(group, timeout, priority, ttl))
 
-    async def release(self, lease: Lease | None = None) -> None:
-        await self._engine.run_async(self._engine.release(lease))
+    async def release(
+        self,
+        lease: Lease | None = None,
+        *,
+        next_phase: str | None = None,
+        expected_s: float | None = None,
+    ) -> bool:
+        """As :meth:`TimeSliceOrchestratorClient.release`: True if the group kept the lease
+        for ``next_phase``."""
+        return await self._engine.run_async(
+            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s)
+        )
 
     yield_ = release
 
