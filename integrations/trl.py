@@ -25,10 +25,14 @@ untouched, only this instance is wrapped):
   memory when another job takes the device, and back before this job's next phase — the same
   tensor objects, bit for bit. With a PEFT model only the trainable (LoRA) parameters and the
   optimizer state move: the frozen base stays on the device;
-* a lease is kept from one phase to the next on the same group (generation → scoring, and
-  the optimizer step → the next step's generation) and released when the job has CPU work to do
-  (rewards) or the next phase is on another group; ``train()`` ends by bringing the state home
-  (if it was away) and leaving the group, so the trained model is usable after it (so does an
+* from one phase to the next on the same group (generation → scoring, one optimizer step →
+  the next, the last step → the next generation) the job asks the group to carry its lease into
+  the next phase, saying that phase's expected length (the median of its last few of that
+  name); the group decides by its grant policy, as for any holder (kept when nobody waits;
+  under ``phase_aware`` past a waiter within its bounds), and the job goes on under the same
+  lease or acquires again. The lease is released when the job has CPU work to do (rewards) or
+  the next phase is on another group; ``train()`` ends by bringing the state home (if it was
+  away) and leaving the group, so the trained model is usable after it (so does an
   ``evaluate()`` outside training).
 
 Three of the methods wrapped are private (``_generate``,
@@ -65,6 +69,9 @@ WRAPPED_METHODS: dict[str, tuple[str, ...]] = {
 }
 
 log = logging.getLogger("timeslice.integrations.trl")
+#: The phases of one name whose median is the expected length of the next (the group's grant
+#: policy is told it at each phase boundary).
+MEASURED_PHASES = 5
 
 
 class UnsupportedTRLError(ImportError):
@@ -101,6 +108,7 @@ TRL_VERSION = _installed_trl()
 check_trl_version(TRL_VERSION)
 
 import torch  # noqa: E402  (after the version gate, on purpose)
+from timeslice.errors import LeaseRevokedError  # noqa: E402
 from timeslice.lease import Lease  # noqa: E402
 from timeslice.orchestrator import TimeSliceOrchestratorClient  # noqa: E402
 from timeslice.protocol.group import SnapshotReport  # noqa: E402
@@ -242,6 +250,9 @@ class GRPOTimeSlicing:
         self.trainer_group = trainer_group
         self.timeout = timeout
         self.phases: list[PhaseRecord] = []
+        # Phase boundaries on one group: the lease kept into the next phase, or handed on.
+        self.kept_at_boundaries = 0
+        self.yielded_at_boundaries = 0
         self._client_options = dict(client_options)
         self._lease: Lease | None = None
         self._open: tuple[str, str, int, int, float] | None = None  # phase, group, token, step, t
@@ -357,20 +368,50 @@ class GRPOTimeSlicing:
             **options,
         )
 
-    def _hold(self, group: str) -> Lease:
-        """A lease on ``group``: the one held if it is that group's, else a new one (the
-        other group's lease is released first, so a job never holds one group while waiting
-        for another)."""
+    def _hold(self, group: str, phase: str | None = None) -> Lease:
+        """A lease on ``group`` for ``phase``: the one held if it is that group's and the group
+        keeps it for the phase (asked at every phase boundary; with no phase, as for the end of
+        training, it is kept), else a new one (the other group's lease is released first, so a
+        job never holds one group while waiting for another)."""
         if self._finished:
             self._connect_clients()  # train() again after a finished run: the old ones left
             self._counting.staying = False
             self._finished = False
         if self._lease is not None:
-            if self._lease.group_id == group:
+            if self._lease.group_id == group and (phase is None or self._carried_into(phase)):
                 return self._lease
             self._release()
         self._lease = self._clients[group].acquire(group, timeout=self.timeout)
         return self._lease
+
+    def _carried_into(self, phase: str) -> bool:
+        """Ask the group to keep the held lease for ``phase``, next on the same group: whether
+        it did (if not, the lease is released and the group hands it on)."""
+        lease = self._lease
+        assert lease is not None
+        try:
+            kept = self._clients[lease.group_id].release(
+                lease, next_phase=phase, expected_s=self.expected_s(phase)
+            )
+        except LeaseRevokedError as err:
+            log.warning("%s; acquiring again for %s", err, phase)
+            kept = False
+        if kept:
+            self.kept_at_boundaries += 1
+        else:
+            self._lease = None
+            self.yielded_at_boundaries += 1
+        return kept
+
+    def expected_s(self, phase: str) -> float | None:
+        """How long ``phase`` is expected to take: the median of this job's last
+        ``MEASURED_PHASES`` phases of that name (None before the first)."""
+        recent = [p.end - p.start for p in self.phases if p.phase == phase][-MEASURED_PHASES:]
+        if not recent:
+            return None
+        recent.sort()
+        middle = len(recent) // 2
+        return (recent[middle] + recent[(len(recent) - 1) // 2]) / 2
 
     def _release(self) -> None:
         lease, self._lease = self._lease, None
@@ -381,7 +422,7 @@ class GRPOTimeSlicing:
         if self._open is not None and self._open[:2] == (phase, group):
             return
         self._end_phase()
-        lease = self._hold(group)
+        lease = self._hold(group, phase)
         self._open = (phase, group, lease.token, self.trainer.state.global_step, time.monotonic())
 
     def _end_phase(self) -> None:
@@ -509,8 +550,8 @@ class _StepCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        # The lease stays: the next step's generation (same group) carries it on, and the
-        # log / save / evaluate that follow a step still find the state on the device.
+        # The lease stays until the next phase asks the group to carry it on (same group), so
+        # the log / save / evaluate that follow a step still find the state on the device.
         self.slicing._end_phase()
 
 
