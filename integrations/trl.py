@@ -387,23 +387,22 @@ class GRPOTimeSlicing:
             self._connect_clients()  # train() again after a finished run: the old ones left
             self._counting.staying = False
             self._finished = False
-        kind = None if phase is None else _kind(phase)
         if self._lease is not None:
-            if self._lease.group_id == group and (
-                kind is None or kind == self._lease_kind or self._carried_into(phase or "")
-            ):
-                self._lease_kind = kind or self._lease_kind
+            if self._lease.group_id == group and self._kept_for(phase):
                 return self._lease
             self._release()
         self._lease = self._clients[group].acquire(group, timeout=self.timeout)
-        self._lease_kind = kind
+        self._lease_kind = None if phase is None else _kind(phase)
         return self._lease
 
-    def _carried_into(self, phase: str) -> bool:
-        """Ask the group to keep the held lease for ``phase``, next on the same group: whether
-        it did (if not, the lease is released and the group hands it on)."""
+    def _kept_for(self, phase: str | None) -> bool:
+        """Whether the held lease goes on into ``phase`` (next on the same group): at once if
+        it continues the kind of work the lease ran (or is None), else if the group carries
+        it; if not, the lease is released and the group hands it on."""
         lease = self._lease
         assert lease is not None
+        if phase is None or _kind(phase) == self._lease_kind:
+            return True
         try:
             kept = self._clients[lease.group_id].release(
                 lease, next_phase=phase, expected_s=self.expected_s(phase)
@@ -413,6 +412,7 @@ class GRPOTimeSlicing:
             kept = False
         if kept:
             self.kept_at_boundaries += 1
+            self._lease_kind = _kind(phase)
         else:
             self._lease = None
             self.yielded_at_boundaries += 1
