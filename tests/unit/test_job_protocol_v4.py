@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 from temporalio.contrib.pydantic import pydantic_data_converter
-from timeslice.protocol.group import NextPhase
+from timeslice.protocol.group import LeaseReturn, NextPhase
 from timeslice.protocol.rl_job import JOB_PROTOCOL_VERSION, PhaseInput, PhaseResult
 
 
@@ -41,3 +41,14 @@ def test_a_phase_result_keeps_the_groups_answer_within_its_bound():
     assert PhaseResult(**fields, carry="carrying into sample").carry == "carrying into sample"
     with pytest.raises(ValidationError):
         PhaseResult(**fields, carry="x" * 121)
+
+
+def test_a_release_without_a_next_phase_encodes_as_before_the_grant_policy():
+    """An embedded client's plain release reaches a group of an older release, whose models
+    refuse unknown fields: the new field is left out when there is no next phase."""
+    plain = LeaseReturn(request_id="r", token=1, key="k" * 16)
+    (payload,) = pydantic_data_converter.payload_converter.to_payloads([plain])
+    assert "carry_into" not in json.loads(payload.data)
+    carried = plain.model_copy(update={"carry_into": NextPhase(name="train", expected_s=1.0)})
+    (payload,) = pydantic_data_converter.payload_converter.to_payloads([carried])
+    assert LeaseReturn.model_validate_json(payload.data).carry_into == carried.carry_into
