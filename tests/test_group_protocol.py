@@ -245,8 +245,10 @@ def test_killed_holder_loses_the_lease_after_its_ttl(address, group, tmp_path, m
     # Killed before that renewal, the victim ends DEAD after 15 s (seen on a loaded machine);
     # this test is about a holder whose TTL runs.
     wait_for(
-        lambda: (holder := observer.group_status(group).holder) is not None
-        and holder.expires_in_s is not None,
+        lambda: (
+            (holder := observer.group_status(group).holder) is not None
+            and holder.expires_in_s is not None
+        ),
         what="the victim's grant confirmed by its first renewal",
     )
     killed_at = time.monotonic()
