@@ -38,6 +38,7 @@ from timeslice.protocol.group import (
     GroupQuery,
     GroupUpdate,
     HolderView,
+    NextPhase,
     QueueTarget,
     RenewRequest,
     RenewResult,
@@ -53,6 +54,7 @@ from timeslice.protocol.rl_job import (
     DESCRIBE_ACTIVITY,
     JOB_PROTOCOL_VERSION,
     LEASE_REVOKED,
+    MAX_CARRY_REASON,
     PREPARE_ACTIVITY,
     REWARDS_ACTIVITY,
     SAMPLE_ACTIVITY,
@@ -416,14 +418,21 @@ class JobRuntime:
                     ended = time.monotonic()
                     released_at = time.monotonic()
                     released = kept = False
+                    carry = ""
                     if lease is not None and inp.release == "always":
                         # Sent now, answered after this activity returns: the job's next step
                         # does not wait for the group's answer (nor for an eviction it asks).
                         self._yield_in_background(lease, names, restored)
                         released = True
                     elif lease is not None and inp.release == "if_contended":
-                        released, kept = await self._yield(
-                            lease, names, restored=restored, keep_if_uncontended=True
+                        # keep_if_uncontended says what a group of any release understands;
+                        # carry_into lets the group's grant policy keep it past waiters too.
+                        released, kept, carry = await self._yield(
+                            lease,
+                            names,
+                            restored=restored,
+                            keep_if_uncontended=True,
+                            carry_into=inp.carry_into,
                         )
                     elif lease is not None:
                         kept = True
@@ -458,6 +467,7 @@ class JobRuntime:
             released_mono=released_at if released else None,
             released=released,
             kept=kept and owned,
+            carry=carry,
             restored=restored,
         )
 
@@ -588,37 +598,40 @@ class JobRuntime:
         *,
         restored: list[SnapshotReport] | None = None,
         keep_if_uncontended: bool,
-    ) -> tuple[bool, bool]:
+        carry_into: NextPhase | None = None,
+    ) -> tuple[bool, bool, str]:
         """Release ``lease`` (or keep it when nobody waits and that was asked); if another job
         takes the group, move this job's state out and report it (co-operative eviction).
 
         The group decides in the workflow task that grants the next holder; when both states
         fit in the group's declared memory the next holder's restore overlaps this eviction,
-        otherwise the group waits for the report. Returns (released, kept)."""
+        otherwise the group waits for the report. Returns (released, kept, the group's reason
+        for a carry it was asked for)."""
         restored = [*self._unreported.get(lease.request_id, []), *(restored or [])]
         try:
             answer = await self.engine.release_lease(
                 lease,
                 restored=restored,
                 keep_if_uncontended=keep_if_uncontended,
+                carry_into=carry_into,
                 evicts_itself=bool(names),
             )
         except Exception as err:  # the group revokes it at its TTL (renewals stopped)
             log.warning("cannot release %s from the job process: %s", lease.group_id, err)
             self.engine.forget(lease)
-            return False, False
+            return False, False, ""
         if not answer.valid:
             self._unreported.pop(lease.request_id, None)
-            return False, False
+            return False, False, ""
         if not answer.released:
             self._unreported.setdefault(lease.request_id, []).extend(restored or [])
-            return False, True
+            return False, True, answer.reason[:MAX_CARRY_REASON]
         self._unreported.pop(lease.request_id, None)
         if answer.evict:
             # The copy runs after this activity returns: the job's next step (rewards, or a
             # phase on another group) does not wait for it; the next use of this state does.
             self.homes.evict_in_background(names, lease.group_id)
-        return True, False
+        return True, False, answer.reason[:MAX_CARRY_REASON]
 
     async def _abandon(self, lease: Lease) -> None:
         self._unreported.pop(lease.request_id, None)

@@ -22,6 +22,7 @@ from timeslice.plan import cli as plan_cli
 
 if TYPE_CHECKING:
     from temporalio.worker import Worker
+    from timeslice.protocol.group import GroupStatus
 
 log = logging.getLogger("timeslice")
 T = TypeVar("T")
@@ -686,18 +687,36 @@ async def _run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(status.model_dump_json(indent=2))
         return 0
-    holder = status.holder
-    print(f"group {status.group_id}")
-    held = f"{holder.job_id} (token {holder.token}, {holder.held_s:.1f} s)" if holder else "none"
-    print(f"  holder:      {held}")
-    print(f"  resident:    {status.resident_job or 'none'}")
-    print(f"  queue:       {', '.join(w.job_id for w in status.queue) or 'empty'}")
-    print(f"  utilization: {status.utilization:.1%} of {status.wall_s:.0f} s")
-    print(
-        f"  leases:      {status.stats.leases}, switches {status.stats.switches}, "
-        f"expired {status.stats.expired}, stale messages {status.stats.stale_messages}"
-    )
+    print(format_status(status))
     return 0
+
+
+def format_status(status: GroupStatus) -> str:
+    """``timeslice status``: the holder, and why each waiter waits (the holder, and whether
+    the grant policy carried its lease into its next phase past them)."""
+    holder = status.holder
+    held = f"{holder.job_id} (token {holder.token}, {holder.held_s:.1f} s)" if holder else "none"
+    if holder is not None and holder.carrying_into:
+        held += f", carrying into {holder.carrying_into}"
+    if holder is None:
+        why = "granting" if status.queue else ""
+    else:
+        why = f"held by {holder.job_id}" + (
+            f": carrying into {holder.carrying_into}" if holder.carrying_into else ""
+        )
+    queue = [f"{w.job_id} ({w.waited_s:.1f} s: {why})" for w in status.queue]
+    stats = status.stats
+    return "\n".join(
+        [
+            f"group {status.group_id}",
+            f"  holder:      {held}",
+            f"  resident:    {status.resident_job or 'none'}",
+            f"  queue:       {', '.join(queue) or 'empty'}",
+            f"  utilization: {status.utilization:.1%} of {status.wall_s:.0f} s",
+            f"  leases:      {stats.leases}, switches {stats.switches}, carried {stats.carried}, "
+            f"expired {stats.expired}, stale messages {stats.stale_messages}",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import math
+import re
 import secrets
 import threading
 import time
@@ -66,6 +67,7 @@ from timeslice.lease import Lease
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     GROUP_KEY,
+    MAX_LEASE_TTL_S,
     AcquireAnswer,
     AcquireCall,
     AcquireOutcome,
@@ -80,6 +82,7 @@ from timeslice.protocol.group import (
     GroupUpdate,
     LeaseReturn,
     MovedReport,
+    NextPhase,
     RenewRequest,
     RenewResult,
     ReturnAnswer,
@@ -99,6 +102,8 @@ from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 log = logging.getLogger("timeslice.client")
 T = TypeVar("T")
 _KEYS_KEEP = 1024
+# A phase name as NextPhase takes it (protocol/group.py).
+_PHASE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 CLOSED = "this client is closed: create a new TimeSliceOrchestratorClient to use the groups again"
 # How long an update may go unaccepted before the engine checks that a control worker serves
 # the groups' task queue at all (with none, nothing ever answers).
@@ -866,10 +871,30 @@ class Engine:
             )
         return lease
 
-    async def release(self, lease: Lease | None) -> None:
-        """Yield the lease; LeaseRevokedError if the group had revoked it meanwhile."""
+    async def release(
+        self,
+        lease: Lease | None,
+        *,
+        next_phase: str | None = None,
+        expected_s: float | None = None,
+    ) -> bool:
+        """Yield the lease; LeaseRevokedError if the group had revoked it meanwhile.
+
+        With ``next_phase`` (the name of this holder's next GPU phase, on the same group,
+        following at once) the group may keep the lease for that phase instead, by its grant
+        policy: always when nobody waits, and under ``phase_aware`` within its bounds when
+        others do, which needs ``expected_s`` (the phase's expected length, as this holder
+        measured it; without it the lease is kept only when nobody waits). Returns whether the
+        lease was kept: it is then still held and renewed, and the caller goes on under it."""
+        carry = check_next_phase(next_phase, expected_s)
         lease = self.resolve_lease(lease)
-        answer = await self.release_lease(lease)
+        answer = await self.release_lease(
+            lease,
+            keep_if_uncontended=next_phase is not None,
+            carry_into=carry,
+        )
+        if answer.valid and not answer.released:
+            return True
         if lease.revoked_reason is None and not answer.valid:
             lease.revoked_reason = "the group no longer held it when it was released"
         if lease.revoked_reason is not None:
@@ -877,6 +902,7 @@ class Engine:
                 f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "
                 f"{lease.revoked_reason}"
             )
+        return False
 
     async def release_lease(
         self,
@@ -885,10 +911,12 @@ class Engine:
         restored: list[SnapshotReport] | None = None,
         evicted: list[SnapshotReport] | None = None,
         keep_if_uncontended: bool = False,
+        carry_into: NextPhase | None = None,
         evicts_itself: bool = False,
     ) -> ReturnAnswer:
-        """End ``lease`` (or keep it, if asked and nobody waits); the answer says whether the
-        group wants this process to move its state out (``evicts_itself``)."""
+        """End ``lease`` (or keep it, if asked and nobody waits, or carried into
+        ``carry_into`` by the group's grant policy); the answer says whether the group wants
+        this process to move its state out (``evicts_itself``)."""
         ret = LeaseReturn(
             request_id=lease.request_id,
             token=lease.token,
@@ -896,6 +924,7 @@ class Engine:
             restored=list(restored or []),
             evicted=list(evicted or []),
             keep_if_uncontended=keep_if_uncontended,
+            carry_into=carry_into,
             evicts_itself=evicts_itself,
         )
         spans = self._spans.get(lease.group_id)
@@ -1073,6 +1102,35 @@ class Engine:
         # interpreter's own shutdown, their native threads can touch Python mid-finalization.
         self._worker = self._worker_task = self._client = self._connecting = None
         gc.collect()
+
+
+def check_next_phase(next_phase: str | None, expected_s: float | None) -> NextPhase | None:
+    """What a release says of the holder's next phase, checked: a ``NextPhase`` when both are
+    given, None when only the name is (or neither); InvalidArgumentError saying what to fix."""
+    if next_phase is None:
+        if expected_s is not None:
+            raise InvalidArgumentError(
+                f"expected_s={expected_s!r} needs next_phase: name the phase it is the length of"
+            )
+        return None
+    if not isinstance(next_phase, str) or not _PHASE_NAME.fullmatch(next_phase):
+        raise InvalidArgumentError(
+            f"next_phase must be a phase name of 1 to 64 letters, digits or '_.:-' "
+            f"(e.g. 'sample', 'train'), not {next_phase!r}"
+        )
+    if expected_s is None:
+        return None
+    if (
+        isinstance(expected_s, bool)
+        or not isinstance(expected_s, int | float)
+        or not math.isfinite(expected_s)
+        or not 0 <= expected_s <= MAX_LEASE_TTL_S
+    ):
+        raise InvalidArgumentError(
+            f"expected_s must be the next phase's expected length, a number of seconds from 0 "
+            f"to {MAX_LEASE_TTL_S:g}, or None when it is not known yet, not {expected_s!r}"
+        )
+    return NextPhase(name=next_phase, expected_s=float(expected_s))
 
 
 def check_timeout(

@@ -376,24 +376,45 @@ class TimeSliceOrchestratorClient(_ClientBase):
         ttl = _checked_ttl(ttl, "ttl")
         return self._engine.run_sync(self._engine.acquire(group, timeout, priority, ttl))
 
-    def release(self, lease: Lease | None = None) -> None:
-        """Hand the group to the next waiter.
+    def release(
+        self,
+        lease: Lease | None = None,
+        *,
+        next_phase: str | None = None,
+        expected_s: float | None = None,
+    ) -> bool:
+        """Hand the group to the next waiter, or keep it for this holder's next phase.
 
         If another job takes the group next, this job's registered state is evicted before
         that job is granted (or beside its work, when the group's memory holds both states).
+        When this holder's next GPU phase on the same group follows at once, say so:
+        ``release(lease, next_phase="train", expected_s=0.8)`` asks the group to keep the
+        lease for that phase, and it decides by its grant policy (``GroupConfig.grant_policy``:
+        kept when nobody waits; under ``phase_aware`` also past waiters, within its bounds).
 
         Args:
             lease: The lease to end; None: the only lease this client holds.
+            next_phase: The name of this holder's next GPU phase on the same group, if it
+                follows at once; None: a plain release.
+            expected_s: That phase's expected length, as you measured it; without it the
+                lease is kept only when nobody waits.
+
+        Returns:
+            True if the lease was kept (go on under it; release it again later), False if it
+            was released (acquire again for the next phase). A plain release returns False.
 
         Raises:
-            InvalidArgumentError: ``lease`` is not a ``Lease`` (a group id, say).
+            InvalidArgumentError: ``lease`` is not a ``Lease`` (a group id, say), or
+                ``next_phase`` / ``expected_s`` are malformed (the lease stays held).
             NotHolderError: The client does not hold that lease (already released, another
-                client.s), or holds none or several and none was given.
+                client's), or holds none or several and none was given.
             LeaseRevokedError: The lease had ended at the group while held (its TTL ran out
                 without renewal); it is released all the same.
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
-        self._engine.run_sync(self._engine.release(lease))
+        return self._engine.run_sync(
+            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s)
+        )
 
     yield_ = release
 
@@ -582,24 +603,35 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         ttl = _checked_ttl(ttl, "ttl")
         return await self._engine.run_async(self._engine.acquire(group, timeout, priority, ttl))
 
-    async def release(self, lease: Lease | None = None) -> None:
-        """Hand the group to the next waiter.
-
-        If another job takes the group next, this job's registered state is evicted before
-        that job is granted (or beside its work, when the group's memory holds both states).
+    async def release(
+        self,
+        lease: Lease | None = None,
+        *,
+        next_phase: str | None = None,
+        expected_s: float | None = None,
+    ) -> bool:
+        """Hand the group to the next waiter, or keep it for this holder's next phase (as
+        :meth:`TimeSliceOrchestratorClient.release`).
 
         Args:
             lease: The lease to end; None: the only lease this client holds.
+            next_phase: The name of this holder's next GPU phase on the same group, if it
+                follows at once; None: a plain release.
+            expected_s: That phase's expected length; without it the lease is kept only when
+                nobody waits.
+
+        Returns:
+            True if the group kept the lease for ``next_phase``, False if it was released.
 
         Raises:
-            InvalidArgumentError: ``lease`` is not a ``Lease`` (a group id, say).
-            NotHolderError: The client does not hold that lease (already released, another
-                client.s), or holds none or several and none was given.
-            LeaseRevokedError: The lease had ended at the group while held (its TTL ran out
-                without renewal); it is released all the same.
+            InvalidArgumentError: ``lease``, ``next_phase`` or ``expected_s`` is malformed.
+            NotHolderError: The client does not hold that lease.
+            LeaseRevokedError: The lease had ended at the group while held.
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
-        await self._engine.run_async(self._engine.release(lease))
+        return await self._engine.run_async(
+            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s)
+        )
 
     yield_ = release
 

@@ -103,11 +103,15 @@ def main() -> None:
             "restores": slicing.restores,
             "bytes_moved": slicing.bytes_moved,
             "lora_only": slicing.lora_only,
+            "kept_at_boundaries": slicing.kept_at_boundaries,
+            "yielded_at_boundaries": slicing.yielded_at_boundaries,
         }
         print(
             f"{slicing.job_id}: {len(slicing.phases)} phases on {args.group}; state moved out "
             f"{slicing.snapshots} times and back {slicing.restores} times "
-            f"({slicing.bytes_moved / 2**20:.1f} MiB)"
+            f"({slicing.bytes_moved / 2**20:.1f} MiB); at phase boundaries the group kept "
+            f"the lease {slicing.kept_at_boundaries} times and handed it on "
+            f"{slicing.yielded_at_boundaries}"
         )
     rewards = report["rewards"]
     print(f"reward: first {rewards[0]:.3f}, last {rewards[-1]:.3f}, best {max(rewards):.3f}")

@@ -25,11 +25,17 @@ untouched, only this instance is wrapped):
   memory when another job takes the device, and back before this job's next phase — the same
   tensor objects, bit for bit. With a PEFT model only the trainable (LoRA) parameters and the
   optimizer state move: the frozen base stays on the device;
-* a lease is kept from one phase to the next on the same group (generation → scoring, and
-  the optimizer step → the next step's generation) and released when the job has CPU work to do
-  (rewards) or the next phase is on another group; ``train()`` ends by bringing the state home
-  (if it was away) and leaving the group, so the trained model is usable after it (so does an
-  ``evaluate()`` outside training).
+* a job alternates two kinds of GPU work, as an RL job alternates ``sample`` and ``train``:
+  *rollout* (generation, then its scoring) and *optimisation* (the optimizer steps on one
+  generation's completions, or an evaluation). Within one kind the lease stays from phase to
+  phase; where one kind follows the other on the same group (the last optimizer step → the
+  next generation) the job asks the group to carry its lease into the coming phase, saying how
+  long that kind of work took it lately (the median of its last few). The group decides by its
+  grant policy, as for any holder (kept when nobody waits; under ``phase_aware`` past a waiter
+  within its bounds), and the job goes on under the same lease or acquires again. The lease is
+  released when the job has CPU work to do (rewards) or the next phase is on another group;
+* ``train()`` ends by bringing the state home (if it was away) and leaving the group, so the
+  trained model is usable after it (so does an ``evaluate()`` outside training).
 
 Three of the methods wrapped are private (``_generate``,
 ``_get_per_token_logps_and_entropies`` and ``_calculate_rewards``; TRL has no public hook at
@@ -65,6 +71,16 @@ WRAPPED_METHODS: dict[str, tuple[str, ...]] = {
 }
 
 log = logging.getLogger("timeslice.integrations.trl")
+#: The runs of one kind of work whose median is the expected length of the next (the group's
+#: grant policy is told it where one kind follows the other).
+MEASURED_PHASES = 5
+#: Phases of the optimisation kind; every other phase (generate, score, rewards on a reward
+#: model) is rollout.
+OPTIMISATION_PHASES = frozenset({"train", "eval"})
+
+
+def _kind(phase: str) -> str:
+    return "optimisation" if phase in OPTIMISATION_PHASES else "rollout"
 
 
 class UnsupportedTRLError(ImportError):
@@ -101,6 +117,7 @@ TRL_VERSION = _installed_trl()
 check_trl_version(TRL_VERSION)
 
 import torch  # noqa: E402  (after the version gate, on purpose)
+from timeslice.errors import LeaseRevokedError  # noqa: E402
 from timeslice.lease import Lease  # noqa: E402
 from timeslice.orchestrator import TimeSliceOrchestratorClient  # noqa: E402
 from timeslice.protocol.group import SnapshotReport  # noqa: E402
@@ -242,8 +259,12 @@ class GRPOTimeSlicing:
         self.trainer_group = trainer_group
         self.timeout = timeout
         self.phases: list[PhaseRecord] = []
+        # Where one kind of work follows the other on one group: the lease kept, or handed on.
+        self.kept_at_boundaries = 0
+        self.yielded_at_boundaries = 0
         self._client_options = dict(client_options)
         self._lease: Lease | None = None
+        self._lease_kind: str | None = None  # the kind of work last begun under it
         self._open: tuple[str, str, int, int, float] | None = None  # phase, group, token, step, t
         self._optimizer_registered = False
         self._finished = False
@@ -357,20 +378,63 @@ class GRPOTimeSlicing:
             **options,
         )
 
-    def _hold(self, group: str) -> Lease:
-        """A lease on ``group``: the one held if it is that group's, else a new one (the
-        other group's lease is released first, so a job never holds one group while waiting
-        for another)."""
+    def _hold(self, group: str, phase: str | None = None) -> Lease:
+        """A lease on ``group`` for ``phase``: the one held if it is that group's and either
+        ``phase`` continues the kind of work it ran (or is None, as at the end of training) or
+        the group carries it into ``phase``; else a new one (the other group's lease is
+        released first, so a job never holds one group while waiting for another)."""
         if self._finished:
             self._connect_clients()  # train() again after a finished run: the old ones left
             self._counting.staying = False
             self._finished = False
         if self._lease is not None:
-            if self._lease.group_id == group:
+            if self._lease.group_id == group and self._kept_for(phase):
                 return self._lease
             self._release()
         self._lease = self._clients[group].acquire(group, timeout=self.timeout)
+        self._lease_kind = None if phase is None else _kind(phase)
         return self._lease
+
+    def _kept_for(self, phase: str | None) -> bool:
+        """Whether the held lease goes on into ``phase`` (next on the same group): at once if
+        it continues the kind of work the lease ran (or is None), else if the group carries
+        it; if not, the lease is released and the group hands it on."""
+        lease = self._lease
+        assert lease is not None
+        if phase is None or _kind(phase) == self._lease_kind:
+            return True
+        try:
+            kept = self._clients[lease.group_id].release(
+                lease, next_phase=phase, expected_s=self.expected_s(phase)
+            )
+        except LeaseRevokedError as err:
+            log.warning("%s; acquiring again for %s", err, phase)
+            kept = False
+        if kept:
+            self.kept_at_boundaries += 1
+            self._lease_kind = _kind(phase)
+        else:
+            self._lease = None
+            self.yielded_at_boundaries += 1
+        return kept
+
+    def expected_s(self, phase: str) -> float | None:
+        """How long the work ``phase`` begins is expected to take: the median of this job's
+        last ``MEASURED_PHASES`` runs of that kind of phases, back to back, first start to last
+        end (None before the first)."""
+        kind = _kind(phase)
+        runs: list[tuple[str, float, float]] = []  # kind, start, end
+        for record in self.phases:
+            this = _kind(record.phase)
+            if runs and runs[-1][0] == this:
+                runs[-1] = (this, runs[-1][1], record.end)
+            else:
+                runs.append((this, record.start, record.end))
+        recent = sorted([end - start for k, start, end in runs if k == kind][-MEASURED_PHASES:])
+        if not recent:
+            return None
+        middle = len(recent) // 2
+        return (recent[middle] + recent[(len(recent) - 1) // 2]) / 2
 
     def _release(self) -> None:
         lease, self._lease = self._lease, None
@@ -381,7 +445,7 @@ class GRPOTimeSlicing:
         if self._open is not None and self._open[:2] == (phase, group):
             return
         self._end_phase()
-        lease = self._hold(group)
+        lease = self._hold(group, phase)
         self._open = (phase, group, lease.token, self.trainer.state.global_step, time.monotonic())
 
     def _end_phase(self) -> None:
@@ -509,8 +573,8 @@ class _StepCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        # The lease stays: the next step's generation (same group) carries it on, and the
-        # log / save / evaluate that follow a step still find the state on the device.
+        # The lease stays until the next phase asks the group to carry it on (same group), so
+        # the log / save / evaluate that follow a step still find the state on the device.
         self.slicing._end_phase()
 
 

@@ -20,10 +20,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from temporalio.common import SearchAttributeKey
@@ -676,6 +678,15 @@ class LeaseReturn(_Model):
         description="the holder moves its own state out (in-process backends) when another job "
         "takes the group next; the answer says whether to, and a `report_moved` follows",
     )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_carry(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A release that says no next phase encodes as before the grant policy, so a group
+        # of an older release (its models forbid unknown fields) still takes it.
+        data = handler(self)
+        if self.carry_into is None and isinstance(data, dict):
+            data.pop("carry_into", None)
+        return data
 
 
 class ReturnAnswer(_Model):

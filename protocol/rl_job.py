@@ -12,7 +12,13 @@ import re
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from timeslice.protocol.group import (
     CARRIED_STATE_BUDGET_BYTES,
     MAX_BACKENDS,
@@ -20,6 +26,7 @@ from timeslice.protocol.group import (
     MAX_PRIORITY,
     MIN_LEASE_TTL_S,
     MIN_PRIORITY,
+    NextPhase,
     SnapshotReport,
     _Model,
     check_id,
@@ -48,7 +55,7 @@ class JobSignal(StrEnum):
 # activities' inputs and results, and what each side expects of the other between them). Raised
 # on any change an older or newer counterpart would get wrong; each side checks the other's at
 # `describe` (docs/upgrading.md), so a job never runs phases across releases that disagree.
-JOB_PROTOCOL_VERSION = 3
+JOB_PROTOCOL_VERSION = 4
 
 # Served by a job process on ``timeslice-job-<job_id>-<rank>``.
 DESCRIBE_ACTIVITY = "timeslice.job.describe"
@@ -77,6 +84,7 @@ MAX_RECORD_HOLDS = 2  # the GPU phases' intervals: sample and train
 MAX_RECORD_TIMES = 8  # phases in wait_s and phase_s (names at most 32 characters)
 MAX_RECORD_BYTES = 20 * 1024  # the whole record, encoded: hold reports go first past it
 MAX_CHECKPOINT_PATH = 4096  # Linux's PATH_MAX
+MAX_CARRY_REASON = 120  # a hold's ``carry``: the group's reason, cut (it names another job)
 # The most an RL job's continue-as-new input (``RLJobInput``) encodes to, by the bounds above:
 # the config (its workload options at most MAX_OPTIONS_BYTES), the records, the rewards, the last
 # checkpoint, the backends' sizes, running totals and counters. tests/unit/test_state_budget.py
@@ -403,6 +411,20 @@ class PhaseInput(_Model):
     prefetch_backends: list[str] = Field(
         default_factory=list, description="the job's state on the prefetched lease's group"
     )
+    carry_into: NextPhase | None = Field(
+        None,
+        description="with release if_contended: the job's next GPU phase on this group and its "
+        "expected length, measured from the job's records; the group's grant policy may keep "
+        "the lease for it even when others wait (since protocol v4; absent from the encoded "
+        "input when None, so a job of an older protocol sends what it always did)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_carry(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if self.carry_into is None and isinstance(data, dict):
+            data.pop("carry_into", None)
+        return data
 
     @property
     def group_id(self) -> str | None:
@@ -429,7 +451,15 @@ class PhaseResult(_Model):
     granted_mono: float | None = None
     released_mono: float | None = Field(None, description="when the release was sent")
     released: bool = Field(False, description="the process released the lease itself")
-    kept: bool = Field(False, description="the process still holds the lease (nobody waited)")
+    kept: bool = Field(
+        False, description="the process still holds the lease (nobody waited, or it was carried)"
+    )
+    carry: str = Field(
+        "",
+        max_length=MAX_CARRY_REASON,
+        description="the group's answer to carrying the lease into the next phase: why it was "
+        "kept or released (empty: not asked)",
+    )
     restored: list[SnapshotReport] = Field(
         default_factory=list, description="state the process brought back before the phase"
     )

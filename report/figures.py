@@ -86,11 +86,21 @@ def job_spans(job: JobRecord) -> list[Span]:
                 start=_at(phase.mono_start, offset),
                 end=_at(phase.mono_end, offset),
                 group_id=group,
-                label=phase.phase if group is None else f"{phase.phase} on {group}",
+                label=_phase_label(phase),
                 **common,
             )
         )
     return spans
+
+
+def _phase_label(phase: PhaseResult) -> str:
+    """A GPU phase's label, with the group's answer when it asked to carry its lease on."""
+    if phase.group_id is None:
+        return phase.phase
+    label = f"{phase.phase} on {phase.group_id}"
+    if phase.carry:
+        label += f" · {'kept' if phase.kept else 'handed on'}: {phase.carry}"
+    return label
 
 
 def job_figures(job: JobRecord, spans: list[Span], dedicated_s: float | None = None) -> JobFigures:
@@ -115,6 +125,8 @@ def job_figures(job: JobRecord, spans: list[Span], dedicated_s: float | None = N
         dedicated_s=dedicated_s,
         rewards=job.rewards,
         rewinds=job.rewinds,
+        carries_asked=sum(1 for phase in job.phases if phase.carry),
+        carries_kept=sum(1 for phase in job.phases if phase.carry and phase.kept),
         note=job.note,
     )
 
@@ -204,6 +216,8 @@ def group_figures(
         wait_p99_s=status.wait_p99_s,
         holder=status.holder.job_id if status.holder is not None else None,
         queued=len(status.queue),
+        carried=stats.carried,
+        carrying_into=status.holder.carrying_into if status.holder is not None else None,
         notes=notes,
     )
     return figures, spans

@@ -70,6 +70,8 @@ class GroupFigures(_Model):
     wait_p99_s: float | None
     holder: str | None = None
     queued: int = 0
+    carried: int = Field(0, description="leases carried past waiters (the grant policy)")
+    carrying_into: str | None = Field(None, description="the holder's, at the query")
     notes: list[str] = Field(default_factory=list)
 
     def fraction(self, seconds: float) -> float:
@@ -104,6 +106,8 @@ class JobFigures(_Model):
     )
     rewards: list[float | None] = Field(default_factory=list, description="per epoch")
     rewinds: int = 0
+    carries_asked: int = Field(0, description="GPU phases that asked to carry their lease on")
+    carries_kept: int = Field(0, description="... and kept it for the next phase")
     note: str | None = None
 
     @property

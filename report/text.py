@@ -121,9 +121,12 @@ def format_text(report: Report) -> str:
     for g in report.groups:
         extra = []
         if g.holder is not None:
-            extra.append(f"held by {g.holder}")
+            carrying = f": carrying into {g.carrying_into}" if g.carrying_into else ""
+            extra.append(f"held by {g.holder}{carrying}")
         if g.queued:
             extra.append(f"{g.queued} waiting")
+        if g.carried:
+            extra.append(f"{g.carried} leases carried past waiters into their next phase")
         if g.overlapped_switches:
             extra.append(f"{g.overlapped_switches} overlapped switches")
         extra += g.notes
@@ -141,6 +144,10 @@ def format_text(report: Report) -> str:
             extra.append(f"alone: {j.dedicated_s:.1f} s measured")
         if j.rewinds:
             extra.append(f"{j.rewinds} rewinds")
+        if j.carries_asked:
+            extra.append(
+                f"lease kept into the next phase {j.carries_kept} of {j.carries_asked} times asked"
+            )
         if j.note:
             extra.append(j.note)
         if extra:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import tomllib
 import uuid
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, Interval, assert_no_overlap, finish
+from tests.helpers import REPO, Interval, assert_no_overlap, finish, wait_for
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -315,3 +316,59 @@ def test_reference_model_is_registered_and_groups_apart_need_a_remote_sampler(
     assert {n for n in names if n.startswith("reference.")} == {
         f"reference.{n}" for n, _ in trainer.ref_model.named_parameters()
     } | {f"reference.{n}" for n, _ in trainer.ref_model.named_buffers()}
+
+
+# ---------------------------------------------------------------------------- grant policy
+
+
+@pytest.mark.parametrize("policy", ["phase_aware", "fifo"])
+def test_phase_boundaries_go_through_the_groups_grant_policy(
+    address: str, group: str, tmp_path: Path, policy: str
+) -> None:
+    """At each phase boundary on its group the job asks the group to carry its lease into the
+    next phase. Another job queues while this one trains: under phase_aware the group carries
+    the lease past it into the next step's first phase once (max_carries), under fifo it hands
+    the group on at that boundary."""
+    from transformers import TrainerCallback
+
+    contender = TimeSliceOrchestratorClient(target=address, job_id=f"contender-{policy}")
+    contender.create_group(group, grant_policy=policy)
+    served: list[int] = []
+
+    def contend() -> None:
+        lease = contender.acquire(group, timeout=120)
+        served.append(lease.token)
+        contender.release(lease)
+
+    class QueueWhileTraining(TrainerCallback):
+        def __init__(self) -> None:
+            self.thread: threading.Thread | None = None
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.thread is None:  # the first step, under the train lease
+                self.thread = threading.Thread(target=contend, daemon=True)
+                self.thread.start()
+                wait_for(lambda: contender.group_status(group).queue, what="the contender queued")
+
+    trainer = tiny_trainer(tmp_path)
+    queueing = QueueWhileTraining()
+    trainer.add_callback(queueing)
+    slicing = time_slice(trainer, group=group, target=address, job_id=f"trl-np-{policy}")
+    try:
+        trainer.train()
+        assert queueing.thread is not None
+        queueing.thread.join(timeout=120)
+        assert served, "the contender never got the group"
+        status = contender.group_status(group)
+    finally:
+        contender.close()
+    train = next(p for p in slicing.phases if p.phase == "train")
+    after = slicing.phases[slicing.phases.index(train) + 1]  # the next step's first phase
+    if policy == "phase_aware":
+        assert status.stats.carried == 1
+        assert after.token == train.token < served[0], (served, slicing.phases)
+        assert slicing.kept_at_boundaries >= 1
+    else:
+        assert status.stats.carried == 0
+        assert train.token < served[0] < after.token, (served, slicing.phases)
+        assert slicing.yielded_at_boundaries >= 1

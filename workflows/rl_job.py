@@ -26,11 +26,13 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from temporalio.workflow import ActivityCancellationType
 from timeslice.protocol.group import (
     JOB_KEY,
+    MAX_LEASE_TTL_S,
     PHASE_KEY,
     CancelRequest,
     GrantNotice,
     GroupSignal,
     MalformedMessage,
+    NextPhase,
     QueueTarget,
     ReleaseRequest,
     SnapshotReport,
@@ -74,8 +76,14 @@ from timeslice.protocol.rl_job import (
 )
 from timeslice.workflows.group_lease import GroupLeases
 
-# workflow.patched id of job protocol v3 (see JOB_PROTOCOL_VERSION).
+# workflow.patched ids of job protocols v3 and v4 (see JOB_PROTOCOL_VERSION).
 JOB_PROTOCOL_V3 = "job-protocol-v3"
+# v4: a train followed by the next epoch's sample on the same group asks the group to carry
+# its lease into that sample (PhaseInput.carry_into), with the sample's expected length.
+JOB_PROTOCOL_V4 = "job-protocol-v4"
+# The sample phases an expected length is measured over (their median): recent enough to
+# follow a workload that changes, enough that one slow phase does not decide.
+CARRY_MEASURED_PHASES = 5
 _PHASE_ACTIVITIES: dict[str, str] = {
     "sample": SAMPLE_ACTIVITY,
     "rewards": REWARDS_ACTIVITY,
@@ -217,7 +225,10 @@ class RLJobWorkflow:
         # protocol, so their histories replay. Decided first thing, before any other command:
         # asked later (after the lease secret's local activity) a query's replay was once seen
         # to miss the marker.
-        self._protocol = JOB_PROTOCOL_VERSION if workflow.patched(JOB_PROTOCOL_V3) else 2
+        if workflow.patched(JOB_PROTOCOL_V4):
+            self._protocol = JOB_PROTOCOL_VERSION
+        else:
+            self._protocol = 3 if workflow.patched(JOB_PROTOCOL_V3) else 2
         workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
         try:
             return await self._run()
@@ -352,6 +363,7 @@ class RLJobWorkflow:
                 order,
                 release=release,
                 prefetch=None if checkpoint_due else following,
+                carry_into=self._coming_sample(record) if release == "if_contended" else None,
             )
             self._note(record, trained, "train", False)
             if order.held_by == "process":
@@ -372,6 +384,23 @@ class RLJobWorkflow:
         self._epochs_this_run += 1
         state.add_record(record)
         self._publish_details()
+
+    def _coming_sample(self, record: EpochRecord) -> NextPhase | None:
+        """The next epoch's sample as the group's grant policy is told of it: its expected
+        length, the median of the job's last CARRY_MEASURED_PHASES sample phases (this
+        epoch's included). None under a protocol before v4 (its processes do not know the
+        field): the lease is then kept only when nobody waits, as before."""
+        if self._protocol < 4:
+            return None
+        recent = [r.phase_s["sample"] for r in self._state.records if "sample" in r.phase_s]
+        if "sample" in record.phase_s:
+            recent.append(record.phase_s["sample"])
+        if not recent:
+            return None
+        measured = sorted(recent[-CARRY_MEASURED_PHASES:])
+        middle = len(measured) // 2
+        median = (measured[middle] + measured[(len(measured) - 1) // 2]) / 2
+        return NextPhase(name="sample", expected_s=min(max(median, 0.0), MAX_LEASE_TTL_S))
 
     def _sample_to_ask_ahead(self, done: int) -> LeaseOrder | None:
         """The next epoch's sampling lease, for the process to ask for as this epoch's last
@@ -751,6 +780,7 @@ class RLJobWorkflow:
         lease: LeaseOrder | None,
         release: Literal["always", "if_contended", "never"] = "never",
         prefetch: LeaseOrder | None = None,
+        carry_into: NextPhase | None = None,
     ) -> PhaseResult:
         cfg = self._config
         self._set_phase(phase)
@@ -775,6 +805,7 @@ class RLJobWorkflow:
             lease_check_s=max(0.5, min(5.0, ttl / 4)),
             prefetch=prefetch,
             prefetch_backends=self._backends_for(prefetch.group_id) if prefetch else [],
+            carry_into=carry_into,
         )
         results = await self._on_all_ranks(
             _PHASE_ACTIVITIES[phase], inp, PhaseResult, budget, f"epoch {epoch} · {phase}{where}"

@@ -265,3 +265,35 @@ def test_an_empty_report_renders(tmp_path: Path):
     assert "none" in format_text(empty)
     files = write_report(empty, tmp_path)
     assert files.png.stat().st_size > 1000 and files.html.stat().st_size > 1000
+
+
+def test_carried_leases_show_in_the_lanes_figures_and_text():
+    """A train that asked the group to carry its lease into the next sample: its label says
+    the group's answer, the job counts it, and the group's line says who carries into what."""
+    job = job_a()
+    kept = phase(0, "train", 2.5, 0.5).model_copy(
+        update={"kept": True, "carry": "carrying into sample"}
+    )
+    handed = phase(1, "train", 6.0, 1.0).model_copy(
+        update={"released": True, "carry": "fifo: 1 waiting"}
+    )
+    job.phases = [job.phases[0], kept, handed]
+    job.completed_at = [None] * 3
+    spans = job_spans(job)
+    labels = [s.label for s in spans if s.kind == "train"]
+    assert labels == [
+        "train on g · kept: carrying into sample",
+        "train on g · handed on: fifo: 1 waiting",
+    ]
+    figures = job_figures(job, spans)
+    assert (figures.carries_asked, figures.carries_kept) == (2, 1)
+    holder = HolderView(job_id="a", token=3, held_s=1.0, expires_in_s=19.0, waiting=1,
+                        carrying_into="sample")  # fmt: skip
+    carried = status(holder)
+    carried.stats.carried = 4
+    g, _ = group_figures(carried, at(10.0), [], set())
+    assert (g.carried, g.carrying_into) == (4, "sample")
+    text = format_text(Report(generated_at=at(10.0), groups=[g], jobs=[figures], lanes=[]))
+    assert "held by a: carrying into sample" in text
+    assert "4 leases carried past waiters into their next phase" in text
+    assert "lease kept into the next phase 1 of 2 times asked" in text

@@ -38,6 +38,7 @@ from timeslice.protocol.group import (
     lease_key_hash,
 )
 from timeslice.protocol.rl_job import (
+    MAX_CARRY_REASON,
     CheckpointRef,
     EpochRecord,
     EpochTotals,
@@ -414,6 +415,7 @@ def worst_hold(epoch: int, phase: str) -> PhaseResult:
         released_mono=HUGE,
         released=True,
         kept=False,
+        carry=WORST * MAX_CARRY_REASON,
         restored=reports,
         evicted=reports,
     )
