@@ -1118,12 +1118,17 @@ def run(args: argparse.Namespace) -> int:
         def idle_until(at: float) -> None:
             """Watch the processes (crashes, progress lines) until ``at`` s into the soak."""
             nonlocal next_progress
-            while (now := time.monotonic() - t0) < at:
+            while True:
+                now = time.monotonic() - t0
                 soak.check_crashes()
+                # Also when the schedule is behind (a fault that took longer than its slot):
+                # the progress line still comes every --progress-every seconds.
                 if now >= next_progress:
                     progress(soak, now)
                     while next_progress <= now:  # one line, also after a long fault
                         next_progress += args.progress_every
+                if now >= at:
+                    return
                 time.sleep(min(0.1, at - now))  # the fault schedule's clock
 
         def strike(planned: str) -> Fault | None:
