@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import EmbeddedServer
 from timeslice.cli.services import ServiceStartError, start_service
 from timeslice.connection import connect, connect_config
 from timeslice.jobs import describe_progress, parse_job_config, start_rl_job
-from timeslice.protocol.group import group_workflow_id
+from timeslice.protocol.group import GrantPolicy, GroupConfig, group_workflow_id
 from timeslice.protocol.rl_job import (
     JobQuery,
     RLJobProgress,
@@ -87,10 +88,17 @@ def sparkline(values: list[float]) -> str:
 
 
 async def run_jobs(
-    address: str, run: Run, epochs: int, batch: int, options: dict[str, Any]
+    address: str,
+    run: Run,
+    epochs: int,
+    batch: int,
+    options: dict[str, Any],
+    policy: GrantPolicy = GrantPolicy.PHASE_AWARE,
 ) -> tuple[list[RLJobResult], dict[str, float]]:
     """Run the two jobs of ``run`` at once; their results and wall times (start to result)."""
     client = await connect(connect_config(address))
+    for group in run.groups:  # each group under the grant policy asked for
+        await start_group(client, GroupConfig(group_id=group, grant_policy=policy))
     started = time.monotonic()
     handles = []
     for index, (job, seed) in enumerate(zip(run.jobs, SEEDS, strict=True)):
@@ -176,6 +184,19 @@ def side_by_side(
                 f"{s.gpu_s:.1f} s / {s.waiting_s:.1f} s",
             )
         )
+
+    def per_epoch(report: Report) -> str:
+        epochs = sum(j.epochs_done for j in report.jobs)
+        return f"{sum(g.switches for g in report.groups) / max(1, epochs):.2f}"
+
+    rows.append(("switches per job per epoch", per_epoch(alone), per_epoch(shared)))
+    rows.append(
+        (
+            "leases carried past a waiter",
+            str(sum(g.carried for g in alone.groups)),
+            str(sum(g.carried for g in shared.groups)),
+        )
+    )
     rows.append(
         (
             "switches, bytes moved",
@@ -225,6 +246,13 @@ def main() -> int:
         "moves the holder's tensors to host memory and the next job's back",
     )
     parser.add_argument(
+        "--grant-policy",
+        choices=[p.value for p in GrantPolicy],
+        default=GrantPolicy.PHASE_AWARE.value,
+        help="the groups' grant policy (phase_aware: a job keeps the group from train into its "
+        "next sample, within bounds, even when the other waits; fifo: only when nobody waits)",
+    )
+    parser.add_argument(
         "--option",
         action="append",
         default=[],
@@ -263,13 +291,14 @@ def main() -> int:
             cmd = ["job", "worker", "--job-id", job, "--workload", "grpo-toy", "--threads", "1"]
             cmd += ["--checkpoint-dir", str(checkpoints), *address]
             procs.append(start(cmd, f"job {job}", state / f"{job}.log"))
+        policy = GrantPolicy(args.grant_policy)
         _, alone_wall = asyncio.run(
-            run_jobs(server.address, DEDICATED, epochs, args.batch_size, options)
+            run_jobs(server.address, DEDICATED, epochs, args.batch_size, options, policy)
         )
         # Read now: a group's figures run from its creation to the report's query.
         alone = asyncio.run(read_report(server.address, DEDICATED))
         _, shared_wall = asyncio.run(
-            run_jobs(server.address, SHARED, epochs, args.batch_size, options)
+            run_jobs(server.address, SHARED, epochs, args.batch_size, options, policy)
         )
         # The shared jobs' slowdown is against the same job's measured wall time alone.
         baseline = {
@@ -277,7 +306,10 @@ def main() -> int:
             for a, s in zip(DEDICATED.jobs, SHARED.jobs, strict=True)
         }
         shared = asyncio.run(read_report(server.address, SHARED, baseline))
-        print("\nthe same two jobs, dedicated groups vs one shared group:\n")
+        print(
+            "\nthe same two jobs, dedicated groups vs one shared group "
+            f"(grant policy {policy.value}):\n"
+        )
         print(side_by_side(alone, shared, alone_wall, shared_wall))
         if args.device == "cpu":
             print(

@@ -33,6 +33,8 @@ class JobRecord:
     started: datetime | None = None
     ended: datetime | None = None
     note: str | None = None
+    # Phase activities whose result did not read as a PhaseResult (the job refused it too).
+    skipped_results: int = 0
 
 
 def _wall(phase: PhaseResult, completed_at: datetime | None) -> float | None:

@@ -234,6 +234,14 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
             attrs = event.activity_task_completed_event_attributes
             if scheduled.get(attrs.scheduled_event_id) not in PHASE_ACTIVITIES:
                 continue
-            (phase,) = await converter.decode(attrs.result.payloads, [PhaseResult])
+            try:
+                (phase,) = await converter.decode(attrs.result.payloads, [PhaseResult])
+            except ValueError:
+                # A result the job refused (a job process of another release, or a forged or
+                # malformed answer: the job failed that phase and did not use it) is no phase
+                # of its run, and must not stop the report of the others.
+                record.skipped_results += 1
+                record.note = f"{record.skipped_results} phase result(s) unreadable, left out"
+                continue
             record.phases.append(phase)
             record.completed_at.append(event.event_time.ToDatetime(tzinfo=UTC))

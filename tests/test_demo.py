@@ -47,6 +47,12 @@ def test_demo_compares_dedicated_and_shared_from_the_runs_records(tmp_path: Path
     # The shared run moved state at every switch; the dedicated runs never switched.
     switches = re.search(r"switches, bytes moved +0, 0 B +(\d+), ", table)
     assert switches is not None and int(switches.group(1)) > 0
+    # Under the default policy, and said so; the per-epoch figure is the switch count's.
+    assert "(grant policy phase_aware)" in text
+    per_epoch = re.search(r"switches per job per epoch +0\.00 +([\d.]+)", table)
+    assert per_epoch is not None
+    assert abs(float(per_epoch.group(1)) - int(switches.group(1)) / 4) <= 0.005  # 2 jobs x 2
+    assert re.search(r"leases carried past a waiter +0 +\d+", table) is not None
     for name in ("report.txt", "report.html", "timeline.png", "trace.json"):
         assert (out / name).stat().st_size > 0
 
