@@ -74,6 +74,7 @@ from timeslice.protocol.rl_job import (
 from timeslice.snapshot.base import registered_bytes
 from timeslice.telemetry import meter, span
 from timeslice.updates import send_update
+from timeslice.workflows.job_leases import process_lease_source, process_prefetches
 from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
 
 log = logging.getLogger("timeslice.job")
@@ -480,13 +481,15 @@ class JobRuntime:
 
         A new order is acquired here — the grant comes straight to this process; a carried
         one must still be valid; a workflow's lease is the workflow's to renew and release."""
-        if order is None or order.held_by == "workflow":
+        source = process_lease_source(
+            order, prefetched=order is not None and order.request_id in self._prefetched
+        )
+        if order is None or source == "none" or source == "workflow":
             return None, None, None
-        if order.token is not None:
+        if source == "carried":
             return self._owned(order), None, None
-        asking = self._prefetched.pop(order.request_id, None)
-        if asking is not None:  # asked for when the job's previous step ended
-            return await asking
+        if source == "prefetched":  # asked for when the job's previous step ended
+            return await self._prefetched.pop(order.request_id)
         return await self._acquire_order(order, names)
 
     async def _acquire_order(
@@ -561,10 +564,12 @@ class JobRuntime:
         reaches the group one workflow round trip sooner than if the next phase's activity
         asked when it starts, and the grant waits in this process for that activity. The
         workflow cancels the request if the phase never comes."""
-        if order.request_id in self._prefetched or order.token is not None:
+        if not process_prefetches(
+            order,
+            asked=order.request_id in self._prefetched,
+            holds_group=order.group_id in self.engine.held,
+        ):
             return
-        if order.group_id in self.engine.held:
-            return  # the job kept its lease on that group: the next phase carries it
         asking = asyncio.ensure_future(self._acquire_order(order, names))
         # Retrieved by the phase; a failure is raised there (or the workflow cancels it).
         asking.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
@@ -26,7 +26,6 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from temporalio.workflow import ActivityCancellationType
 from timeslice.protocol.group import (
     JOB_KEY,
-    MAX_LEASE_TTL_S,
     PHASE_KEY,
     CancelRequest,
     GrantNotice,
@@ -75,15 +74,13 @@ from timeslice.protocol.rl_job import (
     rl_job_workflow_id,
 )
 from timeslice.workflows.group_lease import GroupLeases
+from timeslice.workflows.job_leases import JobLeases, Release
 
 # workflow.patched ids of job protocols v3 and v4 (see JOB_PROTOCOL_VERSION).
 JOB_PROTOCOL_V3 = "job-protocol-v3"
 # v4: a train followed by the next epoch's sample on the same group asks the group to carry
 # its lease into that sample (PhaseInput.carry_into), with the sample's expected length.
 JOB_PROTOCOL_V4 = "job-protocol-v4"
-# The sample phases an expected length is measured over (their median): recent enough to
-# follow a workload that changes, enough that one slow phase does not decide.
-CARRY_MEASURED_PHASES = 5
 _PHASE_ACTIVITIES: dict[str, str] = {
     "sample": SAMPLE_ACTIVITY,
     "rewards": REWARDS_ACTIVITY,
@@ -187,21 +184,14 @@ class RLJobWorkflow:
         self._status = "starting"
         self._phase = "starting"
         self._epochs_this_run = 0
-        # Leases this workflow took and holds itself (preparing, final checkpoints, several
-        # ranks), by group.
-        self._held: dict[str, GrantNotice] = {}
-        # Leases the job process takes and releases itself, by request id: asked for (no
-        # token yet) or held (a phase kept it, for its checkpoint or the next phase).
-        self._orders: dict[str, LeaseOrder] = {}
-        # A trainer lease kept for the next epoch's sampling (same group, nobody waiting).
-        self._carried: LeaseOrder | None = None
-        # The next sampling's lease, asked for by the process as the epoch's last step ended.
-        self._next_sample: LeaseOrder | None = None
         self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
         self._protocol = JOB_PROTOCOL_VERSION
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
         )
+        # Which leases the job holds, keeps, carries or has asked for, and what each phase
+        # does with its lease (the protocol is set in run, before any lease is taken).
+        self._ledger = JobLeases(self._config, protocol=self._protocol)
 
     # ---------------------------------------------------------------- main loop
 
@@ -229,6 +219,7 @@ class RLJobWorkflow:
             self._protocol = JOB_PROTOCOL_VERSION
         else:
             self._protocol = 3 if workflow.patched(JOB_PROTOCOL_V3) else 2
+        self._ledger.protocol = self._protocol
         workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
         try:
             return await self._run()
@@ -314,45 +305,48 @@ class RLJobWorkflow:
         )
 
     async def _run_epoch(self, epoch: int) -> None:
-        cfg, state = self._config, self._state
+        """Sample (on the lease carried from the last epoch, asked for ahead, or asked now);
+        compute the rewards while the trainer lease is asked for; train, and checkpoint when
+        one is due; the next epoch's sample is asked for as the epoch's last step ends."""
         record = EpochRecord(epoch=epoch, reward_mean=None)
-        done = epoch + 1
-        # One rank: the process takes, releases and may keep its leases itself, and asks for
-        # the next GPU phase's lease as each step ends. Several: the workflow holds them, and
-        # releases once every rank is done.
-        solo = cfg.ranks == 1
+        await self._sample(epoch, record)
+        # One rank: the trainer lease is asked for as soon as the rewards are computed.
+        train_order = self._new_order(self._config.trainer) if self._ledger.solo else None
+        rewarded = await self._run_phase(epoch, "rewards", None, prefetch=train_order)
+        self._note(record, rewarded, "rewards", False)
+        record.reward_mean = rewarded.metrics.get("reward_mean")
+        asked_ahead = await self._train(epoch, record, train_order)
+        self._end_epoch(record, asked_ahead)
 
-        carried, self._carried = self._carried, None
-        prefetched, self._next_sample = self._next_sample, None
-        if carried is not None and prefetched is not None:
-            await self._end_order(prefetched)  # the lease was kept: never asked for
-            prefetched = None
-        order = carried or prefetched or await self._order(cfg.sampler_group, "sample", record)
+    async def _sample(self, epoch: int, record: EpochRecord) -> None:
+        lease = self._ledger.sample_lease()
+        if lease.needless is not None:
+            await self._end_order(lease.needless)  # the lease was kept: never asked for
+        order = lease.order or await self._order(self._config.sampler_group, "sample", record)
         sampled: PhaseResult | None = None
         try:
             sampled = await self._run_phase(
-                epoch, "sample", order, release="always" if solo else "never"
+                epoch, "sample", order, release=self._ledger.sample_release()
             )
         finally:
             await self._settle(order, sampled)
-        self._note(record, sampled, "sample", carried is not None)
+        self._note(record, sampled, "sample", lease.carried)
 
-        # The trainer lease is asked for as soon as the rewards are computed.
-        order = await self._order(cfg.trainer, "train", record) if solo else None
-        rewarded = await self._run_phase(epoch, "rewards", None, prefetch=order)
-        self._note(record, rewarded, "rewards", False)
-        record.reward_mean = rewarded.metrics.get("reward_mean")
-
-        # Train, then sample the next epoch on the same group: when nobody is waiting there
-        # is nothing to yield to, so the lease carries over (no release, no new grant).
-        checkpoint_due = done % cfg.checkpoint_every == 0 or done == cfg.epochs
-        may_keep = cfg.sampler_group == cfg.trainer and done < cfg.epochs and solo
-        release: Literal["always", "if_contended", "never"] = "always" if solo else "never"
-        if checkpoint_due:
-            release = "never"
-        elif may_keep and not state.stop_requested:
-            release = "if_contended"
-        following = self._sample_to_ask_ahead(done)
+    async def _train(
+        self, epoch: int, record: EpochRecord, order: LeaseOrder | None
+    ) -> LeaseOrder | None:
+        """Train under ``order`` (None: asked for now), then checkpoint if one is due (or the
+        job stops with the lease still held). Returns the next sample's order, asked ahead."""
+        cfg, state = self._config, self._state
+        done = epoch + 1
+        plan = self._ledger.plan_train(
+            done,
+            stop_requested=state.stop_requested,
+            epochs_this_run=self._epochs_this_run,
+            records=state.records,
+            current=record,
+        )
+        ahead = self._new_order(cfg.sampler_group) if plan.asks_ahead else None
         if order is None:
             order = await self._order(cfg.trainer, "train", record)
         trained: PhaseResult | None = None
@@ -361,94 +355,44 @@ class RLJobWorkflow:
                 epoch,
                 "train",
                 order,
-                release=release,
-                prefetch=None if checkpoint_due else following,
-                carry_into=self._coming_sample(record) if release == "if_contended" else None,
+                release=plan.release,
+                prefetch=None if plan.checkpoint_due else ahead,
+                carry_into=plan.carry_into,
             )
             self._note(record, trained, "train", False)
             if order.held_by == "process":
-                await self._settle(order, trained, keep=release == "if_contended")
-            if checkpoint_due or (state.stop_requested and not trained.released):
-                held = (
-                    self._orders.get(order.request_id)
-                    if order.held_by == "process"
-                    else self._held_order(cfg.trainer)
-                )
-                if held is not None and held.token is not None:
-                    await self._checkpoint(done, held, prefetch=following)
+                await self._settle(order, trained, keep=plan.release == "if_contended")
+            if plan.checkpoint_due or (state.stop_requested and not trained.released):
+                held = self._ledger.checkpoint_lease(order)
+                if held is not None:
+                    await self._checkpoint(done, held, prefetch=ahead)
         finally:
             if order.held_by == "workflow" or trained is None:
                 await self._settle(order, trained)
-        self._next_sample = following
-        state.epochs_done = done
+        return ahead
+
+    def _end_epoch(self, record: EpochRecord, asked_ahead: LeaseOrder | None) -> None:
+        state = self._state
+        self._ledger.epoch_ended(asked_ahead)
+        state.epochs_done = record.epoch + 1
         self._epochs_this_run += 1
         state.add_record(record)
         self._publish_details()
 
-    def _coming_sample(self, record: EpochRecord) -> NextPhase | None:
-        """The next epoch's sample as the group's grant policy is told of it: its expected
-        length, the median of the job's last CARRY_MEASURED_PHASES sample phases (this
-        epoch's included). None under a protocol before v4 (its processes do not know the
-        field): the lease is then kept only when nobody waits, as before."""
-        if self._protocol < 4:
-            return None
-        recent = [r.phase_s["sample"] for r in self._state.records if "sample" in r.phase_s]
-        if "sample" in record.phase_s:
-            recent.append(record.phase_s["sample"])
-        if not recent:
-            return None
-        measured = sorted(recent[-CARRY_MEASURED_PHASES:])
-        middle = len(measured) // 2
-        median = (measured[middle] + measured[(len(measured) - 1) // 2]) / 2
-        return NextPhase(name="sample", expected_s=min(max(median, 0.0), MAX_LEASE_TTL_S))
-
-    def _sample_to_ask_ahead(self, done: int) -> LeaseOrder | None:
-        """The next epoch's sampling lease, for the process to ask for as this epoch's last
-        step ends — unless there is no next epoch in this run."""
-        cfg, state = self._config, self._state
-        if cfg.ranks > 1 or done >= cfg.epochs or state.stop_requested:
-            return None
-        if self._epochs_this_run + 1 >= cfg.continue_as_new_every:
-            return None  # the next run asks for its own
-        return self._new_order(cfg.sampler_group)
-
     async def _settle(
         self, order: LeaseOrder, result: PhaseResult | None, *, keep: bool = False
     ) -> None:
-        """After a GPU phase: forget a lease the process released, note one it kept, end the
-        rest (a failed phase's lease, a workflow-held lease)."""
-        if order.held_by == "workflow":
-            lease = self._held.get(order.group_id)
-            if lease is not None:
-                await self._release(
-                    lease,
-                    restored=result.restored if result else None,
-                    evicted=result.evicted if result else None,
-                )
-            return
-        rid = order.request_id
-        if result is not None and result.released:
-            self._orders.pop(rid, None)
-        elif result is not None and result.kept and rid in self._orders:
-            kept = order.model_copy(update={"token": result.token})
-            self._orders[rid] = kept
-            if keep:
-                self._carried = kept
-        elif rid in self._orders:
-            await self._end_order(self._orders[rid])
-
-    def _held_order(self, group_id: str) -> LeaseOrder | None:
-        lease = self._held.get(group_id)
-        if lease is None:
-            return None
-        return LeaseOrder(
-            group_id=group_id,
-            request_id=lease.request_id,
-            key=self._leases.key_of(lease),
-            token=lease.token,
-            held_by="workflow",
-            ttl_s=lease.ttl_s,
-        )
+        """After a GPU phase: end what the ledger says the process did not (a failed phase's
+        lease, a workflow-held lease)."""
+        after = self._ledger.after_phase(order, result, keep=keep)
+        if after.release is not None:
+            await self._release(
+                after.release,
+                restored=result.restored if result else None,
+                evicted=result.evicted if result else None,
+            )
+        elif after.end is not None:
+            await self._end_order(after.end)
 
     # ---------------------------------------------------------------- preparing and rewinding
 
@@ -551,8 +495,8 @@ class RLJobWorkflow:
                     spec=spec,
                     checkpoint=checkpoint,
                     homes=self._homes(),
-                    lease_keys={g: self._leases.key_of(n) for g, n in self._held.items()},
-                    leases=[order for g in self._held if (order := self._held_order(g))],
+                    lease_keys=self._ledger.held_keys(),
+                    leases=self._ledger.held_orders(),
                 ),
                 PrepareResult,
                 cfg.train_timeout_s,
@@ -568,7 +512,7 @@ class RLJobWorkflow:
             }
             state.epochs_done = results[0].epochs_done
             if checkpoint is None:  # a rewind needs somewhere to go back to, even epoch 0
-                held = self._held_order(cfg.trainer)
+                held = self._ledger.held_order(cfg.trainer)
                 assert held is not None
                 await self._checkpoint(state.epochs_done, held)
         finally:
@@ -617,9 +561,7 @@ class RLJobWorkflow:
             f"· {group_id}",
         )
         if release:
-            self._orders.pop(lease.request_id, None)
-            if self._carried is not None and self._carried.request_id == lease.request_id:
-                self._carried = None
+            self._ledger.checkpointed(lease)
         self._state.last_checkpoint = refs[0]
 
     async def _final_checkpoint(self) -> None:
@@ -627,7 +569,7 @@ class RLJobWorkflow:
         cfg = self._config
         lease = await self._acquire(cfg.trainer, "checkpoint", None)
         try:
-            held = self._held_order(cfg.trainer)
+            held = self._ledger.held_order(cfg.trainer)
             assert held is not None
             await self._checkpoint(self._state.epochs_done, held)
         finally:
@@ -692,34 +634,28 @@ class RLJobWorkflow:
         cfg = self._config
         if cfg.ranks > 1:
             await self._acquire(group_id, purpose, record)
-            held = self._held_order(group_id)
+            held = self._ledger.held_order(group_id)
             assert held is not None
             return held
         return self._new_order(group_id)
 
     def _new_order(self, group_id: str) -> LeaseOrder:
-        """A lease the job process will ask for (the workflow keeps its request id, to take
-        it back if the phase never runs)."""
-        cfg = self._config
-        request_id = f"{cfg.job_id}:{workflow.uuid4()}"
-        order = LeaseOrder(
-            group_id=group_id,
+        """A lease the job process will ask for (the ledger keeps it, to take it back if the
+        phase never runs)."""
+        request_id = f"{self._config.job_id}:{workflow.uuid4()}"
+        return self._ledger.new_order(
+            group_id,
             request_id=request_id,
             key=self._leases.new_key(request_id),
-            timeout_s=cfg.acquire_timeout_s,
-            priority=cfg.priority,
-            ttl_s=cfg.lease_ttl_s,
             state_bytes=self._bytes_on(group_id),
         )
-        self._orders[order.request_id] = order
-        return order
 
     async def _acquire(
         self, group_id: str, purpose: str, record: EpochRecord | None
     ) -> GrantNotice:
         """Take a lease this workflow holds (grant by signal, renewal by timer)."""
         self._set_phase(f"waiting for {group_id} ({purpose})", search=False)
-        asked = workflow.now()
+        self._ledger.asking(group_id, workflow.now())
         try:
             lease = await self._leases.acquire(
                 group_id,
@@ -734,9 +670,9 @@ class RLJobWorkflow:
             raise ApplicationError(
                 f"job {self._config.job_id}: {err.message}", type=err.type, non_retryable=True
             ) from None
-        self._held[group_id] = lease
+        waited_s = self._ledger.hold(lease, key=self._leases.key_of(lease), now=workflow.now())
         if record is not None:
-            record.wait_s[purpose] = (workflow.now() - asked).total_seconds()
+            record.wait_s[purpose] = waited_s
         return lease
 
     async def _release(
@@ -745,10 +681,10 @@ class RLJobWorkflow:
         restored: list[SnapshotReport] | None = None,
         evicted: list[SnapshotReport] | None = None,
     ) -> None:
-        if lease.group_id in self._held:
+        if lease.group_id in self._ledger.held:
             await self._leases.release(lease, restored=restored, evicted=evicted)
             # Only now: a cancellation during the signal must not lose the release.
-            self._held.pop(lease.group_id, None)
+            self._ledger.released(lease.group_id)
 
     async def _end_order(self, order: LeaseOrder) -> None:
         """End a lease the process took (or asked for) when the process cannot: a failed
@@ -764,13 +700,13 @@ class RLJobWorkflow:
             await handle.signal(
                 GroupSignal.CANCEL, CancelRequest(request_id=order.request_id, key=order.key)
             )
-        self._orders.pop(order.request_id, None)
+        self._ledger.ended(order)
 
     async def _release_all(self) -> None:
-        self._carried = self._next_sample = None
-        for order in list(self._orders.values()):
+        everything = self._ledger.hand_back()
+        for order in everything.orders:
             await self._end_order(order)
-        for lease in reversed(list(self._held.values())):
+        for lease in everything.leases:
             await self._release(lease)
 
     async def _run_phase(
@@ -778,7 +714,7 @@ class RLJobWorkflow:
         epoch: int,
         phase: Phase,
         lease: LeaseOrder | None,
-        release: Literal["always", "if_contended", "never"] = "never",
+        release: Release = "never",
         prefetch: LeaseOrder | None = None,
         carry_into: NextPhase | None = None,
     ) -> PhaseResult:
@@ -835,7 +771,7 @@ class RLJobWorkflow:
             )
             for rank in range(cfg.ranks)
         ]
-        held = list(self._held.values())
+        held = list(self._ledger.held.values())
         gathered = asyncio.gather(*tasks)
         try:
             lost = await self._first_lost(gathered, held)
