@@ -37,16 +37,6 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
-from timeslice.activities.grants import (
-    Delivery,
-    Grant,
-    GrantInbox,
-    grant_from_update,
-    validity_if_fresh,
-    with_ask_bound,
-)
-from timeslice.activities.group_requests import start_group
-from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.connection import connect, control_workers_polling
 from timeslice.errors import (
     AcquireTimeoutError,
@@ -63,6 +53,15 @@ from timeslice.errors import (
     TimesliceError,
     UnknownGroupError,
 )
+from timeslice.grants import (
+    Delivery,
+    Grant,
+    GrantInbox,
+    grant_from_update,
+    validity_if_fresh,
+    with_ask_bound,
+)
+from timeslice.group_start import start_group
 from timeslice.lease import Lease
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
@@ -95,6 +94,7 @@ from timeslice.protocol.group import (
 )
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
+from timeslice.snapshot_activities import SnapshotActivities
 from timeslice.telemetry import detached, end_span, tracer
 from timeslice.updates import UNPROCESSED_UPDATE, send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
