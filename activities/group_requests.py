@@ -7,23 +7,17 @@ requester *workflow* runs it as the local activity below, on the worker that run
 from __future__ import annotations
 
 import secrets
-from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
+from timeslice.group_start import start_group
 from timeslice.protocol.group import (
-    CONTROL_TASK_QUEUE,
     DRAW_SECRET_ACTIVITY,
-    GROUP_KEY,
-    GROUP_WORKFLOW_TYPE,
     RENEW_LEASE_ACTIVITY,
     REQUEST_GROUP_ACTIVITY,
     AcquireAnswer,
     AcquireCall,
     GroupConfig,
-    GroupInput,
     GroupRequest,
     GroupSignal,
     GroupUpdate,
@@ -33,18 +27,7 @@ from timeslice.protocol.group import (
 )
 from timeslice.updates import send_update
 
-
-async def start_group(client: Client, config: GroupConfig, **signal: Any) -> None:
-    """Start a group's workflow (with ``start_signal``: signal-with-start)."""
-    await client.start_workflow(
-        GROUP_WORKFLOW_TYPE,
-        GroupInput(config=config).model_dump(mode="json"),
-        id=group_workflow_id(config.group_id),
-        task_queue=CONTROL_TASK_QUEUE,
-        search_attributes=TypedSearchAttributes([SearchAttributePair(GROUP_KEY, config.group_id)]),
-        static_summary=f"GPU group {config.group_id}",
-        **signal,
-    )
+__all__ = ["draw_secret", "renew_lease", "request_group", "start_group"]
 
 
 @activity.defn(name=DRAW_SECRET_ACTIVITY)

@@ -19,6 +19,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -37,16 +38,6 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
-from timeslice.activities.grants import (
-    Delivery,
-    Grant,
-    GrantInbox,
-    grant_from_update,
-    validity_if_fresh,
-    with_ask_bound,
-)
-from timeslice.activities.group_requests import start_group
-from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.connection import connect, control_workers_polling
 from timeslice.errors import (
     AcquireTimeoutError,
@@ -63,6 +54,15 @@ from timeslice.errors import (
     TimesliceError,
     UnknownGroupError,
 )
+from timeslice.grants import (
+    Delivery,
+    Grant,
+    GrantInbox,
+    grant_from_update,
+    validity_if_fresh,
+    with_ask_bound,
+)
+from timeslice.group_start import start_group
 from timeslice.lease import Lease
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
@@ -95,6 +95,7 @@ from timeslice.protocol.group import (
 )
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
+from timeslice.snapshot_activities import SnapshotActivities
 from timeslice.telemetry import detached, end_span, tracer
 from timeslice.updates import UNPROCESSED_UPDATE, send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
@@ -148,6 +149,25 @@ def _task_failing(err: RPCError) -> bool:
         and "workflow task" in message
         and "fail" in message
     )
+
+
+@dataclass
+class _Retrying:
+    """One repeated call's retry state (``Engine._retry_after``): what it is (for errors and
+    the log), the bounds that end it, and the next backoff."""
+
+    what: str
+    group_id: str | None = None  # an update of this group: it says why it is not answering
+    give_up_at: float | None = None  # monotonic; None: retried while the caller wants it
+    # Since when the group's workflow task fails (None: not yet); set at the start to count
+    # the whole call.
+    failing_since: float | None = None
+    quiet: bool = False  # retries logged at debug level (a parked wait retries routinely)
+    delay: float = 0.2
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, 2.0)
 
 
 class LoopThread:
@@ -309,38 +329,64 @@ class Engine:
         ``group_id``: the call is an update of that group, which says why it is not answering
         if its workflow task keeps failing."""
         started = time.monotonic()
-        deadline = started + self.rpc_retry_s
-        delay = 0.2
+        retrying = _Retrying(
+            what,
+            group_id=group_id,
+            give_up_at=started + self.rpc_retry_s,
+            failing_since=started,
+        )
         while True:
             try:
                 return await call()
             except RPCError as err:
-                if err.status == RPCStatusCode.FAILED_PRECONDITION and "no poller" in err.message:
-                    raise NoControlWorkerError(
-                        f"{what}: no control worker is serving task queue "
-                        f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
-                    ) from err
-                if _task_failing(err):
-                    # The group's workflow task failed (or timed out) with this update in it:
-                    # maybe once (a worker that crashed mid-task), maybe every time (a wedged
-                    # group, or a worker that stopped).
-                    if time.monotonic() >= min(deadline, started + TASK_FAILING_RETRY_S):
-                        if group_id is not None:
-                            raise await self._not_answering(group_id, what) from err
-                        raise GroupNotAnsweringError(
-                            f"{what}: the group is not answering ({err.message.rstrip('.')}); "
-                            "see the control worker's log and the group's workflow in the Web UI"
-                        ) from err
-                elif err.status not in _TRANSIENT:
-                    raise
-                elif time.monotonic() >= deadline:
-                    raise ServerUnreachableError(
-                        f"{what}: Temporal at {self.connect_config['target_host']} did not answer "
-                        f"for {self.rpc_retry_s:.0f} s ({err})"
-                    ) from err
-                log.warning("%s: %s; retrying in %.1f s", what, err, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await self._retry_after(err, retrying)
+
+    async def _retry_after(self, err: RPCError, retrying: _Retrying) -> None:
+        """The one retry loop's step, for every call the engine repeats: wait before the next
+        try of ``retrying``'s call after ``err`` (with backoff), or raise why there is none.
+
+        A missing control worker, and a failure that is not transient, end it at once; a group
+        whose workflow task keeps failing ends it after ``TASK_FAILING_RETRY_S``; an
+        unreachable server at ``retrying.give_up_at`` (None: never, the caller's own
+        time-out ends it)."""
+        if err.status == RPCStatusCode.FAILED_PRECONDITION and "no poller" in err.message:
+            raise NoControlWorkerError(
+                f"{retrying.what}: no control worker is serving task queue "
+                f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
+            ) from err
+        now = time.monotonic()
+        if _task_failing(err):
+            # The group's workflow task failed (or timed out) with this update in it: maybe
+            # once (a worker that crashed mid-task), maybe every time (a wedged group, or a
+            # worker that stopped).
+            if retrying.failing_since is None:
+                retrying.failing_since = now
+            give_up_at = retrying.failing_since + TASK_FAILING_RETRY_S
+            if retrying.give_up_at is not None:
+                give_up_at = min(give_up_at, retrying.give_up_at)
+            if now >= give_up_at:
+                if retrying.group_id is not None:
+                    raise await self._not_answering(retrying.group_id, retrying.what) from err
+                raise GroupNotAnsweringError(
+                    f"{retrying.what}: the group is not answering "
+                    f"({err.message.rstrip('.')}); see the control worker's log and the group's "
+                    "workflow in the Web UI"
+                ) from err
+        elif err.status not in _TRANSIENT:
+            raise err
+        elif retrying.give_up_at is not None and now >= retrying.give_up_at:
+            raise ServerUnreachableError(
+                f"{retrying.what}: Temporal at {self.connect_config['target_host']} did not "
+                f"answer for {self.rpc_retry_s:.0f} s ({err})"
+            ) from err
+        log.log(
+            logging.DEBUG if retrying.quiet else logging.WARNING,
+            "%s: %s; retrying in %.1f s",
+            retrying.what,
+            err,
+            retrying.delay,
+        )
+        await retrying.pause()
 
     def _client_now(self) -> Client:
         assert self._client is not None
@@ -575,8 +621,9 @@ class Engine:
         A group that does not exist yet is created by signal-with-start of the request.
         """
         call = AcquireCall(request=request, only_if_free=only_if_free)
-        delay = 0.2
-        failing_since: float | None = None
+        # Retried while the acquire wants it (its own time-out ends it); a wait parks for long,
+        # so a failing group is timed from its first failure, not from the first ask.
+        retrying = _Retrying(f"acquire {group_id}", group_id=group_id, quiet=True)
         while not granted.done():
             try:
                 answer = await send_update(
@@ -592,16 +639,8 @@ class Engine:
             except RPCError as err:
                 if err.status == RPCStatusCode.NOT_FOUND:
                     await self._create_with_request(group_id, request)
-                    continue
-                if _task_failing(err):
-                    failing_since = failing_since or time.monotonic()
-                    if time.monotonic() - failing_since >= TASK_FAILING_RETRY_S:
-                        raise await self._not_answering(group_id, f"acquire {group_id}") from err
-                elif err.status not in _TRANSIENT:
-                    raise
-                log.debug("asking %s: %s; retrying in %.1f s", group_id, err, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                else:
+                    await self._retry_after(err, retrying)
                 continue
             except WorkflowUpdateFailedError as err:
                 cause = err.cause
@@ -619,8 +658,7 @@ class Engine:
                 if self._take(answer.notice) is not Delivery.FORGED:
                     return
                 # Not the group's answer: ask again (idempotent), the real grant still comes.
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await retrying.pause()
                 continue
             if answer.outcome == AcquireOutcome.GONE:
                 if only_if_free or granted.done():

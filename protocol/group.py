@@ -471,22 +471,43 @@ class GroupRequest(_Model):
     request: AcquireRequest
 
 
-class ReleaseRequest(_Model):
-    request_id: str = Field(min_length=1, max_length=200)
-    token: int = Field(ge=0, le=2**63)
-    key: LeaseKey
-    # Co-operative switching: a holder that moves its own state (its in-process backends)
-    # reports it here, so the group's residency and accounting stay true.
-    evicted: list[SnapshotReport] = Field(
+# Co-operative switching: a holder that moves its own state (its in-process backends) reports
+# it when it ends a lease, so the group's residency and accounting stay true.
+EvictedReports = Annotated[
+    list["SnapshotReport"],
+    Field(
         default_factory=list,
         max_length=MAX_REPORTS,
         description="the holder moved its state out before releasing",
-    )
-    restored: list[SnapshotReport] = Field(
+    ),
+]
+RestoredReports = Annotated[
+    list["SnapshotReport"],
+    Field(
         default_factory=list,
         max_length=MAX_REPORTS,
         description="the holder restored its own state during the lease",
-    )
+    ),
+]
+
+
+class LeaseEnd(_Model):
+    """What every message that ends a lease names: the lease (request, token, key). The two
+    such messages, :class:`ReleaseRequest` (the ``release`` signal) and :class:`LeaseReturn`
+    (the ``release_lease`` update), also carry the holder's own moves (``EvictedReports``,
+    ``RestoredReports``); each declares those itself only because the two encode them in a
+    different order, and an encoding must not change (tests/unit/test_release_shape.py)."""
+
+    request_id: str = Field(min_length=1, max_length=200)
+    token: int = Field(ge=0, le=2**63)
+    key: LeaseKey
+
+
+class ReleaseRequest(LeaseEnd):
+    """The ``release`` signal (a requester workflow's release; it is never answered)."""
+
+    evicted: EvictedReports
+    restored: RestoredReports
 
 
 class MovedReport(_Model):
@@ -645,25 +666,14 @@ class NextPhase(_Model):
     )
 
 
-class LeaseReturn(_Model):
+class LeaseReturn(LeaseEnd):
     """The ``release_lease`` update: end a lease, and learn whether to move the state out.
 
     The group decides in the same workflow task that grants the next waiter, so a holder never
     asks who waits before releasing (a query) and never races a waiter that arrives meanwhile."""
 
-    request_id: str = Field(min_length=1, max_length=200)
-    token: int = Field(ge=0, le=2**63)
-    key: LeaseKey
-    restored: list[SnapshotReport] = Field(
-        default_factory=list,
-        max_length=MAX_REPORTS,
-        description="the holder restored its own state during the lease",
-    )
-    evicted: list[SnapshotReport] = Field(
-        default_factory=list,
-        max_length=MAX_REPORTS,
-        description="the holder moved its state out before releasing",
-    )
+    restored: RestoredReports
+    evicted: EvictedReports
     keep_if_uncontended: bool = Field(
         False, description="keep the lease instead when nobody waits (the job's next phase uses it)"
     )

@@ -207,12 +207,13 @@ def test_worker_serves_group_and_sdk_metrics(own_server: EmbeddedServer, tmp_pat
 
 def test_activity_metrics_reach_the_endpoint():
     """Job workers and agents record phases and snapshots through the OpenTelemetry API."""
-    from timeslice.activities import job_runtime, snapshots
+    from timeslice import snapshot_activities
+    from timeslice.activities import job_runtime
 
     endpoint = start_metrics_endpoint("127.0.0.1", free_port(), "activity-check")
     try:
         job_runtime._PHASE_SECONDS.record(0.3, {"phase": "sample", "job": "j"})
-        snapshots._SECONDS.record(0.02, {"action": "snapshot", "backend": "torch"})
+        snapshot_activities._SECONDS.record(0.02, {"action": "snapshot", "backend": "torch"})
         samples = scrape(endpoint.url)
     finally:
         endpoint.close()

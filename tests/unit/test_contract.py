@@ -8,7 +8,8 @@ import inspect
 from types import ModuleType
 
 from temporalio import activity, workflow
-from timeslice.activities import grants, group_requests, job_runtime, snapshots
+from timeslice import grants, snapshot_activities
+from timeslice.activities import group_requests, job_runtime
 from timeslice.protocol import group as protocol
 from timeslice.protocol import rl_job as rl_protocol
 from timeslice.protocol.group import GRANT_SIGNAL, GroupQuery, GroupSignal, GroupUpdate
@@ -69,5 +70,5 @@ def _defined_activities(*modules: ModuleType) -> set[str]:
 
 def test_every_declared_activity_is_defined_and_every_defined_one_declared() -> None:
     declared = _declared_activities(protocol, rl_protocol)
-    defined = _defined_activities(grants, group_requests, job_runtime, snapshots)
+    defined = _defined_activities(grants, group_requests, job_runtime, snapshot_activities)
     assert declared == defined

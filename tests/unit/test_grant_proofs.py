@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import ActivityEnvironment
-from timeslice.activities.grants import Delivery, GrantInbox, grant_from_update
+from timeslice.grants import Delivery, GrantInbox, grant_from_update
 from timeslice.protocol.group import (
     AcquireRequest,
     GrantAck,

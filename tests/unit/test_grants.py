@@ -6,7 +6,7 @@ import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 
-from timeslice.activities.grants import (
+from timeslice.grants import (
     CLOCK_SKEW_S,
     LATE_GRANT_S,
     Delivery,

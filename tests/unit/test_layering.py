@@ -74,12 +74,21 @@ def test_the_contract_is_a_leaf(path: Path) -> None:
 
 
 # What each folder below the top must never import. The job process's activities embed the
-# client engine (they take leases the way any client does), but nothing below the top imports
-# the CLI, the embedded server, the report or the planner.
+# client engine (they take leases the way any client does), so the client never imports the
+# activities back: what the engine serves itself (the grant inbox, the snapshot activities,
+# starting a group) sits beside it in client/. Nothing below the top imports the CLI, the
+# embedded server, the report or the planner.
 TOP = ("timeslice.cli", "timeslice.report", "timeslice.plan")
-CLIENT = ("timeslice.orchestrator", "timeslice.engine", *TOP)
+CLIENT = (
+    "timeslice.orchestrator",
+    "timeslice.engine",
+    "timeslice.grants",
+    "timeslice.group_start",
+    "timeslice.snapshot_activities",
+    *TOP,
+)
 MUST_NOT_IMPORT = {
-    "client": TOP,
+    "client": ("timeslice.activities", "timeslice.workers", *TOP),
     "workflows": CLIENT,
     "snapshot": CLIENT,
     "workloads": CLIENT,
@@ -106,3 +115,10 @@ def test_the_rules_can_fail(tmp_path: Path) -> None:
     assert _imports(module) == {"os", "timeslice.client", "torch"}
     assert not ({"os", "torch"} & WORKFLOW_MAY_IMPORT)
     assert "timeslice.client".startswith(WORKFLOW_MUST_NOT_IMPORT_PREFIXES)
+
+
+def test_the_client_rule_can_fail(tmp_path: Path) -> None:
+    """An import of the activities from client/ is one the client rule names."""
+    module = tmp_path / "engine.py"
+    module.write_text("from timeslice.activities.grants import GrantInbox\n")
+    assert any(name.startswith(MUST_NOT_IMPORT["client"]) for name in _imports(module))

@@ -1,0 +1,93 @@
+"""The engine's one retry loop (``Engine._retry_after``), which every repeated call goes
+through (``_rpc`` and the parked ``acquire``): what it retries, with what backoff, and the
+typed error that ends each kind of failure. No server: the errors are the SDK's own."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from temporalio.service import RPCError, RPCStatusCode
+from timeslice.engine import TASK_FAILING_RETRY_S, Engine, _Retrying
+from timeslice.errors import GroupNotAnsweringError, NoControlWorkerError, ServerUnreachableError
+
+TASK_FAILED = RPCError(
+    "Update rejected due to unexpected workflow task failure.",
+    RPCStatusCode.FAILED_PRECONDITION,
+    b"",
+)
+UNAVAILABLE = RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b"")
+
+
+def _engine() -> Engine:
+    return Engine(
+        connect_config={"target_host": "localhost:1"},
+        job_id="j",
+        task_queue="q",
+        priority=0,
+        lease_ttl_s=None,
+        backends={},
+        snapshot_target=None,
+        state_bytes=None,
+        rpc_retry_s=30.0,
+        own_thread=False,
+    )
+
+
+def _step(err: RPCError, retrying: _Retrying) -> None:
+    asyncio.run(_engine()._retry_after(err, retrying))
+
+
+def test_a_transient_failure_is_retried_with_a_doubling_capped_backoff() -> None:
+    retrying = _Retrying("call", give_up_at=time.monotonic() + 60, delay=0.001)
+    _step(UNAVAILABLE, retrying)
+    assert retrying.delay == 0.002
+    retrying.delay = 1.5
+    retrying.pause = _no_wait(retrying)  # type: ignore[method-assign]
+    _step(UNAVAILABLE, retrying)
+    assert retrying.delay == 2.0  # capped
+
+
+def _no_wait(retrying: _Retrying):  # the cap, without waiting out 1.5 s
+    async def pause() -> None:
+        retrying.delay = min(retrying.delay * 2, 2.0)
+
+    return pause
+
+
+def test_an_unreachable_server_ends_at_the_bound_with_a_typed_error() -> None:
+    with pytest.raises(ServerUnreachableError, match="localhost:1 did not answer for 30 s"):
+        _step(UNAVAILABLE, _Retrying("create g", give_up_at=time.monotonic() - 1))
+
+
+def test_without_a_bound_a_transient_failure_is_retried_however_long() -> None:
+    retrying = _Retrying("acquire g", group_id="g", quiet=True, delay=0.001)
+    _step(UNAVAILABLE, retrying)
+    assert retrying.delay == 0.002
+
+
+def test_a_failing_group_is_given_up_after_its_window_counted_from_the_first_failure() -> None:
+    retrying = _Retrying("acquire g", delay=0.001)
+    _step(TASK_FAILED, retrying)  # the first failure starts the window
+    assert retrying.failing_since is not None
+    retrying.failing_since -= TASK_FAILING_RETRY_S
+    with pytest.raises(GroupNotAnsweringError, match="acquire g: the group is not answering"):
+        _step(TASK_FAILED, retrying)
+
+
+def test_a_bound_shortens_the_failing_groups_window() -> None:
+    now = time.monotonic()
+    retrying = _Retrying("release g", give_up_at=now - 0.1, failing_since=now)
+    with pytest.raises(GroupNotAnsweringError):
+        _step(TASK_FAILED, retrying)
+
+
+def test_no_control_worker_and_a_refusal_end_at_once() -> None:
+    no_poller = RPCError("no poller seen for task queue", RPCStatusCode.FAILED_PRECONDITION, b"")
+    with pytest.raises(NoControlWorkerError, match="start one with `timeslice worker`"):
+        _step(no_poller, _Retrying("status g"))
+    refused = RPCError("bad argument", RPCStatusCode.INVALID_ARGUMENT, b"")
+    with pytest.raises(RPCError) as raised:
+        _step(refused, _Retrying("status g", give_up_at=time.monotonic() + 60))
+    assert raised.value is refused
