@@ -114,6 +114,17 @@ STATUS_TIMEOUT = timedelta(seconds=10)
 REASK_QUEUED_S = 15.0
 # The most an acquire that gives up spends withdrawing its request.
 WITHDRAW_S = 5.0
+# An acquire that ended in NoControlWorkerError withdraws its request for this long at most
+# (less if its own time-out is shorter: the group drops the request then anyway).
+ORPHAN_WITHDRAW_S = 60.0
+
+
+def _orphan_withdraw_s(timeout: float | None) -> float:
+    return (
+        ORPHAN_WITHDRAW_S if timeout is None else max(WITHDRAW_S, min(timeout, ORPHAN_WITHDRAW_S))
+    )
+
+
 # How long one update is sent again while the server does not take it.
 UPDATE_GIVE_UP_S = 60.0
 # How long an update whose workflow task failed is sent again before the group is reported as
@@ -503,7 +514,12 @@ class Engine:
                 if remaining is None or remaining > 0:
                     await asyncio.wait({granted}, timeout=remaining)
         except NoControlWorkerError:
-            self.inbox.discard(rid)  # nothing serves the group: a withdrawal would wait too
+            self.inbox.discard(rid)
+            # Nothing serves the group now (or its worker is reconnecting after a server
+            # restart), but the request may be queued there already: withdrawn in the
+            # background once a control worker answers, within the request's own time-out, so
+            # its grant does not hold the group for grant_ack_timeout_s with nobody to take it.
+            self._track(self._withdraw(group_id, rid, within_s=_orphan_withdraw_s(timeout)))
             raise
         except BaseException:
             self.inbox.discard(rid)
@@ -856,7 +872,9 @@ class Engine:
         self._known_groups.add(config.group_id)
         return True
 
-    async def _withdraw(self, group_id: str, request_id: str) -> None:
+    async def _withdraw(
+        self, group_id: str, request_id: str, *, within_s: float = WITHDRAW_S
+    ) -> None:
         """Tell the group to drop a request; a grant that raced with it is released at once."""
         key = self._keys.get(request_id)
         if key is None:
@@ -875,9 +893,9 @@ class Engine:
                     GroupUpdate.CANCEL,
                     CancelRequest(request_id=request_id, key=key),
                     type(None),
-                    give_up_after_s=WITHDRAW_S,
+                    give_up_after_s=within_s,
                 ),
-                WITHDRAW_S,
+                within_s,
             )
         except (RPCError, TimesliceError, WorkflowUpdateFailedError, TimeoutError) as err:
             log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)

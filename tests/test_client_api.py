@@ -25,7 +25,7 @@ from timeslice import (
 )
 from timeslice.cli.services import start_service
 from timeslice.connection import connect, connect_config, control_workers_polling
-from timeslice.protocol.group import CONTROL_TASK_QUEUE, group_workflow_id
+from timeslice.protocol.group import CONTROL_TASK_QUEUE, LeaseOutcome, group_workflow_id
 
 from tests.helpers import new_namespace, wait_for
 
@@ -245,3 +245,40 @@ def test_release_on_a_wedged_group_says_the_group_is_not_answering(address, grou
     assert time.monotonic() - started < 40
     assert "control worker's log" in str(caught.value)
     assert client.held == {}
+
+
+def test_an_acquire_told_no_control_worker_withdraws_its_request_once_one_runs(
+    server, group, tmp_path
+):
+    """The request an acquire sent before it raised NoControlWorkerError is queued at the
+    group (a new group's start signal carries it): once a control worker runs, the client
+    withdraws it, so no grant goes to a request nobody waits for (the 30-minute soak saw one
+    hold the group for grant_ack_timeout_s after a server restart's NoControlWorkerError)."""
+    namespace = new_namespace(server.address, "orphan")
+    client = TimeSliceOrchestratorClient(target=server.address, namespace=namespace)
+    worker = None
+    try:
+        with pytest.raises(NoControlWorkerError):
+            client.acquire(group, timeout=60)
+        worker = start_service(
+            ["worker", "--address", server.address, "--namespace", namespace],
+            "control worker on task queue",
+            tmp_path / "worker.log",
+        )
+        other = TimeSliceOrchestratorClient(
+            target=server.address, namespace=namespace, job_id="next"
+        )
+        try:
+            lease = other.acquire(group, timeout=120)
+            other.release(lease)
+            status = other.group_status(group)
+        finally:
+            other.close()
+    finally:
+        client.close()
+        if worker is not None:
+            worker.kill()
+            worker.wait()
+    outcomes = [(r.job_id, r.outcome) for r in status.history]
+    assert status.stats.dead_waiters == 0, outcomes  # nobody was granted in vain
+    assert outcomes[-1] == ("next", LeaseOutcome.RELEASED), outcomes
