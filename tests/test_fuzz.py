@@ -109,6 +109,7 @@ _NOT_A_TASK_FAILURE = {
     # replays and completes again; no code of the task failed.
     WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND,
 }
+_SDK_HISTORY_OUT_OF_ORDER = "Fatal error in workflow machines: History is out of order"
 _DEFAULT_CONVERTER = DataConverter.default.payload_converter
 _PYDANTIC_CONVERTER = pydantic_data_converter.payload_converter
 _DECODER = TolerantPayloadConverter()
@@ -660,10 +661,20 @@ async def task_failures(client: Client, workflow_id: str) -> list[str]:
     found = []
     async for run in client.list_workflows(f"WorkflowId = '{workflow_id}'"):
         history = await client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history()
-        for event in history.events:
+        events = list(history.events)
+        for index, event in enumerate(events):
             if event.event_type != EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
                 continue
             attrs = event.workflow_task_failed_event_attributes
+            if _SDK_HISTORY_OUT_OF_ORDER in attrs.failure.message and any(
+                e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+                for e in events[index + 1 :]
+            ):
+                # The SDK's core refused a history page it did not expect (seen once, with
+                # two pytest workers on two cores, among refused updates' speculative tasks):
+                # no code of the task ran, the worker replayed the run from its history and
+                # the next task completed.
+                continue
             if attrs.cause not in _NOT_A_TASK_FAILURE:
                 cause = WorkflowTaskFailedCause.Name(attrs.cause)
                 found.append(f"{workflow_id}: {cause}: {attrs.failure.message[:300]}")
