@@ -12,7 +12,8 @@ import threading
 import time
 
 import pytest
-from temporalio.client import Client, WorkflowAlreadyStartedError
+from temporalio.client import Client
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from timeslice import (
     AcquireTimeoutError,
     AsyncTimeSliceOrchestratorClient,
