@@ -653,6 +653,11 @@ class Engine:
                     on_accepted=accepted.set,
                 )
             except RPCError as err:
+                if granted.done():
+                    # The grant came another way (its activity) while this ask was in flight:
+                    # whatever ended the ask (the group's run ended, say) is no reason to act,
+                    # least of all to create the group again with a request already granted.
+                    return
                 if err.status == RPCStatusCode.NOT_FOUND:
                     await self._create_with_request(group_id, request)
                 else:

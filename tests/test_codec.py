@@ -235,7 +235,19 @@ def test_group_history_is_encrypted_end_to_end(server, encrypted_namespace, grou
         raw = await Client.connect(server.address, namespace=namespace)
         handle = raw.get_workflow_handle(group_workflow_id(group))
         history = await handle.fetch_history()
-        found = [p for event in history.events for p in _payloads(event)]
+        found = []
+        for event in history.events:
+            marker = event.marker_recorded_event_attributes
+            if event.HasField("marker_recorded_event_attributes") and marker.marker_name == (
+                "core_patch"
+            ):
+                # A workflow.patched marker (reached on some runs only, e.g. a delivery that
+                # raced a renewal): the SDK's core writes its patch id as plain JSON, past any
+                # codec. It names the patch and nothing of the job.
+                for payload in _payloads(marker):
+                    assert job.encode() not in payload.data and b"key" not in payload.data
+                continue
+            found.extend(_payloads(event))
         assert len(found) >= 4, "start input, acquire and release arguments and results"
         for payload in found:
             assert payload.metadata["encoding"] == ENCODING, payload.metadata
