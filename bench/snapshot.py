@@ -23,6 +23,13 @@ and into preallocated, already-touched buffers (``np.copyto``: memcpy). On a CPU
 host memory are the same RAM: what this measures there is JAX's copy machinery, not a bus.
 XLA's CPU buffers come from glibc's malloc: run with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
 to have them on transparent huge pages (the output records the variable).
+
+The first switch (torch, ``first_switch``): a fresh state of the same size, snapshot once and
+then twice more, with its kept host buffers (``keep_host_buffers="all"``, which on CUDA is what
+the default does) made either by the first snapshot itself (``lazy``) or ahead of it by
+``reserve_host_buffers`` (``reserved``, with where that time went: allocating, faulting the
+pages in, pinning). ``first_vs_steady`` is the first snapshot's time over the median of the
+next two: what a job's first switch costs against every later one.
 """
 
 from __future__ import annotations
@@ -166,6 +173,36 @@ def bench_torch(args: argparse.Namespace) -> dict[str, object]:
     def gbps(seconds: list[float]) -> float:
         return round(nbytes / statistics.median(seconds) / 1e9, 2)
 
+    def first_switch(reserve: bool) -> dict[str, object]:
+        fresh = [torch.full((per,), float(i), device=args.device) for i in range(args.tensors)]
+        first = TorchBackend(keep_host_buffers="all")
+        for i, t in enumerate(fresh):
+            first.register_tensor(f"f{i}", t)
+        sync(args.device)
+        made = first.reserve_host_buffers(background=False) if reserve else None
+        seconds = []
+        for _ in range(3):
+            sync(args.device)
+            seconds.append(first.snapshot_sync(SnapshotRequest("first")).seconds)
+            first.restore_sync(SnapshotRequest("first"))
+        assert all(float(t[0]) == float(i) for i, t in enumerate(fresh)), "first switch corrupted"
+        steady = statistics.median(seconds[1:])
+        out: dict[str, object] = {
+            "first_snapshot_s": round(seconds[0], 3),
+            "steady_snapshot_s": round(steady, 3),
+            "first_vs_steady": round(seconds[0] / steady, 2),
+        }
+        if made is not None:
+            out["reserve"] = {
+                "allocate_s": round(made.allocate_s, 3),
+                "fault_in_s": round(made.fault_in_s, 3),
+                "pin_s": round(made.pin_s, 3),
+                "pinned": made.pinned,
+            }
+        return out
+
+    first_switch_s = {"lazy": first_switch(False), "reserved": first_switch(True)}
+
     result = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -189,6 +226,7 @@ def bench_torch(args: argparse.Namespace) -> dict[str, object]:
         "resident_rss_GiB": round(resident_rss / GIB, 2),
         "peak_rss_during_switches_GiB": round(peak / GIB, 2),
         "peak_extra_vs_state": round((peak - resident_rss) / nbytes, 2),
+        "first_switch": first_switch_s,
     }
     return result
 

@@ -489,6 +489,9 @@ class GRPOTimeSlicing:
             return
         self.backend.register_optimizer("optimizer", optimizer)
         self._optimizer_registered = True
+        # Everything is registered now: the host buffers are made while this step's lease
+        # still holds, not at the first switch.
+        self.backend.reserve_host_buffers()
 
     # ------------------------------------------------------------ wrapping
 

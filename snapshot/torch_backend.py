@@ -3,7 +3,8 @@
 The unit of work is a tensor *storage*, not a tensor: views, tied weights and optimizer state that
 share memory are moved once, and every tensor object (parameters, optimizer state, anything a
 hook captured) stays the same Python object. Snapshot copies each storage into a host buffer
-(on CUDA: pinned buffers reused across switches, asynchronous copies on a side stream), then
+(on CUDA: pinned buffers in one host arena, reused across switches, asynchronous copies on a
+side stream; ``reserve_host_buffers`` prepares the arena before the first switch), then
 shrinks the storage to zero bytes, which frees the device memory; restore grows it back and
 copies the bytes home. Work goes chunk by chunk, freeing as it goes, so peak memory never holds
 a second full copy of the state.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -23,6 +25,7 @@ from typing import Literal
 
 from timeslice.protocol.group import SnapshotReport
 from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.host_arena import ArenaTimes, HostArena, available_host_bytes, page_offsets
 from timeslice.snapshot.hugepages import advise_huge_pages
 
 try:
@@ -33,6 +36,11 @@ except ImportError as err:  # a clean message instead of a bare ImportError deep
     ) from err
 
 Mode = Literal["offload", "discard"]
+KeepHostBuffers = Literal["cuda", "all"]
+# A reservation ahead of the first switch leaves this share of available host memory free;
+# past it the buffers are made at the first switch instead, as the switch needs them anyway.
+RESERVE_AT_MOST = 0.8
+log = logging.getLogger("timeslice.snapshot.torch")
 
 
 @dataclass
@@ -50,8 +58,21 @@ class _Entry:
 class TorchBackend:
     """Snapshot / restore registered modules, optimizers and tensors.
 
-    ``include`` / ``exclude`` are shell-style patterns over the qualified names
-    (``"policy.layers.0.lora_A*"``); with neither, everything registered moves.
+    Args:
+        mode: ``"offload"`` copies the state to host DRAM and back; ``"discard"`` frees it and
+            restores zero-filled storage (for state the job rebuilds, such as a KV cache).
+        include: Shell-style patterns over the qualified names (``"policy.layers.0.lora_A*"``)
+            of what moves; with neither ``include`` nor ``exclude``, everything registered.
+        exclude: Patterns of names that stay where they are.
+        chunk_bytes: Storages are moved and freed this many bytes at a time, so peak memory
+            never holds a second full copy of the state.
+        keep_host_buffers: Which storages keep their host buffer between switches, in one host
+            arena made once (pinned for CUDA state): ``"cuda"`` (device state; CPU state's
+            buffer is freed at each restore, since CPU memory is what the state is made of) or
+            ``"all"`` (CPU state too: twice its memory, every switch as fast as the rest).
+
+    Raises:
+        ValueError: A mode, chunk size or ``keep_host_buffers`` it does not know.
     """
 
     name = "torch"
@@ -64,17 +85,27 @@ class TorchBackend:
         include: Iterable[str] | None = None,
         exclude: Iterable[str] | None = None,
         chunk_bytes: int = 256 * 1024 * 1024,
+        keep_host_buffers: KeepHostBuffers = "cuda",
     ) -> None:
         if mode not in ("offload", "discard"):
             raise ValueError(f"mode must be 'offload' or 'discard', not {mode!r}")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
+        if keep_host_buffers not in ("cuda", "all"):
+            raise ValueError(
+                f"keep_host_buffers must be 'cuda' or 'all', not {keep_host_buffers!r}"
+            )
+        self.keep_host_buffers: KeepHostBuffers = keep_host_buffers
         self.chunk_bytes = chunk_bytes
         self.mode: Mode = mode
         self.include = list(include or [])
         self.exclude = list(exclude or [])
         self._tensors: dict[str, torch.Tensor] = {}
         self._entries: list[_Entry] | None = None
+        # The kept host buffers' memory; the entries' ``host`` tensors are views into it.
+        self._arena: HostArena | None = None
+        # Where the last arena's preparation went, read by benchmarks and logs.
+        self.arena_times: ArenaTimes | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ registration
@@ -87,6 +118,7 @@ class TorchBackend:
                 raise SnapshotError("cannot register tensors while the state is evicted")
             self._tensors[name] = tensor
             self._entries = None
+            self._arena = None  # the next plan's storages get an arena of their own
 
     def register_module(self, name: str, module: torch.nn.Module) -> None:
         for pname, param in module.named_parameters(prefix=name):
@@ -145,6 +177,59 @@ class TorchBackend:
         """Bytes that one snapshot moves: the selected tensors' distinct storages."""
         return sum(e.nbytes for e in self._plan())
 
+    def reserve_host_buffers(self, *, background: bool = True) -> ArenaTimes | None:
+        """Make the kept host buffers now, so the first switch costs what later ones do.
+
+        Call once everything is registered (a later registration drops the arena). The
+        arena is made only if it fits in ``RESERVE_AT_MOST`` of the host's available memory;
+        otherwise the first switch makes it, as it does without this call.
+
+        Args:
+            background: Return at once and prepare the arena on a thread of its own; a
+                snapshot that comes first waits for it.
+
+        Returns:
+            Where the time went (allocation, faulting pages in, pinning); None when running
+            in the background, when there was nothing to prepare, or when it would not fit.
+        """
+        if background:
+            thread = threading.Thread(
+                target=self.reserve_host_buffers,
+                kwargs={"background": False},
+                name="timeslice-host-arena",
+                daemon=True,
+            )
+            thread.start()
+            return None
+        with self._lock:
+            wanted = [e for e in self._plan() if self._keeps(e) and e.host is None]
+            need = page_offsets([e.nbytes for e in wanted])[1]
+            free = available_host_bytes()
+            if not wanted or (free is not None and need > RESERVE_AT_MOST * free):
+                if wanted:
+                    log.warning(
+                        "not reserving %d bytes of host buffers ahead (%d available): the "
+                        "first switch makes them",
+                        need,
+                        free,
+                    )
+                return None
+            return self._make_arena(wanted)
+
+    def _keeps(self, e: _Entry) -> bool:
+        return e.device.type == "cuda" or self.keep_host_buffers == "all"
+
+    def _make_arena(self, entries: list[_Entry]) -> ArenaTimes:
+        """One arena holding a host buffer for each of ``entries`` (which have none)."""
+        offsets, total = page_offsets([e.nbytes for e in entries])
+        arena = HostArena(total, pin=any(e.device.type == "cuda" for e in entries))
+        for e, offset in zip(entries, offsets, strict=True):
+            e.host = arena.view(offset, e.nbytes)
+        # Entries given buffers by an earlier arena keep them: their views keep it alive.
+        self._arena = arena
+        self.arena_times = arena.times
+        return arena.times
+
     # ------------------------------------------------------------ snapshot / restore
 
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
@@ -157,6 +242,10 @@ class TorchBackend:
         started = time.perf_counter()
         with self._lock:
             entries = [e for e in self._plan() if not e.evicted]
+            if self.mode == "offload":
+                unbuffered = [e for e in entries if self._keeps(e) and e.host is None]
+                if unbuffered:  # no reservation came first (or it did not fit)
+                    self._make_arena(unbuffered)
             moved = 0
             for chunk in self._chunks(entries):
                 if self.mode == "offload":
@@ -189,7 +278,7 @@ class TorchBackend:
                     moved += self._copy(chunk, to_host=False)
                 for e in chunk:
                     e.evicted = False
-                    if e.device.type != "cuda":
+                    if not self._keeps(e):
                         e.host = None  # CPU state needs no pool: give the memory back now
         return SnapshotReport(
             job_id=request.job_id,
@@ -226,11 +315,10 @@ class TorchBackend:
             if e.host is None:
                 if not to_host:
                     raise SnapshotError(f"{e.names[0]}: restore without an eviction")
-                e.host = torch.empty(
-                    e.nbytes, dtype=torch.uint8, pin_memory=e.device.type == "cuda"
-                )
-                if e.device.type == "cpu":
-                    advise_huge_pages(e.host.data_ptr(), e.nbytes)
+                # Only state whose buffer is not kept gets here (CPU state): kept buffers
+                # come from the arena, made before the first copy.
+                e.host = torch.empty(e.nbytes, dtype=torch.uint8)
+                advise_huge_pages(e.host.data_ptr(), e.nbytes)
             device_bytes = torch.empty(0, dtype=torch.uint8, device=e.device).set_(
                 e.storage, 0, (e.nbytes,)
             )

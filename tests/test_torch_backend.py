@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from timeslice.snapshot import SnapshotError  # noqa: E402
 from timeslice.snapshot.base import SnapshotRequest  # noqa: E402
+from timeslice.snapshot.host_arena import page_offsets  # noqa: E402
 from timeslice.snapshot.torch_backend import TorchBackend  # noqa: E402
 
 
@@ -186,3 +187,99 @@ def test_registration_errors():
     backend.snapshot_sync(SnapshotRequest("job"))
     with pytest.raises(SnapshotError, match="while the state is evicted"):
         backend.register_tensor("y", torch.ones(4))
+
+
+# ---------------------------------------------------------------- host buffers ahead of a switch
+
+
+def test_arena_blocks_start_on_pages_and_add_up_to_the_state():
+    assert page_offsets([1, 4096, 0, 5000]) == ([0, 4096, 8192, 8192], 16384)
+    assert page_offsets([]) == ([], 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        page_offsets([-1])
+
+
+def _kept_state(backend: TorchBackend, mib: int) -> list[torch.Tensor]:
+    weights = [torch.randn(mib * 1024 * 1024 // 4 // 4) for _ in range(4)]
+    for i, w in enumerate(weights):
+        backend.register_tensor(f"w{i}", w)
+    return weights
+
+
+def test_reserved_buffers_are_made_once_and_grow_memory_by_the_state_alone():
+    backend = TorchBackend(keep_host_buffers="all")
+    weights = _kept_state(backend, 64)
+    reference = [w.clone() for w in weights]
+    state = backend.registered_bytes
+    gc.collect()
+    before = rss_bytes()
+    times = backend.reserve_host_buffers(background=False)
+    grown = rss_bytes() - before
+    assert times is not None and times.bytes == page_offsets([state // 4] * 4)[1]
+    assert not times.pinned  # CPU state: nothing to pin
+    # Faulted in ahead (not lazily at the first switch), and no more than the state itself.
+    assert 0.95 * state <= grown <= state + 4 * 1024 * 1024, (grown, state)
+    arena = backend.arena_times
+    for _ in range(3):
+        backend.snapshot_sync(SnapshotRequest("job"))
+        backend.restore_sync(SnapshotRequest("job"))
+    assert backend.arena_times is arena  # no switch made buffers of its own
+    assert all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True))
+
+
+def test_first_snapshot_waits_for_a_reservation_under_way():
+    backend = TorchBackend(keep_host_buffers="all")
+    weights = _kept_state(backend, 16)
+    reference = [w.clone() for w in weights]
+    assert backend.reserve_host_buffers() is None  # in the background
+    backend.snapshot_sync(SnapshotRequest("job"))
+    # Either the reservation or the snapshot made the one arena; never both.
+    made = backend.arena_times
+    assert made is not None and made.bytes >= backend.registered_bytes
+    backend.restore_sync(SnapshotRequest("job"))
+    assert backend.reserve_host_buffers(background=False) is None  # nothing left to prepare
+    assert backend.arena_times is made
+    assert all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True))
+
+
+def test_a_reservation_that_would_not_fit_is_left_to_the_first_switch(monkeypatch, caplog):
+    import timeslice.snapshot.torch_backend as torch_backend
+
+    backend = TorchBackend(keep_host_buffers="all")
+    weights = _kept_state(backend, 4)
+    reference = [w.clone() for w in weights]
+    monkeypatch.setattr(torch_backend, "available_host_bytes", lambda: 1024 * 1024)
+    with caplog.at_level("WARNING", logger="timeslice.snapshot.torch"):
+        assert backend.reserve_host_buffers(background=False) is None
+    assert "not reserving" in caplog.text and backend.arena_times is None
+    backend.snapshot_sync(SnapshotRequest("job"))  # the switch makes them: it needs them
+    assert backend.arena_times is not None
+    backend.restore_sync(SnapshotRequest("job"))
+    assert all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True))
+
+
+def test_cpu_state_keeps_no_buffer_by_default():
+    backend = TorchBackend()
+    _kept_state(backend, 4)
+    assert backend.reserve_host_buffers(background=False) is None  # CPU state: nothing kept
+    backend.snapshot_sync(SnapshotRequest("job"))
+    backend.restore_sync(SnapshotRequest("job"))
+    assert backend.arena_times is None
+    with pytest.raises(ValueError, match="keep_host_buffers"):
+        TorchBackend(keep_host_buffers="gpu")  # type: ignore[arg-type]
+
+
+def test_a_registration_after_the_reservation_gets_one_arena_for_the_whole_state():
+    backend = TorchBackend(keep_host_buffers="all")
+    weights = _kept_state(backend, 4)
+    first = backend.reserve_host_buffers(background=False)
+    extra = torch.randn(1000)
+    backend.register_tensor("extra", extra)
+    weights.append(extra)
+    reference = [w.clone() for w in weights]
+    backend.snapshot_sync(SnapshotRequest("job"))
+    made = backend.arena_times
+    assert made is not None and made is not first
+    assert made.bytes == page_offsets([w.untyped_storage().nbytes() for w in reference])[1]
+    backend.restore_sync(SnapshotRequest("job"))
+    assert all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True))

@@ -250,6 +250,8 @@ class GrpoToyWorkload(Workload):
         trainer_backend.register_module("reference", self.reference)
         trainer_backend.register_optimizer("adam", self.optimizer)
         self._backends = {"sampler": sampler_backend, "trainer": trainer_backend}
+        for backend in self._backends.values():  # host buffers made now, not at a switch
+            backend.reserve_host_buffers()
 
     def snapshot_backends(self) -> dict[str, TorchBackend]:  # type: ignore[override]
         if self._backends is None:

@@ -170,7 +170,9 @@ class HfGrpoWorkload(GrpoToyWorkload):
             self.sampler = copy.deepcopy(self.policy).requires_grad_(False).eval()
             torch_sampler = TorchBackend()
             torch_sampler.register_module("policy", self.sampler)
+            torch_sampler.reserve_host_buffers()  # host buffers made now, not at a switch
             sampler_backend = torch_sampler
+        trainer_backend.reserve_host_buffers()
         self._backends = {"sampler": sampler_backend, "trainer": trainer_backend}  # type: ignore[dict-item]
 
     @property
