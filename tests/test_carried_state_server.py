@@ -94,7 +94,11 @@ async def status(client: Client) -> GroupStatus:
 
 async def flood(address: str) -> list[int]:
     client = await Client.connect(address, data_converter=pydantic_data_converter)
-    config = GroupConfig(group_id=GROUP, history_keep=MAX_HISTORY_KEEP, grant_ack_timeout_s=2.0)
+    # The bound does two things here. Each queued request's state sits on a queue nobody
+    # polls, so draining the queue waits it out once per request: short keeps the test short.
+    # And a lease granted in an acquire's answer is confirmed by its release: on a loaded
+    # machine that took over 2 s once (the release then found the lease ended as dead).
+    config = GroupConfig(group_id=GROUP, history_keep=MAX_HISTORY_KEEP, grant_ack_timeout_s=8.0)
     await client.start_workflow(
         GROUP_WORKFLOW_TYPE,
         GroupInput(config=config).model_dump(mode="json"),
@@ -107,7 +111,8 @@ async def flood(address: str) -> list[int]:
     for i in range(JOBS):
         notice = await lease(client, i, f"r{i}")
         tokens.append(notice.token)
-        assert (await release(client, notice)).released
+        released = await release(client, notice)
+        assert released.released, (i, released, (await status(client)).stats)
         report = MovedReport(job_id=job(i), key=key(f"r{i}"), evicted=[], error="e" * 2000)
         await send_update(client, WORKFLOW_ID, "report_moved", report, type(None))
     # A holder, and behind it the largest requests the queue takes (the tester queued three of
@@ -151,6 +156,9 @@ async def flood(address: str) -> list[int]:
     assert (await release(client, holder)).released
     # The queue drains (its waiters' workflows do not exist: each is skipped as dead), and
     # the group still serves, its fencing tokens still increasing.
+    await wait_until(
+        client, WORKFLOW_ID, lambda s: not s.queue and s.holder is None, timeout_s=60 + 10 * queued
+    )
     for i in range(JOBS + 100, JOBS + 130):
         notice = await lease(client, i, f"after{i}")
         tokens.append(notice.token)
@@ -217,6 +225,14 @@ def test_a_holder_that_dies_instead_of_evicting_is_forgotten(address: str, group
 
         first = await acquire_as("dies", "dies:1")
         assert first.notice is not None and first.notice.fault is None
+        # Confirmed at once: the short bound is for the eviction's pickup below, and a loaded
+        # machine may take longer than it to queue the next request.
+        confirmed = await send_update(
+            client, workflow_id, "renew",
+            RenewRequest(request_id="dies:1", token=first.notice.token, key=key("dies:1")),
+            RenewResult,
+        )  # fmt: skip
+        assert confirmed.valid, confirmed.reason
         waiting = asyncio.ensure_future(acquire_as("next", "next:1"))
         await wait_until(client, workflow_id, lambda s: len(s.queue) == 1)
         ret = LeaseReturn(
