@@ -5,14 +5,20 @@ remaining event is for)."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
+import uuid
 from pathlib import Path
 
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
+from timeslice.connection import connect, connect_config
+from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import group_workflow_id
+from timeslice.protocol.rl_job import RLJobResult, rl_job_workflow_id
 
-from bench.history_cost import HistoryCost, group_cost
+from bench.history_cost import HistoryCost, event_name, group_cost, rl_job_cost, steady_epochs
+from tests.conftest import start_service, stop_process
 
 ROUNDS = 5
 
@@ -75,3 +81,51 @@ def test_the_recorded_group_histories_show_the_timer_churn_gone():
     assert before.timers_per_unit > 3, before
     assert after.timers_per_unit <= 1, after
 
+
+def test_an_rl_jobs_epoch_upserts_no_search_attribute(address, group, tmp_path):
+    """Each phase once upserted TimeslicePhase (three or four events an epoch, 26 in all); the
+    job's searched state changes at prepare, running and completed only, and a continued run
+    starts with the attributes it carries."""
+    job = f"cost-{uuid.uuid4().hex[:8]}"
+    proc = start_service(
+        ["job", "worker", "--address", address, "--job-id", job, "--workload", "simulated",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--threads", "1"],
+        f"job {job} rank 0",
+        tmp_path / "job.log",
+    )  # fmt: skip
+    config = {
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05},
+        "sampler_group": group,
+        "epochs": 5,
+        "checkpoint_every": 5,
+        "continue_as_new_every": 2,
+    }
+
+    async def go() -> RLJobResult:
+        client = await connect(connect_config(address))
+        return await (await start_rl_job(client, parse_job_config(config))).result()
+
+    try:
+        result = asyncio.run(go())
+    finally:
+        stop_process(proc)
+    assert result.epochs_done == 5, result
+
+    histories = histories_of(address, rl_job_workflow_id(job))
+    assert len(histories) == 3  # runs of epochs 0-1, 2-3 and 4
+    epochs = steady_epochs(histories)
+    assert len(epochs) == 2, epochs
+    for epoch in epochs:
+        assert not [name for name in epoch if name.startswith("upsert")], epoch
+    assert statistics.mean(sum(e.values()) for e in epochs) <= 23, epochs
+    ours = [
+        name
+        for h in histories
+        for event in h.events
+        if (name := event_name(event)).startswith("upsert") and "TemporalChangeVersion" not in name
+    ]
+    # TimeslicePhase: prepare, running, completed; TimesliceJob was set by the start.
+    assert ours == ["upsert_workflow_search_attributes:TimeslicePhase"] * 3, ours
+    assert rl_job_cost(histories).units == 5
