@@ -111,9 +111,11 @@ def _token(payloads: Any) -> int | None:
 def group_cost(histories: Iterable[WorkflowHistory]) -> HistoryCost:
     """A group's cost per lease. A lease is a fencing token handed out: as a parked acquire's
     answer, as a grant delivered by activity or signalled to a requester workflow (a token
-    answered twice, to an acquire asked again, or carried into the next phase, is one lease)."""
+    answered twice, to an acquire asked again, or carried into the next phase, is one lease).
+    A group's runs must carry its workflow id (``fetch_history`` gives it; a stored file, the
+    id it is read under)."""
     kinds: Counter[int] = Counter()
-    tokens: set[int] = set()
+    tokens: set[tuple[str, int]] = set()  # each group counts its own tokens
     for history in histories:
         acquires: set[str] = set()
         for event in history.events:
@@ -138,7 +140,7 @@ def group_cost(histories: Iterable[WorkflowHistory]) -> HistoryCost:
                 signal = event.signal_external_workflow_execution_initiated_event_attributes
                 token = _token(signal.input.payloads)  # the group signals only grants
             if token is not None:
-                tokens.add(token)
+                tokens.add((history.workflow_id, token))
     return _count(len(tokens), kinds)
 
 

@@ -71,7 +71,8 @@ def test_a_contended_group_starts_at_most_one_timer_per_lease(address, group, ma
 def stored(name: str) -> list[WorkflowHistory]:
     paths = sorted((Path(__file__).parent / "histories").glob(f"{name}*.json"))
     assert paths, name
-    return [WorkflowHistory.from_json(p.stem, p.read_text()) for p in paths]
+    # One group's runs: read under one id, so a token answered in two runs is one lease.
+    return [WorkflowHistory.from_json(name, p.read_text()) for p in paths]
 
 
 def test_the_recorded_group_histories_show_the_timer_churn_gone():
