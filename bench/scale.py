@@ -44,7 +44,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.handoff import cpu_model, percentile  # noqa: E402
-from bench.history_cost import HistoryCost, group_cost, rl_job_cost, update_names  # noqa: E402
+from bench.history_cost import (  # noqa: E402
+    HistoryCost,
+    group_cost,
+    rl_job_cost,
+    steady_epochs,
+    update_names,
+)
 from bench.replay import holds_by_group, ideal, utilization  # noqa: E402
 
 GPU_PHASES = ("sample", "train")
@@ -122,9 +128,7 @@ async def run_jobs(address: str, configs: list[dict[str, Any]]) -> list[Any]:
     return list(await asyncio.gather(*(h.result() for h in handles)))
 
 
-async def history_costs(
-    address: str, stamp: str, keep: Path | None
-) -> tuple[HistoryCost, HistoryCost, dict[str, int]]:
+async def history_costs(address: str, stamp: str, keep: Path | None) -> dict[str, Any]:
     """Summed over every run (continue-as-new included) of this bench's groups and jobs."""
     from timeslice.connection import connect, connect_config
 
@@ -143,7 +147,18 @@ async def history_costs(
 
     groups = await histories("WorkflowType = 'GpuGroupWorkflow'")
     jobs = await histories("WorkflowType = 'RLJobWorkflow'")
-    return group_cost(groups), rl_job_cost(jobs), dict(update_names(groups))
+    prepared = steady_epochs(jobs)
+    return {
+        "group": group_cost(groups),
+        "job": rl_job_cost(jobs),
+        "group_updates": dict(update_names(groups)),
+        "prepared_epoch_events": statistics.mean(sum(e.values()) for e in prepared)
+        if prepared
+        else None,
+        "workflow_task_timeouts": sum(
+            group_cost([h]).by_type.get("workflow_task_timed_out", 0) for h in groups + jobs
+        ),
+    }
 
 
 def cost_figures(cost: HistoryCost, unit: str) -> dict[str, Any]:
@@ -235,14 +250,13 @@ def main() -> None:
             results = asyncio.run(run_jobs(server.address, configs))
             run_s = time.monotonic() - began
             cpu_after = (tree_cpu_seconds(worker.pid), tree_cpu_seconds(server_pid))
-            group_c, job_c, group_updates = asyncio.run(
-                history_costs(server.address, stamp, args.histories)
-            )
+            costs = asyncio.run(history_costs(server.address, stamp, args.histories))
         finally:
             for proc in reversed(procs):
                 stop_service(proc)
             server.stop()
 
+    group_c, job_c, group_updates = costs["group"], costs["job"], costs["group_updates"]
     by_group = holds_by_group(results)
     simulated = ideal(results, configs, options)
     per_group = {}
@@ -294,7 +308,14 @@ def main() -> None:
                 name: round(n / group_c.units, 2) for name, n in sorted(group_updates.items())
             },
         },
-        "rl_job_history": cost_figures(job_c, "epoch"),
+        "rl_job_history": {
+            **cost_figures(job_c, "epoch"),
+            "events_per_prepared_epoch": costs["prepared_epoch_events"]
+            and round(costs["prepared_epoch_events"], 2),
+        },
+        # A workflow task its worker did not start in time (the sticky queue's 10-s
+        # schedule-to-start): the workflow stalls that long.
+        "workflow_task_timeouts": costs["workflow_task_timeouts"],
         "cpu_s_per_gpu_phase": {
             "control_worker": round(cpu_worker / phases, 4),
             "server": round(cpu_server / phases, 4),
@@ -314,7 +335,9 @@ def main() -> None:
         f"tasks, {group_c.timers_per_unit:.2f} timers, {group_c.actions_per_unit:.1f} actions "
         f"per lease ({group_c.units} leases); job: {job_c.events_per_unit:.1f} events, "
         f"{job_c.tasks_per_unit:.1f} workflow tasks, {job_c.upserts_per_unit:.2f} upserts, "
-        f"{job_c.actions_per_unit:.1f} actions per epoch ({job_c.units} epochs)",
+        f"{job_c.actions_per_unit:.1f} actions per epoch ({job_c.units} epochs; "
+        f"{costs['prepared_epoch_events'] or 0:.1f} events per prepared epoch); "
+        f"{costs['workflow_task_timeouts']} workflow tasks timed out",
         flush=True,
     )
     print(json.dumps(figures, indent=2))
