@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # range would fetch a multi-GB CUDA build. On a GPU machine install the CUDA build you need.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint bench soak soak-test clean
+.PHONY: demo test lint bench scale soak soak-test clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -51,6 +51,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/handoff.py --handoffs 2000
+
+# Many RL jobs on one control plane (bench/scale.py; BENCHMARKS.md, "Control-plane scale").
+SCALE_JOBS ?= 40
+SCALE_GROUPS ?= 10
+scale: $(STAMP)
+	$(PY) bench/scale.py --jobs $(SCALE_JOBS) --groups $(SCALE_GROUPS) --epochs 4
 
 # 30 minutes of contenders and RL jobs on one group while holders, waiters, job processes and
 # the control worker are killed and the server restarts (bench/soak.py; BENCHMARKS.md). Niced:

@@ -202,7 +202,15 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     jobs = job.add_subparsers(dest="job_command", required=True)
 
     worker = jobs.add_parser("worker", help="serve one rank of an RL job (its model and phases)")
-    worker.add_argument("--job-id", required=True, help="the job this process serves")
+    worker.add_argument(
+        "--job-id",
+        required=True,
+        action="append",
+        dest="job_ids",
+        help="the job this process serves; repeated, one process serves a rank of each job "
+        "named (one workload instance each, on one event loop: for benches and light "
+        "workloads; one job per process is the default)",
+    )
     worker.add_argument(
         "--rank", type=_number(int, at_least=0), default=0, help="this process's rank (default 0)"
     )
@@ -376,10 +384,15 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
     from timeslice.telemetry import worker_telemetry
     from timeslice.workers.job import build_job_runtime, build_job_worker
 
+    if len(set(args.job_ids)) < len(args.job_ids):
+        raise TimesliceError(f"--job-id names a job twice: {' '.join(args.job_ids)}")
     try:
-        runtime = build_job_runtime(
-            args.job_id, args.rank, args.workload, args.checkpoint_dir, args.keep_checkpoints
-        )
+        runtimes = [
+            build_job_runtime(
+                job_id, args.rank, args.workload, args.checkpoint_dir, args.keep_checkpoints
+            )
+            for job_id in args.job_ids
+        ]
     except ValueError as err:
         raise TimesliceError(str(err)) from err
     if args.threads is not None:
@@ -389,19 +402,24 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
     config = connect_config(args.address, args.namespace, profile=args.profile)
     async with worker_telemetry("timeslice-job-worker", args.metrics_port) as metrics:
         client = await connect(config, runtime=metrics.runtime if metrics else None)
-        worker = build_job_worker(client, runtime)
-        print(
-            f"job {args.job_id} rank {args.rank}: workload {args.workload} on task queue "
-            f"{job_task_queue(args.job_id, args.rank)!r}; Ctrl-C to stop",
-            flush=True,
-        )
+        workers = [build_job_worker(client, runtime) for runtime in runtimes]
+        for runtime in runtimes:
+            print(
+                f"job {runtime.job_id} rank {args.rank}: workload {args.workload} on task "
+                f"queue {job_task_queue(runtime.job_id, args.rank)!r}; Ctrl-C to stop",
+                flush=True,
+            )
         if metrics:
             print(f"metrics {metrics.where}", flush=True)
-        code = await _serve(worker)
-        try:
-            await runtime.depart()
-        except (TimeoutError, TimesliceError) as err:  # the groups fall back on their time-outs
-            print(f"could not tell the groups this process left: {err}", file=sys.stderr)
+        code = await _serve(*workers)
+        for runtime in runtimes:
+            try:
+                await runtime.depart()
+            except (TimeoutError, TimesliceError) as err:  # the groups fall back on time-outs
+                print(
+                    f"job {runtime.job_id}: could not tell the groups this process left: {err}",
+                    file=sys.stderr,
+                )
         return code
 
 
@@ -601,12 +619,14 @@ async def _run_agent_token(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(worker: Worker) -> int:
+async def _serve(*workers: Worker) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with worker:
+    async with contextlib.AsyncExitStack() as serving:
+        for worker in workers:
+            await serving.enter_async_context(worker)
         await stop.wait()
         print("stopping ...", flush=True)
     return 0

@@ -309,8 +309,8 @@ def test_rl_job_example_runs_one_rank_per_pod_with_its_job_id_and_a_gpu() -> Non
     assert "configMapKeyRef" in env["TIMESLICE_JOB_ID"]["valueFrom"]
     args = timeslice_args(c, docs)
     assert (args.command, args.job_command) == ("job", "worker")
-    assert args.job_id == job_id and args.workload == config.workload
-    assert job_task_queue(args.job_id, args.rank) == f"timeslice-job-{job_id}-1"
+    assert args.job_ids == [job_id] and args.workload == config.workload
+    assert job_task_queue(args.job_ids[0], args.rank) == f"timeslice-job-{job_id}-1"
     assert str(args.checkpoint_dir) in {m["mountPath"] for m in c["volumeMounts"]}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert c["image"].endswith("-cuda")

@@ -13,7 +13,12 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 from timeslice.workers.control import WORKFLOWS
 from timeslice.workers.sandbox import workflow_runner
-from timeslice.workflows.gpu_group import BOUNDED_EVICTION_REPORT_WAIT, FORGET_GONE_EVICTOR
+from timeslice.workflows.gpu_group import (
+    BOUNDED_EVICTION_REPORT_WAIT,
+    FORGET_GONE_EVICTOR,
+    ONE_DEADLINE_TIMER,
+)
+from timeslice.workflows.rl_job import SEARCHED_STATES_ONLY
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 
@@ -50,9 +55,13 @@ def _patch_markers(text: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("patch", [BOUNDED_EVICTION_REPORT_WAIT, FORGET_GONE_EVICTOR])
+@pytest.mark.parametrize(
+    "patch",
+    [BOUNDED_EVICTION_REPORT_WAIT, FORGET_GONE_EVICTOR, ONE_DEADLINE_TIMER, SEARCHED_STATES_ONLY],
+)
 def test_a_stored_history_takes_the_patched_path(patch: str):
-    """A history recorded after the patch (tests/histories/record_eviction_wait.py), so the
-    replay above runs the new branch too, not only the old one."""
+    """A history recorded after the patch (tests/histories/record_eviction_wait.py,
+    record_one_timer.py, record_rl_states.py), so the replay above runs the new branch too,
+    not only the old one."""
     recorded = {path.name for path in HISTORIES if patch in _patch_markers(path.read_text())}
     assert recorded, f"no stored history records the {patch!r} patch"

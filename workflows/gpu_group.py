@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from datetime import timedelta
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -83,6 +84,10 @@ CONFIRMED_GRANT_OUTLIVES_DELIVERY = "confirmed-grant-outlives-delivery"
 # workflow.patched id: a lease may be carried past waiters into its holder's next phase (the
 # phase_aware grant policy); groups that started before it replay releasing as FIFO did.
 PHASE_AWARE_GRANTS = "phase-aware-grants"
+# workflow.patched id: one durable timer for the earliest of the group's deadlines (lease
+# expiry, grant confirmation, waiter and park time-outs, an eviction report) instead of a timer
+# started and cancelled by every wait; groups that started before it replay as they ran.
+ONE_DEADLINE_TIMER = "one-deadline-timer"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
 
@@ -91,6 +96,36 @@ class _Moved(Enum):
     OK = "ok"
     GONE = "gone"  # no process picked the task up: the job's processes are gone
     FAILED = "failed"
+
+
+class _DeadlineTimer:
+    """One pending durable timer, set for the earliest deadline the group knows of.
+
+    ``workflow.wait_condition(timeout=...)`` starts a timer on every call and cancels it when
+    the condition wins first: on a busy group, three timers started and cancelled per lease.
+    This timer is replaced only when a deadline earlier than it appears; a later deadline waits
+    for it to fire (one early wake, which sets the timer for what is then the earliest)."""
+
+    def __init__(self, fired: Callable[[], None]) -> None:
+        self._fired = fired
+        self._handle: asyncio.TimerHandle | None = None
+        self._at: datetime | None = None
+
+    def set_for(self, deadline: datetime | None) -> None:
+        if deadline is None or (self._at is not None and self._at <= deadline):
+            return
+        now = workflow.now()
+        if deadline <= now:
+            return  # overdue: whoever waits for it acts on it now
+        if self._handle is not None:
+            self._handle.cancel()
+        self._at = deadline
+        delay = (deadline - now).total_seconds()
+        self._handle = asyncio.get_running_loop().call_later(delay, self._ring)
+
+    def _ring(self) -> None:
+        self._handle = self._at = None
+        self._fired()
 
 
 class _GroupMetrics:
@@ -191,6 +226,10 @@ class GpuGroupWorkflow:
         # bytes belong to that switch's mark on the timeline.
         self._awaiting_eviction_of: str | None = None
         self._unfit_logged = False
+        # With ONE_DEADLINE_TIMER: the deadlines that are not the book's, by what waits on them.
+        self._park_deadlines: dict[str, datetime] = {}
+        self._report_deadline: datetime | None = None
+        self._timer = _DeadlineTimer(self._deadline_passed)
 
     # ---------------------------------------------------------------- main loop
 
@@ -206,18 +245,46 @@ class GpuGroupWorkflow:
             assert notice is not None
             self._start_delivery(notice)
         self._publish_details()
+        one_timer = self._one_timer()
         while True:
             await self._grant_if_free()
             self._publish_details()
             if self._quiescent() and workflow.info().is_continue_as_new_suggested():
                 await self._continue_as_new()
             deadline = self._book.next_deadline()
-            timeout = None if deadline is None else (deadline - workflow.now()).total_seconds()
-            if timeout is None or timeout > 0:
-                with contextlib.suppress(TimeoutError):
-                    await workflow.wait_condition(lambda: self._wake, timeout=timeout)
+            if one_timer:
+                if deadline is None or deadline > workflow.now():
+                    self._set_timer()
+                    await workflow.wait_condition(lambda: self._wake)
+            else:
+                timeout = None if deadline is None else (deadline - workflow.now()).total_seconds()
+                if timeout is None or timeout > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await workflow.wait_condition(lambda: self._wake, timeout=timeout)
             self._wake = False
             self._book.expire(workflow.now())
+
+    def _one_timer(self) -> bool:
+        return workflow.patched(ONE_DEADLINE_TIMER)
+
+    def _set_timer(self) -> None:
+        """Keep the one timer set for the earliest deadline still ahead."""
+        now = workflow.now()
+        ahead = [
+            d
+            for d in (self._book.next_deadline(), self._report_deadline)
+            if d is not None and d > now
+        ]
+        ahead.extend(d for d in self._park_deadlines.values() if d > now)
+        if ahead:
+            self._timer.set_for(min(ahead))
+
+    def _deadline_passed(self) -> None:
+        # The waits see the time move on (their conditions read workflow.now()); the main loop
+        # expires what is due. The next deadline gets the timer now, even while the main loop
+        # is busy with a switch and cannot set it.
+        self._wake = True
+        self._set_timer()
 
     def _quiescent(self) -> bool:
         return (
@@ -430,12 +497,21 @@ class GpuGroupWorkflow:
         if workflow.patched(BOUNDED_EVICTION_REPORT_WAIT):
             report_wait = min(report_wait, self._config.grant_ack_timeout_s)
         try:
-            with contextlib.suppress(TimeoutError):
+            if self._one_timer():
+                give_up_at = workflow.now() + timedelta(seconds=report_wait)
+                self._report_deadline = give_up_at
+                self._set_timer()
                 await workflow.wait_condition(
-                    lambda: book.state.evicting is None, timeout=report_wait
+                    lambda: book.state.evicting is None or workflow.now() >= give_up_at
                 )
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await workflow.wait_condition(
+                        lambda: book.state.evicting is None, timeout=report_wait
+                    )
         finally:
             self._awaiting_eviction_of = None
+            self._report_deadline = None
         late = book.state.evicting
         if late is not None:
             book.clear_evicting()
@@ -565,11 +641,26 @@ class GpuGroupWorkflow:
         ):
             return AcquireAnswer(outcome=AcquireOutcome.QUEUED)
         self._parked[rid] = None
-        with contextlib.suppress(TimeoutError):
-            await workflow.wait_condition(
-                lambda: self._parked.get(rid) is not None or book.settled(rid),
-                timeout=_PARK_TIMEOUT_S,
-            )
+        if self._one_timer():
+            give_up_at = workflow.now() + timedelta(seconds=_PARK_TIMEOUT_S)
+            self._park_deadlines[rid] = give_up_at
+            self._set_timer()
+            try:
+                await workflow.wait_condition(
+                    lambda: (
+                        self._parked.get(rid) is not None
+                        or book.settled(rid)
+                        or workflow.now() >= give_up_at
+                    )
+                )
+            finally:
+                self._park_deadlines.pop(rid, None)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: self._parked.get(rid) is not None or book.settled(rid),
+                    timeout=_PARK_TIMEOUT_S,
+                )
         answer = self._parked.pop(rid, None)
         if answer is not None:
             return answer

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from temporalio.workflow import ActivityCancellationType
 from timeslice.protocol.group import (
@@ -81,6 +81,14 @@ JOB_PROTOCOL_V3 = "job-protocol-v3"
 # v4: a train followed by the next epoch's sample on the same group asks the group to carry
 # its lease into that sample (PhaseInput.carry_into), with the sample's expected length.
 JOB_PROTOCOL_V4 = "job-protocol-v4"
+# workflow.patched id: TimeslicePhase is upserted when the job's state changes, not at every
+# phase, and TimesliceJob only when the start did not set it (jobs that began before upsert as
+# they did). A filter reads the state; the phase of the moment is the progress query's.
+SEARCHED_STATES_ONLY = "searched-states-only"
+# What TimeslicePhase says while a job runs its epochs: one value for all their phases (an
+# upsert per phase was 3-4 history events per epoch, read by no filter).
+_RUNNING = "running"
+_SEARCHED_AS_RUNNING = frozenset({"sample", "rewards", "train", "checkpoint"})
 _PHASE_ACTIVITIES: dict[str, str] = {
     "sample": SAMPLE_ACTIVITY,
     "rewards": REWARDS_ACTIVITY,
@@ -153,6 +161,11 @@ def _parse_input(raw: tuple[Any, ...]) -> RLJobInput:
     return RLJobInput(config=parse_message(RLJobConfig, raw, "RLJobWorkflow"))
 
 
+def _searched(key: SearchAttributeKey[str]) -> str | None:
+    """The workflow's value of a keyword search attribute (as started, continued or upserted)."""
+    return workflow.info().typed_search_attributes.get(key)
+
+
 def _failure(err: ActivityError) -> str:
     cause = err.cause
     if isinstance(cause, ApplicationError):
@@ -186,6 +199,7 @@ class RLJobWorkflow:
         self._epochs_this_run = 0
         self._backends: dict[str, list[str]] = {"sampler": [], "trainer": []}
         self._protocol = JOB_PROTOCOL_VERSION
+        self._searched_states_only = True  # decided in run, before any upsert
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
         )
@@ -220,7 +234,9 @@ class RLJobWorkflow:
         else:
             self._protocol = 3 if workflow.patched(JOB_PROTOCOL_V3) else 2
         self._ledger.protocol = self._protocol
-        workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
+        self._searched_states_only = workflow.patched(SEARCHED_STATES_ONLY)
+        if not self._searched_states_only or _searched(JOB_KEY) != cfg.job_id:
+            workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
         try:
             return await self._run()
         except asyncio.CancelledError:
@@ -826,8 +842,12 @@ class RLJobWorkflow:
 
     def _set_phase(self, phase: str, *, search: bool = True) -> None:
         self._phase = phase
-        if search:
+        if search and not self._searched_states_only:
             workflow.upsert_search_attributes([PHASE_KEY.value_set(phase)])
+        elif search:
+            state = _RUNNING if phase in _SEARCHED_AS_RUNNING else phase
+            if _searched(PHASE_KEY) != state:  # a continued run starts with its last value
+                workflow.upsert_search_attributes([PHASE_KEY.value_set(state)])
         self._publish_details()
 
     def _publish_details(self) -> None:

@@ -1,0 +1,132 @@
+"""What a lease and an epoch cost in history, read from the real histories of contended runs
+(bench/history_cost.py counts; docs/architecture.md, "What a lease costs", says what each
+remaining event is for)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import uuid
+from pathlib import Path
+
+from temporalio.client import Client, WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from timeslice.connection import connect, connect_config
+from timeslice.jobs import parse_job_config, start_rl_job
+from timeslice.protocol.group import group_workflow_id
+from timeslice.protocol.rl_job import RLJobResult, rl_job_workflow_id
+
+from bench.history_cost import HistoryCost, event_name, group_cost, rl_job_cost, steady_epochs
+from tests.conftest import start_service, stop_process
+
+ROUNDS = 5
+
+
+def histories_of(address: str, workflow_id: str) -> list[WorkflowHistory]:
+    """Every run of the workflow (continue-as-new included)."""
+
+    async def fetch() -> list[WorkflowHistory]:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        found = []
+        async for wf in client.list_workflows(f"WorkflowId = '{workflow_id}'"):
+            handle = client.get_workflow_handle(wf.id, run_id=wf.run_id)
+            found.append(await handle.fetch_history())
+        return found
+
+    return asyncio.run(fetch())
+
+
+def test_a_contended_group_starts_at_most_one_timer_per_lease(address, group, make_client):
+    """Three processes take turns, each acquire parked behind another's lease. Every wait of
+    the group once started and cancelled its own timer (about 3.7 a lease, and 25 events a
+    lease); one timer for the earliest deadline leaves the lease its updates' events."""
+    clients = [make_client(job_id=f"j{i}", snapshot_backends=[]) for i in range(3)]
+    failures: list[BaseException] = []
+
+    def take_turns(client) -> None:
+        try:
+            for _ in range(ROUNDS):
+                client.release(client.acquire(group, timeout=120))
+        except BaseException as err:
+            failures.append(err)
+
+    threads = [threading.Thread(target=take_turns, args=(c,)) for c in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not failures, failures
+    assert not any(t.is_alive() for t in threads), "a process never finished its turns"
+    leases = clients[0].group_status(group).stats.leases
+    assert leases == 3 * ROUNDS
+
+    cost: HistoryCost = group_cost(histories_of(address, group_workflow_id(group)))
+    assert cost.units == leases, cost  # every lease's grant is found in the history
+    assert cost.timers_started <= leases, cost
+    # An acquire and a release each: accepted, completed, and at most one workflow task.
+    assert cost.events_per_unit <= 12, cost.by_type
+
+
+def stored(name: str) -> list[WorkflowHistory]:
+    paths = sorted((Path(__file__).parent / "histories").glob(f"{name}*.json"))
+    assert paths, name
+    # One group's runs: read under one id, so a token answered in two runs is one lease.
+    return [WorkflowHistory.from_json(name, p.read_text()) for p in paths]
+
+
+def test_the_recorded_group_histories_show_the_timer_churn_gone():
+    """The stored histories the replay test runs, before and after `one-deadline-timer`."""
+    before = group_cost(stored("gpu_group_coop_run"))
+    after = group_cost(stored("gpu_group_one_timer_run"))
+    assert before.timers_per_unit > 3, before
+    assert after.timers_per_unit <= 1, after
+
+
+def test_an_rl_jobs_epoch_upserts_no_search_attribute(address, group, tmp_path):
+    """Each phase once upserted TimeslicePhase (three or four events an epoch, 26 in all); the
+    job's searched state changes at prepare, running and completed only, and a continued run
+    starts with the attributes it carries."""
+    job = f"cost-{uuid.uuid4().hex[:8]}"
+    proc = start_service(
+        ["job", "worker", "--address", address, "--job-id", job, "--workload", "simulated",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--threads", "1"],
+        f"job {job} rank 0",
+        tmp_path / "job.log",
+    )  # fmt: skip
+    config = {
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05},
+        "sampler_group": group,
+        "epochs": 5,
+        "checkpoint_every": 5,
+        "continue_as_new_every": 2,
+    }
+
+    async def go() -> RLJobResult:
+        client = await connect(connect_config(address))
+        return await (await start_rl_job(client, parse_job_config(config))).result()
+
+    try:
+        result = asyncio.run(go())
+    finally:
+        stop_process(proc)
+    assert result.epochs_done == 5, result
+
+    histories = histories_of(address, rl_job_workflow_id(job))
+    assert len(histories) == 3  # runs of epochs 0-1, 2-3 and 4
+    epochs = steady_epochs(histories)
+    assert len(epochs) == 2, epochs
+    for epoch in epochs:
+        assert not [name for name in epoch if name.startswith("upsert")], epoch
+    assert statistics.mean(sum(e.values()) for e in epochs) <= 23, epochs
+    ours = [
+        name
+        for h in histories
+        for event in h.events
+        if (name := event_name(event)).startswith("upsert") and "TemporalChangeVersion" not in name
+    ]
+    # TimeslicePhase: prepare, running, completed; TimesliceJob was set by the start.
+    assert ours == ["upsert_workflow_search_attributes:TimeslicePhase"] * 3, ours
+    assert rl_job_cost(histories).units == 5
