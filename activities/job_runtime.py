@@ -72,8 +72,8 @@ from timeslice.protocol.rl_job import (
     protocol_mismatch,
 )
 from timeslice.snapshot.base import registered_bytes
-from timeslice.telemetry import meter, span
-from timeslice.updates import send_update
+from timeslice.transport.telemetry import meter, span
+from timeslice.transport.updates import send_update
 from timeslice.workflows.job_leases import process_lease_source, process_prefetches
 from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
 

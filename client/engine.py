@@ -38,7 +38,6 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
-from timeslice.connection import connect, control_workers_polling
 from timeslice.errors import (
     AcquireTimeoutError,
     ClientClosedError,
@@ -96,8 +95,9 @@ from timeslice.protocol.group import (
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
 from timeslice.snapshot_activities import SnapshotActivities
-from timeslice.telemetry import detached, end_span, tracer
-from timeslice.updates import UNPROCESSED_UPDATE, send_update
+from timeslice.transport.connection import connect, control_workers_polling
+from timeslice.transport.telemetry import detached, end_span, tracer
+from timeslice.transport.updates import UNPROCESSED_UPDATE, send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 log = logging.getLogger("timeslice.client")

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from timeslice.connection import connect_config
 from timeslice.engine import Engine, check_timeout
 from timeslice.errors import InvalidArgumentError, LeaseRevokedError
 from timeslice.lease import Lease
@@ -41,6 +40,7 @@ from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.snapshot.registration import JOB_TOKEN_ENV, AgentRegistration
 from timeslice.snapshot.registry import BACKENDS, Placement, create, node_agent_backends
+from timeslice.transport.connection import connect_config
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -49,7 +49,7 @@ from timeslice.protocol.group import (
 )
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
 from timeslice.snapshot import NoopBackend
-from timeslice.updates import send_update
+from timeslice.transport.updates import send_update
 from timeslice.workers.sandbox import workflow_runner
 
 from tests.conftest import start_service, stop_process

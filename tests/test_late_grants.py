@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from timeslice import GrantLostError
-from timeslice.connection import connect, connect_config
 from timeslice.engine import REASK_QUEUED_S, Engine
 from timeslice.protocol.group import LeaseOutcome, job_task_queue
+from timeslice.transport.connection import connect, connect_config
 
 from tests.helpers import (
     assert_no_overlap,

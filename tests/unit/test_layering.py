@@ -89,6 +89,7 @@ CLIENT = (
 )
 MUST_NOT_IMPORT = {
     "client": ("timeslice.activities", "timeslice.workers", *TOP),
+    "transport": ("timeslice.activities", "timeslice.workers", *CLIENT),
     "workflows": CLIENT,
     "snapshot": CLIENT,
     "workloads": CLIENT,
