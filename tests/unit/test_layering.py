@@ -98,6 +98,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
             "timeslice.grants",
             "timeslice.group_start",
             "timeslice.lease",
+            "timeslice.lease_session",
             "timeslice.snapshot_activities",
         ),
         "workloads": ("timeslice.workloads",),
