@@ -28,6 +28,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY protocol ./protocol
+COPY transport ./transport
 COPY cli ./cli
 COPY workflows ./workflows
 COPY activities ./activities

@@ -25,7 +25,7 @@ from timeslice.protocol.group import (
     RenewResult,
     group_workflow_id,
 )
-from timeslice.updates import send_update
+from timeslice.transport.updates import send_update
 
 __all__ = ["draw_secret", "renew_lease", "request_group", "start_group"]
 

@@ -8,9 +8,10 @@ preparation, checkpoints and snapshots take one lock, so a snapshot never races 
 own GPU work; the rewards phase (no lease, CPU only) does not, so a switch never waits for it.
 
 GPU phases take their lease themselves: the workflow hands the activity a lease order, the
-process asks the group through the same engine as the embedded client (the grant is the result
-of a parked update), runs the phase, and releases — so the group's hand-off from one job's phase
-to the next involves one workflow task of the group and nothing of either job's workflow.
+process asks the group through the same lease session as the embedded client (the grant is the
+result of a parked update), runs the phase, and releases — so the group's hand-off from one
+job's phase to the next involves one workflow task of the group and nothing of either job's
+workflow.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.activities.state_homes import StateHomes
-from timeslice.engine import Engine
 from timeslice.errors import TimesliceError
 from timeslice.lease import Lease
+from timeslice.lease_session import LeaseSession
 from timeslice.protocol.group import (
     DEFAULT_LEASE_TTL_S,
     GroupQuery,
@@ -72,8 +73,8 @@ from timeslice.protocol.rl_job import (
     protocol_mismatch,
 )
 from timeslice.snapshot.base import registered_bytes
-from timeslice.telemetry import meter, span
-from timeslice.updates import send_update
+from timeslice.transport.telemetry import meter, span
+from timeslice.transport.updates import send_update
 from timeslice.workflows.job_leases import process_lease_source, process_prefetches
 from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped, Workload
 
@@ -123,22 +124,20 @@ class JobRuntime:
         self._all_backends = list(
             dict.fromkeys([*workload.sampler_backends, *workload.trainer_backends])
         )
-        # The same engine as the embedded client, on this worker's event loop: it asks groups
-        # for leases, renews them and releases them; its inbox takes grants that come as
-        # activities on this rank's queue.
-        self.engine = Engine(
+        # The same lease session as the embedded client's, hosted on this worker's event loop:
+        # it asks groups for leases, renews them and releases them; its inbox takes grants that
+        # come as activities on this rank's queue, which this worker serves.
+        self.session = LeaseSession(
             connect_config={"target_host": "(the job worker's Temporal client)"},
             job_id=job_id,
             task_queue=job_task_queue(job_id, rank),
             priority=0,
             lease_ttl_s=None,
-            backends={},
             snapshot_target=None,
             state_bytes=None,
             rpc_retry_s=60.0,
-            own_thread=False,
         )
-        self.homes = StateHomes(job_id, self.engine.report_moved)
+        self.homes = StateHomes(job_id, self.session.report_moved)
         self.snapshots = SnapshotActivities(None, self.homes, job_id=job_id)
         # Restores done under a lease this process keeps, reported when it is released.
         self._unreported: dict[str, list[SnapshotReport]] = {}
@@ -150,8 +149,8 @@ class JobRuntime:
 
     def attach(self, client: Client) -> None:
         """Use the job worker's client (call from its event loop, before serving)."""
-        self.engine.connect_config = {"target_host": client.service_client.config.target_host}
-        self.engine.attach(client)
+        self.session.connect_config = {"target_host": client.service_client.config.target_host}
+        self.session.attach(client)
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
@@ -161,7 +160,7 @@ class JobRuntime:
             self.compute_rewards,
             self.train,
             self.save_checkpoint,
-            self.engine.inbox.deliver_grant,
+            self.session.inbox.deliver_grant,
             self.snapshots.snapshot,
             self.snapshots.restore,
         ]
@@ -284,7 +283,7 @@ class JobRuntime:
                 raise _state_lost(f"job {self.job_id}: no checkpoint to rewind to; {self._where()}")
             # The job holds its groups under the workflow's leases: reports to those groups
             # about this job's state carry their keys.
-            self.engine.last_keys.update(inp.lease_keys)
+            self.session.last_keys.update(inp.lease_keys)
             # A re-preparation (a rewind) loads into the states where the job holds its groups.
             await self.homes.bring(inp.homes)
 
@@ -495,13 +494,13 @@ class JobRuntime:
     async def _acquire_order(
         self, order: LeaseOrder, names: list[str]
     ) -> tuple[Lease, float, float]:
-        stale = self.engine.held.get(order.group_id)
+        stale = self.session.held.get(order.group_id)
         if stale is not None:
             # The workflow moved on from it (a failure, a rewind): hand it back first.
             await self._abandon(stale)
         asked = time.monotonic()
         try:
-            lease = await self.engine.acquire(
+            lease = await self.session.acquire(
                 order.group_id,
                 order.timeout_s,
                 order.priority,
@@ -509,7 +508,7 @@ class JobRuntime:
                 request_id=order.request_id,
                 key=order.key,
                 snapshot=SnapshotTarget(
-                    queues=[QueueTarget(task_queue=self.engine.task_queue, backends=names)]
+                    queues=[QueueTarget(task_queue=self.session.task_queue, backends=names)]
                 )
                 if names
                 else None,
@@ -528,7 +527,7 @@ class JobRuntime:
             return [OwnLeaseFence(lease)]
         if order is not None and order.held_by == "workflow" and order.token is not None:
             # The job's latest lease there: what this process's reports and departure carry.
-            self.engine.last_keys[order.group_id] = order.key
+            self.session.last_keys[order.group_id] = order.key
             return [WorkflowLeaseFence(order)]
         return []
 
@@ -538,17 +537,17 @@ class JobRuntime:
         next holder does not wait for an eviction nobody picks up."""
         if self._background:
             await asyncio.wait(self._background, timeout=timeout_s)
-        for lease in list(self.engine.held.values()):
+        for lease in list(self.session.held.values()):
             await self._abandon(lease)
-        groups = list(self.engine.last_keys)
+        groups = list(self.session.last_keys)
         if groups:
-            departures = [self.engine._depart(group_id) for group_id in groups]
+            departures = [self.session._depart(group_id) for group_id in groups]
             await asyncio.wait_for(asyncio.gather(*departures), timeout_s)
             log.info("departed %s", ", ".join(groups))
 
     def _owned(self, order: LeaseOrder | None) -> Lease:
         """A lease this process holds and still may use (carried from the previous phase)."""
-        lease = self.engine.held.get(order.group_id) if order is not None else None
+        lease = self.session.held.get(order.group_id) if order is not None else None
         if order is None or lease is None or lease.token != order.token or not lease.valid:
             where = "no lease" if order is None else f"the lease on {order.group_id}"
             raise ApplicationError(
@@ -567,7 +566,7 @@ class JobRuntime:
         if not process_prefetches(
             order,
             asked=order.request_id in self._prefetched,
-            holds_group=order.group_id in self.engine.held,
+            holds_group=order.group_id in self.session.held,
         ):
             return
         asking = asyncio.ensure_future(self._acquire_order(order, names))
@@ -583,8 +582,8 @@ class JobRuntime:
         claim = self.homes.claim(names)
         # No longer this process's to use: a lease asked for next on the same group must not
         # find it and hand it back a second time.
-        if self.engine.held.get(lease.group_id) is lease:
-            del self.engine.held[lease.group_id]
+        if self.session.held.get(lease.group_id) is lease:
+            del self.session.held[lease.group_id]
 
         async def release() -> None:
             try:
@@ -614,7 +613,7 @@ class JobRuntime:
         for a carry it was asked for)."""
         restored = [*self._unreported.get(lease.request_id, []), *(restored or [])]
         try:
-            answer = await self.engine.release_lease(
+            answer = await self.session.release_lease(
                 lease,
                 restored=restored,
                 keep_if_uncontended=keep_if_uncontended,
@@ -623,7 +622,7 @@ class JobRuntime:
             )
         except Exception as err:  # the group revokes it at its TTL (renewals stopped)
             log.warning("cannot release %s from the job process: %s", lease.group_id, err)
-            self.engine.forget(lease)
+            self.session.forget(lease)
             return False, False, ""
         if not answer.valid:
             self._unreported.pop(lease.request_id, None)
@@ -641,7 +640,7 @@ class JobRuntime:
     async def _abandon(self, lease: Lease) -> None:
         self._unreported.pop(lease.request_id, None)
         with contextlib.suppress(Exception):
-            await asyncio.shield(self.engine.release_lease(lease))
+            await asyncio.shield(self.session.release_lease(lease))
 
     async def _supervise(
         self,
@@ -831,14 +830,14 @@ class LeaseFence:
 
 
 class OwnLeaseFence(LeaseFence):
-    """A lease this process holds (its engine renews it): ``Lease.valid`` is the bound, and
+    """A lease this process holds (its lease session renews it): ``Lease.valid`` is the bound, and
     the holder query notices a revocation sooner than the next renewal would."""
 
     def __init__(self, lease: Lease) -> None:
         super().__init__(lease.group_id, lease.token, lease.ttl_s)
         self.lease = lease
         # A grant not yet confirmed is valid only until the group's deadline for confirming
-        # it (grant_ack_timeout_s, which may be far shorter than the TTL); the engine renews a
+        # it (grant_ack_timeout_s, which may be far shorter than the TTL); the session renews a
         # third of the way in. The margin fits that window, or the work would stop before the
         # first renewal could extend it.
         window = lease.valid_until - time.monotonic()

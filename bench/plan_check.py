@@ -130,8 +130,8 @@ class Bench:
                 stop_service(proc)
 
     def profiles(self, results: list[Any]) -> dict[str, Any]:
-        from timeslice.connection import connect, connect_config
         from timeslice.plan.collect import read_rl_job, rl_job_profile
+        from timeslice.transport.connection import connect, connect_config
 
         async def read() -> dict[str, Any]:
             client = await connect(connect_config(self.address))

@@ -153,9 +153,9 @@ async def run_jobs(
     policy: str = POLICIES[0],
 ) -> list[Any]:
     from timeslice.activities.group_requests import start_group
-    from timeslice.connection import connect, connect_config
     from timeslice.jobs import parse_job_config, start_rl_job
     from timeslice.protocol.group import GrantPolicy, GroupConfig
+    from timeslice.transport.connection import connect, connect_config
 
     client = await connect(connect_config(address))
     for group, memory_bytes in memory.items():

@@ -584,7 +584,7 @@ class Soak:
 
 def _temporal(address: str, coro_fn: Any) -> Any:
     """Run one coroutine against the server (a fresh connection: the server restarts)."""
-    from timeslice.connection import connect, connect_config
+    from timeslice.transport.connection import connect, connect_config
 
     async def go() -> Any:
         return await coro_fn(await connect(connect_config(address)))

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.cli.server import DEFAULT_DB, EmbeddedServer, ensure_writable_dir
-from timeslice.connection import connect, connect_config
 from timeslice.errors import TimesliceError
 from timeslice.plan import cli as plan_cli
+from timeslice.transport.connection import connect, connect_config
 
 if TYPE_CHECKING:
     from temporalio.worker import Worker
@@ -37,7 +37,7 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _metrics_address(value: str) -> str:
-    from timeslice.telemetry import parse_metrics_address
+    from timeslice.transport.telemetry import parse_metrics_address
 
     try:
         parse_metrics_address(value)
@@ -381,7 +381,7 @@ def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
 
 async def _run_job_worker(args: argparse.Namespace) -> int:
     from timeslice.protocol.group import job_task_queue
-    from timeslice.telemetry import worker_telemetry
+    from timeslice.transport.telemetry import worker_telemetry
     from timeslice.workers.job import build_job_runtime, build_job_worker
 
     if len(set(args.job_ids)) < len(args.job_ids):
@@ -536,7 +536,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 async def _run_worker(args: argparse.Namespace) -> int:
-    from timeslice.telemetry import worker_telemetry
+    from timeslice.transport.telemetry import worker_telemetry
     from timeslice.workers.control import build_control_worker, check_search_attributes
 
     config = connect_config(args.address, args.namespace, profile=args.profile)
@@ -558,7 +558,7 @@ async def _run_agent(args: argparse.Namespace) -> int:
     from timeslice.protocol.group import node_task_queue
     from timeslice.snapshot.registration import RegistrationError
     from timeslice.snapshot.simulated import SimulatedBackend
-    from timeslice.telemetry import worker_telemetry
+    from timeslice.transport.telemetry import worker_telemetry
     from timeslice.workers.node_agent import build_node_agent
 
     try:

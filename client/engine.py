@@ -1,184 +1,35 @@
-"""The client's engine: Temporal client, grant / snapshot worker and lease heartbeats.
+"""The embedded client's engine: a job's lease session, hosted on an event loop of its own.
 
 It runs on its own event-loop thread, so that grants are taken and leases renewed even while the
-training loop keeps its own thread (or event loop) busy with GPU work.
+training loop keeps its own thread (or event loop) busy with GPU work; and it serves the job's
+task queue with a worker of its own (the grant inbox, the snapshot activities of the client's
+backends). What the leases do is the session's (``timeslice.lease_session``), the same session
+a job process hosts on its job worker's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
-import math
-import re
-import secrets
 import threading
-import time
-import uuid
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any, TypeVar
 
-from opentelemetry import trace
-from opentelemetry.trace import Span
-from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.enums.v1 import WorkflowTaskFailedCause
-from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
-from temporalio.client import (
-    Client,
-    WorkflowFailureError,
-    WorkflowHandle,
-    WorkflowQueryFailedError,
-    WorkflowUpdateFailedError,
-)
-from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.client import Client
 from temporalio.worker import Worker
-from timeslice.connection import connect, control_workers_polling
-from timeslice.errors import (
-    AcquireTimeoutError,
-    ClientClosedError,
-    GrantLostError,
-    GroupNotAnsweringError,
-    InvalidArgumentError,
-    JobFaultedError,
-    LeaseRevokedError,
-    NoControlWorkerError,
-    NotHolderError,
-    ServerUnreachableError,
-    SnapshotFailedError,
-    TimesliceError,
-    UnknownGroupError,
-)
-from timeslice.grants import (
-    Delivery,
-    Grant,
-    GrantInbox,
-    grant_from_update,
-    validity_if_fresh,
-    with_ask_bound,
-)
-from timeslice.group_start import start_group
-from timeslice.lease import Lease
-from timeslice.protocol.group import (
-    CONTROL_TASK_QUEUE,
-    GROUP_KEY,
-    MAX_LEASE_TTL_S,
-    AcquireAnswer,
-    AcquireCall,
-    AcquireOutcome,
-    AcquireRequest,
-    CancelRequest,
-    DepartRequest,
-    GrantNotice,
-    GroupConfig,
-    GroupQuery,
-    GroupSignal,
-    GroupStatus,
-    GroupUpdate,
-    LeaseReturn,
-    MovedReport,
-    NextPhase,
-    RenewRequest,
-    RenewResult,
-    ReturnAnswer,
-    SnapshotJobInput,
-    SnapshotJobResult,
-    SnapshotReport,
-    SnapshotTarget,
-    group_workflow_id,
-    lease_key_hash,
-)
+from timeslice.errors import ClientClosedError, TimesliceError
+from timeslice.lease_session import CLOSED, LeaseSession
+from timeslice.protocol.group import SnapshotTarget
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
 from timeslice.snapshot_activities import SnapshotActivities
-from timeslice.telemetry import detached, end_span, tracer
-from timeslice.updates import UNPROCESSED_UPDATE, send_update
-from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
+from timeslice.transport.telemetry import detached
 
 log = logging.getLogger("timeslice.client")
 T = TypeVar("T")
-_KEYS_KEEP = 1024
-# A phase name as NextPhase takes it (protocol/group.py).
-_PHASE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-CLOSED = "this client is closed: create a new TimeSliceOrchestratorClient to use the groups again"
-# How long an update may go unaccepted before the engine checks that a control worker serves
-# the groups' task queue at all (with none, nothing ever answers).
-NO_WORKER_CHECK_S = 5.0
-STATUS_TIMEOUT = timedelta(seconds=10)
-# A waiter whose grant comes by activity asks again this often (see Engine._ask).
-REASK_QUEUED_S = 15.0
-# The most an acquire that gives up spends withdrawing its request.
-WITHDRAW_S = 5.0
-# An acquire that ended in NoControlWorkerError withdraws its request for this long at most
-# (less if its own time-out is shorter: the group drops the request then anyway).
-ORPHAN_WITHDRAW_S = 60.0
-
-
-def _orphan_withdraw_s(timeout: float | None) -> float:
-    return (
-        ORPHAN_WITHDRAW_S if timeout is None else max(WITHDRAW_S, min(timeout, ORPHAN_WITHDRAW_S))
-    )
-
-
-# How long one update is sent again while the server does not take it.
-UPDATE_GIVE_UP_S = 60.0
-# How long an update whose workflow task failed is sent again before the group is reported as
-# not answering.
-TASK_FAILING_RETRY_S = 10.0
-# How long close() waits for acquires that other threads are waiting in to end.
-CLOSE_ACQUIRES_S = WITHDRAW_S + 2.0
-
-
-class _Default:
-    """Marks an argument left out (None is a meaningful value for it)."""
-
-
-DEFAULT = _Default()
-
-_TRANSIENT = {
-    RPCStatusCode.UNAVAILABLE,
-    RPCStatusCode.DEADLINE_EXCEEDED,
-    RPCStatusCode.RESOURCE_EXHAUSTED,
-    RPCStatusCode.ABORTED,
-    RPCStatusCode.INTERNAL,
-    RPCStatusCode.UNKNOWN,
-    RPCStatusCode.CANCELLED,
-}
-
-
-def _task_failing(err: RPCError) -> bool:
-    """The server's answer to an update whose workflow task failed ("... due to unexpected
-    workflow task failure", "... due to Workflow Task in failed state")."""
-    message = err.message.lower()
-    return (
-        err.status == RPCStatusCode.FAILED_PRECONDITION
-        and "workflow task" in message
-        and "fail" in message
-    )
-
-
-@dataclass
-class _Retrying:
-    """One repeated call's retry state (``Engine._retry_after``): what it is (for errors and
-    the log), the bounds that end it, and the next backoff."""
-
-    what: str
-    group_id: str | None = None  # an update of this group: it says why it is not answering
-    give_up_at: float | None = None  # monotonic; None: retried while the caller wants it
-    # Since when the group's workflow task fails (None: not yet); set at the start to count
-    # the whole call.
-    failing_since: float | None = None
-    quiet: bool = False  # retries logged at debug level (a parked wait retries routinely)
-    delay: float = 0.2
-
-    async def pause(self) -> None:
-        await asyncio.sleep(self.delay)
-        self.delay = min(self.delay * 2, 2.0)
 
 
 class LoopThread:
@@ -203,7 +54,9 @@ class LoopThread:
 
 
 class Engine:
-    """All of a client's state; every coroutine here runs on ``self.thread``'s loop."""
+    """Hosts one ``LeaseSession`` on ``self.thread``'s loop, and serves the job's task queue
+    (grants, evictions by the client's backends) with a worker started before the first lease.
+    """
 
     def __init__(
         self,
@@ -217,50 +70,30 @@ class Engine:
         snapshot_target: SnapshotTarget | None,
         state_bytes: int | None,
         rpc_retry_s: float,
-        own_thread: bool = True,
         agent: AgentRegistration | None = None,
     ) -> None:
-        """``own_thread``: run on a private event-loop thread (the client facades) or on the
-        caller's loop (a job process, whose worker already serves this job's queue).
-        ``agent``: this process's registration with its node agent, made at start."""
-        self.connect_config = connect_config
-        self.job_id = job_id
-        self.task_queue = task_queue
-        self.priority = priority
-        self.lease_ttl_s = lease_ttl_s
+        """``backends``: what the worker's snapshot activities evict and restore.
+        ``agent``: this process's registration with its node agent, made before any lease.
+        The rest is the session's (``LeaseSession``)."""
+        self.session = LeaseSession(
+            connect_config=connect_config,
+            job_id=job_id,
+            task_queue=task_queue,
+            priority=priority,
+            lease_ttl_s=lease_ttl_s,
+            snapshot_target=snapshot_target,
+            state_bytes=state_bytes,
+            rpc_retry_s=rpc_retry_s,
+            serve=self._serve,
+        )
         self.backends = backends
-        self.snapshot_target = snapshot_target
-        self.state_bytes = state_bytes
-        self.rpc_retry_s = rpc_retry_s
         self.agent = agent
         self._agent_registered = False
-        self.held: dict[str, Lease] = {}
-        # group id -> the key of this job's last lease there: its reports and departure carry it
-        self.last_keys: dict[str, str] = {}
-        self._keys: OrderedDict[str, str] = OrderedDict()
-        self.thread: LoopThread | None = LoopThread(f"timeslice-{job_id}") if own_thread else None
-        self.inbox = GrantInbox()
-        # A job process's worker serves the inbox itself; the facades' engine starts its own.
-        self._serves_own_queue = own_thread
-        self._client: Client | None = None
-        self._connecting: asyncio.Future[Client] | None = None
+        self.thread = LoopThread(f"timeslice-{job_id}")
         self._worker: Worker | None = None
         self._worker_task: asyncio.Task[None] | None = None
-        self._heartbeats: dict[str, asyncio.Task[None]] = {}
-        self._background: set[asyncio.Future[None]] = set()
-        # The asks of acquires (parked updates): close() cancels what is left of them.
-        self._asks: set[asyncio.Future[None]] = set()
-        # Acquires under way: close() ends them (ClientClosedError) and waits for them.
-        self._acquiring: set[asyncio.Task[Any]] = set()
-        self._known_groups: set[str] = set()
-        self._closed = False
-        # group id -> its lease's (timeslice.lease, timeslice.hold) spans, ended by release
-        self._spans: dict[str, tuple[Span, Span]] = {}
-
-    # ------------------------------------------------------------ plumbing
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        assert self.thread is not None, "this engine runs on its caller's event loop"
         if self.thread.in_loop_thread:
             coro.close()
             raise TimesliceError("blocking client call made from the client's own event loop")
@@ -271,7 +104,7 @@ class Engine:
         try:
             return future.result()
         except CancelledError:
-            if self._closed:  # cancelled by close() from another thread
+            if self.session.closed:  # cancelled by close() from another thread
                 raise ClientClosedError(CLOSED) from None
             raise
         except BaseException:
@@ -280,37 +113,17 @@ class Engine:
             raise
 
     async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self.thread is None:
-            return await coro
         if not self.thread.loop.is_running():
             coro.close()
             raise ClientClosedError(CLOSED)
         return await asyncio.wrap_future(self.thread.submit(coro))
 
-    def attach(self, client: Client) -> None:
-        """Use ``client`` (a job process's) instead of connecting; its worker serves the queue."""
-        future: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
-        future.set_result(client)
-        self._connecting = future
-        self._client = client
-
-    async def connected(self) -> Client:
-        """The Temporal client, connected on first use (no worker: enough for queries)."""
-        if self._closed:
-            raise ClientClosedError(CLOSED)
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(connect(self.connect_config))
-        try:
-            self._client = await asyncio.shield(self._connecting)
-        except BaseException:
-            if self._connecting.done():
-                self._connecting = None  # let a later call try again
-            raise
-        return self._client
-
     async def start(self) -> Client:
         """Connect and serve this job's task queue (grants, snapshots)."""
-        client = await self.connected()
+        return await self.session.start()
+
+    async def _serve(self, client: Client) -> None:
+        job_id, task_queue = self.session.job_id, self.session.task_queue
         if self.agent is not None and not self._agent_registered:
             # Before any lease: the node agent checkpoints only processes that registered.
             try:
@@ -318,841 +131,24 @@ class Engine:
             except RegistrationError as err:
                 raise TimesliceError(str(err)) from err
             self._agent_registered = True
-        if self._worker is None and self._serves_own_queue:
-            snapshots = SnapshotActivities(self.backends, job_id=self.job_id)
+        if self._worker is None:
+            snapshots = SnapshotActivities(self.backends, job_id=job_id)
+            inbox = self.session.inbox
             self._worker = Worker(
                 client,
-                task_queue=self.task_queue,
-                activities=[self.inbox.deliver_grant, snapshots.snapshot, snapshots.restore],
+                task_queue=task_queue,
+                activities=[inbox.deliver_grant, snapshots.snapshot, snapshots.restore],
                 max_concurrent_activities=16,
                 graceful_shutdown_timeout=timedelta(seconds=2),
             )
             with detached():  # not under the span of the acquire that started it
                 self._worker_task = asyncio.create_task(self._worker.run())
-            log.info("job %s serving task queue %s", self.job_id, self.task_queue)
-        return client
-
-    async def _rpc(
-        self, what: str, call: Callable[[], Awaitable[T]], *, group_id: str | None = None
-    ) -> T:
-        """Run an idempotent RPC, retrying transient failures (e.g. a server restart).
-
-        ``group_id``: the call is an update of that group, which says why it is not answering
-        if its workflow task keeps failing."""
-        started = time.monotonic()
-        retrying = _Retrying(
-            what,
-            group_id=group_id,
-            give_up_at=started + self.rpc_retry_s,
-            failing_since=started,
-        )
-        while True:
-            try:
-                return await call()
-            except RPCError as err:
-                await self._retry_after(err, retrying)
-
-    async def _retry_after(self, err: RPCError, retrying: _Retrying) -> None:
-        """The one retry loop's step, for every call the engine repeats: wait before the next
-        try of ``retrying``'s call after ``err`` (with backoff), or raise why there is none.
-
-        A missing control worker, and a failure that is not transient, end it at once; a group
-        whose workflow task keeps failing ends it after ``TASK_FAILING_RETRY_S``; an
-        unreachable server at ``retrying.give_up_at`` (None: never, the caller's own
-        time-out ends it)."""
-        if err.status == RPCStatusCode.FAILED_PRECONDITION and "no poller" in err.message:
-            raise NoControlWorkerError(
-                f"{retrying.what}: no control worker is serving task queue "
-                f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
-            ) from err
-        now = time.monotonic()
-        if _task_failing(err):
-            # The group's workflow task failed (or timed out) with this update in it: maybe
-            # once (a worker that crashed mid-task), maybe every time (a wedged group, or a
-            # worker that stopped).
-            if retrying.failing_since is None:
-                retrying.failing_since = now
-            give_up_at = retrying.failing_since + TASK_FAILING_RETRY_S
-            if retrying.give_up_at is not None:
-                give_up_at = min(give_up_at, retrying.give_up_at)
-            if now >= give_up_at:
-                if retrying.group_id is not None:
-                    raise await self._not_answering(retrying.group_id, retrying.what) from err
-                raise GroupNotAnsweringError(
-                    f"{retrying.what}: the group is not answering "
-                    f"({err.message.rstrip('.')}); see the control worker's log and the group's "
-                    "workflow in the Web UI"
-                ) from err
-        elif err.status not in _TRANSIENT:
-            raise err
-        elif retrying.give_up_at is not None and now >= retrying.give_up_at:
-            raise ServerUnreachableError(
-                f"{retrying.what}: Temporal at {self.connect_config['target_host']} did not "
-                f"answer for {self.rpc_retry_s:.0f} s ({err})"
-            ) from err
-        log.log(
-            logging.DEBUG if retrying.quiet else logging.WARNING,
-            "%s: %s; retrying in %.1f s",
-            retrying.what,
-            err,
-            retrying.delay,
-        )
-        await retrying.pause()
-
-    def _client_now(self) -> Client:
-        assert self._client is not None
-        return self._client
-
-    def _group_handle(self, group_id: str) -> WorkflowHandle[Any, Any]:
-        assert self._client is not None
-        return self._client.get_workflow_handle(group_workflow_id(group_id))
-
-    # ------------------------------------------------------------ acquire / release
-
-    async def acquire(
-        self,
-        group_id: str,
-        timeout: float | None,
-        priority: int | None,
-        ttl_s: float | None,
-        **request: Any,
-    ) -> Lease:
-        """Traced as a ``timeslice.lease`` span (under the caller's current span) holding
-        ``timeslice.acquire`` (request to grant) and ``timeslice.hold`` (grant to release).
-
-        ``request``: what a job process sets per lease (``request_id``, ``snapshot``,
-        ``state_bytes``, ``restores_itself``); see :meth:`_acquire`."""
-        attributes = {"timeslice.group_id": group_id, "timeslice.job_id": self.job_id}
-        lease_span = tracer().start_span("timeslice.lease", attributes=attributes)
-        in_lease = trace.set_span_in_context(lease_span)
-        me = asyncio.current_task()
-        if me is not None:
-            self._acquiring.add(me)
-        try:
-            with tracer().start_as_current_span(
-                "timeslice.acquire", context=in_lease, attributes=attributes
-            ) as acquire_span:
-                lease = await self._acquire(group_id, timeout, priority, ttl_s, **request)
-                acquire_span.set_attributes(
-                    {"timeslice.token": lease.token, "timeslice.waited_s": lease.waited_s}
-                )
-        except BaseException as err:
-            end_span(lease_span, err)
-            raise
-        finally:
-            self._acquiring.discard(me)  # type: ignore[arg-type]
-        lease_span.set_attribute("timeslice.token", lease.token)
-        hold = tracer().start_span(
-            "timeslice.hold",
-            context=in_lease,
-            attributes={**attributes, "timeslice.token": lease.token},
-        )
-        self._spans[group_id] = (lease_span, hold)
-        with trace.use_span(hold):  # the heartbeat's renewals are part of the hold
-            self._heartbeats[group_id] = asyncio.create_task(self._heartbeat(lease))
-        return lease
-
-    async def _acquire(
-        self,
-        group_id: str,
-        timeout: float | None,
-        priority: int | None,
-        ttl_s: float | None,
-        *,
-        request_id: str | None = None,
-        key: str | None = None,
-        snapshot: SnapshotTarget | _Default | None = DEFAULT,
-        state_bytes: int | _Default | None = DEFAULT,
-        restores_itself: bool = False,
-    ) -> Lease:
-        if group_id in self.held:
-            raise InvalidArgumentError(
-                f"job {self.job_id} already holds group {group_id!r} (token "
-                f"{self.held[group_id].token}); release it before acquiring it again"
-            )
-        await self.start()
-        if self._closed:
-            raise ClientClosedError(CLOSED)
-        # Only this process knows the key; the group holds its hash (docs/security.md).
-        key = key or secrets.token_urlsafe(24)
-        request = AcquireRequest(
-            request_id=request_id or f"{self.job_id}:{uuid.uuid4().hex}",
-            key_hash=lease_key_hash(key),
-            job_id=self.job_id,
-            reply_task_queue=self.task_queue,
-            priority=self.priority if priority is None else priority,
-            ttl_s=ttl_s if ttl_s is not None else self.lease_ttl_s,
-            # A try-lock's request must not time out before the group grants it.
-            timeout_s=timeout or None,
-            snapshot=self.snapshot_target if isinstance(snapshot, _Default) else snapshot,
-            state_bytes=self.state_bytes if isinstance(state_bytes, _Default) else state_bytes,
-            restores_itself=restores_itself,
-        )
-        rid = request.request_id
-        asked = time.monotonic()
-        granted = self.inbox.expect(rid, key)
-        # Kept a while after the acquire ends: a grant that raced its give-up is handed back
-        # with it.
-        self._keys[rid] = key
-        while len(self._keys) > _KEYS_KEEP:
-            self._keys.popitem(last=False)
-        accepted = asyncio.Event()  # the group took the request (a control worker runs it)
-        # The ask is not cancelled when the acquire ends: the group answers a parked wait as
-        # soon as the request is granted or gone, and an RPC abandoned mid-flight would outlive
-        # its event loop. close() cancels what is left of it.
-        asking = self._track(
-            self._ask(group_id, request, granted, accepted, asked, only_if_free=timeout == 0),
-            self._asks,
-        )
-        try:
-            # A try-lock (timeout 0) waits for the group's answer: granted if it was free.
-            wait_s = None if timeout == 0 else timeout
-            await asyncio.wait({granted, asking}, timeout=wait_s, return_when="FIRST_COMPLETED")
-            if asking.done() and not granted.done() and timeout != 0:
-                asking.result()  # raises what stopped the request from being queued
-                remaining = None if timeout is None else timeout - (time.monotonic() - asked)
-                if remaining is None or remaining > 0:
-                    await asyncio.wait({granted}, timeout=remaining)
-        except NoControlWorkerError:
-            self.inbox.discard(rid)
-            # Nothing serves the group now (or its worker is reconnecting after a server
-            # restart), but the request may be queued there already: withdrawn in the
-            # background once a control worker answers, within the request's own time-out, so
-            # its grant does not hold the group for grant_ack_timeout_s with nobody to take it.
-            self._track(self._withdraw(group_id, rid, within_s=_orphan_withdraw_s(timeout)))
-            raise
-        except BaseException:
-            self.inbox.discard(rid)
-            # Shielded and tracked: a cancelled acquire still withdraws, and close() waits for it.
-            await asyncio.shield(self._track(self._withdraw(group_id, rid)))
-            raise
-        # (Once the grant came, what stopped the ask later no longer matters.)
-        if asking.done() and asking.exception() is not None and not granted.done():
-            self.inbox.discard(rid)
-            asking.result()  # raises it
-        try:
-            grant = self.inbox.withdraw(rid)
-        except (GrantLostError, ClientClosedError):
-            await self._withdraw(group_id, rid)
-            raise
-        if grant is None:
-            if not accepted.is_set():
-                # Nothing took the request: the withdrawal would wait on nothing as well, so it
-                # goes on in the background and the acquire keeps to its time-out.
-                self._track(self._withdraw(group_id, rid))
-                raise await self._not_answering(
-                    group_id, f"acquire {group_id}: the group took no request in {timeout} s"
-                )
-            await self._withdraw(group_id, rid)
-            if timeout == 0:
-                raise AcquireTimeoutError(
-                    f"group {group_id!r} is held or has waiters: not granted to job "
-                    f"{self.job_id} (timeout=0 only takes a free group)"
-                )
-            raise AcquireTimeoutError(
-                f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
-                "the request was withdrawn"
-            )
-        notice = grant.notice
-        if notice.fault is not None:
-            raise JobFaultedError(f"group {group_id!r} refused job {self.job_id}: {notice.fault}")
-        lease = Lease(
-            group_id=group_id,
-            job_id=self.job_id,
-            token=notice.token,
-            request_id=notice.request_id,
-            ttl_s=notice.ttl_s,
-            waited_s=notice.waited_s,
-            confirm_within_s=notice.confirm_within_s,
-            asked_at=asked,
-            key=key,
-        )
-        if request_id is None:  # created here: queued after `asked`
-            grant = with_ask_bound(grant, asked)
-        valid_until = validity_if_fresh(grant, notice.ttl_s)
-        if valid_until is not None:
-            # The fast path: no round trip. Valid from the grant's own time, and never past
-            # the group's deadline for confirming it (the first renewal comes well before).
-            lease.valid_until = valid_until
-        else:
-            await self._confirm_late(lease, grant)
-        self.held[group_id] = lease
-        self.last_keys[group_id] = key
-        return lease
-
-    async def _confirm_late(self, lease: Lease, grant: Grant) -> None:
-        """A grant taken late (the process was paused, or the group's time is unknown) is used
-        only once a renewal confirmed it: the group's answer is authoritative, and the lease is
-        valid from when that renewal was sent. A grant the group gave up is withdrawn."""
-        age = grant.age_s
-        late = "at an unknown time" if age is None else f"{age:.1f} s after it was made"
-        sent = time.monotonic()
-        try:
-            result = await self._rpc(
-                f"confirm the grant of {lease.group_id}",
-                lambda: send_update(
-                    self._client_now(),
-                    group_workflow_id(lease.group_id),
-                    GroupUpdate.RENEW,
-                    RenewRequest(request_id=lease.request_id, token=lease.token, key=lease.key),
-                    RenewResult,
-                    give_up_after_s=UPDATE_GIVE_UP_S,
-                ),
-                group_id=lease.group_id,
-            )
-        except BaseException:
-            await asyncio.shield(self._track(self._withdraw(lease.group_id, lease.request_id)))
-            raise
-        if not result.valid:
-            await self._withdraw(lease.group_id, lease.request_id)
-            raise GrantLostError(
-                f"group {lease.group_id!r} granted job {self.job_id} (token {lease.token}), but "
-                f"the grant reached this process {late} and the group had given it up by then "
-                f"({result.reason}): this process was paused or did not answer in time. "
-                "Nothing is held; acquire again"
-            )
-        log.info("grant of %s taken %s: confirmed by a renewal", lease.group_id, late)
-        lease.valid_until = sent + result.ttl_s
-        lease.confirm_within_s = None  # confirmed
-
-    async def _ask(
-        self,
-        group_id: str,
-        request: AcquireRequest,
-        granted: asyncio.Future[Any],
-        accepted: asyncio.Event,
-        asked: float,
-        *,
-        only_if_free: bool = False,
-    ) -> None:
-        """Queue ``request`` and park on the group until it is granted (the fast path).
-
-        An ``acquire`` update carries the request and, if the group has a free parking place,
-        waits there: the grant is its result. Asking again is safe (idempotent by request id),
-        so a retry after the group continued as new, or after a dropped RPC, parks again. When
-        the group parks no more waits, the grant comes as an activity on this process's queue,
-        and the request is asked again every ``REASK_QUEUED_S``: a grant whose activity this
-        process missed (it was paused, its worker not polling) is ended by the group as
-        undelivered, and only asking again tells the waiter so.
-        A group that does not exist yet is created by signal-with-start of the request.
-        """
-        call = AcquireCall(request=request, only_if_free=only_if_free)
-        # Retried while the acquire wants it (its own time-out ends it); a wait parks for long,
-        # so a failing group is timed from its first failure, not from the first ask.
-        retrying = _Retrying(f"acquire {group_id}", group_id=group_id, quiet=True)
-        while not granted.done():
-            try:
-                answer = await send_update(
-                    self._client_now(),
-                    group_workflow_id(group_id),
-                    GroupUpdate.ACQUIRE,
-                    call,
-                    AcquireAnswer,
-                    wait_for_completion=False,  # it parks until granted
-                    on_slow=self._check_control_worker,
-                    on_accepted=accepted.set,
-                )
-            except RPCError as err:
-                if granted.done():
-                    # The grant came another way (its activity) while this ask was in flight:
-                    # whatever ended the ask (the group's run ended, say) is no reason to act,
-                    # least of all to create the group again with a request already granted.
-                    return
-                if err.status == RPCStatusCode.NOT_FOUND:
-                    await self._create_with_request(group_id, request)
-                else:
-                    await self._retry_after(err, retrying)
-                continue
-            except WorkflowUpdateFailedError as err:
-                cause = err.cause
-                if isinstance(cause, ApplicationError) and cause.type == UNPROCESSED_UPDATE:
-                    raise GroupNotAnsweringError(
-                        f"acquire {group_id}: the control worker left the request unprocessed "
-                        f"time after time ({cause}); see the control worker's log"
-                    ) from err
-                raise InvalidArgumentError(
-                    f"group {group_id!r} refused the request: {err.cause or err}"
-                ) from err
-            accepted.set()
-            self._known_groups.add(group_id)
-            if answer.outcome == AcquireOutcome.GRANTED and answer.notice is not None:
-                if self._take(answer.notice) is not Delivery.FORGED:
-                    return
-                # Not the group's answer: ask again (idempotent), the real grant still comes.
-                await retrying.pause()
-                continue
-            if answer.outcome == AcquireOutcome.GONE:
-                if only_if_free or granted.done():
-                    return
-                # Not withdrawn by us, so ended by the group: granted while this process did
-                # not answer, and given up (or its own time-out passed there).
-                waited = time.monotonic() - asked
-                if request.timeout_s is not None and waited >= request.timeout_s - 1.0:
-                    return  # the acquire's own time-out ends it
-                raise GrantLostError(
-                    f"group {group_id!r} no longer has job {self.job_id}'s request (asked "
-                    f"{waited:.0f} s ago): it granted it while this process did not answer "
-                    "(paused, or its worker not polling) and gave the grant up as undelivered. "
-                    "Nothing is held; acquire again"
-                )
-            if answer.outcome == AcquireOutcome.QUEUED:
-                # The grant comes by activity; asking again now and then is how a waiter whose
-                # grant was given up learns it (not hand-off polling: the grant never waits
-                # for it).
-                await asyncio.wait({granted}, timeout=REASK_QUEUED_S)
-
-    async def _check_control_worker(self) -> None:
-        """Raise if no control worker polls the groups' task queue: with none, no group ever
-        answers (an update or a query would wait in silence)."""
-        client = self._client_now()
-        if not await control_workers_polling(client):
-            raise NoControlWorkerError(
-                f"no control worker serves task queue {CONTROL_TASK_QUEUE!r} in namespace "
-                f"{client.namespace!r} at {self.connect_config['target_host']}: start one with "
-                "`timeslice worker` (nothing answers for the GPU groups until one runs)"
-            )
-
-    def _take(self, notice: GrantNotice) -> Delivery:
-        """A grant that came as an update's result; one nobody waits for any more is handed
-        back at once (the acquire gave up, and its cancel may have crossed the grant). One
-        without its group's proof is dropped by the inbox, and the request stays queued."""
-        delivery = self.inbox.accept(grant_from_update(notice))
-        if delivery is Delivery.UNWANTED and notice.fault is None:
-            self._track(self._withdraw(notice.group_id, notice.request_id))
-        return delivery
-
-    async def _not_answering(self, group_id: str, what: str) -> TimesliceError:
-        """Why the group took no update: its workflow task failing (the group's history says
-        so), or no control worker running it (the task queue may still list one that stopped
-        moments ago, or one that took the group's task and never answered)."""
-        client = self._client_now()
-        failure: str | None = None
-        with contextlib.suppress(RPCError, TimeoutError):
-            failure = await asyncio.wait_for(self._task_failure(group_id), 5.0)
-        where = f"workflow {group_workflow_id(group_id)} in namespace {client.namespace!r}"
-        if failure is not None:
-            return GroupNotAnsweringError(
-                f"{what}: the group is not answering: its workflow task fails ({failure}); see "
-                f"the control worker's log and {where} in the Web UI"
-            )
-        pollers: int | None = None
-        with contextlib.suppress(RPCError, TimeoutError):
-            pollers = await asyncio.wait_for(control_workers_polling(client), 5.0)
-        listed = (
-            ""
-            if pollers is None
-            else f" (the task queue lists {pollers} poller(s): a worker that stopped moments "
-            "ago stays listed for a while)"
-        )
-        return NoControlWorkerError(
-            f"{what}: no control worker took it on task queue {CONTROL_TASK_QUEUE!r}{listed}; "
-            f"start one with `timeslice worker`, or see its log ({where})"
-        )
-
-    async def _task_failure(self, group_id: str) -> str | None:
-        """What the group's last workflow task failed with, if its last one failed (rather than
-        completed, or timed out on a worker that stopped)."""
-        client = self._client_now()
-        page = await client.workflow_service.get_workflow_execution_history_reverse(
-            GetWorkflowExecutionHistoryReverseRequest(
-                namespace=client.namespace,
-                execution=WorkflowExecution(workflow_id=group_workflow_id(group_id)),
-                maximum_page_size=50,
-            )
-        )
-        for event in page.history.events:
-            if event.HasField("workflow_task_failed_event_attributes"):
-                failed = event.workflow_task_failed_event_attributes
-                return failed.failure.message or WorkflowTaskFailedCause.Name(failed.cause)
-            if event.HasField("workflow_task_completed_event_attributes") or event.HasField(
-                "workflow_task_timed_out_event_attributes"
-            ):
-                return None
-        return None
-
-    async def _create_with_request(self, group_id: str, request: AcquireRequest) -> None:
-        client = await self.connected()
-        try:
-            await self._rpc(
-                f"acquire {group_id}",
-                lambda: start_group(
-                    client,
-                    GroupConfig(group_id=group_id),
-                    start_signal=GroupSignal.REQUEST,
-                    start_signal_args=[request],
-                ),
-            )
-        except WorkflowAlreadyStartedError:
-            pass  # created meanwhile (a retried start whose first attempt got through): ask it
-        except RPCError as err:
-            if GROUP_KEY.name in str(err):
-                raise TimesliceError(
-                    f"the Temporal namespace lacks Timeslice's search attributes ({err}); "
-                    "run `timeslice setup` once against this cluster"
-                ) from err
-            raise
-        self._known_groups.add(group_id)
-
-    async def _update(
-        self,
-        what: str,
-        group_id: str,
-        name: GroupUpdate,
-        arg: Any,
-        result_type: type[T],
-        *,
-        give_up_after_s: float | None = None,
-    ) -> T:
-        return await self._rpc(
-            what,
-            lambda: send_update(
-                self._client_now(),
-                group_workflow_id(group_id),
-                name,
-                arg,
-                result_type,
-                give_up_after_s=give_up_after_s or UPDATE_GIVE_UP_S,
-            ),
-            group_id=group_id,
-        )
-
-    async def _depart(self, group_id: str) -> None:
-        key = self.last_keys.get(group_id)
-        if key is None:
-            return  # never held it: nothing of ours is resident there
-        try:
-            await self._update(
-                f"depart {group_id}",
-                group_id,
-                GroupUpdate.DEPART,
-                DepartRequest(job_id=self.job_id, key=key),
-                bool,
-            )
-        except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
-            log.debug("depart from %s: %s", group_id, err)
-
-    def _track(
-        self, coro: Coroutine[Any, Any, None], also: set[asyncio.Future[None]] | None = None
-    ) -> asyncio.Future[None]:
-        task = asyncio.ensure_future(coro)
-        for tracked in (self._background, also):
-            if tracked is not None:
-                tracked.add(task)
-                task.add_done_callback(tracked.discard)
-        return task
-
-    async def snapshot_job(self, action: str) -> list[SnapshotReport]:
-        """Snapshot or restore this job on all its queues and wait (no group involved)."""
-        if self.snapshot_target is None:
-            raise InvalidArgumentError(
-                f"job {self.job_id} registered no snapshot backend: pass snapshot_backends= "
-                "or node= to the client"
-            )
-        if self.held:
-            raise InvalidArgumentError(
-                f"job {self.job_id} holds {sorted(self.held)}: release before a standalone "
-                f"{action} (a group would not evict a holder either)"
-            )
-        client = await self.start()
-        inp = SnapshotJobInput(job_id=self.job_id, action=action, target=self.snapshot_target)
-        try:
-            result = await client.execute_workflow(
-                SNAPSHOT_JOB_WORKFLOW_TYPE,
-                inp.model_dump(mode="json"),
-                id=f"snapshot-{self.job_id}-{uuid.uuid4().hex[:8]}",
-                task_queue=CONTROL_TASK_QUEUE,
-                result_type=SnapshotJobResult,
-                static_summary=f"{action} {self.job_id}",
-            )
-        except WorkflowFailureError as err:
-            raise SnapshotFailedError(str(err.cause or err)) from err
-        return result.reports
-
-    async def create_group(self, config: GroupConfig) -> bool:
-        client = await self.connected()
-        try:
-            await self._rpc(f"create {config.group_id}", lambda: start_group(client, config))
-        except WorkflowAlreadyStartedError:
-            return False
-        self._known_groups.add(config.group_id)
-        return True
-
-    async def _withdraw(
-        self, group_id: str, request_id: str, *, within_s: float = WITHDRAW_S
-    ) -> None:
-        """Tell the group to drop a request; a grant that raced with it is released at once."""
-        key = self._keys.get(request_id)
-        if key is None:
-            log.warning(
-                "no key kept for request %s on %s: cannot withdraw it", request_id, group_id
-            )
-            return
-        try:
-            # Bounded: a group nobody answers for must not hold the acquire past its time-out.
-            # A request that stays queued is granted to nobody waiting: declined, or given up
-            # as undelivered.
-            await asyncio.wait_for(
-                self._update(
-                    f"cancel {group_id}",
-                    group_id,
-                    GroupUpdate.CANCEL,
-                    CancelRequest(request_id=request_id, key=key),
-                    type(None),
-                    give_up_after_s=within_s,
-                ),
-                within_s,
-            )
-        except (RPCError, TimesliceError, WorkflowUpdateFailedError, TimeoutError) as err:
-            log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)
-
-    def resolve_lease(self, lease: Lease | None) -> Lease:
-        if lease is not None and not isinstance(lease, Lease):
-            hint = (
-                " (a group id: release takes the Lease that acquire returned, or nothing "
-                "when one lease is held)"
-                if isinstance(lease, str)
-                else ""
-            )
-            raise InvalidArgumentError(
-                f"release takes the Lease acquire returned (or nothing), not "
-                f"{type(lease).__name__} {lease!r}{hint}"
-            )
-        if lease is None:
-            if len(self.held) != 1:
-                held = sorted(self.held) or "none"
-                raise NotHolderError(
-                    f"job {self.job_id} holds {len(self.held)} leases ({held}); "
-                    "pass the lease to release"
-                )
-            return next(iter(self.held.values()))
-        if self.held.get(lease.group_id) is not lease:
-            raise NotHolderError(
-                f"job {self.job_id} does not hold this lease on {lease.group_id!r} (token "
-                f"{lease.token}); it was already released or belongs to another client"
-            )
-        return lease
-
-    async def release(
-        self,
-        lease: Lease | None,
-        *,
-        next_phase: str | None = None,
-        expected_s: float | None = None,
-    ) -> bool:
-        """Yield the lease; LeaseRevokedError if the group had revoked it meanwhile.
-
-        With ``next_phase`` (the name of this holder's next GPU phase, on the same group,
-        following at once) the group may keep the lease for that phase instead, by its grant
-        policy: always when nobody waits, and under ``phase_aware`` within its bounds when
-        others do, which needs ``expected_s`` (the phase's expected length, as this holder
-        measured it; without it the lease is kept only when nobody waits). Returns whether the
-        lease was kept: it is then still held and renewed, and the caller goes on under it."""
-        carry = check_next_phase(next_phase, expected_s)
-        lease = self.resolve_lease(lease)
-        answer = await self.release_lease(
-            lease,
-            keep_if_uncontended=next_phase is not None,
-            carry_into=carry,
-        )
-        if answer.valid and not answer.released:
-            return True
-        if lease.revoked_reason is None and not answer.valid:
-            lease.revoked_reason = "the group no longer held it when it was released"
-        if lease.revoked_reason is not None:
-            raise LeaseRevokedError(
-                f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "
-                f"{lease.revoked_reason}"
-            )
-        return False
-
-    async def release_lease(
-        self,
-        lease: Lease,
-        *,
-        restored: list[SnapshotReport] | None = None,
-        evicted: list[SnapshotReport] | None = None,
-        keep_if_uncontended: bool = False,
-        carry_into: NextPhase | None = None,
-        evicts_itself: bool = False,
-    ) -> ReturnAnswer:
-        """End ``lease`` (or keep it, if asked and nobody waits, or carried into
-        ``carry_into`` by the group's grant policy); the answer says whether the group wants
-        this process to move its state out (``evicts_itself``)."""
-        ret = LeaseReturn(
-            request_id=lease.request_id,
-            token=lease.token,
-            key=lease.key,
-            restored=list(restored or []),
-            evicted=list(evicted or []),
-            keep_if_uncontended=keep_if_uncontended,
-            carry_into=carry_into,
-            evicts_itself=evicts_itself,
-        )
-        spans = self._spans.get(lease.group_id)
-        attempts = 0
-        sent = time.monotonic()
-
-        async def call() -> ReturnAnswer:
-            nonlocal attempts
-            attempts += 1
-            return await send_update(
-                self._client_now(),
-                group_workflow_id(lease.group_id),
-                GroupUpdate.RELEASE,
-                ret,
-                ReturnAnswer,
-            )
-
-        try:
-            with (
-                trace.use_span(spans[1], record_exception=False, set_status_on_exception=False)
-                if spans
-                else contextlib.nullcontext()
-            ):
-                answer = await self._rpc(f"release {lease.group_id}", call, group_id=lease.group_id)
-        except (GroupNotAnsweringError, NoControlWorkerError) as err:
-            self._drop(lease, err)
-            raise type(err)(
-                f"{err}. This process no longer holds or renews the lease on "
-                f"{lease.group_id!r} (token {lease.token}): the group ends it when its TTL "
-                f"({lease.ttl_s:g} s) has run out, once it answers again"
-            ) from err.__cause__
-        except BaseException as err:
-            self._drop(lease, err)
-            raise
-        if not answer.valid and attempts > 1:
-            # An earlier attempt may have landed before its answer was lost: the group then
-            # knows the request as done, which is all a retry can learn.
-            answer = ReturnAnswer(valid=True, released=True)
-        if answer.released or not answer.valid:
-            self._drop(lease)
-        else:
-            lease.valid_until = sent + lease.ttl_s  # kept: the group renewed it
-        return answer
-
-    def forget(self, lease: Lease) -> None:
-        """Stop renewing ``lease`` and let it go without a release (the group revokes it when
-        its TTL runs out): what is left when even the release could not be sent."""
-        self._drop(lease)
-
-    def _drop(self, lease: Lease, err: BaseException | None = None) -> None:
-        """This process no longer holds ``lease``: stop renewing it, close its spans."""
-        if self.held.get(lease.group_id) is lease:
-            del self.held[lease.group_id]
-        lease.released = True
-        heartbeat = self._heartbeats.pop(lease.group_id, None)
-        if heartbeat is not None:
-            heartbeat.cancel()
-        spans = self._spans.pop(lease.group_id, None)
-        revoked = None if lease.revoked_reason is None else f"revoked: {lease.revoked_reason}"
-        for span in reversed(spans or ()):
-            end_span(span, err, message=revoked)
-
-    async def report_moved(
-        self, group_id: str, evicted: list[SnapshotReport], error: str | None = None
-    ) -> None:
-        """Tell ``group_id`` that this job's state left its device (with the key of the job's
-        last lease there, which only its processes know)."""
-        key = self.last_keys.get(group_id)
-        if key is None:
-            return  # the group has our state only through leases we never took: it asks us
-        report = MovedReport(job_id=self.job_id, key=key, evicted=evicted, error=error)
-        try:
-            await self._update(
-                f"report to {group_id}", group_id, GroupUpdate.MOVED, report, type(None)
-            )
-        except (RPCError, TimesliceError, WorkflowUpdateFailedError) as err:
-            # The group falls back on its own snapshot activity, which finds nothing to move.
-            log.warning("cannot tell %s that %s's state moved: %s", group_id, self.job_id, err)
-
-    async def _heartbeat(self, lease: Lease) -> None:
-        """Renew every TTL/3; the first renewal also confirms a grant taken from an update,
-        so it comes before the group's confirmation deadline (holds shorter than that are
-        confirmed by their release and never renew)."""
-        interval = lease.ttl_s / 3
-        # Well before the lease's local validity ends: for a grant not yet confirmed, that is
-        # the group's deadline for confirming it.
-        wait = max(0.05, min(interval, (lease.valid_until - time.monotonic()) / 3))
-        while True:
-            await asyncio.sleep(wait)
-            sent = time.monotonic()
-            try:
-                result = await send_update(
-                    self._client_now(),
-                    group_workflow_id(lease.group_id),
-                    GroupUpdate.RENEW,
-                    RenewRequest(request_id=lease.request_id, token=lease.token, key=lease.key),
-                    RenewResult,
-                )
-            except Exception as err:  # any failure to renew is retried until the lease runs out
-                if time.monotonic() >= lease.valid_until:
-                    lease.revoked_reason = f"could not renew before the TTL ran out ({err})"
-                    log.error("lease on %s lost: %s", lease.group_id, lease.revoked_reason)
-                    return
-                log.warning("renewing lease on %s failed: %s; retrying", lease.group_id, err)
-                wait = min(interval, 1.0)
-                continue
-            if not result.valid:
-                lease.revoked_reason = result.reason
-                log.error("lease on %s revoked: %s", lease.group_id, result.reason)
-                return
-            lease.valid_until = sent + result.ttl_s
-            wait = interval
-
-    # ------------------------------------------------------------ status and shutdown
-
-    async def group_status(self, group_id: str) -> GroupStatus:
-        await self.connected()
-        try:
-            status: GroupStatus = await self._rpc(
-                f"status {group_id}",
-                lambda: self._group_handle(group_id).query(
-                    GroupQuery.STATUS, result_type=GroupStatus, rpc_timeout=STATUS_TIMEOUT
-                ),
-            )
-            # The query answers as of the group's last workflow task: bring it to now.
-            return status.advanced_to(datetime.now(UTC))
-        except ServerUnreachableError:
-            await self._check_control_worker()  # the likely reason: say so
-            raise
-        except WorkflowQueryFailedError as err:
-            raise TimesliceError(
-                f"group {group_id!r} could not answer its status ({err}); see the control "
-                f"worker's log and the workflow {group_workflow_id(group_id)} in the Web UI"
-            ) from err
-        except RPCError as err:
-            if err.status == RPCStatusCode.NOT_FOUND:
-                raise UnknownGroupError(
-                    f"no GPU group {group_id!r} exists "
-                    f"(no workflow {group_workflow_id(group_id)}); "
-                    "a group is created by its first acquire"
-                ) from err
-            raise
+            log.info("job %s serving task queue %s", job_id, task_queue)
 
     async def close(self) -> None:
-        if self._closed:
+        if self.session.closed:
             return
-        self._closed = True
-        # Acquires other threads wait in end now (they withdraw their requests, bounded).
-        self.inbox.close(ClientClosedError(CLOSED + " (closed while this acquire waited)"))
-        if self._acquiring:
-            await asyncio.wait(self._acquiring, timeout=CLOSE_ACQUIRES_S)
-            for task in self._acquiring:
-                task.cancel()
-        for ask in list(self._asks):
-            ask.cancel()  # a parked wait nobody awaits any more
-        for lease in list(self.held.values()):
-            try:
-                await asyncio.wait_for(self.release(lease), timeout=5)
-            except (TimeoutError, TimesliceError, RPCError) as err:
-                log.warning("releasing %s on close: %s", lease.group_id, err)
-        for task in self._heartbeats.values():
-            task.cancel()
-        for group_id in self._known_groups:
-            # Our state leaves the device with this process: nothing to evict any more.
-            self._track(self._depart(group_id))
-        if self._background:
-            await asyncio.wait(self._background, timeout=10)
+        await self.session.close()
         if self._worker is not None:
             await self._worker.shutdown()
         if self._worker_task is not None:
@@ -1161,57 +157,6 @@ class Engine:
             await self.agent.close()
         # Drop the SDK's native objects now, while the interpreter is whole: left to the
         # interpreter's own shutdown, their native threads can touch Python mid-finalization.
-        self._worker = self._worker_task = self._client = self._connecting = None
+        self._worker = self._worker_task = None
+        self.session.drop_client()
         gc.collect()
-
-
-def check_next_phase(next_phase: str | None, expected_s: float | None) -> NextPhase | None:
-    """What a release says of the holder's next phase, checked: a ``NextPhase`` when both are
-    given, None when only the name is (or neither); InvalidArgumentError saying what to fix."""
-    if next_phase is None:
-        if expected_s is not None:
-            raise InvalidArgumentError(
-                f"expected_s={expected_s!r} needs next_phase: name the phase it is the length of"
-            )
-        return None
-    if not isinstance(next_phase, str) or not _PHASE_NAME.fullmatch(next_phase):
-        raise InvalidArgumentError(
-            f"next_phase must be a phase name of 1 to 64 letters, digits or '_.:-' "
-            f"(e.g. 'sample', 'train'), not {next_phase!r}"
-        )
-    if expected_s is None:
-        return None
-    if (
-        isinstance(expected_s, bool)
-        or not isinstance(expected_s, int | float)
-        or not math.isfinite(expected_s)
-        or not 0 <= expected_s <= MAX_LEASE_TTL_S
-    ):
-        raise InvalidArgumentError(
-            f"expected_s must be the next phase's expected length, a number of seconds from 0 "
-            f"to {MAX_LEASE_TTL_S:g}, or None when it is not known yet, not {expected_s!r}"
-        )
-    return NextPhase(name=next_phase, expected_s=float(expected_s))
-
-
-def check_timeout(
-    timeout: float | None, what: str = "timeout", *, maximum: float | None = None
-) -> float | None:
-    if timeout is None:
-        return None
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
-    ):
-        raise InvalidArgumentError(
-            f"{what} must be a finite number of seconds or None, not {timeout!r}"
-        )
-    if timeout < 0:
-        raise InvalidArgumentError(f"{what} must be >= 0 seconds, not {timeout}")
-    if maximum is not None and timeout > maximum:
-        raise InvalidArgumentError(
-            f"{what} must be at most {maximum:.0f} s ({maximum / 86_400:.0f} days), not "
-            f"{timeout}; pass None to wait without a limit"
-        )
-    return float(timeout)

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from timeslice.connection import connect_config
-from timeslice.engine import Engine, check_timeout
+from timeslice.engine import Engine
 from timeslice.errors import InvalidArgumentError, LeaseRevokedError
 from timeslice.lease import Lease
+from timeslice.lease_session import check_timeout
 from timeslice.protocol.group import (
     MAX_ACQUIRE_TIMEOUT_S,
     MAX_LEASE_TTL_S,
@@ -41,6 +41,7 @@ from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.snapshot.registration import JOB_TOKEN_ENV, AgentRegistration
 from timeslice.snapshot.registry import BACKENDS, Placement, create, node_agent_backends
+from timeslice.transport.connection import connect_config
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -166,6 +167,7 @@ class _ClientBase:
             if node is not None and _whole_process(node_backends or node_agent_backends())
             else None,
         )
+        self._session = self._engine.session
 
     def _snapshot_target(
         self,
@@ -237,12 +239,12 @@ class _ClientBase:
     @property
     def held(self) -> dict[str, Lease]:
         """The leases this client holds now, by group id."""
-        return dict(self._engine.held)
+        return dict(self._session.held)
 
     @property
     def address(self) -> str:
         """The Temporal server's ``HOST:PORT`` this client talks to."""
-        return str(self._engine.connect_config["target_host"])
+        return str(self._session.connect_config["target_host"])
 
     def on_accelerators(
         self, group_id: str | None = None, timeout: float | None = None, priority: int | None = None
@@ -374,7 +376,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
         """
         group, timeout, priority = self._acquire_args(group_id, timeout, priority)
         ttl = _checked_ttl(ttl, "ttl")
-        return self._engine.run_sync(self._engine.acquire(group, timeout, priority, ttl))
+        return self._engine.run_sync(self._session.acquire(group, timeout, priority, ttl))
 
     def release(
         self,
@@ -413,7 +415,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         return self._engine.run_sync(
-            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s)
+            self._session.release(lease, next_phase=next_phase, expected_s=expected_s)
         )
 
     yield_ = release
@@ -435,7 +437,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         group, _, _ = self._acquire_args(group_id, None, None)
-        return self._engine.run_sync(self._engine.group_status(group))
+        return self._engine.run_sync(self._session.group_status(group))
 
     def snapshot(self) -> list[SnapshotReport]:
         """Standalone, no group involved: evict this job's registered state now, and wait.
@@ -451,7 +453,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
                 holds a lease (release it first).
             SnapshotFailedError: A backend failed on at least one of the job's queues.
         """
-        return self._engine.run_sync(self._engine.snapshot_job("snapshot"))
+        return self._engine.run_sync(self._session.snapshot_job("snapshot"))
 
     def restore(self) -> list[SnapshotReport]:
         """Standalone, no group involved: restore this job's evicted state, and wait.
@@ -464,7 +466,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
                 holds a lease.
             SnapshotFailedError: A backend failed on at least one of the job's queues.
         """
-        return self._engine.run_sync(self._engine.snapshot_job("restore"))
+        return self._engine.run_sync(self._session.snapshot_job("restore"))
 
     def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
         """Create a group with settings fixed for its lifetime.
@@ -488,13 +490,13 @@ class TimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
-        return self._engine.run_sync(self._engine.create_group(config))
+        return self._engine.run_sync(self._session.create_group(config))
 
     def close(self) -> None:
         """Release held leases, withdraw waiting requests, tell the groups this job left, and
         stop the client's worker. Idempotent; every later call raises ``ClientClosedError``."""
         thread = self._engine.thread
-        if thread is not None and thread.loop.is_running():
+        if thread.loop.is_running():
             self._engine.run_sync(self._engine.close())
             thread.stop()
 
@@ -601,7 +603,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         """
         group, timeout, priority = self._acquire_args(group_id, timeout, priority)
         ttl = _checked_ttl(ttl, "ttl")
-        return await self._engine.run_async(self._engine.acquire(group, timeout, priority, ttl))
+        return await self._engine.run_async(self._session.acquire(group, timeout, priority, ttl))
 
     async def release(
         self,
@@ -630,7 +632,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         return await self._engine.run_async(
-            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s)
+            self._session.release(lease, next_phase=next_phase, expected_s=expected_s)
         )
 
     yield_ = release
@@ -652,7 +654,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         group, _, _ = self._acquire_args(group_id, None, None)
-        return await self._engine.run_async(self._engine.group_status(group))
+        return await self._engine.run_async(self._session.group_status(group))
 
     async def snapshot(self) -> list[SnapshotReport]:
         """Standalone, no group involved: evict this job's registered state now, and wait.
@@ -668,7 +670,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
                 holds a lease (release it first).
             SnapshotFailedError: A backend failed on at least one of the job's queues.
         """
-        return await self._engine.run_async(self._engine.snapshot_job("snapshot"))
+        return await self._engine.run_async(self._session.snapshot_job("snapshot"))
 
     async def restore(self) -> list[SnapshotReport]:
         """Standalone, no group involved: restore this job's evicted state, and wait.
@@ -681,7 +683,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
                 holds a lease.
             SnapshotFailedError: A backend failed on at least one of the job's queues.
         """
-        return await self._engine.run_async(self._engine.snapshot_job("restore"))
+        return await self._engine.run_async(self._session.snapshot_job("restore"))
 
     async def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
         """Create a group with settings fixed for its lifetime.
@@ -705,13 +707,13 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
-        return await self._engine.run_async(self._engine.create_group(config))
+        return await self._engine.run_async(self._session.create_group(config))
 
     async def close(self) -> None:
         """Release held leases, withdraw waiting requests, tell the groups this job left, and
         stop the client's worker. Idempotent; every later call raises ``ClientClosedError``."""
         thread = self._engine.thread
-        if thread is not None and thread.loop.is_running():
+        if thread.loop.is_running():
             await self._engine.run_async(self._engine.close())
             thread.stop()
 
@@ -750,14 +752,16 @@ class _AcceleratorScope:
         if not isinstance(owner, TimeSliceOrchestratorClient):
             raise TypeError("use `async with` with AsyncTimeSliceOrchestratorClient")
         group, timeout, priority = owner._acquire_args(*self._args)
-        self.lease = owner._engine.run_sync(owner._engine.acquire(group, timeout, priority, None))
+        self.lease = owner._engine.run_sync(owner._session.acquire(group, timeout, priority, None))
         return self.lease
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         lease, self.lease = self.lease, None
         assert lease is not None
         engine = self._owner._engine
-        _release_after(lambda: engine.run_sync(engine.release(lease)), failed=exc is not None)
+        _release_after(
+            lambda: engine.run_sync(engine.session.release(lease)), failed=exc is not None
+        )
 
     # async ---------------------------------------------------------------
 
@@ -765,7 +769,7 @@ class _AcceleratorScope:
         owner = self._owner
         group, timeout, priority = owner._acquire_args(*self._args)
         self.lease = await owner._engine.run_async(
-            owner._engine.acquire(group, timeout, priority, None)
+            owner._session.acquire(group, timeout, priority, None)
         )
         return self.lease
 
@@ -774,7 +778,7 @@ class _AcceleratorScope:
         assert lease is not None
         engine = self._owner._engine
         try:
-            await engine.run_async(engine.release(lease))
+            await engine.run_async(engine.session.release(lease))
         except LeaseRevokedError:
             if exc is None:
                 raise

@@ -27,7 +27,7 @@ from timeslice.snapshot.base import (
     SnapshotRequest,
     resolve_backends,
 )
-from timeslice.telemetry import meter, span
+from timeslice.transport.telemetry import meter, span
 
 T = TypeVar("T")
 

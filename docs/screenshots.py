@@ -34,10 +34,10 @@ from typing import Any
 from temporalio.client import Client, WorkflowExecutionStatus
 from timeslice.cli.server import EmbeddedServer, free_port
 from timeslice.cli.services import ServiceStartError, start_service, stop_service
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import group_workflow_id
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
+from timeslice.transport.connection import connect, connect_config
 
 IMAGES = Path(__file__).resolve().parent / "images"
 GROUP = "g-demo"

@@ -35,7 +35,6 @@ from typing import Any
 from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import EmbeddedServer
 from timeslice.cli.services import ServiceStartError, start_service
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import describe_progress, parse_job_config, start_rl_job
 from timeslice.protocol.group import GrantPolicy, GroupConfig, group_workflow_id
 from timeslice.protocol.rl_job import (
@@ -45,6 +44,7 @@ from timeslice.protocol.rl_job import (
     rl_job_workflow_id,
 )
 from timeslice.report import Report, collect_report, format_text, human_bytes, write_report
+from timeslice.transport.connection import connect, connect_config
 from timeslice.workloads.grpo_toy import GrpoToyOptions
 
 STATE = Path(".timeslice")

@@ -170,7 +170,6 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def _profile(args: argparse.Namespace, jobs: list[str]) -> int:
-    from timeslice.connection import connect, connect_config
     from timeslice.plan.collect import (
         NoSuchJobError,
         client_profile,
@@ -179,6 +178,7 @@ async def _profile(args: argparse.Namespace, jobs: list[str]) -> int:
         rl_job_profile,
     )
     from timeslice.plan.profile import dump_profile
+    from timeslice.transport.connection import connect, connect_config
 
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     statuses = {g: await read_group(client, g) for g in args.group}

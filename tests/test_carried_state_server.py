@@ -35,7 +35,7 @@ from timeslice.protocol.group import (
     group_workflow_id,
     lease_key_hash,
 )
-from timeslice.updates import send_update
+from timeslice.transport.updates import send_update
 
 from .conftest import start_server, start_worker, stop_process
 from .test_durability import _runs

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 from timeslice.cli.server import free_port
-from timeslice.connection import connect, connect_config
 from timeslice.protocol.rl_job import rl_job_workflow_id
+from timeslice.transport.connection import connect, connect_config
 
 from tests.helpers import wait_for
 

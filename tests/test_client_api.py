@@ -24,8 +24,8 @@ from timeslice import (
     TimeSliceOrchestratorClient,
 )
 from timeslice.cli.services import start_service
-from timeslice.connection import connect, connect_config, control_workers_polling
 from timeslice.protocol.group import CONTROL_TASK_QUEUE, LeaseOutcome, group_workflow_id
+from timeslice.transport.connection import connect, connect_config, control_workers_polling
 
 from tests.helpers import new_namespace, wait_for
 

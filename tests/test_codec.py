@@ -1,5 +1,5 @@
-"""The optional payload codec (timeslice.codec): AES-256-GCM, key rotation, clear key errors,
-and end to end: a real control worker and client encrypting every payload of a group."""
+"""The optional payload codec (timeslice.transport.codec): AES-256-GCM, key rotation, clear key
+errors, and end to end: a real control worker and client encrypting every payload of a group."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.cli.services import start_service, stop_service
-from timeslice.codec import (
+from timeslice.protocol.group import AcquireRequest, GroupSignal, group_workflow_id
+from timeslice.transport.codec import (
     ENCODING,
     KEY_ENV,
     KEY_ID_METADATA,
@@ -32,8 +33,7 @@ from timeslice.codec import (
     new_key,
     parse_keys,
 )
-from timeslice.connection import connect, connect_config, data_converter
-from timeslice.protocol.group import AcquireRequest, GroupSignal, group_workflow_id
+from timeslice.transport.connection import connect, connect_config, data_converter
 
 from tests.helpers import new_namespace, wait_for
 
@@ -171,9 +171,14 @@ def test_missing_library_says_what_to_install(monkeypatch):
         data_converter()
 
 
-def test_new_key_command_prints_a_usable_key():
+# timeslice.codec is the older path, kept as an alias of timeslice.transport.codec.
+@pytest.mark.parametrize("module", ["timeslice.transport.codec", "timeslice.codec"])
+def test_new_key_command_prints_a_usable_key(module: str):
     out = subprocess.run(
-        [sys.executable, "-m", "timeslice.codec"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", module],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert len(parse_keys(out.strip())) == 1
 

@@ -26,9 +26,9 @@ import pytest
 import yaml
 from temporalio.envconfig import ClientConfig
 from timeslice.cli.main import _parser
-from timeslice.connection import connect_config
 from timeslice.jobs import parse_job_config
 from timeslice.protocol.group import job_task_queue, node_task_queue
+from timeslice.transport.connection import connect_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -49,7 +49,7 @@ from timeslice.protocol.group import (
 )
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
 from timeslice.snapshot import NoopBackend
-from timeslice.updates import send_update
+from timeslice.transport.updates import send_update
 from timeslice.workers.sandbox import workflow_runner
 
 from tests.conftest import start_service, stop_process
@@ -223,7 +223,7 @@ def test_a_client_waiting_for_a_group_declines_forged_grant_activities(
         )
         acks = asyncio.run(_deliver(address, waiter.task_queue, forgeries(notice)))
         assert [a.accepted for a in acks] == [False, False, False]
-        assert waiter._engine.inbox.forged == 3
+        assert waiter._engine.session.inbox.forged == 3
         assert not pending.done()  # neither granted nor failed by a forged fault
         assert [w.request_id for w in holder.group_status(group).queue] == [queued.request_id]
         holder.release(held)
@@ -271,7 +271,7 @@ def test_a_made_up_answer_to_a_clients_acquire_is_not_a_lease(
     timed_out, answered = asyncio.run(stand_in(acquire))
     assert isinstance(timed_out, AcquireTimeoutError)
     assert waiter.held == {}
-    assert waiter._engine.inbox.forged >= 2 and answered >= 2  # it asked again, and again
+    assert waiter._engine.session.inbox.forged >= 2 and answered >= 2  # it asked again, and again
 
 
 @pytest.mark.parametrize("forged", ["failure", "refusal"])

@@ -164,8 +164,8 @@ def test_grant_that_races_a_give_up_is_released_at_once(address, group, make_cli
         # The process serves its queue but no longer waits for this request: exactly the state
         # of an acquire that gave up just before its grant arrived (it still knows the key, and
         # declines with it, so the group ends the grant at once).
-        gone._engine.inbox.expect(abandoned_id, abandoned_key)
-        gone._engine.inbox.withdraw(abandoned_id)
+        gone._engine.session.inbox.expect(abandoned_id, abandoned_key)
+        gone._engine.session.inbox.withdraw(abandoned_id)
 
     gone._engine.run_sync(give_up())
 

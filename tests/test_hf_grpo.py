@@ -19,9 +19,9 @@ from tests.conftest import start_service, stop_process
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from timeslice.connection import connect, connect_config  # noqa: E402
 from timeslice.jobs import parse_job_config, start_rl_job  # noqa: E402
 from timeslice.protocol.rl_job import RLJobResult  # noqa: E402
+from timeslice.transport.connection import connect, connect_config  # noqa: E402
 from timeslice.workloads.base import JobSpec, PhaseContext  # noqa: E402
 from timeslice.workloads.hf_grpo import HfGrpoWorkload, create, vllm_available  # noqa: E402
 from timeslice.workloads.hf_tiny import DigitTask, build_tokenizer, vocabulary  # noqa: E402

@@ -22,11 +22,11 @@ pytest.importorskip("optax", reason="grpo-jax jobs need optax: timeslice[jax]")
 
 import numpy as np
 from temporalio.client import Client
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GroupStatus, group_workflow_id
 from timeslice.protocol.rl_job import RLJobResult
 from timeslice.snapshot.jax_backend import JaxBackend
+from timeslice.transport.connection import connect, connect_config
 from timeslice.workloads.base import JobSpec
 from timeslice.workloads.grpo_jax import create
 

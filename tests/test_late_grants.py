@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from timeslice import GrantLostError
-from timeslice.connection import connect, connect_config
-from timeslice.engine import REASK_QUEUED_S, Engine
+from timeslice.lease_session import REASK_QUEUED_S, LeaseSession
 from timeslice.protocol.group import LeaseOutcome, job_task_queue
+from timeslice.transport.connection import connect, connect_config
 
 from tests.helpers import (
     assert_no_overlap,
@@ -140,27 +140,25 @@ def test_waiter_whose_grant_activity_nobody_polls_is_told(address, group, make_c
     lease = holder.acquire(group)
 
     async def unserved_acquire() -> BaseException | None:
-        # A job process's engine: its own worker is meant to serve the grant queue, and here
-        # none does.
-        engine = Engine(
+        # A job process's lease session: its own worker is meant to serve the grant queue, and
+        # here none does.
+        session = LeaseSession(
             connect_config=connect_config(address),
             job_id="unserved",
             task_queue=job_task_queue("unserved"),
             priority=0,
             lease_ttl_s=None,
-            backends={},
             snapshot_target=None,
             state_bytes=None,
             rpc_retry_s=60.0,
-            own_thread=False,
         )
-        engine.attach(await connect(connect_config(address)))
+        session.attach(await connect(connect_config(address)))
         try:
-            await engine.acquire(group, 120.0, None, None)
+            await session.acquire(group, 120.0, None, None)
         except BaseException as err:  # what ended the acquire, for the assertions
             return err
         finally:
-            await engine.close()
+            await session.close()
         return None
 
     async def scenario() -> tuple[BaseException | None, float]:

@@ -24,7 +24,6 @@ from temporalio.worker import Worker
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
 from timeslice.activities.job_runtime import FENCED_EXIT_STATUS
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import job_task_queue
 from timeslice.protocol.rl_job import (
@@ -37,6 +36,7 @@ from timeslice.protocol.rl_job import (
     rl_job_workflow_id,
 )
 from timeslice.report import collect_report
+from timeslice.transport.connection import connect, connect_config
 from timeslice.workers.sandbox import workflow_runner
 
 from tests.conftest import start_server, start_service, start_worker, stop_process

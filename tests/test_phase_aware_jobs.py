@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 from timeslice.activities.group_requests import start_group
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GrantPolicy, GroupConfig, GroupStatus, group_workflow_id
 from timeslice.protocol.rl_job import RLJobResult
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
 from tests.helpers import Interval, assert_no_overlap

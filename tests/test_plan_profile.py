@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 from timeslice.activities.group_requests import start_group
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.plan.collect import completion_s, opens_for_simulation, start_for_simulation
 from timeslice.plan.profile import dump_profile, load_profile
 from timeslice.plan.simulator import GroupSpec, Placement, simulate
 from timeslice.protocol.group import GroupConfig
 from timeslice.protocol.rl_job import RLJobResult
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
 

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.rl_job import JobQuery, JobSignal, RLJobProgress, rl_job_workflow_id
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
 from tests.helpers import events, spawn_contender, wait_for

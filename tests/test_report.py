@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 from timeslice.activities.group_requests import start_group
-from timeslice.connection import connect, connect_config
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GroupConfig
 from timeslice.protocol.rl_job import RLJobResult
 from timeslice.report import Report, collect_report, format_text, write_report
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import ARTIFACTS, start_service, stop_process
 

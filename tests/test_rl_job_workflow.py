@@ -18,7 +18,6 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import draw_secret, renew_lease, request_group, start_group
-from timeslice.connection import connect, connect_config
 from timeslice.protocol.group import GroupConfig, job_task_queue
 from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
@@ -41,6 +40,7 @@ from timeslice.protocol.rl_job import (
     RLJobResult,
     rl_job_workflow_id,
 )
+from timeslice.transport.connection import connect, connect_config
 from timeslice.workers.control import control_data_converter
 from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.rl_job import RLJobWorkflow

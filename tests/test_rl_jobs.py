@@ -25,7 +25,6 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import temporal_binary
-from timeslice.connection import connect, connect_config
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import (
@@ -41,6 +40,7 @@ from timeslice.protocol.rl_job import (
     RLJobResult,
     rl_job_workflow_id,
 )
+from timeslice.transport.connection import connect, connect_config
 from timeslice.workers.sandbox import workflow_runner
 
 from tests.conftest import start_service, stop_process

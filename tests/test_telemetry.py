@@ -27,7 +27,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
 from timeslice.cli.server import EmbeddedServer, free_port
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import (
     GROUP_WORKFLOW_TYPE,
@@ -41,7 +40,8 @@ from timeslice.protocol.group import (
 )
 from timeslice.protocol.rl_job import SAMPLE_ACTIVITY
 from timeslice.snapshot.simulated import SimulatedBackend
-from timeslice.telemetry import otlp_tracing_requested, start_metrics_endpoint
+from timeslice.transport.connection import connect, connect_config
+from timeslice.transport.telemetry import otlp_tracing_requested, start_metrics_endpoint
 from timeslice.workers.control import build_control_worker
 from timeslice.workers.job import build_job_runtime, build_job_worker
 
@@ -256,7 +256,7 @@ def test_spans_go_out_by_otlp_when_the_endpoint_is_set():
     collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()
     code = (
-        "from timeslice import telemetry\n"
+        "from timeslice.transport import telemetry\n"
         "assert telemetry.configure_tracing('otlp-check')\n"
         "assert not telemetry.configure_tracing('again')  # idempotent\n"
         "with telemetry.span('timeslice.check', {'timeslice.job_id': 'j1'}):\n"

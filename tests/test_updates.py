@@ -24,9 +24,9 @@ from temporalio.api.workflowservice.v1 import (
 )
 from temporalio.client import Client
 from timeslice import VersionMismatchError
-from timeslice.connection import connect, connect_config
 from timeslice.protocol.group import ReturnAnswer
-from timeslice.updates import send_update
+from timeslice.transport.connection import connect, connect_config
+from timeslice.transport.updates import send_update
 
 IGNORED_DELIVERIES = 2
 

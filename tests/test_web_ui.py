@@ -23,9 +23,9 @@ from typing import Any, NoReturn
 
 import pytest
 from timeslice.cli.server import EmbeddedServer, free_port
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.rl_job import rl_job_workflow_id
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import ARTIFACTS, start_service, start_worker, stop_process
 

@@ -19,7 +19,6 @@ from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
-from timeslice.connection import control_workers_polling
 from timeslice.errors import TimesliceError
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
@@ -27,6 +26,7 @@ from timeslice.protocol.group import (
     Undecodable,
     explain_validation_error,
 )
+from timeslice.transport.connection import control_workers_polling
 from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.rl_job import RLJobWorkflow

@@ -76,7 +76,7 @@ def drive(address: str) -> None:
     deadline = time.monotonic() + 30
     while b.group_status(GROUP).stats.expired == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    b._engine.held.clear()
+    b._engine.session.held.clear()
     a.release(a.acquire(GROUP))
     _forged_node_target(address, a)
     a.release(a.acquire(GROUP))  # evicts the forger through the agent, which refuses: a fault
@@ -120,7 +120,7 @@ def _forged_node_target(address: str, grantee: TimeSliceOrchestratorClient) -> N
 
 
 async def _stop_heartbeat(client: TimeSliceOrchestratorClient, group: str) -> None:
-    client._engine._heartbeats.pop(group).cancel()
+    client._engine.session._heartbeats.pop(group).cancel()
 
 
 async def dump(address: str) -> int:

@@ -16,9 +16,9 @@ from pathlib import Path
 from temporalio.client import Client
 from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import EmbeddedServer, free_port
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GroupConfig, group_workflow_id
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, start_worker, stop_process
 from tests.histories.record import _enumerate

@@ -1,5 +1,5 @@
-"""The engine's one retry loop (``Engine._retry_after``), which every repeated call goes
-through (``_rpc`` and the parked ``acquire``): what it retries, with what backoff, and the
+"""The lease session's one retry loop (``LeaseSession._retry_after``), which every repeated
+call goes through (``_rpc`` and the parked ``acquire``): what it retries, with what backoff, and the
 typed error that ends each kind of failure. No server: the errors are the SDK's own."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
-from timeslice.engine import TASK_FAILING_RETRY_S, Engine, _Retrying
 from timeslice.errors import GroupNotAnsweringError, NoControlWorkerError, ServerUnreachableError
+from timeslice.lease_session import TASK_FAILING_RETRY_S, LeaseSession, _Retrying
 
 TASK_FAILED = RPCError(
     "Update rejected due to unexpected workflow task failure.",
@@ -20,23 +20,21 @@ TASK_FAILED = RPCError(
 UNAVAILABLE = RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b"")
 
 
-def _engine() -> Engine:
-    return Engine(
+def _session() -> LeaseSession:
+    return LeaseSession(
         connect_config={"target_host": "localhost:1"},
         job_id="j",
         task_queue="q",
         priority=0,
         lease_ttl_s=None,
-        backends={},
         snapshot_target=None,
         state_bytes=None,
         rpc_retry_s=30.0,
-        own_thread=False,
     )
 
 
 def _step(err: RPCError, retrying: _Retrying) -> None:
-    asyncio.run(_engine()._retry_after(err, retrying))
+    asyncio.run(_session()._retry_after(err, retrying))
 
 
 def test_a_transient_failure_is_retried_with_a_doubling_capped_backoff() -> None:

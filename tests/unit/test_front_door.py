@@ -59,7 +59,7 @@ def test_one_verb_for_taking_state_off_the_device() -> None:
         assert kept in glossary, f"the glossary does not say {kept} stays"
     said = [
         f"{path.relative_to(REPO)}"
-        for package in ("client", "cli", "snapshot", "workloads")
+        for package in ("client", "transport", "cli", "snapshot", "workloads")
         for path in sorted((REPO / package).rglob("*.py"))
         if "snapshotted" in path.read_text()
     ]

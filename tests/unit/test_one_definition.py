@@ -11,7 +11,7 @@ from timeslice.protocol import group
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("activities", "cli", "client", "integrations", "plan", "report", "snapshot",
-            "workers", "workflows", "workloads")  # fmt: skip
+            "transport", "workers", "workflows", "workloads")  # fmt: skip
 
 
 def _search_attribute_keys_made(path: Path) -> list[int]:

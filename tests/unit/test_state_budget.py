@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from temporalio.contrib.pydantic import pydantic_data_converter
-from timeslice.codec import PayloadEncryptionCodec
 from timeslice.protocol import group as g
 from timeslice.protocol import rl_job as r
 from timeslice.protocol.group import (
@@ -49,6 +48,7 @@ from timeslice.protocol.rl_job import (
     bound_record,
     carried_rl_job_input,
 )
+from timeslice.transport.codec import PayloadEncryptionCodec
 from timeslice.workflows.grant_policy import record_wait, remember_job
 from timeslice.workflows.group_book import GroupBook
 
