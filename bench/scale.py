@@ -111,8 +111,8 @@ def job_configs(jobs: int, groups: int, epochs: int, options: dict[str, Any], st
 
 async def start_groups(address: str, groups: list[str], memory_bytes: int) -> None:
     from timeslice.activities.group_requests import start_group
-    from timeslice.connection import connect, connect_config
     from timeslice.protocol.group import GroupConfig
+    from timeslice.transport.connection import connect, connect_config
 
     client = await connect(connect_config(address))
     for group in groups:
@@ -120,8 +120,8 @@ async def start_groups(address: str, groups: list[str], memory_bytes: int) -> No
 
 
 async def run_jobs(address: str, configs: list[dict[str, Any]]) -> list[Any]:
-    from timeslice.connection import connect, connect_config
     from timeslice.jobs import parse_job_config, start_rl_job
+    from timeslice.transport.connection import connect, connect_config
 
     client = await connect(connect_config(address))
     handles = [await start_rl_job(client, parse_job_config(c)) for c in configs]
@@ -130,7 +130,7 @@ async def run_jobs(address: str, configs: list[dict[str, Any]]) -> list[Any]:
 
 async def history_costs(address: str, stamp: str, keep: Path | None) -> dict[str, Any]:
     """Summed over every run (continue-as-new included) of this bench's groups and jobs."""
-    from timeslice.connection import connect, connect_config
+    from timeslice.transport.connection import connect, connect_config
 
     client = await connect(connect_config(address))
 

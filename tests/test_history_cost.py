@@ -12,10 +12,10 @@ from pathlib import Path
 
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import group_workflow_id
 from timeslice.protocol.rl_job import RLJobResult, rl_job_workflow_id
+from timeslice.transport.connection import connect, connect_config
 
 from bench.history_cost import HistoryCost, event_name, group_cost, rl_job_cost, steady_epochs
 from tests.conftest import start_service, stop_process

@@ -9,9 +9,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.rl_job import RLJobResult
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
 from tests.helpers import Interval, assert_no_overlap

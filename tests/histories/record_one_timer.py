@@ -24,9 +24,9 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import AcquireTimeoutError, TimeSliceOrchestratorClient
 from timeslice.cli.server import EmbeddedServer, free_port
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import group_workflow_id
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, start_worker, stop_process
 from tests.histories.record import _enumerate, _stop_heartbeat

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import EmbeddedServer, free_port
-from timeslice.connection import connect, connect_config
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GroupConfig
 from timeslice.protocol.rl_job import rl_job_workflow_id
+from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, start_worker, stop_process
 from tests.histories.record import _enumerate
