@@ -103,6 +103,15 @@ def _parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run the control worker (GPU-group workflows)")
     _add_metrics_arg(worker)
+    worker.add_argument(
+        "--sticky-timeout",
+        type=_number(float, above=0),
+        default=None,
+        metavar="S",
+        help="how long a group's next workflow task waits for the worker that ran its last "
+        "one before any control worker may take it: what a killed worker costs its groups "
+        "(default 3)",
+    )
     _add_connection_args(worker)
 
     agent = sub.add_parser("agent", help="run the node agent (evicts whole processes on a node)")
@@ -537,13 +546,19 @@ def run_server(args: argparse.Namespace) -> int:
 
 async def _run_worker(args: argparse.Namespace) -> int:
     from timeslice.transport.telemetry import worker_telemetry
-    from timeslice.workers.control import build_control_worker, check_search_attributes
+    from timeslice.workers.control import (
+        STICKY_TIMEOUT_S,
+        build_control_worker,
+        check_search_attributes,
+    )
 
     config = connect_config(args.address, args.namespace, profile=args.profile)
     async with worker_telemetry("timeslice-worker", args.metrics_port) as metrics:
         client = await connect(config, runtime=metrics.runtime if metrics else None)
         await check_search_attributes(client)
-        worker = build_control_worker(client)
+        worker = build_control_worker(
+            client, sticky_timeout_s=args.sticky_timeout or STICKY_TIMEOUT_S
+        )
         print(
             f"control worker on task queue 'timeslice' at {config['target_host']} "
             f"(namespace {client.namespace}); Ctrl-C to stop",
