@@ -934,8 +934,10 @@ class GroupStatus(_Model):
     """What a group is doing: the answer of its ``status`` query (``client.group_status``,
     ``timeslice status``).
 
-    A query answers as of the group's last workflow task; ``advanced_to`` brings the figures
-    to the reader's clock (the clients do so), never past ``next_deadline``.
+    A query answers as of the group's last workflow task (a query's ``workflow.now()`` is that
+    task's time, and a query may change nothing); ``advanced_to`` brings the figures to the
+    reader's clock (the clients, ``timeslice status`` and the report do so), never past
+    ``next_deadline``.
 
     Attributes:
         group_id: The group.
@@ -945,7 +947,11 @@ class GroupStatus(_Model):
         resident_job: The job whose state is on the device now (held or not), or None.
         faulted_jobs: Jobs whose state could not be evicted or restored, with why; their
             next acquire raises ``JobFaultedError``.
-        utilization: Busy time (sum of lease intervals) over wall time since creation.
+        utilization: The share of its life since creation the group was **held** (its
+            lease intervals over its wall time); the name stays for compatibility, read it as
+            :attr:`held_share`. Utilization proper counts GPU phases, which the group does not
+            see for RL jobs: ``timeslice status`` and ``timeslice report`` compute it
+            (``timeslice.protocol.utilization``; docs/report.md).
         wall_s: Seconds since the group was created.
         idle_s: Seconds the group was held by nobody.
         wait_p50_s: The median of the recent acquire waits (None: none yet).
@@ -982,6 +988,11 @@ class GroupStatus(_Model):
         description="the nearest time the group acts on its own (a lease's expiry or "
         "confirmation, a waiter's time-out): these figures hold at most until then",
     )
+
+    @property
+    def held_share(self) -> float:
+        """Lease time over wall time since creation (the wire field ``utilization``)."""
+        return self.utilization
 
     def advanced_to(self, now: datetime) -> GroupStatus:
         """These figures as of ``now``: the holder (if any) kept holding, waiters kept

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 from timeslice.protocol.group import GroupStatus
 from timeslice.protocol.rl_job import PhaseResult
+from timeslice.protocol.utilization import active_window, phase_time
 from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Span
 
 
@@ -35,6 +36,8 @@ class JobRecord:
     note: str | None = None
     # Phase activities whose result did not read as a PhaseResult (the job refused it too).
     skipped_results: int = 0
+    # False: no RL job of this id exists (a named job, or an embedded client's job id).
+    found: bool = True
 
 
 def _wall(phase: PhaseResult, completed_at: datetime | None) -> float | None:
@@ -142,6 +145,10 @@ def group_figures(
     still between events); ``now``, the time of the query, extends it: the time since then
     was held by the holder, or idle. ``phases``: the RL jobs' GPU phases on this group; the
     leases of jobs that report no phases (embedded clients) count as phase time whole."""
+    if status.as_of is not None and now is not None:
+        # The one way figures come to the reader's clock (status and report alike); a status
+        # without ``as_of`` (hand-built, or from an older group) is extended below instead.
+        status, now = status.advanced_to(now), None
     stats = status.stats
     end = stats.created_at + timedelta(seconds=status.wall_s)
     since = max(0.0, (now - end).total_seconds()) if now is not None else 0.0
@@ -190,16 +197,21 @@ def group_figures(
         for s in status.switch_history
     ]
     notes: list[str] = []
-    phase = sum(s.seconds for s in phases)
     client_leases = [s for s in spans if s.kind == "lease" and s.job_id not in rl_jobs]
-    phase += sum(s.seconds for s in client_leases)
+    intervals = [(s.start.timestamp(), s.end.timestamp()) for s in [*phases, *client_leases]]
+    reported = sum(s.seconds for s in [*phases, *client_leases])
+    phase = phase_time(intervals, (stats.created_at.timestamp(), end.timestamp()))
+    active = active_window(intervals)
     if client_leases and stats.leases > len(status.history):
         notes.append(
             f"keeps its last {len(status.history)} of {stats.leases} leases: embedded clients' "
             "earlier leases count as overhead"
         )
-    if phase > busy + 1e-3:
-        notes.append(f"phases reported {phase - busy:.3f} s more than the leases held (clocks?)")
+    if max(phase, reported) > busy + 1e-3:
+        notes.append(
+            f"phases reported {max(phase, reported) - busy:.3f} s more than the leases held "
+            "(clocks?)"
+        )
     phase = min(phase, busy)
     figures = GroupFigures(
         group_id=status.group_id,
@@ -221,6 +233,8 @@ def group_figures(
         carried=stats.carried,
         carrying_into=status.holder.carrying_into if status.holder is not None else None,
         notes=notes,
+        active_start=None if active is None else datetime.fromtimestamp(active[0], tz=UTC),
+        active_end=None if active is None else datetime.fromtimestamp(active[1], tz=UTC),
     )
     return figures, spans
 

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from timeslice.protocol.utilization import SINCE_CREATED, WHILE_JOBS_RAN, Utilization
 
 PHASES = ("sample", "rewards", "train")
 
@@ -52,7 +53,9 @@ class GroupFigures(_Model):
     """One GPU group over ``start`` (its creation) to ``end`` (its close, or the query).
 
     ``phase_s`` + ``overhead_s`` + ``switching_s`` + ``idle_s`` = ``wall_s``: the time GPU phases
-    ran, the time it was leased while none ran, the time state moved, and the rest."""
+    ran, the time it was leased while none ran, the time state moved, and the rest.
+    ``active_start`` to ``active_end``: its first phase's start to its last phase's end, the
+    window of :attr:`while_jobs_ran` (docs/report.md, "Utilization")."""
 
     group_id: str
     start: datetime
@@ -73,14 +76,30 @@ class GroupFigures(_Model):
     carried: int = Field(0, description="leases carried past waiters (the grant policy)")
     carrying_into: str | None = Field(None, description="the holder's, at the query")
     notes: list[str] = Field(default_factory=list)
+    active_start: datetime | None = Field(None, description="the first phase's start")
+    active_end: datetime | None = Field(None, description="the last phase's end")
 
     def fraction(self, seconds: float) -> float:
         return seconds / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def since_created(self) -> Utilization:
+        """Phase time over the group's life, creation to ``end``."""
+        return Utilization(self.phase_s, self.wall_s, SINCE_CREATED)
+
+    @property
+    def while_jobs_ran(self) -> Utilization:
+        """Phase time over its first phase's start to its last phase's end (all its phases
+        ran in that window)."""
+        if self.active_start is None or self.active_end is None:
+            return Utilization(0.0, 0.0, WHILE_JOBS_RAN)
+        window = (self.active_end - self.active_start).total_seconds()
+        return Utilization(self.phase_s, window, WHILE_JOBS_RAN)
+
+    @property
     def utilization(self) -> float:
-        """Phase time / wall time: the share of the group's life its GPU phases ran."""
-        return self.fraction(self.phase_s)
+        """The share of the group's life (since it was created) its GPU phases ran."""
+        return self.since_created.share
 
 
 JobStatus = Literal[

@@ -12,7 +12,13 @@ from pathlib import Path
 from timeslice.errors import TimesliceError
 from timeslice.report.colours import KIND_COLOURS, KIND_NAMES, job_colours
 from timeslice.report.model import Report
-from timeslice.report.text import GROUP_HEADERS, JOB_HEADERS, group_row, job_row
+from timeslice.report.text import (
+    GROUP_HEADERS,
+    JOB_HEADERS,
+    group_row,
+    job_row,
+    utilization_line,
+)
 
 
 class MissingPlotlyError(TimesliceError, ImportError):
@@ -101,6 +107,10 @@ def write_html(report: Report, path: Path) -> Path:
         for g in report.groups
         for n in g.notes
     )
+    utilization = "".join(
+        f"<li>{html.escape(g.group_id)}: {html.escape(utilization_line(g))}</li>"
+        for g in report.groups
+    )
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>timeslice report · {when}</title>
 <style>
@@ -117,6 +127,8 @@ p.note {{ color: #555; max-width: 60em; }}
 They add up to 100%. Definitions: docs/report.md.</p>
 {_table(GROUP_HEADERS, [group_row(g) for g in report.groups])}
 {f"<ul>{notes}</ul>" if notes else ""}
+<p class="note"><b>Utilization</b>: GPU phase time over the window named (docs/report.md).</p>
+<ul class="utilization">{utilization}</ul>
 <h2>RL jobs</h2>
 <p class="note">Each job's own phase times, its time waiting for grants and moving its state back,
 its wall time, and its slowdown: wall time over the same job's wall time alone (measured), or over

@@ -170,6 +170,32 @@ def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
     ]
 
 
+def test_the_group_reads_in_both_windows_by_the_one_definition():
+    job = job_a()
+    phases = [s for s in job_spans(job) if s.kind in ("sample", "train") and s.group_id == "g"]
+    g, _ = group_figures(status(), None, phases, {"a"})  # b: a client, its lease 3-5 s a phase
+    # Phases: a's sample 0.5-1.5 s, b's lease 3-5 s, a's train 6-7 s: 4 s of the 10 s since
+    # the group was created, of the 6.5 s from the first phase's start to the last one's end.
+    assert (g.active_start, g.active_end) == (at(0.5), at(7.0))
+    assert str(g.since_created) == "40.0% of 10.0 s since the group was created"
+    assert str(g.while_jobs_ran) == "61.5% of 6.5 s while jobs ran"
+    assert g.utilization == g.since_created.share
+    text = format_text(Report(generated_at=at(10.0), groups=[g], jobs=[], lanes=[], problems=[]))
+    assert "  g: 40.0% of 10.0 s since the group was created; 61.5% of 6.5 s while jobs ran" in text
+
+
+def test_a_status_with_a_clock_is_advanced_the_clients_way():
+    """The report brings a status to its reading by ``GroupStatus.advanced_to``, as the
+    clients and `timeslice status` do: one figure for the same moment."""
+    holder = HolderView(job_id="a", token=3, held_s=1.0, expires_in_s=None)
+    # Held 4 s before, and 1 s by the holder now: the group's own share is 5 of 10 s.
+    read = status(holder).model_copy(update={"as_of": at(10.0), "utilization": 0.5})
+    g, _ = group_figures(read, at(12.0), [], set())
+    advanced = read.advanced_to(at(12.0))
+    assert (g.wall_s, g.end) == (advanced.wall_s, at(12.0))
+    assert g.phase_s + g.overhead_s == pytest.approx(advanced.held_share * advanced.wall_s)
+
+
 def test_a_client_lease_is_all_phase():
     job = job_a()
     phases = [s for s in job_spans(job) if s.kind == "sample"]
