@@ -4,9 +4,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
+
+from timeslice.connection import connect, connect_config
+from timeslice.protocol.group import group_workflow_id
+
+from tests.helpers import wait_for
 
 WINDOWS = ("while jobs ran", "since the group was created")
 
@@ -66,3 +72,49 @@ def test_status_report_and_plan_profile_agree(address, group, make_client, tmp_p
     share, seconds = read["status"][WINDOWS[1]]
     assert float(held.group(2)) == seconds, status
     assert abs(float(held.group(1)) - share) <= 0.1 + 1e-9, status  # two roundings to 0.1 %
+
+
+def status_figures(text: str) -> tuple[float, float, float]:
+    """(held s of the holder, utilization % since created, its window s) from `status`."""
+    held = re.search(r"\(token \d+, ([\d.]+) s\)", text)
+    assert held is not None, text
+    share, window = figures(text, "utilization:")[WINDOWS[1]]
+    return float(held.group(1)), share, window
+
+
+async def history_length(address: str, group: str) -> int:
+    client = await connect(connect_config(address))
+    history = await client.get_workflow_handle(group_workflow_id(group)).fetch_history()
+    return len(history.events)
+
+
+def test_status_moves_on_while_a_lease_is_held_with_no_new_message(
+    address, group, make_client
+) -> None:
+    """A query answers as of the group's last workflow task; `timeslice status` is as of its
+    own moment: read twice while one lease is held, and nothing reaches the group in between,
+    the hold, the window and the utilization all grow."""
+    holder = make_client(job_id="status-moves", lease_ttl=600)  # no renewal for minutes
+    holder.release(holder.acquire(group))  # the group, then a second of it idle
+
+    def idle_a_second() -> bool:
+        return holder.group_status(group).idle_s >= 1.0
+
+    wait_for(idle_a_second, timeout=60, what="the group to be idle a second")
+    lease = holder.acquire(group)
+    first = timeslice("status", group, "--address", address)
+    before = asyncio.run(history_length(address, group))
+    held, share, window = status_figures(first)
+
+    def later() -> tuple[float, float, float] | None:
+        read = status_figures(timeslice("status", group, "--address", address))
+        return read if read[0] >= held + 1.0 else None
+
+    _, share_later, window_later = wait_for(
+        later, timeout=120, what="the hold `timeslice status` prints to grow by a second"
+    )
+    assert asyncio.run(history_length(address, group)) == before  # no workflow task since
+    assert window_later >= window + 1.0
+    # The holder is an embedded client: its lease is its phase, so the share rises.
+    assert share < 100.0 and share_later > share
+    holder.release(lease)
