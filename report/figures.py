@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 from timeslice.protocol.group import GroupStatus
 from timeslice.protocol.rl_job import PhaseResult
-from timeslice.protocol.utilization import active_window, phase_time
+from timeslice.protocol.utilization import active_window, merged, phase_time
 from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Span
 
 
@@ -196,6 +196,7 @@ def group_figures(
         )
         for s in status.switch_history
     ]
+    spans += idle_spans(status, spans, end)
     notes: list[str] = []
     client_leases = [s for s in spans if s.kind == "lease" and s.job_id not in rl_jobs]
     intervals = [(s.start.timestamp(), s.end.timestamp()) for s in [*phases, *client_leases]]
@@ -237,6 +238,34 @@ def group_figures(
         active_end=None if active is None else datetime.fromtimestamp(active[1], tz=UTC),
     )
     return figures, spans
+
+
+def idle_spans(status: GroupStatus, held: list[Span], end: datetime) -> list[Span]:
+    """The group's idle time as spans: the gaps between its leases and switches, from its
+    creation to ``end``. A group that no longer keeps its first leases (``history_keep``) is
+    drawn idle only from its oldest record on: before, the table's idle time is not known
+    interval by interval."""
+    stats = status.stats
+    complete = len(status.history) + (1 if status.holder is not None else 0) >= stats.leases
+    since = stats.created_at if complete else min((s.start for s in held), default=end)
+    moments = [(s.start.timestamp(), s.end.timestamp()) for s in held]
+    gaps: list[tuple[float, float]] = []
+    cursor, until = since.timestamp(), end.timestamp()
+    for start, stop in [*merged(moments), (until, until)]:
+        if min(start, until) > cursor:
+            gaps.append((cursor, min(start, until)))
+        cursor = max(cursor, stop)
+    return [
+        Span(
+            lane=status.group_id,
+            kind="idle",
+            start=datetime.fromtimestamp(a, tz=UTC),
+            end=datetime.fromtimestamp(b, tz=UTC),
+            group_id=status.group_id,
+            label="idle",
+        )
+        for a, b in gaps
+    ]
 
 
 def build_lanes(job_lanes: list[Lane], group_lanes: list[Lane]) -> list[Lane]:

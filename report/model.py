@@ -21,6 +21,7 @@ SpanKind = Literal[
     "waiting",  # the job waiting for a group's grant
     "switching",  # job lanes: its state coming back in; group lanes: a switch
     "lease",  # group lanes: held by ``job_id``
+    "idle",  # group lanes: nobody held it and nothing moved
 ]
 
 
@@ -166,3 +167,15 @@ class Report(_Model):
     @property
     def spans(self) -> list[Span]:
         return [s for lane in self.lanes for s in lane.spans]
+
+    @property
+    def window(self) -> tuple[datetime, datetime]:
+        """The time the report covers: from the first group's creation (or the first span) to
+        the last group's end (or the last span). The tables' group figures cover their part of
+        it, and the picture, the page and the trace draw all of it, so the idle time in the
+        table is there to see."""
+        starts = [g.start for g in self.groups] + [s.start for s in self.spans]
+        ends = [g.end for g in self.groups] + [s.end for s in self.spans]
+        if not starts:
+            return self.generated_at, self.generated_at
+        return min(starts), max(ends)

@@ -33,7 +33,7 @@ def timeline_figure(report: Report) -> object:
             "the interactive report needs plotly: pip install 'timeslice[report]'"
         ) from err
     spans = report.spans
-    origin = min((s.start for s in spans), default=report.generated_at)
+    origin, until = report.window  # what the tables cover, their idle time included
     lanes = [f"{lane.name} ({lane.kind})" for lane in report.lanes]
     lane_of = {lane.name: label for lane, label in zip(report.lanes, lanes, strict=True)}
     colours = job_colours(report)
@@ -56,7 +56,11 @@ def timeline_figure(report: Report) -> object:
                 y=[lane_of[s.lane] for s in members],
                 base=[(s.start - origin).total_seconds() for s in members],
                 x=[max(s.seconds, 1e-4) for s in members],
-                marker={"color": colour, "line": {"width": 0}},
+                marker={
+                    "color": colour,
+                    "line": {"width": 0},
+                    "pattern": {"shape": "/"} if first.kind == "idle" else {},
+                },
                 width=0.9 if first.kind == "switching" else 0.5 if first.kind == "waiting" else 0.7,
                 customdata=[
                     [
@@ -83,7 +87,11 @@ def timeline_figure(report: Report) -> object:
         hoverlabel={"align": "left"},
     )
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)))
-    fig.update_xaxes(title="seconds from the first span", rangeslider={"visible": True})
+    fig.update_xaxes(
+        title=f"seconds from {origin:%H:%M:%S} UTC (the first group's creation)",
+        range=[0, max(1.0, (until - origin).total_seconds())],
+        rangeslider={"visible": True},
+    )
     return fig
 
 

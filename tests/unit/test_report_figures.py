@@ -167,6 +167,8 @@ def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
         ("lease", "a", at(0), at(2)),
         ("lease", "b", at(3), at(5)),
         ("switching", "b", at(2.0), at(2.5)),
+        ("idle", None, at(2.5), at(3.0)),  # the lane shows the table's idle time too
+        ("idle", None, at(5.0), at(10.0)),
     ]
 
 
@@ -237,6 +239,35 @@ def test_text_tables_name_every_figure_and_line_up():
     assert job.split()[:11] == [
         "a", "completed", "2/2", "1.00", "1.00", "1.00", "0.20", "0.10", "8.0", "3.0", "2.67x",
     ]  # fmt: skip
+
+
+def test_picture_and_table_cover_one_window_and_the_idle_time_shows():
+    """The picture, the page and the trace draw the window the group figures cover (the
+    group's creation to the report), and the group lane's idle bars add up to the table's
+    idle share."""
+    from timeslice.report.picture import bars
+
+    r = report()
+    (g,) = r.groups
+    assert r.window == (g.start, g.end) == (T0, at(10.0))
+    lane = next(lane for lane in r.lanes if lane.kind == "group")
+    idle = [(start, width) for kind, start, width in bars(lane, r.window[0]) if kind == "idle"]
+    assert idle == [(2.5, 0.5), (5.0, 5.0)]
+    assert sum(width for _, width in idle) == pytest.approx(g.idle_s)
+    row = next(line for line in format_text(r).splitlines() if line.startswith("g "))
+    assert row.split()[5] == f"{sum(w for _, w in idle) / g.wall_s:.1%}"  # "55.0%"
+    assert trace_events(r)["otherData"]["origin"] == r.window[0].isoformat()
+
+
+def test_a_group_without_its_first_leases_is_drawn_idle_from_its_oldest_record():
+    shed = status()
+    shed.stats.leases = 5  # three earlier leases are no longer kept: their gaps are unknown
+    _, spans = group_figures(shed, None, [], set())
+    idle = [(s.start, s.end) for s in spans if s.kind == "idle"]
+    assert idle == [(at(2.5), at(3.0)), (at(5.0), at(10.0))]
+    # Nothing kept at all: no idle bar (the table still has the idle time, from the totals).
+    bare = shed.model_copy(update={"history": [], "switch_history": []})
+    assert group_figures(bare, None, [], set())[1] == []
 
 
 def test_human_bytes():
