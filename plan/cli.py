@@ -505,7 +505,8 @@ def format_plan(result: PlanResult, origin: str, compared: Compared | None = Non
         verdict = "" if not a.violations else f"; BREAKS {len(a.violations)} LIMIT(S)"
         lines.append(
             f"#{rank}  {a.groups_used} group(s) used: {a.gpus_used} of {a.gpus_dedicated} GPUs "
-            f"(saves {a.gpus_saved}), mean utilization {_pct(a.mean_utilization)}{verdict}"
+            f"(saves {a.gpus_saved}), mean utilization {WHILE_JOBS_RAN} "
+            f"{_pct(a.mean_utilization)}{verdict}"
         )
         rows = [("group", "role", f"utilization {WHILE_JOBS_RAN}", "demand bound", "jobs")]
         rows += [
