@@ -11,9 +11,10 @@ import atexit
 import functools
 import inspect
 import os
+import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -382,6 +383,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
         *,
         next_phase: str | None = None,
         expected_s: float | None = None,
+        phases: Sequence[tuple[float, float]] | None = None,
     ) -> bool:
         """Hand the group to the next waiter, or keep it for this holder's next phase.
 
@@ -398,6 +400,12 @@ class TimeSliceOrchestratorClient(_ClientBase):
                 follows at once; None: a plain release.
             expected_s: That phase's expected length, as you measured it; without it the
                 lease is kept only when nobody waits.
+            phases: The GPU phases this holder ran under the lease since it was granted (or
+                since its last release that kept it), each ``(start, end)`` in
+                ``time.monotonic()`` seconds. The group keeps up to four per lease (closer ones
+                merged, their time kept) and ``timeslice report`` counts them as the lease's
+                phase time, the rest as overhead; ``[]``: none ran. None: not reported, the
+                whole lease counts as the phase.
 
         Returns:
             True if the lease was kept (go on under it; release it again later), False if it
@@ -405,7 +413,8 @@ class TimeSliceOrchestratorClient(_ClientBase):
 
         Raises:
             InvalidArgumentError: ``lease`` is not a ``Lease`` (a group id, say), or
-                ``next_phase`` / ``expected_s`` are malformed (the lease stays held).
+                ``next_phase`` / ``expected_s`` / ``phases`` are malformed (the lease stays
+                held).
             NotHolderError: The client does not hold that lease (already released, another
                 client's), or holds none or several and none was given.
             LeaseRevokedError: The lease had ended at the group while held (its TTL ran out
@@ -413,7 +422,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         return self._engine.run_sync(
-            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s)
+            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s, phases=phases)
         )
 
     yield_ = release
@@ -609,6 +618,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         *,
         next_phase: str | None = None,
         expected_s: float | None = None,
+        phases: Sequence[tuple[float, float]] | None = None,
     ) -> bool:
         """Hand the group to the next waiter, or keep it for this holder's next phase (as
         :meth:`TimeSliceOrchestratorClient.release`).
@@ -619,18 +629,21 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
                 follows at once; None: a plain release.
             expected_s: That phase's expected length; without it the lease is kept only when
                 nobody waits.
+            phases: The GPU phases run under the lease, ``(start, end)`` in
+                ``time.monotonic()`` seconds (as for the blocking client).
 
         Returns:
             True if the group kept the lease for ``next_phase``, False if it was released.
 
         Raises:
-            InvalidArgumentError: ``lease``, ``next_phase`` or ``expected_s`` is malformed.
+            InvalidArgumentError: ``lease``, ``next_phase``, ``expected_s`` or ``phases`` is
+                malformed.
             NotHolderError: The client does not hold that lease.
             LeaseRevokedError: The lease had ended at the group while held.
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         return await self._engine.run_async(
-            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s)
+            self._engine.release(lease, next_phase=next_phase, expected_s=expected_s, phases=phases)
         )
 
     yield_ = release
@@ -742,6 +755,7 @@ class _AcceleratorScope:
         self._owner = owner
         self._args = (group_id, timeout, priority)
         self.lease: Lease | None = None
+        self._began = 0.0  # when the body began, under the lease (time.monotonic())
 
     # blocking ------------------------------------------------------------
 
@@ -751,13 +765,17 @@ class _AcceleratorScope:
             raise TypeError("use `async with` with AsyncTimeSliceOrchestratorClient")
         group, timeout, priority = owner._acquire_args(*self._args)
         self.lease = owner._engine.run_sync(owner._engine.acquire(group, timeout, priority, None))
+        self._began = time.monotonic()
         return self.lease
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         lease, self.lease = self.lease, None
         assert lease is not None
         engine = self._owner._engine
-        _release_after(lambda: engine.run_sync(engine.release(lease)), failed=exc is not None)
+        phases = [(self._began, time.monotonic())]  # the body ran on the accelerators
+        _release_after(
+            lambda: engine.run_sync(engine.release(lease, phases=phases)), failed=exc is not None
+        )
 
     # async ---------------------------------------------------------------
 
@@ -767,14 +785,16 @@ class _AcceleratorScope:
         self.lease = await owner._engine.run_async(
             owner._engine.acquire(group, timeout, priority, None)
         )
+        self._began = time.monotonic()
         return self.lease
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         lease, self.lease = self.lease, None
         assert lease is not None
         engine = self._owner._engine
+        phases = [(self._began, time.monotonic())]  # the body ran on the accelerators
         try:
-            await engine.run_async(engine.release(lease))
+            await engine.run_async(engine.release(lease, phases=phases))
         except LeaseRevokedError:
             if exc is None:
                 raise

@@ -7,6 +7,7 @@ from timeslice.report.model import Report
 KIND_COLOURS = {
     "sample": "#1f77b4",
     "train": "#ff7f0e",
+    "phase": "#3182bd",
     "rewards": "#2ca02c",
     "waiting": "#c7c7c7",
     "switching": "#d62728",
@@ -15,6 +16,7 @@ KIND_COLOURS = {
 KIND_NAMES = {
     "sample": "sample (GPU)",
     "train": "train (GPU)",
+    "phase": "client GPU phase",
     "rewards": "rewards (no GPU)",
     "waiting": "waiting for a group",
     "switching": "moving state",

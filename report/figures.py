@@ -199,8 +199,10 @@ def group_figures(
     spans += idle_spans(status, spans, end)
     notes: list[str] = []
     client_leases = [s for s in spans if s.kind == "lease" and s.job_id not in rl_jobs]
-    intervals = [(s.start.timestamp(), s.end.timestamp()) for s in [*phases, *client_leases]]
-    reported = sum(s.seconds for s in [*phases, *client_leases])
+    held_now = [s for s in client_leases if s.label.endswith("held now")]
+    client = client_phases(status, rl_jobs) + held_now  # a lease held now: whole, as yet
+    intervals = [(s.start.timestamp(), s.end.timestamp()) for s in [*phases, *client]]
+    reported = sum(s.seconds for s in [*phases, *client])
     phase = phase_time(intervals, (stats.created_at.timestamp(), end.timestamp()))
     active = active_window(intervals)
     if client_leases and stats.leases > len(status.history):
@@ -238,6 +240,41 @@ def group_figures(
         active_end=None if active is None else datetime.fromtimestamp(active[1], tz=UTC),
     )
     return figures, spans
+
+
+def client_phases(status: GroupStatus, rl_jobs: set[str]) -> list[Span]:
+    """The GPU phases of the group's embedded clients (jobs that are not RL jobs), in lanes of
+    their own: those each reported with its release, placed from its lease's start; a lease
+    whose holder reported nothing (a plain release) is its phase, whole ("lease = phase")."""
+    spans = []
+    for r in status.history:
+        if r.job_id in rl_jobs:
+            continue
+        common = {"lane": r.job_id, "job_id": r.job_id, "group_id": status.group_id}
+        if r.phases is None:
+            spans.append(
+                Span(
+                    kind="phase",
+                    start=r.start,
+                    end=r.end,
+                    label=f"lease on {status.group_id} (no phases reported)",
+                    **common,
+                )
+            )
+            continue
+        for offset, seconds in r.phases:
+            start = min(r.end, r.start + timedelta(seconds=offset))
+            end = min(r.end, start + timedelta(seconds=seconds))
+            spans.append(
+                Span(
+                    kind="phase",
+                    start=start,
+                    end=end,
+                    label=f"GPU phase on {status.group_id}",
+                    **common,
+                )
+            )
+    return spans
 
 
 def idle_spans(status: GroupStatus, held: list[Span], end: datetime) -> list[Span]:

@@ -39,6 +39,7 @@ from timeslice.protocol.rl_job import (
 from timeslice.report.figures import (
     JobRecord,
     build_lanes,
+    client_phases,
     group_figures,
     job_figures,
     job_spans,
@@ -104,6 +105,7 @@ async def collect_report(
     rl_jobs = {r.job_id for r in records if r.found}
     group_reports = []
     group_lanes: list[Lane] = []
+    client_lanes: dict[str, Lane] = {}  # a lane per embedded client's job, across groups
     for group_id, answer in zip(groups, answers, strict=True):
         if isinstance(answer, GroupStatus):
             figures, spans = group_figures(
@@ -111,6 +113,9 @@ async def collect_report(
             )
             group_reports.append(figures)
             group_lanes.append(Lane(name=group_id, kind="group", spans=spans))
+            for span in client_phases(answer, rl_jobs):
+                lane = client_lanes.setdefault(span.lane, Lane(name=span.lane, kind="job"))
+                lane.spans.append(span)
         elif named or not isinstance(answer, Exception):
             raise answer
         else:
@@ -119,7 +124,7 @@ async def collect_report(
         generated_at=now,
         groups=group_reports,
         jobs=job_reports,
-        lanes=build_lanes(job_lanes, group_lanes),
+        lanes=build_lanes([*job_lanes, *client_lanes.values()], group_lanes),
         problems=problems,
     )
 

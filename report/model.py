@@ -17,6 +17,7 @@ PHASES = ("sample", "rewards", "train")
 SpanKind = Literal[
     "sample",  # job lanes: a GPU phase running
     "train",
+    "phase",  # an embedded client's GPU phase: reported with its release, or its whole lease
     "rewards",  # the job computing rewards, holding no group
     "waiting",  # the job waiting for a group's grant
     "switching",  # job lanes: its state coming back in; group lanes: a switch

@@ -93,7 +93,7 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
 LAYERS: tuple[tuple[tuple[str, ...], float], ...] = (
     (("idle",), 0.7),
     (("waiting",), 0.5),
-    (("lease", "sample", "rewards", "train"), 0.7),
+    (("lease", "sample", "phase", "rewards", "train"), 0.7),
     (("switching",), 0.9),
 )
 

@@ -48,6 +48,7 @@ from timeslice.protocol.group import (
     SwitchRecord,
     Waiter,
     WaiterView,
+    bounded_phases,
     cut_to_encoded,
     encoded_size,
     lease_fingerprint,
@@ -447,6 +448,7 @@ class GroupBook:
                     start=holder.granted_at,
                     end=now,
                     outcome=outcome,
+                    phases=holder.phases,
                 )
             )
             del state.history[: max(0, len(state.history) - self.config.history_keep)]
@@ -476,6 +478,8 @@ class GroupBook:
         self.confirm(holder.token, now)
         job_id = holder.request.job_id
         self.account_own_moves(job_id, ret.restored, ret.evicted, now)
+        if ret.phases is not None:  # kept with the lease (a carried one reports each segment's)
+            holder.phases = bounded_phases([*(holder.phases or []), *ret.phases])
         after = self.peek_next(now)
         why = ""
         if ret.carry_into is not None:
