@@ -938,6 +938,7 @@ class GroupBook:
         return busy, max((now - stats.created_at).total_seconds(), 1e-9)
 
     def utilization(self, now: datetime) -> float:
+        """The share of its life the group was held (GroupStatus.held_share)."""
         busy, wall = self.busy_and_wall(now)
         return min(1.0, max(0.0, busy / wall))
 
@@ -1000,6 +1001,7 @@ class GroupBook:
             f"**resident**: {state.resident.job_id if state.resident else 'none'}",
             f"**queue**: {queue or 'empty'}",
             f"**leases**: {state.stats.leases} · switches {state.stats.switches}",
-            f"**utilization so far**: {self.utilization(now):.0%}",
+            # The group sees leases, not phases: its utilization proper is `timeslice status`'s.
+            f"**held so far**: {self.utilization(now):.0%} (utilization: `timeslice status`)",
         ]
         return "\n\n".join(lines)
