@@ -143,8 +143,9 @@ def group_figures(
 
     A status runs to the group's last event (a query sees the workflow's clock, which stands
     still between events); ``now``, the time of the query, extends it: the time since then
-    was held by the holder, or idle. ``phases``: the RL jobs' GPU phases on this group; the
-    leases of jobs that report no phases (embedded clients) count as phase time whole."""
+    was held by the holder, or idle. ``phases``: the RL jobs' GPU phases on this group; of the
+    other jobs (embedded clients) the phases they reported with their releases count, and the
+    leases of those that reported none count whole (:func:`client_phases`)."""
     if status.as_of is not None and now is not None:
         # The one way figures come to the reader's clock (status and report alike); a status
         # without ``as_of`` (hand-built, or from an older group) is extended below instead.
@@ -170,8 +171,9 @@ def group_figures(
         )
         for r in status.history
     ]
+    held_now = []
     if status.holder is not None:
-        spans.append(
+        held_now.append(
             Span(
                 lane=lane,
                 kind="lease",
@@ -182,6 +184,7 @@ def group_figures(
                 label=f"{status.holder.job_id} · token {status.holder.token} · held now",
             )
         )
+        spans += held_now
     spans += [
         Span(
             lane=lane,
@@ -199,8 +202,8 @@ def group_figures(
     spans += idle_spans(status, spans, end)
     notes: list[str] = []
     client_leases = [s for s in spans if s.kind == "lease" and s.job_id not in rl_jobs]
-    held_now = [s for s in client_leases if s.label.endswith("held now")]
-    client = client_phases(status, rl_jobs) + held_now  # a lease held now: whole, as yet
+    # A client's lease held now counts whole: its phases come with its release.
+    client = client_phases(status, rl_jobs) + [s for s in held_now if s.job_id not in rl_jobs]
     intervals = [(s.start.timestamp(), s.end.timestamp()) for s in [*phases, *client]]
     reported = sum(s.seconds for s in [*phases, *client])
     phase = phase_time(intervals, (stats.created_at.timestamp(), end.timestamp()))
