@@ -7,7 +7,7 @@ from timeslice.report.model import Report
 KIND_COLOURS = {
     "sample": "#1f77b4",
     "train": "#ff7f0e",
-    "phase": "#3182bd",
+    "phase": "#5254a3",
     "rewards": "#2ca02c",
     "waiting": "#c7c7c7",
     "switching": "#d62728",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from timeslice.errors import TimesliceError
 from timeslice.report.colours import KIND_COLOURS, KIND_NAMES, job_colours
 from timeslice.report.model import Lane, Report, Span
+from timeslice.report.text import utilization_line
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -52,14 +53,18 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
     span_s = max(1.0, (until - origin).total_seconds())
     # A run longer than the window gets a second panel: a window in its middle, in detail.
     zoomed = span_s > 1.5 * zoom_s
-    height = 1.2 + 0.45 * max(1, len(lanes))
+    height = 1.2 + 0.45 * max(1, len(lanes)) + 0.2 * min(5, len(report.groups))
     fig = Figure(figsize=(13, 1.0 + (2 if zoomed else 1) * height), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2 if zoomed else 1, 1, squeeze=False)[:, 0]
     overview = axes[0]
     _draw(overview, lanes, origin, colours)
+    shown = ["the whole run: from the first group's creation to the report, as in the tables"]
+    shown += [f"{g.group_id}: utilization {utilization_line(g)}" for g in report.groups[:4]]
+    if len(report.groups) > 4:
+        shown.append(f"... and {len(report.groups) - 4} more groups (report.txt)")
     overview.set_title(
-        "the whole run: from the first group's creation to the report, as in the tables",
+        "\n".join(shown),
         loc="left",
         fontsize="medium",
     )
