@@ -102,6 +102,15 @@ def test_status_moves_on_while_a_lease_is_held_with_no_new_message(
 
     wait_for(idle_a_second, timeout=60, what="the group to be idle a second")
     lease = holder.acquire(group)
+
+    def confirmed() -> bool:
+        # A grant taken from a parked update is confirmed by a first renewal (a message) soon
+        # after; until then the group's next deadline is its confirmation's, not the expiry.
+        status = holder.group_status(group)
+        assert status.as_of is not None and status.next_deadline is not None
+        return (status.next_deadline - status.as_of).total_seconds() > 300
+
+    wait_for(confirmed, timeout=60, what="the grant to be confirmed (its lease expires in 600 s)")
     first = timeslice("status", group, "--address", address)
     before = asyncio.run(history_length(address, group))
     held, share, window = status_figures(first)
