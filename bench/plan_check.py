@@ -15,8 +15,10 @@
    held it, which the model leaves out). The profiles never saw a switch (a job alone
    keeps its state on the device), so their move times come from the state's bytes and the
    device's copy rate (here the simulated one: 4 GiB per 0.1 s) — what ``--move-gbps`` says.
-4. **Measured.** A group's utilization = its GPU phases' run time (their own monotonic-clock
-   intervals) / its first phase start to its last phase end; a job's completion = its first
+4. **Measured.** A group's utilization while jobs ran (``timeslice.protocol.utilization``) =
+   its GPU phases' run time (their own monotonic-clock intervals) / its first phase start to
+   its last phase end, printed beside its **demand bound** (each job's GPU share there alone,
+   from its dedicated profile, summed, capped at 100%); a job's completion = its first
    phase start to its last phase end; slowdown = completion in the mix / completion of the same
    kind alone in step 1. Predicted figures are computed the same way on the simulated run.
 
@@ -46,6 +48,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from timeslice.protocol.utilization import WHILE_JOBS_RAN, demand_bound  # noqa: E402
 
 from bench.handoff import cpu_model  # noqa: E402
 from bench.replay import POLICIES, holds_by_group, run_jobs, utilization  # noqa: E402
@@ -253,12 +257,27 @@ def main() -> None:
                 for group, holds in sorted(holds_by_group(results).items()):
                     measured = utilization(holds)["utilization"]
                     predicted = outcome.groups[group].utilization
+                    bound = demand_bound(
+                        pl.profile.gpu_share(
+                            {
+                                pool
+                                for pool, g in (
+                                    ("sampler", pl.sampler_group),
+                                    ("trainer", pl.trainer_group),
+                                )
+                                if g == group
+                            }
+                        )
+                        for pl in placements
+                        if group in (pl.sampler_group, pl.trainer_group)
+                    )
                     groups.append(
                         {
                             "group": group.removesuffix(f"-{stamp}"),
                             "predicted": round(predicted, 4),
                             "measured": round(measured, 4),
                             "error_points": round((predicted - measured) * 100, 2),
+                            "demand_bound": round(bound, 4),
                         }
                     )
                 jobs = []
@@ -278,8 +297,10 @@ def main() -> None:
                 mixes.append({"mix": name, "layout": layout, "groups": groups, "jobs": jobs})
                 for g in groups:
                     print(
-                        f"  {g['group']}: utilization predicted {g['predicted']:.1%}, measured "
-                        f"{g['measured']:.1%} ({g['error_points']:+.1f} points)",
+                        f"  {g['group']}: utilization {WHILE_JOBS_RAN} predicted "
+                        f"{g['predicted']:.1%}, measured {g['measured']:.1%} "
+                        f"({g['error_points']:+.1f} points); demand bound "
+                        f"{g['demand_bound']:.1%} (the jobs' GPU share alone, summed, capped)",
                         flush=True,
                     )
                 for j in jobs:

@@ -11,8 +11,10 @@ a simulated state of the profile's size in its snapshot / restore times. Layouts
 
 Figures (docs/report.md defines them the same way):
 
-- **utilization** of a group = the time GPU phases ran on it (the phases' own monotonic-clock
-  intervals) / wall time from its first phase start to its last phase end;
+- **utilization while jobs ran** of a group = the time GPU phases ran on it (the phases' own
+  monotonic-clock intervals) / wall time from its first phase start to its last phase end
+  (``timeslice.protocol.utilization``; a group here lives only for the run, so its other
+  window, since it was created, adds only the start-up before the first phase);
 - **ideal** = the same profile through ``timeslice.plan.simulator`` with free switches, under
   the grant policy the groups ran (``--policy``), the jobs starting when they did here (same
   ramp-up and tail): what this policy reaches when switching costs nothing;
@@ -47,7 +49,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from timeslice.protocol import utilization as one_definition  # noqa: E402
+
 from bench.handoff import cpu_model, percentile  # noqa: E402
+
+WHILE_JOBS_RAN = one_definition.WHILE_JOBS_RAN
 
 LAYOUTS = ("one-group", "disaggregated", "shared-trainer", "dedicated")
 POLICIES = ("phase_aware", "fifo")  # GroupConfig.grant_policy; the first is its default
@@ -76,10 +82,14 @@ def holds_by_group(results: list[Any]) -> dict[str, list[Any]]:
 
 
 def utilization(holds: list[Any]) -> dict[str, float]:
-    start = min(h.mono_start for _, h in holds)
-    end = max(h.mono_end for _, h in holds)
-    busy = sum(h.mono_end - h.mono_start for _, h in holds)
-    return {"busy_s": busy, "wall_s": end - start, "utilization": busy / (end - start)}
+    """The group's utilization while jobs ran (``timeslice.protocol.utilization``), from its
+    GPU phases' own monotonic-clock intervals (one host: one clock)."""
+    measured = one_definition.while_jobs_ran((h.mono_start, h.mono_end) for _, h in holds)
+    return {
+        "busy_s": measured.phase_s,
+        "wall_s": measured.window_s,
+        "utilization": measured.share,
+    }
 
 
 def switch_overheads(holds: list[Any], both_fit: bool) -> list[float]:
@@ -101,14 +111,14 @@ def demand_bound(configs: list[dict[str, Any]], profile: dict[str, float]) -> di
     """Per group: the jobs' GPU seconds per epoch there over their epoch alone, summed, capped
     at 1 (every job here runs ``profile``)."""
     epoch_s = profile["sample_s"] + profile["reward_s"] + profile["train_s"]
-    demand: dict[str, float] = {}
+    shares: dict[str, list[float]] = {}
     for c in configs:
         gpu = {c["sampler_group"]: 0.0, c["trainer_group"]: 0.0}
         gpu[c["sampler_group"]] += profile["sample_s"]
         gpu[c["trainer_group"]] += profile["train_s"]
         for group, seconds in gpu.items():
-            demand[group] = demand.get(group, 0.0) + (seconds / epoch_s if epoch_s > 0 else 1.0)
-    return {g: min(1.0, d) for g, d in demand.items()}
+            shares.setdefault(group, []).append(seconds / epoch_s if epoch_s > 0 else 1.0)
+    return {g: one_definition.demand_bound(s) for g, s in shares.items()}
 
 
 def ideal(
@@ -283,7 +293,8 @@ def main() -> None:
             "phases": len(holds),
         }
         print(
-            f"{group}: utilization {measured['utilization']:.1%}; ideal {best:.1%} (free "
+            f"{group}: utilization {measured['utilization']:.1%} of {measured['wall_s']:.1f} s "
+            f"{WHILE_JOBS_RAN}; ideal {best:.1%} (free "
             f"switches, {args.policy}); demand bound {bounds[group]:.1%} (the jobs' GPU "
             "seconds per epoch here / their epoch alone, summed, capped at 100%)",
             flush=True,
@@ -294,6 +305,7 @@ def main() -> None:
         f"Python {platform.python_version()}",
         "layout": args.layout,
         "grant_policy": args.policy,
+        "utilization_window": WHILE_JOBS_RAN,
         "ideal_is": f"the simulator with free switches under {args.policy}",
         "demand_bound_is": "sum over the group's jobs of GPU seconds per epoch on it / epoch "
         "alone (sample + rewards + train), capped at 100%",

@@ -1291,7 +1291,7 @@ def analyse(
             "dead_waiters": s.dead_waiters, "timed_out": s.timed_out, "cancelled": s.cancelled,
             "rejected": s.rejected, "stale_messages": s.stale_messages,
             "forged_messages": s.forged_messages, "departed": s.departed, "runs": s.runs,
-            "utilization": round(status.utilization, 3),
+            "held": round(status.held_share, 3),  # lease share (docs/report.md, "Utilization")
         }  # fmt: skip
     return {
         "passed": not problems,
@@ -1372,8 +1372,8 @@ def summary(r: dict[str, Any]) -> str:
         g = r["group_stats"]
         lines.append(
             f"  group: {g['leases']} leases, {g['expired']} expired, {g['dead_waiters']} dead "
-            f"waiters, {g['timed_out']} timed out, {g['runs']} runs, utilization "
-            f"{g['utilization']:.0%}"
+            f"waiters, {g['timed_out']} timed out, {g['runs']} runs, held {g['held']:.0%} of "
+            "its life"
         )
     lines.append("  PASSED" if r["passed"] else "  FAILED: " + "; ".join(r["problems"]))
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from timeslice.transport.connection import connect, connect_config
 if TYPE_CHECKING:
     from temporalio.worker import Worker
     from timeslice.protocol.group import GroupStatus
+    from timeslice.report.model import GroupFigures
 
 log = logging.getLogger("timeslice")
 T = TypeVar("T")
@@ -711,24 +712,33 @@ async def _run_backends(args: argparse.Namespace) -> int:
 
 async def _run_status(args: argparse.Namespace) -> int:
     from timeslice.orchestrator import AsyncTimeSliceOrchestratorClient
+    from timeslice.report.gather import status_figures
 
     client = AsyncTimeSliceOrchestratorClient(
         target=args.address, namespace=args.namespace, profile=args.profile, job_id="status-cli"
     )
     try:
-        status = await client.group_status(args.group_id)
+        status = await client.group_status(args.group_id)  # as of now (the reader's clock)
     finally:
         await client.close()
     if args.json:
         print(status.model_dump_json(indent=2))
         return 0
-    print(format_status(status))
+    # Utilization counts GPU phases: the RL jobs among the holders are read for theirs, the
+    # report's way, so status and report print one figure.
+    raw = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    print(format_status(status, await status_figures(raw, status)))
     return 0
 
 
-def format_status(status: GroupStatus) -> str:
+def format_status(status: GroupStatus, figures: GroupFigures | None = None) -> str:
     """``timeslice status``: the holder, and why each waiter waits (the holder, and whether
-    the grant policy carried its lease into its next phase past them)."""
+    the grant policy carried its lease into its next phase past them); utilization in both
+    windows (docs/report.md) when ``figures`` (the report's, of this status) are given, and
+    the share of the group's life it was held."""
+    from timeslice.protocol.utilization import SINCE_CREATED
+    from timeslice.report.text import utilization_line
+
     holder = status.holder
     held = f"{holder.job_id} (token {holder.token}, {holder.held_s:.1f} s)" if holder else "none"
     if holder is not None and holder.carrying_into:
@@ -747,7 +757,9 @@ def format_status(status: GroupStatus) -> str:
             f"  holder:      {held}",
             f"  resident:    {status.resident_job or 'none'}",
             f"  queue:       {', '.join(queue) or 'empty'}",
-            f"  utilization: {status.utilization:.1%} of {status.wall_s:.0f} s",
+            *([f"  utilization: {utilization_line(figures)}"] if figures is not None else []),
+            f"  held:        {status.held_share:.1%} of {status.wall_s:.1f} s {SINCE_CREATED} "
+            "(leases; utilization counts the GPU phases in them)",
             f"  leases:      {stats.leases}, switches {stats.switches}, carried {stats.carried}, "
             f"expired {stats.expired}, stale messages {stats.stale_messages}",
         ]

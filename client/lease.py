@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from timeslice.errors import InvalidArgumentError
+from timeslice.protocol.group import MAX_PHASE_OFFSET_S, bounded_phases
 
 
 @dataclass
@@ -47,3 +52,41 @@ class Lease:
     @property
     def held_s(self) -> float:
         return time.monotonic() - self.acquired_at
+
+
+def phases_since_grant(
+    lease: Lease, phases: Sequence[tuple[float, float]], now: float | None = None
+) -> list[tuple[float, float]]:
+    """GPU phases run under ``lease``, given as (start, end) on ``time.monotonic()``, as the
+    release reports them: (seconds from the grant, seconds), cut to the lease (from its grant
+    to ``now``), at most ``MAX_LEASE_PHASES`` (the closest ones merged, their time kept).
+
+    Raises:
+        InvalidArgumentError: A phase is not two finite numbers with its end at or after its
+            start (nothing is sent; the lease stays held).
+    """
+    until = time.monotonic() if now is None else now
+    spans: list[tuple[float, float]] = []
+    for phase in phases:
+        try:
+            start, end = phase
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"phases must be (start, end) pairs of time.monotonic() seconds, not {phase!r}"
+            ) from None
+        if (
+            not all(
+                isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)
+                for t in (start, end)
+            )
+            or end < start
+        ):
+            raise InvalidArgumentError(
+                f"a phase must be (start, end) in time.monotonic() seconds with end >= start, "
+                f"not {phase!r}"
+            )
+        start, end = max(start, lease.acquired_at), min(end, until)
+        if end > start:
+            offset = min(start - lease.acquired_at, MAX_PHASE_OFFSET_S)
+            spans.append((offset, min(end - start, MAX_PHASE_OFFSET_S)))
+    return bounded_phases(spans)

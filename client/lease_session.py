@@ -19,7 +19,7 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -62,7 +62,7 @@ from timeslice.grants import (
     with_ask_bound,
 )
 from timeslice.group_start import start_group
-from timeslice.lease import Lease
+from timeslice.lease import Lease, phases_since_grant
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     GROUP_KEY,
@@ -867,8 +867,10 @@ class LeaseSession:
         *,
         next_phase: str | None = None,
         expected_s: float | None = None,
+        phases: Sequence[tuple[float, float]] | None = None,
     ) -> bool:
         """Yield the lease; LeaseRevokedError if the group had revoked it meanwhile.
+        ``phases``: the GPU phases run under it, (start, end) on ``time.monotonic()``.
 
         With ``next_phase`` (the name of this holder's next GPU phase, on the same group,
         following at once) the group may keep the lease for that phase instead, by its grant
@@ -882,6 +884,7 @@ class LeaseSession:
             lease,
             keep_if_uncontended=next_phase is not None,
             carry_into=carry,
+            phases=None if phases is None else phases_since_grant(lease, phases),
         )
         if answer.valid and not answer.released:
             return True
@@ -903,6 +906,7 @@ class LeaseSession:
         keep_if_uncontended: bool = False,
         carry_into: NextPhase | None = None,
         evicts_itself: bool = False,
+        phases: list[tuple[float, float]] | None = None,
     ) -> ReturnAnswer:
         """End ``lease`` (or keep it, if asked and nobody waits, or carried into
         ``carry_into`` by the group's grant policy); the answer says whether the group wants
@@ -916,6 +920,7 @@ class LeaseSession:
             keep_if_uncontended=keep_if_uncontended,
             carry_into=carry_into,
             evicts_itself=evicts_itself,
+            phases=phases,
         )
         spans = self._spans.get(lease.group_id)
         attempts = 0

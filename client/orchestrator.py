@@ -11,9 +11,10 @@ import atexit
 import functools
 import inspect
 import os
+import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -384,6 +385,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
         *,
         next_phase: str | None = None,
         expected_s: float | None = None,
+        phases: Sequence[tuple[float, float]] | None = None,
     ) -> bool:
         """Hand the group to the next waiter, or keep it for this holder's next phase.
 
@@ -400,6 +402,12 @@ class TimeSliceOrchestratorClient(_ClientBase):
                 follows at once; None: a plain release.
             expected_s: That phase's expected length, as you measured it; without it the
                 lease is kept only when nobody waits.
+            phases: The GPU phases this holder ran under the lease since it was granted (or
+                since its last release that kept it), each ``(start, end)`` in
+                ``time.monotonic()`` seconds. The group keeps up to four per lease (closer ones
+                merged, their time kept) and ``timeslice report`` counts them as the lease's
+                phase time, the rest as overhead; ``[]``: none ran. None: not reported, the
+                whole lease counts as the phase.
 
         Returns:
             True if the lease was kept (go on under it; release it again later), False if it
@@ -407,7 +415,8 @@ class TimeSliceOrchestratorClient(_ClientBase):
 
         Raises:
             InvalidArgumentError: ``lease`` is not a ``Lease`` (a group id, say), or
-                ``next_phase`` / ``expected_s`` are malformed (the lease stays held).
+                ``next_phase`` / ``expected_s`` / ``phases`` are malformed (the lease stays
+                held).
             NotHolderError: The client does not hold that lease (already released, another
                 client's), or holds none or several and none was given.
             LeaseRevokedError: The lease had ended at the group while held (its TTL ran out
@@ -415,7 +424,9 @@ class TimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         return self._engine.run_sync(
-            self._session.release(lease, next_phase=next_phase, expected_s=expected_s)
+            self._session.release(
+                lease, next_phase=next_phase, expected_s=expected_s, phases=phases
+            )
         )
 
     yield_ = release
@@ -611,6 +622,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         *,
         next_phase: str | None = None,
         expected_s: float | None = None,
+        phases: Sequence[tuple[float, float]] | None = None,
     ) -> bool:
         """Hand the group to the next waiter, or keep it for this holder's next phase (as
         :meth:`TimeSliceOrchestratorClient.release`).
@@ -621,18 +633,23 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
                 follows at once; None: a plain release.
             expected_s: That phase's expected length; without it the lease is kept only when
                 nobody waits.
+            phases: The GPU phases run under the lease, ``(start, end)`` in
+                ``time.monotonic()`` seconds (as for the blocking client).
 
         Returns:
             True if the group kept the lease for ``next_phase``, False if it was released.
 
         Raises:
-            InvalidArgumentError: ``lease``, ``next_phase`` or ``expected_s`` is malformed.
+            InvalidArgumentError: ``lease``, ``next_phase``, ``expected_s`` or ``phases`` is
+                malformed.
             NotHolderError: The client does not hold that lease.
             LeaseRevokedError: The lease had ended at the group while held.
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
         return await self._engine.run_async(
-            self._session.release(lease, next_phase=next_phase, expected_s=expected_s)
+            self._session.release(
+                lease, next_phase=next_phase, expected_s=expected_s, phases=phases
+            )
         )
 
     yield_ = release
@@ -744,6 +761,7 @@ class _AcceleratorScope:
         self._owner = owner
         self._args = (group_id, timeout, priority)
         self.lease: Lease | None = None
+        self._began = 0.0  # when the body began, under the lease (time.monotonic())
 
     # blocking ------------------------------------------------------------
 
@@ -753,14 +771,17 @@ class _AcceleratorScope:
             raise TypeError("use `async with` with AsyncTimeSliceOrchestratorClient")
         group, timeout, priority = owner._acquire_args(*self._args)
         self.lease = owner._engine.run_sync(owner._session.acquire(group, timeout, priority, None))
+        self._began = time.monotonic()
         return self.lease
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         lease, self.lease = self.lease, None
         assert lease is not None
         engine = self._owner._engine
+        phases = [(self._began, time.monotonic())]  # the body ran on the accelerators
         _release_after(
-            lambda: engine.run_sync(engine.session.release(lease)), failed=exc is not None
+            lambda: engine.run_sync(engine.session.release(lease, phases=phases)),
+            failed=exc is not None,
         )
 
     # async ---------------------------------------------------------------
@@ -771,14 +792,16 @@ class _AcceleratorScope:
         self.lease = await owner._engine.run_async(
             owner._session.acquire(group, timeout, priority, None)
         )
+        self._began = time.monotonic()
         return self.lease
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         lease, self.lease = self.lease, None
         assert lease is not None
         engine = self._owner._engine
+        phases = [(self._began, time.monotonic())]  # the body ran on the accelerators
         try:
-            await engine.run_async(engine.session.release(lease))
+            await engine.run_async(engine.session.release(lease, phases=phases))
         except LeaseRevokedError:
             if exc is None:
                 raise

@@ -9,7 +9,7 @@ photographs the UI with headless Chromium (Debian's ``chromium`` package, driven
 * ``docs/images/ui-timeline.png``: a finished job's Timeline tab, one row per phase activity
   with its summary (``epoch 3 · train · g-...``); the gaps are the turns of the other job.
 * ``docs/images/ui-group.png``: the GPU group workflow's User Metadata tab while both jobs run:
-  its current details (holder, resident, queue, leases, utilization).
+  its current details (holder, resident, queue, leases, the share held so far).
 
 Everything runs in a temporary directory, removed afterwards (kept, with its logs, on failure).
 """
@@ -120,7 +120,7 @@ def shoot_group(page: Any, ui: str, path: Path) -> None:
     # The details are markdown, rendered in a sandboxed frame; the last one is Current Details.
     details = page.frame_locator("iframe").last
     for _ in range(100):
-        expect(details.get_by_text("utilization so far")).to_be_visible(timeout=TIMEOUT_MS)
+        expect(details.get_by_text("held so far")).to_be_visible(timeout=TIMEOUT_MS)
         text = details.locator("body").inner_text()
         if "holder: none" not in text and "queue: empty" not in text:
             break

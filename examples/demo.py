@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,9 @@ from timeslice.protocol.rl_job import (
     RLJobResult,
     rl_job_workflow_id,
 )
+from timeslice.protocol.utilization import SINCE_CREATED, WHILE_JOBS_RAN, Utilization
 from timeslice.report import Report, collect_report, format_text, human_bytes, write_report
+from timeslice.report.model import GroupFigures
 from timeslice.transport.connection import connect, connect_config
 from timeslice.workloads.grpo_toy import GrpoToyOptions
 
@@ -152,11 +155,24 @@ def side_by_side(
     """The two runs' figures in two columns, read from their own records."""
     rows: list[tuple[str, str, str]] = []
 
-    def groups(report: Report) -> str:
-        return ", ".join(f"{g.group_id} {g.utilization:.0%}" for g in report.groups)
+    def groups(report: Report, window: Callable[[GroupFigures], Utilization]) -> str:
+        return ", ".join(f"{g.group_id} {window(g).share:.0%}" for g in report.groups)
 
     rows.append(("GPU groups", str(len(alone.groups)), str(len(shared.groups))))
-    rows.append(("GPU phase time / group wall time", groups(alone), groups(shared)))
+    rows.append(
+        (
+            f"utilization {WHILE_JOBS_RAN}",
+            groups(alone, lambda g: g.while_jobs_ran),
+            groups(shared, lambda g: g.while_jobs_ran),
+        )
+    )
+    rows.append(
+        (
+            f"utilization {SINCE_CREATED}",
+            groups(alone, lambda g: g.since_created),
+            groups(shared, lambda g: g.since_created),
+        )
+    )
     for index in range(len(SEEDS)):
         a, s = alone.jobs[index], shared.jobs[index]
         a_wall = alone_wall[rl_job_workflow_id(a.job_id)]

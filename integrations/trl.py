@@ -259,6 +259,7 @@ class GRPOTimeSlicing:
         self.trainer_group = trainer_group
         self.timeout = timeout
         self.phases: list[PhaseRecord] = []
+        self._reported = 0  # phases up to here went to their group with a release
         # Where one kind of work follows the other on one group: the lease kept, or handed on.
         self.kept_at_boundaries = 0
         self.yielded_at_boundaries = 0
@@ -405,7 +406,10 @@ class GRPOTimeSlicing:
             return True
         try:
             kept = self._clients[lease.group_id].release(
-                lease, next_phase=phase, expected_s=self.expected_s(phase)
+                lease,
+                next_phase=phase,
+                expected_s=self.expected_s(phase),
+                phases=self._phases_to_report(lease),
             )
         except LeaseRevokedError as err:
             log.warning("%s; acquiring again for %s", err, phase)
@@ -439,7 +443,15 @@ class GRPOTimeSlicing:
     def _release(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
-            self._clients[lease.group_id].release(lease)
+            self._clients[lease.group_id].release(lease, phases=self._phases_to_report(lease))
+
+    def _phases_to_report(self, lease: Lease) -> list[tuple[float, float]]:
+        """The phases run under ``lease`` since its last release: what this release reports,
+        so the group (and `timeslice report`) knows the lease's phase time from its overhead."""
+        new, self._reported = self.phases[self._reported :], len(self.phases)
+        return [
+            (r.start, r.end) for r in new if r.token == lease.token and r.group_id == lease.group_id
+        ]
 
     def _begin(self, phase: str, group: str) -> None:
         if self._open is not None and self._open[:2] == (phase, group):

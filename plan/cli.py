@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from timeslice.errors import InvalidArgumentError
+from timeslice.protocol.utilization import WHILE_JOBS_RAN
 
 if TYPE_CHECKING:
     from timeslice.plan.profile import JobProfile, Overheads
@@ -210,6 +211,14 @@ async def _profile(args: argparse.Namespace, jobs: list[str]) -> int:
     for profile, path in written:
         print(describe_profile(profile))
         print(f"  -> {path}")
+    if statuses:
+        from timeslice.report.gather import status_figures
+        from timeslice.report.text import utilization_line
+
+        now = datetime.now(UTC)
+        for g, status in statuses.items():  # what `timeslice status` and `report` print
+            figures = await status_figures(client, status.advanced_to(now))
+            print(f"group {g}: utilization {utilization_line(figures)}")
     return 0
 
 
@@ -496,11 +505,14 @@ def format_plan(result: PlanResult, origin: str, compared: Compared | None = Non
         verdict = "" if not a.violations else f"; BREAKS {len(a.violations)} LIMIT(S)"
         lines.append(
             f"#{rank}  {a.groups_used} group(s) used: {a.gpus_used} of {a.gpus_dedicated} GPUs "
-            f"(saves {a.gpus_saved}), mean utilization {_pct(a.mean_utilization)}{verdict}"
+            f"(saves {a.gpus_saved}), mean utilization {WHILE_JOBS_RAN} "
+            f"{_pct(a.mean_utilization)}{verdict}"
         )
-        rows = [("group", "role", "utilization", "jobs")]
+        rows = [("group", "role", f"utilization {WHILE_JOBS_RAN}", "demand bound", "jobs")]
         rows += [
-            (g.group_id, g.role, _pct(g.utilization), ", ".join(g.jobs)) for g in a.groups if g.jobs
+            (g.group_id, g.role, _pct(g.utilization), _pct(g.demand_bound), ", ".join(g.jobs))
+            for g in a.groups
+            if g.jobs
         ]
         lines += _table(rows)
         rows = [("job", "slowdown", "limit", "alone", "shared", "groups")]
@@ -588,6 +600,8 @@ def _assignment_json(a: Assignment) -> dict[str, object]:
                 "role": g.role,
                 "jobs": g.jobs,
                 "utilization": g.utilization,
+                "utilization_window": WHILE_JOBS_RAN,
+                "demand_bound": g.demand_bound,
                 "switches": g.switches,
             }
             for g in a.groups

@@ -263,6 +263,12 @@ class JobProfile(_Model):
         """The GPU share of an epoch when the job runs alone (protocol costs left out)."""
         return self.gpu_s / self.epoch_s if self.epoch_s > 0 else 1.0
 
+    def gpu_share(self, pools: set[str]) -> float:
+        """The share of an epoch alone spent in GPU phases on the groups of ``pools``
+        (``sampler``, ``trainer``): this job's term of a group's demand bound."""
+        on = sum(p.seconds.mean for p in self.phases if p.gpu and p.pool in pools)
+        return on / self.epoch_s if self.epoch_s > 0 else 1.0
+
     def pools(self) -> set[str]:
         return {p.pool for p in self.phases if p.pool is not None}
 

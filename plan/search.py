@@ -39,6 +39,7 @@ from timeslice.plan.simulator import (
     simulate,
 )
 from timeslice.protocol.group import GrantPolicy
+from timeslice.protocol.utilization import demand_bound
 
 DEFAULT_MAX_SLOWDOWN = 1.5
 COARSE_MARGIN = 0.05
@@ -116,8 +117,9 @@ class GroupPlan:
     group_id: str
     role: str  # "shared", "sampler" or "trainer"
     jobs: list[str]
-    utilization: float
+    utilization: float  # while jobs ran (timeslice.protocol.utilization)
     switches: int
+    demand_bound: float = 0.0  # the jobs' summed GPU demand here, capped at 1
 
 
 @dataclass
@@ -298,7 +300,9 @@ class Planner:
             index = 0 if role in ("shared", "sampler") else 1
             on = sorted(j for j, pt in placement.items() if pt[index] == gid)
             u, switches = util.get(gid, (0.0, 0))
-            groups.append(GroupPlan(gid, role, on, u if on else 0.0, switches))
+            shares = (self.profiles[j].gpu_share(_pools_on(placement[j], gid)) for j in on)
+            bound = demand_bound(shares)
+            groups.append(GroupPlan(gid, role, on, u if on else 0.0, switches, bound))
         jobs.sort(key=lambda j: j.job_id)
         return Assignment(groups=groups, jobs=jobs, gpus_per_group=layout.gpus_per_group)
 
@@ -626,6 +630,12 @@ class _Summary:
 
 def _with(pt: tuple[str, str], index: int, group: str) -> tuple[str, str]:
     return (group, pt[1]) if index == 0 else (pt[0], group)
+
+
+def _pools_on(groups: tuple[str, str], group_id: str) -> set[str]:
+    """The pools (sampler, trainer) a job placed on ``groups`` runs on ``group_id``."""
+    sampler, trainer = groups
+    return {pool for pool, g in (("sampler", sampler), ("trainer", trainer)) if g == group_id}
 
 
 def _components(placement: dict[str, tuple[str, str]]) -> list[tuple[tuple[str, str, str], ...]]:

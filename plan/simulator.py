@@ -36,11 +36,13 @@ what the same jobs reach under the same grant policy when switching costs nothin
 (``bench/replay.py``, which prints beside it the jobs' summed GPU demand, the bound no policy
 beats).
 
-Figures: a group's **utilization** = the time GPU phases ran on it / wall time from its first
-phase start to its last phase end (restores, evictions, checkpoints and gaps count as not
-busy); a job's **completion** = its first phase start to its last phase end. With
-``record=True`` the outcome also lists each group's asks, grants and releases
-(:class:`GroupEvent`), which ``tests/unit/test_sim_policy.py`` replays through ``GroupBook``.
+Figures: a group's **utilization while jobs ran** (``timeslice.protocol.utilization``, the
+definition `timeslice status` and `timeslice report` use) = the time GPU phases ran on it /
+wall time from its first phase start to its last phase end (restores, evictions,
+checkpoints and gaps count as not busy); a job's **completion** = its first phase start to
+its last phase end. With ``record=True`` the outcome also lists each group's asks, grants and
+releases (:class:`GroupEvent`), which ``tests/unit/test_sim_policy.py`` replays through
+``GroupBook``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from timeslice.protocol.group import (
     DEFAULT_SHARE_SLACK,
     GrantPolicy,
 )
+from timeslice.protocol.utilization import WHILE_JOBS_RAN, Utilization
 from timeslice.workflows.grant_policy import (
     Carry,
     CarryLimits,
@@ -165,8 +168,14 @@ class GroupResult:
         return 0.0 if self.first_start is None else self.last_end - self.first_start
 
     @property
+    def while_jobs_ran(self) -> Utilization:
+        """The one definition (``timeslice.protocol.utilization``): phase time over the first
+        phase's start to the last phase's end (a simulated group has no life before)."""
+        return Utilization(self.busy_s, self.wall_s, WHILE_JOBS_RAN)
+
+    @property
     def utilization(self) -> float:
-        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+        return self.while_jobs_ran.share
 
 
 @dataclass

@@ -140,7 +140,7 @@ DEFAULT_SHARE_SLACK = 0.05
 # The most one entry takes, encoded with its separator: ids are ASCII (ID_RULE), times at most
 # "2999-12-31T23:59:59.999999-23:59", integers 20 characters, floats 24.
 _ID_BYTES = 103
-_LEASE_RECORD_BYTES = 256
+_LEASE_RECORD_BYTES = 384  # with MAX_LEASE_PHASES reported phases (issue 25)
 _SWITCH_RECORD_BYTES = 384
 _FLOAT_BYTES = 25
 _FINGERPRINT_BYTES = 19
@@ -206,6 +206,51 @@ TaskQueueName = Annotated[
     str, StringConstraints(min_length=1, max_length=300), AfterValidator(_task_queue_name)
 ]
 Instant = Annotated[datetime, AfterValidator(_instant)]
+
+# GPU phases an embedded client ran under a lease, reported with its release: each
+# (offset_s, seconds), the offset from the grant as the client saw it, to the millisecond.
+# At most MAX_LEASE_PHASES per lease (a client with more merges its closest ones: phase time
+# stays exact, their places approximate), so a lease record keeps a bounded size.
+MAX_LEASE_PHASES = 4
+MAX_PHASE_OFFSET_S = 366 * 86_400.0
+PhaseSeconds = Annotated[float, Field(ge=0, le=MAX_PHASE_OFFSET_S, allow_inf_nan=False)]
+
+
+def _to_the_millisecond(value: tuple[float, float]) -> tuple[float, float]:
+    return round(value[0], 3), round(value[1], 3)
+
+
+LeasePhase = Annotated[tuple[PhaseSeconds, PhaseSeconds], AfterValidator(_to_the_millisecond)]
+LeasePhases = Annotated[
+    list[LeasePhase] | None,
+    Field(
+        None,
+        max_length=MAX_LEASE_PHASES,
+        description="GPU phases run under the lease: (seconds from the grant, seconds); None: "
+        "not reported (the lease is the phase), []: reported, none ran",
+    ),
+]
+
+
+def bounded_phases(phases: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``phases`` in time order, at most ``MAX_LEASE_PHASES``: past it, the two with the
+    smallest gap between them become one of their summed length, placed at the first (phase
+    time stays exact; the later one's place is approximate)."""
+    kept = sorted((round(o, 3), round(s, 3)) for o, s in phases)
+    while len(kept) > MAX_LEASE_PHASES:
+        gaps = [kept[i + 1][0] - sum(kept[i]) for i in range(len(kept) - 1)]
+        i = gaps.index(min(gaps))
+        kept[i : i + 2] = [(kept[i][0], round(kept[i][1] + kept[i + 1][1], 3))]
+    return kept
+
+
+def _omit_unreported_phases(data: Any, phases: list[Any] | None) -> Any:
+    # A message or record without phases encodes as before they existed, so a group or client
+    # of an older release (its models forbid unknown fields) still reads it, and carried
+    # states keep their size.
+    if phases is None and isinstance(data, dict):
+        data.pop("phases", None)
+    return data
 
 
 @dataclass(frozen=True)
@@ -688,6 +733,7 @@ class LeaseReturn(LeaseEnd):
         description="the holder moves its own state out (in-process backends) when another job "
         "takes the group next; the answer says whether to, and a `report_moved` follows",
     )
+    phases: LeasePhases
 
     @model_serializer(mode="wrap")
     def _omit_no_carry(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -696,7 +742,7 @@ class LeaseReturn(LeaseEnd):
         data = handler(self)
         if self.carry_into is None and isinstance(data, dict):
             data.pop("carry_into", None)
-        return data
+        return _omit_unreported_phases(data, self.phases)
 
 
 class ReturnAnswer(_Model):
@@ -773,6 +819,12 @@ class HeldLease(_Model):
     # it is carried into now.
     carries: int = Field(0, ge=0)
     carrying_into: str | None = None
+    # GPU phases the holder reported with releases that kept the lease (carried), so far.
+    phases: LeasePhases
+
+    @model_serializer(mode="wrap")
+    def _omit_no_phases(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _omit_unreported_phases(handler(self), self.phases)
 
 
 class ResidentJob(_Model):
@@ -782,11 +834,20 @@ class ResidentJob(_Model):
 
 
 class LeaseRecord(_Model):
+    """One lease that ended; ``phases``: the GPU phases its holder reported running under it
+    (an embedded client's; none: the lease was its phase, or an RL job's, whose phases its
+    history has)."""
+
     job_id: str
     token: int
     start: Instant
     end: Instant
     outcome: LeaseOutcome
+    phases: LeasePhases
+
+    @model_serializer(mode="wrap")
+    def _omit_no_phases(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _omit_unreported_phases(handler(self), self.phases)
 
 
 class SwitchRecord(_Model):
@@ -934,8 +995,10 @@ class GroupStatus(_Model):
     """What a group is doing: the answer of its ``status`` query (``client.group_status``,
     ``timeslice status``).
 
-    A query answers as of the group's last workflow task; ``advanced_to`` brings the figures
-    to the reader's clock (the clients do so), never past ``next_deadline``.
+    A query answers as of the group's last workflow task (a query's ``workflow.now()`` is that
+    task's time, and a query may change nothing); ``advanced_to`` brings the figures to the
+    reader's clock (the clients, ``timeslice status`` and the report do so), never past
+    ``next_deadline``.
 
     Attributes:
         group_id: The group.
@@ -945,7 +1008,11 @@ class GroupStatus(_Model):
         resident_job: The job whose state is on the device now (held or not), or None.
         faulted_jobs: Jobs whose state could not be evicted or restored, with why; their
             next acquire raises ``JobFaultedError``.
-        utilization: Busy time (sum of lease intervals) over wall time since creation.
+        utilization: The share of its life since creation the group was **held** (its
+            lease intervals over its wall time); the name stays for compatibility, read it as
+            :attr:`held_share`. Utilization proper counts GPU phases, which the group does not
+            see for RL jobs: ``timeslice status`` and ``timeslice report`` compute it
+            (``timeslice.protocol.utilization``; docs/report.md).
         wall_s: Seconds since the group was created.
         idle_s: Seconds the group was held by nobody.
         wait_p50_s: The median of the recent acquire waits (None: none yet).
@@ -982,6 +1049,11 @@ class GroupStatus(_Model):
         description="the nearest time the group acts on its own (a lease's expiry or "
         "confirmation, a waiter's time-out): these figures hold at most until then",
     )
+
+    @property
+    def held_share(self) -> float:
+        """Lease time over wall time since creation (the wire field ``utilization``)."""
+        return self.utilization
 
     def advanced_to(self, now: datetime) -> GroupStatus:
         """These figures as of ``now``: the holder (if any) kept holding, waiters kept

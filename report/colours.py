@@ -7,16 +7,20 @@ from timeslice.report.model import Report
 KIND_COLOURS = {
     "sample": "#1f77b4",
     "train": "#ff7f0e",
+    "phase": "#5254a3",
     "rewards": "#2ca02c",
     "waiting": "#c7c7c7",
     "switching": "#d62728",
+    "idle": "#f0f0f0",
 }
 KIND_NAMES = {
     "sample": "sample (GPU)",
     "train": "train (GPU)",
+    "phase": "client GPU phase",
     "rewards": "rewards (no GPU)",
     "waiting": "waiting for a group",
     "switching": "moving state",
+    "idle": "idle (nobody held it)",
 }
 JOB_PALETTE = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79")
 

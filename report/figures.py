@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 from timeslice.protocol.group import GroupStatus
 from timeslice.protocol.rl_job import PhaseResult
+from timeslice.protocol.utilization import active_window, merged, phase_time
 from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Span
 
 
@@ -35,6 +36,8 @@ class JobRecord:
     note: str | None = None
     # Phase activities whose result did not read as a PhaseResult (the job refused it too).
     skipped_results: int = 0
+    # False: no RL job of this id exists (a named job, or an embedded client's job id).
+    found: bool = True
 
 
 def _wall(phase: PhaseResult, completed_at: datetime | None) -> float | None:
@@ -140,8 +143,13 @@ def group_figures(
 
     A status runs to the group's last event (a query sees the workflow's clock, which stands
     still between events); ``now``, the time of the query, extends it: the time since then
-    was held by the holder, or idle. ``phases``: the RL jobs' GPU phases on this group; the
-    leases of jobs that report no phases (embedded clients) count as phase time whole."""
+    was held by the holder, or idle. ``phases``: the RL jobs' GPU phases on this group; of the
+    other jobs (embedded clients) the phases they reported with their releases count, and the
+    leases of those that reported none count whole (:func:`client_phases`)."""
+    if status.as_of is not None and now is not None:
+        # The one way figures come to the reader's clock (status and report alike); a status
+        # without ``as_of`` (hand-built, or from an older group) is extended below instead.
+        status, now = status.advanced_to(now), None
     stats = status.stats
     end = stats.created_at + timedelta(seconds=status.wall_s)
     since = max(0.0, (now - end).total_seconds()) if now is not None else 0.0
@@ -163,8 +171,9 @@ def group_figures(
         )
         for r in status.history
     ]
+    held_now = []
     if status.holder is not None:
-        spans.append(
+        held_now.append(
             Span(
                 lane=lane,
                 kind="lease",
@@ -175,6 +184,7 @@ def group_figures(
                 label=f"{status.holder.job_id} · token {status.holder.token} · held now",
             )
         )
+        spans += held_now
     spans += [
         Span(
             lane=lane,
@@ -189,17 +199,25 @@ def group_figures(
         )
         for s in status.switch_history
     ]
+    spans += idle_spans(status, spans, end)
     notes: list[str] = []
-    phase = sum(s.seconds for s in phases)
     client_leases = [s for s in spans if s.kind == "lease" and s.job_id not in rl_jobs]
-    phase += sum(s.seconds for s in client_leases)
+    # A client's lease held now counts whole: its phases come with its release.
+    client = client_phases(status, rl_jobs) + [s for s in held_now if s.job_id not in rl_jobs]
+    intervals = [(s.start.timestamp(), s.end.timestamp()) for s in [*phases, *client]]
+    reported = sum(s.seconds for s in [*phases, *client])
+    phase = phase_time(intervals, (stats.created_at.timestamp(), end.timestamp()))
+    active = active_window(intervals)
     if client_leases and stats.leases > len(status.history):
         notes.append(
             f"keeps its last {len(status.history)} of {stats.leases} leases: embedded clients' "
             "earlier leases count as overhead"
         )
-    if phase > busy + 1e-3:
-        notes.append(f"phases reported {phase - busy:.3f} s more than the leases held (clocks?)")
+    if max(phase, reported) > busy + 1e-3:
+        notes.append(
+            f"phases reported {max(phase, reported) - busy:.3f} s more than the leases held "
+            "(clocks?)"
+        )
     phase = min(phase, busy)
     figures = GroupFigures(
         group_id=status.group_id,
@@ -221,8 +239,73 @@ def group_figures(
         carried=stats.carried,
         carrying_into=status.holder.carrying_into if status.holder is not None else None,
         notes=notes,
+        active_start=None if active is None else datetime.fromtimestamp(active[0], tz=UTC),
+        active_end=None if active is None else datetime.fromtimestamp(active[1], tz=UTC),
     )
     return figures, spans
+
+
+def client_phases(status: GroupStatus, rl_jobs: set[str]) -> list[Span]:
+    """The GPU phases of the group's embedded clients (jobs that are not RL jobs), in lanes of
+    their own: those each reported with its release, placed from its lease's start; a lease
+    whose holder reported nothing (a plain release) is its phase, whole ("lease = phase")."""
+    spans = []
+    for r in status.history:
+        if r.job_id in rl_jobs:
+            continue
+        common = {"lane": r.job_id, "job_id": r.job_id, "group_id": status.group_id}
+        if r.phases is None:
+            spans.append(
+                Span(
+                    kind="phase",
+                    start=r.start,
+                    end=r.end,
+                    label=f"lease on {status.group_id} (no phases reported)",
+                    **common,
+                )
+            )
+            continue
+        for offset, seconds in r.phases:
+            start = min(r.end, r.start + timedelta(seconds=offset))
+            end = min(r.end, start + timedelta(seconds=seconds))
+            spans.append(
+                Span(
+                    kind="phase",
+                    start=start,
+                    end=end,
+                    label=f"GPU phase on {status.group_id}",
+                    **common,
+                )
+            )
+    return spans
+
+
+def idle_spans(status: GroupStatus, held: list[Span], end: datetime) -> list[Span]:
+    """The group's idle time as spans: the gaps between its leases and switches, from its
+    creation to ``end``. A group that no longer keeps its first leases (``history_keep``) is
+    drawn idle only from its oldest record on: before, the table's idle time is not known
+    interval by interval."""
+    stats = status.stats
+    complete = len(status.history) + (1 if status.holder is not None else 0) >= stats.leases
+    since = stats.created_at if complete else min((s.start for s in held), default=end)
+    moments = [(s.start.timestamp(), s.end.timestamp()) for s in held]
+    gaps: list[tuple[float, float]] = []
+    cursor, until = since.timestamp(), end.timestamp()
+    for start, stop in [*merged(moments), (until, until)]:
+        if min(start, until) > cursor:
+            gaps.append((cursor, min(start, until)))
+        cursor = max(cursor, stop)
+    return [
+        Span(
+            lane=status.group_id,
+            kind="idle",
+            start=datetime.fromtimestamp(a, tz=UTC),
+            end=datetime.fromtimestamp(b, tz=UTC),
+            group_id=status.group_id,
+            label="idle",
+        )
+        for a, b in gaps
+    ]
 
 
 def build_lanes(job_lanes: list[Lane], group_lanes: list[Lane]) -> list[Lane]:

@@ -39,11 +39,12 @@ from timeslice.protocol.rl_job import (
 from timeslice.report.figures import (
     JobRecord,
     build_lanes,
+    client_phases,
     group_figures,
     job_figures,
     job_spans,
 )
-from timeslice.report.model import JobFigures, JobStatus, Lane, Report
+from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Report, Span
 
 DEFAULT_MAX_JOBS = 50
 QUERY_TIMEOUT = timedelta(seconds=15)  # a workflow no worker serves never answers
@@ -100,20 +101,21 @@ async def collect_report(
         spans = job_spans(record)
         job_lanes.append(Lane(name=record.job_id, kind="job", spans=spans))
         job_reports.append(job_figures(record, spans, (dedicated_s or {}).get(record.job_id)))
-    rl_jobs = {r.job_id for r in records}
+    # A job with no RL job workflow is an embedded client: its leases are its phases.
+    rl_jobs = {r.job_id for r in records if r.found}
     group_reports = []
     group_lanes: list[Lane] = []
+    client_lanes: dict[str, Lane] = {}  # a lane per embedded client's job, across groups
     for group_id, answer in zip(groups, answers, strict=True):
         if isinstance(answer, GroupStatus):
-            phases = [
-                s
-                for lane in job_lanes
-                for s in lane.spans
-                if s.group_id == group_id and s.kind in ("sample", "train")
-            ]
-            figures, spans = group_figures(answer, queried, phases, rl_jobs)
+            figures, spans = group_figures(
+                answer, queried, gpu_phases(job_lanes, group_id), rl_jobs
+            )
             group_reports.append(figures)
             group_lanes.append(Lane(name=group_id, kind="group", spans=spans))
+            for span in client_phases(answer, rl_jobs):
+                lane = client_lanes.setdefault(span.lane, Lane(name=span.lane, kind="job"))
+                lane.spans.append(span)
         elif named or not isinstance(answer, Exception):
             raise answer
         else:
@@ -122,9 +124,38 @@ async def collect_report(
         generated_at=now,
         groups=group_reports,
         jobs=job_reports,
-        lanes=build_lanes(job_lanes, group_lanes),
+        lanes=build_lanes([*job_lanes, *client_lanes.values()], group_lanes),
         problems=problems,
     )
+
+
+def gpu_phases(job_lanes: list[Lane], group_id: str) -> list[Span]:
+    """The RL jobs' GPU phases on ``group_id``: what its utilization counts of them."""
+    return [
+        s
+        for lane in job_lanes
+        for s in lane.spans
+        if s.group_id == group_id and s.kind in ("sample", "train")
+    ]
+
+
+async def status_figures(client: Client, status: GroupStatus) -> GroupFigures:
+    """The report's figures of one group from its ``status``, at the status's moment (its
+    ``as_of``: bring it to now with ``GroupStatus.advanced_to`` first, as the clients do): the
+    RL jobs among its holders (its lease history and its holder) are read for their phases,
+    the others are embedded clients. What `timeslice status` and `timeslice plan profile
+    --group` print, so they say what `timeslice report` says."""
+    holders = {r.job_id for r in status.history}
+    if status.holder is not None:
+        holders.add(status.holder.job_id)
+    now = datetime.now(UTC)
+    records = await asyncio.gather(*(_job(client, j, now, progress=False) for j in sorted(holders)))
+    found = [r for r in records if r.found]
+    lanes = [Lane(name=r.job_id, kind="job", spans=job_spans(r)) for r in found]
+    figures, _ = group_figures(
+        status, status.as_of or now, gpu_phases(lanes, status.group_id), {r.job_id for r in found}
+    )
+    return figures
 
 
 async def _discover(
@@ -159,13 +190,17 @@ async def _group_status(client: Client, group_id: str) -> GroupStatus:
         raise
 
 
-async def _job(client: Client, job_id: str, now: datetime) -> JobRecord:
+async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = True) -> JobRecord:
+    """One RL job's record; ``progress=False`` reads its phases only (no result, no query a
+    worker must answer)."""
     workflow_id = rl_job_workflow_id(job_id)
     try:
         latest = await client.get_workflow_handle(workflow_id).describe()
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
-            return JobRecord(job_id=job_id, status="unknown", note=f"no workflow {workflow_id}")
+            return JobRecord(
+                job_id=job_id, status="unknown", note=f"no workflow {workflow_id}", found=False
+            )
         raise
     status = _STATUS_NAMES.get(latest.status, "unknown") if latest.status else "unknown"
     record = JobRecord(job_id=job_id, status=status, ended=latest.close_time)
@@ -176,6 +211,8 @@ async def _job(client: Client, job_id: str, now: datetime) -> JobRecord:
         await _read_run(client, history.events, record)
     if runs:
         record.started = runs[0].start_time
+    if not progress:
+        return record
     handle = client.get_workflow_handle(workflow_id, run_id=latest.run_id, result_type=RLJobResult)
     if status == "completed":
         result = await handle.result()

@@ -10,16 +10,19 @@ from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from timeslice.protocol.utilization import SINCE_CREATED, WHILE_JOBS_RAN, Utilization
 
 PHASES = ("sample", "rewards", "train")
 
 SpanKind = Literal[
     "sample",  # job lanes: a GPU phase running
     "train",
+    "phase",  # an embedded client's GPU phase: reported with its release, or its whole lease
     "rewards",  # the job computing rewards, holding no group
     "waiting",  # the job waiting for a group's grant
     "switching",  # job lanes: its state coming back in; group lanes: a switch
     "lease",  # group lanes: held by ``job_id``
+    "idle",  # group lanes: nobody held it and nothing moved
 ]
 
 
@@ -52,7 +55,9 @@ class GroupFigures(_Model):
     """One GPU group over ``start`` (its creation) to ``end`` (its close, or the query).
 
     ``phase_s`` + ``overhead_s`` + ``switching_s`` + ``idle_s`` = ``wall_s``: the time GPU phases
-    ran, the time it was leased while none ran, the time state moved, and the rest."""
+    ran, the time it was leased while none ran, the time state moved, and the rest.
+    ``active_start`` to ``active_end``: its first phase's start to its last phase's end, the
+    window of :attr:`while_jobs_ran` (docs/report.md, "Utilization")."""
 
     group_id: str
     start: datetime
@@ -73,14 +78,30 @@ class GroupFigures(_Model):
     carried: int = Field(0, description="leases carried past waiters (the grant policy)")
     carrying_into: str | None = Field(None, description="the holder's, at the query")
     notes: list[str] = Field(default_factory=list)
+    active_start: datetime | None = Field(None, description="the first phase's start")
+    active_end: datetime | None = Field(None, description="the last phase's end")
 
     def fraction(self, seconds: float) -> float:
         return seconds / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def since_created(self) -> Utilization:
+        """Phase time over the group's life, creation to ``end``."""
+        return Utilization(self.phase_s, self.wall_s, SINCE_CREATED)
+
+    @property
+    def while_jobs_ran(self) -> Utilization:
+        """Phase time over its first phase's start to its last phase's end (all its phases
+        ran in that window)."""
+        if self.active_start is None or self.active_end is None:
+            return Utilization(0.0, 0.0, WHILE_JOBS_RAN)
+        window = (self.active_end - self.active_start).total_seconds()
+        return Utilization(self.phase_s, window, WHILE_JOBS_RAN)
+
+    @property
     def utilization(self) -> float:
-        """Phase time / wall time: the share of the group's life its GPU phases ran."""
-        return self.fraction(self.phase_s)
+        """The share of the group's life (since it was created) its GPU phases ran."""
+        return self.since_created.share
 
 
 JobStatus = Literal[
@@ -147,3 +168,15 @@ class Report(_Model):
     @property
     def spans(self) -> list[Span]:
         return [s for lane in self.lanes for s in lane.spans]
+
+    @property
+    def window(self) -> tuple[datetime, datetime]:
+        """The time the report covers: from the first group's creation (or the first span) to
+        the last group's end (or the last span). The tables' group figures cover their part of
+        it, and the picture, the page and the trace draw all of it, so the idle time in the
+        table is there to see."""
+        starts = [g.start for g in self.groups] + [s.start for s in self.spans]
+        ends = [g.end for g in self.groups] + [s.end for s in self.spans]
+        if not starts:
+            return self.generated_at, self.generated_at
+        return min(starts), max(ends)

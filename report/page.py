@@ -12,7 +12,13 @@ from pathlib import Path
 from timeslice.errors import TimesliceError
 from timeslice.report.colours import KIND_COLOURS, KIND_NAMES, job_colours
 from timeslice.report.model import Report
-from timeslice.report.text import GROUP_HEADERS, JOB_HEADERS, group_row, job_row
+from timeslice.report.text import (
+    GROUP_HEADERS,
+    JOB_HEADERS,
+    group_row,
+    job_row,
+    utilization_line,
+)
 
 
 class MissingPlotlyError(TimesliceError, ImportError):
@@ -27,7 +33,7 @@ def timeline_figure(report: Report) -> object:
             "the interactive report needs plotly: pip install 'timeslice[report]'"
         ) from err
     spans = report.spans
-    origin = min((s.start for s in spans), default=report.generated_at)
+    origin, until = report.window  # what the tables cover, their idle time included
     lanes = [f"{lane.name} ({lane.kind})" for lane in report.lanes]
     lane_of = {lane.name: label for lane, label in zip(report.lanes, lanes, strict=True)}
     colours = job_colours(report)
@@ -50,7 +56,11 @@ def timeline_figure(report: Report) -> object:
                 y=[lane_of[s.lane] for s in members],
                 base=[(s.start - origin).total_seconds() for s in members],
                 x=[max(s.seconds, 1e-4) for s in members],
-                marker={"color": colour, "line": {"width": 0}},
+                marker={
+                    "color": colour,
+                    "line": {"width": 0},
+                    "pattern": {"shape": "/"} if first.kind == "idle" else {},
+                },
                 width=0.9 if first.kind == "switching" else 0.5 if first.kind == "waiting" else 0.7,
                 customdata=[
                     [
@@ -77,7 +87,11 @@ def timeline_figure(report: Report) -> object:
         hoverlabel={"align": "left"},
     )
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)))
-    fig.update_xaxes(title="seconds from the first span", rangeslider={"visible": True})
+    fig.update_xaxes(
+        title=f"seconds from {origin:%H:%M:%S} UTC (the first group's creation)",
+        range=[0, max(1.0, (until - origin).total_seconds())],
+        rangeslider={"visible": True},
+    )
     return fig
 
 
@@ -101,6 +115,10 @@ def write_html(report: Report, path: Path) -> Path:
         for g in report.groups
         for n in g.notes
     )
+    utilization = "".join(
+        f"<li>{html.escape(g.group_id)}: {html.escape(utilization_line(g))}</li>"
+        for g in report.groups
+    )
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>timeslice report · {when}</title>
 <style>
@@ -117,6 +135,8 @@ p.note {{ color: #555; max-width: 60em; }}
 They add up to 100%. Definitions: docs/report.md.</p>
 {_table(GROUP_HEADERS, [group_row(g) for g in report.groups])}
 {f"<ul>{notes}</ul>" if notes else ""}
+<p class="note"><b>Utilization</b>: GPU phase time over the window named (docs/report.md).</p>
+<ul class="utilization">{utilization}</ul>
 <h2>RL jobs</h2>
 <p class="note">Each job's own phase times, its time waiting for grants and moving its state back,
 its wall time, and its slowdown: wall time over the same job's wall time alone (measured), or over

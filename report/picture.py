@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from timeslice.errors import TimesliceError
 from timeslice.report.colours import KIND_COLOURS, KIND_NAMES, job_colours
 from timeslice.report.model import Lane, Report, Span
+from timeslice.report.text import utilization_line
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -24,11 +25,11 @@ class MissingDependencyError(TimesliceError, ImportError):
 
 def zoom_window(report: Report, seconds: float = 20.0) -> tuple[float, float]:
     """A window of ``seconds`` in the middle of the run (past the start-up), in seconds from
-    the first span: what the lower panel shows in detail."""
+    the start of the report's window: what the lower panel shows in detail."""
     spans = [s for s in report.spans if s.kind in ("sample", "train")]
     if not spans:
         return 0.0, seconds
-    origin = min(s.start for s in report.spans)
+    origin = report.window[0]
     first = min(s.start for s in spans)
     last = max(s.end for s in spans)
     middle = ((first - origin).total_seconds() + (last - origin).total_seconds()) / 2
@@ -46,19 +47,27 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
             "timeline.png needs matplotlib: pip install 'timeslice[report]'"
         ) from err
     lanes = report.lanes
-    origin = min((s.start for s in report.spans), default=report.generated_at)
+    # The window the tables cover (Report.window): the groups' lives, their idle time too.
+    origin, until = report.window
     colours = job_colours(report)
-    ends = [(s.end - origin).total_seconds() for s in report.spans]
-    span_s = max([1.0, *ends])
+    span_s = max(1.0, (until - origin).total_seconds())
     # A run longer than the window gets a second panel: a window in its middle, in detail.
     zoomed = span_s > 1.5 * zoom_s
-    height = 1.2 + 0.45 * max(1, len(lanes))
+    height = 1.2 + 0.45 * max(1, len(lanes)) + 0.2 * min(5, len(report.groups))
     fig = Figure(figsize=(13, 1.0 + (2 if zoomed else 1) * height), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2 if zoomed else 1, 1, squeeze=False)[:, 0]
     overview = axes[0]
     _draw(overview, lanes, origin, colours)
-    overview.set_title("the whole run", loc="left", fontsize="medium")
+    shown = ["the whole run: from the first group's creation to the report, as in the tables"]
+    shown += [f"{g.group_id}: utilization {utilization_line(g)}" for g in report.groups[:4]]
+    if len(report.groups) > 4:
+        shown.append(f"... and {len(report.groups) - 4} more groups (report.txt)")
+    overview.set_title(
+        "\n".join(shown),
+        loc="left",
+        fontsize="medium",
+    )
     overview.set_xlim(0, span_s * 1.01)
     if zoomed:
         window = zoom_window(report, zoom_s)
@@ -66,8 +75,13 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
         axes[1].set_title(f"{window[0]:.0f} to {window[1]:.0f} s in detail", loc="left",
                           fontsize="medium")  # fmt: skip
         axes[1].set_xlim(*window)
-    axes[-1].set_xlabel("seconds from the first span")
-    handles = [Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in KIND_COLOURS]
+    axes[-1].set_xlabel(f"seconds from {origin:%H:%M:%S} UTC")
+    handles = [
+        Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k], hatch="///", edgecolor="#b0b0b0")
+        if k == "idle"
+        else Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k])
+        for k in KIND_COLOURS
+    ]
     handles += [Patch(facecolor=c, label=f"held by {job}") for job, c in colours.items()]
     overview.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     if not report.spans:
@@ -79,26 +93,44 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
     return path
 
 
-def _draw(ax: Axes, lanes: list[Lane], origin: datetime, colours: dict[str, str]) -> None:
-    def sec(t: datetime) -> float:
-        return (t - origin).total_seconds()
+# What each lane draws, in order (waits first, phases over them, switches last, thin, so they
+# show on top; idle hatched), and how tall.
+LAYERS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("idle",), 0.7),
+    (("waiting",), 0.5),
+    (("lease", "sample", "phase", "rewards", "train"), 0.7),
+    (("switching",), 0.9),
+)
 
+
+def bars(lane: Lane, origin: datetime) -> list[tuple[str, float, float]]:
+    """(kind, start, width) in seconds from ``origin`` of every bar ``lane`` draws."""
+    return [
+        (s.kind, (s.start - origin).total_seconds(), max(s.seconds, 1e-4))
+        for kinds, _ in LAYERS
+        for s in lane.spans
+        if s.kind in kinds
+    ]
+
+
+def _draw(ax: Axes, lanes: list[Lane], origin: datetime, colours: dict[str, str]) -> None:
     def colour(span: Span) -> str:
         if span.kind == "lease":
             return colours.get(span.job_id or "", "#7f7f7f")
         return KIND_COLOURS[span.kind]
 
     for y, lane in enumerate(lanes):
-        # Draw waits first, phases over them, switches last (thin, so they show on top).
-        for kinds, height in ((("waiting",), 0.5), (("lease", "sample", "rewards", "train"), 0.7),
-                              (("switching",), 0.9)):  # fmt: skip
+        drawn = bars(lane, origin)
+        for kinds, height in LAYERS:
             spans = [s for s in lane.spans if s.kind in kinds]
             if spans:
                 ax.broken_barh(
-                    [(sec(s.start), max(s.seconds, 1e-4)) for s in spans],
+                    [(start, width) for kind, start, width in drawn if kind in kinds],
                     (y - height / 2, height),
                     facecolors=[colour(s) for s in spans],
-                    linewidth=0,
+                    linewidth=0.5 if kinds == ("idle",) else 0,
+                    edgecolor="#b0b0b0" if kinds == ("idle",) else None,
+                    hatch="///" if kinds == ("idle",) else None,
                 )
     ax.set_yticks(range(len(lanes)), [f"{lane.name} ({lane.kind})" for lane in lanes])
     ax.set_ylim(-0.6, max(1, len(lanes)) - 0.4)

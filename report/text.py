@@ -75,6 +75,11 @@ def group_row(g: GroupFigures) -> tuple[str, ...]:
     )
 
 
+def utilization_line(g: GroupFigures) -> str:
+    """Both windows, labelled: the same words `timeslice status` prints (docs/report.md)."""
+    return f"{g.since_created}; {g.while_jobs_ran}"
+
+
 def job_row(j: JobFigures) -> tuple[str, ...]:
     epochs = str(j.epochs_done) if j.epochs is None else f"{j.epochs_done}/{j.epochs}"
     slowdown = j.slowdown
@@ -132,6 +137,9 @@ def format_text(report: Report) -> str:
         extra += g.notes
         if extra:
             out.append(f"  {g.group_id}: {', '.join(extra)}")
+    if report.groups:
+        out += ["", "Utilization: GPU phase time / the window named (docs/report.md)"]
+        out += [f"  {g.group_id}: {utilization_line(g)}" for g in report.groups]
     out += [
         "",
         "RL jobs: own phase times, time waiting for grants and moving state back; slowdown = "

@@ -16,8 +16,7 @@ JOBS_PID, GROUPS_PID = 1, 2
 
 
 def trace_events(report: Report) -> dict[str, Any]:
-    spans = report.spans
-    origin = min((s.start for s in spans), default=report.generated_at)
+    origin = report.window[0]
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": JOBS_PID, "args": {"name": "RL jobs"}},
         {"ph": "M", "name": "process_name", "pid": GROUPS_PID, "args": {"name": "GPU groups"}},

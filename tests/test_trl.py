@@ -7,6 +7,7 @@ the same script without ``--group``: plain TRL, no Temporal at all.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -130,6 +131,53 @@ def test_two_trl_jobs_share_one_group_without_overlapping_gpu_phases(trl_runs: A
     assert handoffs >= 6, f"the jobs hardly took turns ({handoffs} hand-offs): not time-sliced"
     assert status.holder is None and not status.queue
     assert status.stats.bytes_moved > 0 and status.stats.evictions >= 2
+
+
+def test_status_report_and_plan_profile_agree_and_draw_a_lane_per_job(
+    trl_runs: Any, server: Any, tmp_path: Path
+) -> None:
+    """The TRL jobs report their GPU phases with each release: the report draws a lane per job
+    and its phase share is below its lease share; `timeslice status`, `timeslice report` and
+    `timeslice plan profile --group` print one utilization while jobs ran (issue 25)."""
+    from timeslice.report import collect_report
+    from timeslice.transport.connection import connect, connect_config
+
+    from tests.test_status_utilization import figures, timeslice
+
+    _, status, jobs = trl_runs
+    group = status.group_id
+    for job in jobs.values():
+        mine = [r for r in status.history if r.job_id == job]
+        assert mine and all(r.phases is not None for r in mine), job
+        assert any(r.phases for r in mine), job
+
+    async def read() -> Any:
+        client = await connect(connect_config(server.address))
+        return await collect_report(client, groups=[group], jobs=list(jobs.values()))
+
+    report = asyncio.run(read())
+    lanes = {lane.name: lane for lane in report.lanes if lane.kind == "job"}
+    for job in jobs.values():
+        assert lanes[job].spans and {s.kind for s in lanes[job].spans} == {"phase"}, job
+    (g,) = report.groups
+    assert 0 < g.utilization < g.fraction(g.phase_s + g.overhead_s)
+
+    address = ["--address", server.address]
+    said = {
+        "status": figures(timeslice("status", group, *address), group),
+        "report": figures(
+            timeslice("report", "--group", group, "--job", jobs["a"], "--job", jobs["b"],
+                      "--text-only", *address),
+            group,
+        ),
+        "plan profile": figures(
+            timeslice("plan", "profile", jobs["a"], "--group", group, "--out", str(tmp_path),
+                      *address),
+            group,
+        ),
+    }  # fmt: skip
+    ran = [share for share, _ in (f["while jobs ran"] for f in said.values())]
+    assert max(ran) - min(ran) <= 0.5, said
 
 
 def test_every_switch_moved_the_state_out_and_back(trl_runs: Any) -> None:

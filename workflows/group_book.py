@@ -48,6 +48,7 @@ from timeslice.protocol.group import (
     SwitchRecord,
     Waiter,
     WaiterView,
+    bounded_phases,
     cut_to_encoded,
     encoded_size,
     lease_fingerprint,
@@ -447,6 +448,7 @@ class GroupBook:
                     start=holder.granted_at,
                     end=now,
                     outcome=outcome,
+                    phases=holder.phases,
                 )
             )
             del state.history[: max(0, len(state.history) - self.config.history_keep)]
@@ -476,6 +478,8 @@ class GroupBook:
         self.confirm(holder.token, now)
         job_id = holder.request.job_id
         self.account_own_moves(job_id, ret.restored, ret.evicted, now)
+        if ret.phases is not None:  # kept with the lease (a carried one reports each segment's)
+            holder.phases = bounded_phases([*(holder.phases or []), *ret.phases])
         after = self.peek_next(now)
         why = ""
         if ret.carry_into is not None:
@@ -934,6 +938,7 @@ class GroupBook:
         return busy, max((now - stats.created_at).total_seconds(), 1e-9)
 
     def utilization(self, now: datetime) -> float:
+        """The share of its life the group was held (GroupStatus.held_share)."""
         busy, wall = self.busy_and_wall(now)
         return min(1.0, max(0.0, busy / wall))
 
@@ -996,6 +1001,7 @@ class GroupBook:
             f"**resident**: {state.resident.job_id if state.resident else 'none'}",
             f"**queue**: {queue or 'empty'}",
             f"**leases**: {state.stats.leases} · switches {state.stats.switches}",
-            f"**utilization so far**: {self.utilization(now):.0%}",
+            # The group sees leases, not phases: its utilization proper is `timeslice status`'s.
+            f"**held so far**: {self.utilization(now):.0%} (utilization: `timeslice status`)",
         ]
         return "\n\n".join(lines)

@@ -129,6 +129,21 @@ def test_figures_match_the_simulator() -> None:
     assert a.groups[0].utilization == pytest.approx(shared.groups["g"].utilization)
 
 
+def test_the_demand_bound_sits_beside_the_utilization() -> None:
+    """Each job's GPU share alone on the group, summed, capped at 100%: 2/3 + 1/6 for the
+    gpu-bound and the light job on one group, 100% for the two gpu-bound ones."""
+    result = plan([BOUND_A, LIGHT], Layout(groups=("g",)), max_slowdown=None)
+    (group,) = result.assignments[0].groups
+    assert group.demand_bound == pytest.approx(2 / 3 + 1 / 6)
+    assert group.utilization <= group.demand_bound + 1e-9  # no policy beats it
+    pair = plan([BOUND_A, BOUND_B], Layout(groups=("g",)), max_slowdown=None)
+    assert pair.assignments[0].groups[0].demand_bound == 1.0
+    # On split pools, each group counts the jobs' phases there: sample on the sampler, train
+    # on the trainer (1/3 of an epoch each here).
+    split = plan([BOUND_A], Layout(sampler_groups=("s",), trainer_groups=("t",)), max_slowdown=None)
+    assert [g.demand_bound for g in split.assignments[0].groups] == pytest.approx([1 / 3, 1 / 3])
+
+
 def test_bad_planner_input_is_named() -> None:
     with pytest.raises(ValueError, match="job ids repeat"):
         Planner([BOUND_A, BOUND_A], Layout(groups=("g",)))

@@ -167,7 +167,35 @@ def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
         ("lease", "a", at(0), at(2)),
         ("lease", "b", at(3), at(5)),
         ("switching", "b", at(2.0), at(2.5)),
+        ("idle", None, at(2.5), at(3.0)),  # the lane shows the table's idle time too
+        ("idle", None, at(5.0), at(10.0)),
     ]
+
+
+def test_the_group_reads_in_both_windows_by_the_one_definition():
+    job = job_a()
+    phases = [s for s in job_spans(job) if s.kind in ("sample", "train") and s.group_id == "g"]
+    g, _ = group_figures(status(), None, phases, {"a"})  # b: a client, its lease 3-5 s a phase
+    # Phases: a's sample 0.5-1.5 s, b's lease 3-5 s, a's train 6-7 s: 4 s of the 10 s since
+    # the group was created, of the 6.5 s from the first phase's start to the last one's end.
+    assert (g.active_start, g.active_end) == (at(0.5), at(7.0))
+    assert str(g.since_created) == "40.0% of 10.0 s since the group was created"
+    assert str(g.while_jobs_ran) == "61.5% of 6.5 s while jobs ran"
+    assert g.utilization == g.since_created.share
+    text = format_text(Report(generated_at=at(10.0), groups=[g], jobs=[], lanes=[], problems=[]))
+    assert "  g: 40.0% of 10.0 s since the group was created; 61.5% of 6.5 s while jobs ran" in text
+
+
+def test_a_status_with_a_clock_is_advanced_the_clients_way():
+    """The report brings a status to its reading by ``GroupStatus.advanced_to``, as the
+    clients and `timeslice status` do: one figure for the same moment."""
+    holder = HolderView(job_id="a", token=3, held_s=1.0, expires_in_s=None)
+    # Held 4 s before, and 1 s by the holder now: the group's own share is 5 of 10 s.
+    read = status(holder).model_copy(update={"as_of": at(10.0), "utilization": 0.5})
+    g, _ = group_figures(read, at(12.0), [], set())
+    advanced = read.advanced_to(at(12.0))
+    assert (g.wall_s, g.end) == (advanced.wall_s, at(12.0))
+    assert g.phase_s + g.overhead_s == pytest.approx(advanced.held_share * advanced.wall_s)
 
 
 def test_a_client_lease_is_all_phase():
@@ -211,6 +239,35 @@ def test_text_tables_name_every_figure_and_line_up():
     assert job.split()[:11] == [
         "a", "completed", "2/2", "1.00", "1.00", "1.00", "0.20", "0.10", "8.0", "3.0", "2.67x",
     ]  # fmt: skip
+
+
+def test_picture_and_table_cover_one_window_and_the_idle_time_shows():
+    """The picture, the page and the trace draw the window the group figures cover (the
+    group's creation to the report), and the group lane's idle bars add up to the table's
+    idle share."""
+    from timeslice.report.picture import bars
+
+    r = report()
+    (g,) = r.groups
+    assert r.window == (g.start, g.end) == (T0, at(10.0))
+    lane = next(lane for lane in r.lanes if lane.kind == "group")
+    idle = [(start, width) for kind, start, width in bars(lane, r.window[0]) if kind == "idle"]
+    assert idle == [(2.5, 0.5), (5.0, 5.0)]
+    assert sum(width for _, width in idle) == pytest.approx(g.idle_s)
+    row = next(line for line in format_text(r).splitlines() if line.startswith("g "))
+    assert row.split()[5] == f"{sum(w for _, w in idle) / g.wall_s:.1%}"  # "55.0%"
+    assert trace_events(r)["otherData"]["origin"] == r.window[0].isoformat()
+
+
+def test_a_group_without_its_first_leases_is_drawn_idle_from_its_oldest_record():
+    shed = status()
+    shed.stats.leases = 5  # three earlier leases are no longer kept: their gaps are unknown
+    _, spans = group_figures(shed, None, [], set())
+    idle = [(s.start, s.end) for s in spans if s.kind == "idle"]
+    assert idle == [(at(2.5), at(3.0)), (at(5.0), at(10.0))]
+    # Nothing kept at all: no idle bar (the table still has the idle time, from the totals).
+    bare = shed.model_copy(update={"history": [], "switch_history": []})
+    assert group_figures(bare, None, [], set())[1] == []
 
 
 def test_human_bytes():

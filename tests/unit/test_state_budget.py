@@ -61,6 +61,8 @@ LATE = datetime(2999, 12, 31, 23, 59, 59, 999999, tzinfo=timezone(timedelta(hour
 HUGE = -1.7976931348623157e308  # the longest float
 BIG = -(2**63)  # the longest integer a counter reaches
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+# The longest phases a lease keeps: its bound, each at the latest offset, to the millisecond.
+PHASES = [(g.MAX_PHASE_OFFSET_S - 0.001, g.MAX_PHASE_OFFSET_S - 0.001)] * g.MAX_LEASE_PHASES
 
 
 def converted(value: Any) -> int:
@@ -195,6 +197,7 @@ def worst_group_input() -> GroupInput:
         waited_s=HUGE,
         expires_at=LATE,
         confirm_by=LATE,
+        phases=PHASES,
     )
     state.resident = ResidentJob(job_id=job(1), snapshot=big[1].snapshot, state_bytes=2**50)
     state.evicting = ResidentJob(job_id=job(2), snapshot=big[2].snapshot, state_bytes=2**50)
@@ -214,7 +217,14 @@ def worst_group_input() -> GroupInput:
     assert len(state.wait_shares) == g.WAIT_SHARE_JOBS_KEEP
     assert all(len(r) == 2 * g.WAIT_RECORDS_KEEP for r in state.wait_shares.values())
     state.history = [
-        LeaseRecord(job_id=job(i), token=BIG, start=LATE, end=LATE, outcome=LeaseOutcome.CANCELLED)
+        LeaseRecord(
+            job_id=job(i),
+            token=BIG,
+            start=LATE,
+            end=LATE,
+            outcome=LeaseOutcome.CANCELLED,
+            phases=PHASES,
+        )
         for i in range(g.MAX_HISTORY_KEEP)
     ]
     state.switch_history = [
@@ -233,7 +243,9 @@ def worst_group_input() -> GroupInput:
 
 
 def test_each_group_entry_takes_at_most_what_the_budget_counts():
-    lease = LeaseRecord(job_id=job(0), token=BIG, start=LATE, end=LATE, outcome="cancelled")
+    lease = LeaseRecord(
+        job_id=job(0), token=BIG, start=LATE, end=LATE, outcome="cancelled", phases=PHASES
+    )
     switch = SwitchRecord(from_job=job(0), to_job=job(0), start=LATE, end=LATE, bytes=BIG)
     assert encoded_size(lease) + 1 <= g._LEASE_RECORD_BYTES
     assert encoded_size(switch) + 1 <= g._SWITCH_RECORD_BYTES
@@ -241,7 +253,13 @@ def test_each_group_entry_takes_at_most_what_the_budget_counts():
     waiter = Waiter(request=req, seq=BIG, enqueued_at=LATE)
     assert encoded_size(waiter) - encoded_size(req) + 1 <= g._WAITER_OVERHEAD_BYTES
     held = HeldLease(
-        request=req, token=BIG, granted_at=LATE, waited_s=HUGE, expires_at=LATE, confirm_by=LATE
+        request=req,
+        token=BIG,
+        granted_at=LATE,
+        waited_s=HUGE,
+        expires_at=LATE,
+        confirm_by=LATE,
+        phases=PHASES,
     )
     assert encoded_size(held) - encoded_size(req) + 1 <= g._LEASE_OVERHEAD_BYTES
     target = largest_request(0).snapshot
