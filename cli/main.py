@@ -734,7 +734,8 @@ def format_status(status: GroupStatus) -> str:
             f"  queue:       {', '.join(queue) or 'empty'}",
             f"  utilization: {status.utilization:.1%} of {status.wall_s:.0f} s",
             f"  leases:      {stats.leases}, switches {stats.switches}, carried {stats.carried}, "
-            f"expired {stats.expired}, stale messages {stats.stale_messages}",
+            f"expired {stats.expired}, preemptions {stats.preemptions}, "
+            f"stale messages {stats.stale_messages}",
         ]
     )
 

@@ -779,6 +779,11 @@ class ResidentJob(_Model):
     job_id: str
     snapshot: SnapshotTarget | None
     state_bytes: int | None = None
+    lease_expired: bool = Field(
+        False,
+        description="its last lease ran out without a release: the group's eviction of it "
+        "is a preemption",
+    )
 
 
 class LeaseRecord(_Model):
@@ -833,6 +838,11 @@ class GroupStats(_Model):
     )
     overlapped_switches: int = 0
     evictions: int = 0
+    preemptions: int = Field(
+        0,
+        description="evictions by the group of a job whose lease ran out without it yielding "
+        "(a hung holder taken off the device)",
+    )
     restores: int = 0
     snapshot_failures: int = 0
     departed: int = 0

@@ -219,6 +219,7 @@ def group_figures(
         holder=status.holder.job_id if status.holder is not None else None,
         queued=len(status.queue),
         carried=stats.carried,
+        preemptions=stats.preemptions,
         carrying_into=status.holder.carrying_into if status.holder is not None else None,
         notes=notes,
     )
