@@ -761,7 +761,8 @@ def format_status(status: GroupStatus, figures: GroupFigures | None = None) -> s
             f"  held:        {status.held_share:.1%} of {status.wall_s:.1f} s {SINCE_CREATED} "
             "(leases; utilization counts the GPU phases in them)",
             f"  leases:      {stats.leases}, switches {stats.switches}, carried {stats.carried}, "
-            f"expired {stats.expired}, stale messages {stats.stale_messages}",
+            f"expired {stats.expired}, preemptions {stats.preemptions}, "
+            f"stale messages {stats.stale_messages}",
         ]
     )
 

@@ -831,6 +831,11 @@ class ResidentJob(_Model):
     job_id: str
     snapshot: SnapshotTarget | None
     state_bytes: int | None = None
+    lease_expired: bool = Field(
+        False,
+        description="its last lease ran out without a release: the group's eviction of it "
+        "is a preemption",
+    )
 
 
 class LeaseRecord(_Model):
@@ -894,6 +899,11 @@ class GroupStats(_Model):
     )
     overlapped_switches: int = 0
     evictions: int = 0
+    preemptions: int = Field(
+        0,
+        description="evictions by the group of a job whose lease ran out without it yielding "
+        "(a hung holder taken off the device)",
+    )
     restores: int = 0
     snapshot_failures: int = 0
     departed: int = 0

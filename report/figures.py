@@ -237,6 +237,7 @@ def group_figures(
         holder=status.holder.job_id if status.holder is not None else None,
         queued=len(status.queue),
         carried=stats.carried,
+        preemptions=stats.preemptions,
         carrying_into=status.holder.carrying_into if status.holder is not None else None,
         notes=notes,
         active_start=None if active is None else datetime.fromtimestamp(active[0], tz=UTC),

@@ -76,6 +76,9 @@ class GroupFigures(_Model):
     holder: str | None = None
     queued: int = 0
     carried: int = Field(0, description="leases carried past waiters (the grant policy)")
+    preemptions: int = Field(
+        0, description="holders whose lease ran out without yielding, evicted by the group"
+    )
     carrying_into: str | None = Field(None, description="the holder's, at the query")
     notes: list[str] = Field(default_factory=list)
     active_start: datetime | None = Field(None, description="the first phase's start")

@@ -134,6 +134,11 @@ def format_text(report: Report) -> str:
             extra.append(f"{g.carried} leases carried past waiters into their next phase")
         if g.overlapped_switches:
             extra.append(f"{g.overlapped_switches} overlapped switches")
+        if g.preemptions:
+            extra.append(
+                f"{g.preemptions} preempted (a lease ran out without yielding; the group "
+                "evicted its holder)"
+            )
         extra += g.notes
         if extra:
             out.append(f"  {g.group_id}: {', '.join(extra)}")

@@ -7,6 +7,7 @@ which is one system-wide clock on Linux, so logs of several processes can be com
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -15,6 +16,7 @@ from timeslice import (
     AcquireTimeoutError,
     GrantLostError,
     JobFaultedError,
+    LeaseRevokedError,
     TimeSliceOrchestratorClient,
 )
 
@@ -26,6 +28,12 @@ def main() -> int:
     p.add_argument("--job-id", required=True)
     p.add_argument("--iterations", type=int, default=1)
     p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument("--first-hold", type=float, help="the first hold (default: --hold)")
+    p.add_argument(
+        "--until-revoked",
+        action="store_true",
+        help="end a hold early once the lease is no longer valid, as a fenced job does",
+    )
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--ttl", type=float, default=None)
     p.add_argument("--timeout", type=float, default=None)
@@ -36,6 +44,12 @@ def main() -> int:
     p.add_argument("--linger", action="store_true", help="after the work, wait for stdin EOF")
     p.add_argument("--node-backend", action="append", default=[])
     p.add_argument("--torch-mb", type=int, default=0, help="register this much state (torch)")
+    p.add_argument(
+        "--data-mb", type=int, default=0, help="keep this much data in host memory, checked"
+    )
+    p.add_argument(
+        "--cuda-mb", type=int, default=0, help="keep this much data in CUDA memory, checked"
+    )
     p.add_argument(
         "--start-with", type=int, default=1, help="start once this many contenders are ready"
     )
@@ -53,6 +67,16 @@ def main() -> int:
         torch_backend = TorchBackend()
         torch_backend.register_tensor("state", state)
         backends.append(torch_backend)
+    # Data written before the first grant and checked at every one (a process the node agent
+    # checkpointed must find it intact), unregistered: only a whole-process backend moves it.
+    data = bytes(range(256)) * (args.data_mb * 4096)
+    data_digest = hashlib.sha256(data).hexdigest()
+    on_device = None
+    if args.cuda_mb:
+        import torch
+
+        on_device = torch.full((args.cuda_mb * 256 * 1024,), 7.0, device="cuda")
+        torch.cuda.synchronize()
     client = TimeSliceOrchestratorClient(
         target=args.address,
         job_id=args.job_id,
@@ -65,13 +89,13 @@ def main() -> int:
     ).connect()
     with open(args.log, "a", buffering=1) as log:
 
-        def emit(event: str, token: int | None = None) -> None:
+        def emit(event: str, token: int | None = None, **detail: object) -> None:
             record = {"job": args.job_id, "event": event, "token": token, "t": time.monotonic()}
-            log.write(json.dumps(record) + "\n")
+            log.write(json.dumps({**record, **detail}) + "\n")
 
         emit("ready")
         _await_ready(args.log, args.start_with)
-        for _ in range(args.iterations):
+        for iteration in range(args.iterations):
             try:
                 lease = client.acquire(args.group, timeout=args.timeout)
             except AcquireTimeoutError:
@@ -87,13 +111,28 @@ def main() -> int:
             if state is not None and float(state.double().sum()) != expected_sum:
                 emit("corrupt", lease.token)
                 return 3
+            if args.data_mb or on_device is not None:
+                host_ok = hashlib.sha256(data).hexdigest() == data_digest
+                device_ok = on_device is None or bool((on_device == 7.0).all())
+                if not (host_ok and device_ok):
+                    emit("corrupt", lease.token, host=host_ok, device=device_ok)
+                    return 3
+                emit("data-ok", lease.token)
             if args.hold_forever:
                 while True:
                     time.sleep(3600)
-            if args.hold:
-                time.sleep(args.hold)  # stands in for the GPU phase
+            hold = args.hold if iteration or args.first_hold is None else args.first_hold
+            if args.until_revoked:
+                until = time.monotonic() + hold
+                while time.monotonic() < until and lease.valid:
+                    time.sleep(0.01)
+            elif hold:
+                time.sleep(hold)  # stands in for the GPU phase
             emit("releasing", lease.token)
-            client.release(lease)
+            try:
+                client.release(lease)
+            except LeaseRevokedError as err:  # it ran out while held: the group refused it
+                emit("revoked", lease.token, reason=str(err))
         emit("done")
         if args.linger:
             sys.stdin.read()  # stay registered (resident, faulted ...) until the test lets go

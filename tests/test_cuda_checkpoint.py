@@ -1,7 +1,8 @@
 """cuda-checkpoint backend: PID identity checks, the driver state machine and its error paths.
 
-The state-machine tests drive the backend through a stand-in for the CUDA driver that keeps
-each process's checkpoint state as the driver documents it; the processes themselves are real.
+The state-machine tests drive the backend through a stand-in for the CUDA driver
+(tests/fake_cuda_driver.py) that keeps each process's checkpoint state as the driver documents
+it; the processes themselves are real.
 The `gpu` tests run the real driver API on real CUDA processes (tests/gpu/run.sh), the rollback
 of a job whose second process fails included. Missing bindings or driver, and
 the bindings' call shapes: tests/test_gpu_readiness.py.
@@ -26,6 +27,8 @@ from timeslice.snapshot.processes import (
     process_start_time,
 )
 
+from .fake_cuda_driver import DriverStateMachine
+
 
 @pytest.fixture
 def child():
@@ -33,48 +36,6 @@ def child():
     yield proc
     proc.kill()
     proc.wait()
-
-
-class DriverStateMachine:
-    """The CUDA driver's documented checkpoint states, kept per PID. ``failures`` makes one
-    call on one PID fail the way the driver does: ``{("checkpoint", pid): "CUDA_ERROR_..."}``
-    (the state stays where it was); ``calls`` records every state-changing call."""
-
-    def __init__(
-        self, lock_error: str | None = None, failures: dict[tuple[str, int], str] | None = None
-    ) -> None:
-        self.states: dict[int, ProcessState] = {}
-        self.lock_timeouts: list[int] = []
-        self.lock_error = lock_error
-        self.failures = dict(failures or {})
-        self.calls: list[tuple[str, int]] = []
-
-    def state(self, pid: int) -> ProcessState:
-        return self.states.setdefault(pid, ProcessState.RUNNING)
-
-    def _move(self, call: str, pid: int, src: ProcessState, dst: ProcessState) -> None:
-        self.calls.append((call, pid))
-        if (call, pid) in self.failures:
-            raise SnapshotError(f"cuCheckpointProcess{call.title()} failed: "
-                                f"{self.failures[(call, pid)]}")  # fmt: skip
-        if self.state(pid) is not src:
-            raise SnapshotError("CUDA_ERROR_ILLEGAL_STATE")
-        self.states[pid] = dst
-
-    def lock(self, pid: int, timeout_ms: int) -> None:
-        self.lock_timeouts.append(timeout_ms)
-        if self.lock_error:
-            raise SnapshotError(f"cuCheckpointProcessLock failed: {self.lock_error}")
-        self._move("lock", pid, ProcessState.RUNNING, ProcessState.LOCKED)
-
-    def checkpoint(self, pid: int) -> None:
-        self._move("checkpoint", pid, ProcessState.LOCKED, ProcessState.CHECKPOINTED)
-
-    def restore(self, pid: int) -> None:
-        self._move("restore", pid, ProcessState.CHECKPOINTED, ProcessState.LOCKED)
-
-    def unlock(self, pid: int) -> None:
-        self._move("unlock", pid, ProcessState.LOCKED, ProcessState.RUNNING)
 
 
 def test_process_identity_of_a_live_and_a_gone_process(child):

@@ -341,6 +341,9 @@ def test_gpu_report_condenses_what_the_run_wrote(tmp_path):
         "cuda-checkpoint rollback of a failed checkpoint: checkpoint failed: x; rolled back "
         "process(es) [7] to RUNNING\n.\n"
     )
+    (tmp_path / "pytest-preemption.txt").write_text(
+        "x.preemption of a frozen 4096 MiB CUDA holder (TTL 4 s): 4.50 GiB freed\n"
+    )
     bench = {
         "bytes": 4 * 1024**3,
         "snapshot_GBps": 20.0,
@@ -372,6 +375,7 @@ def test_gpu_report_condenses_what_the_run_wrote(tmp_path):
         "cuda-checkpoint of 4 GiB: checkpoint 0.90 s, restore 0.70 s",
         "cuda-checkpoint rollback of a failed checkpoint: checkpoint failed: x; rolled back "
         "process(es) [7] to RUNNING",
+        "preemption of a frozen 4096 MiB CUDA holder (TTL 4 s): 4.50 GiB freed",
         "== steps",
         "3 steps: 1 failed, 1 skipped",
         "failed: snapshot-cuda-16gib (exit 124; see snapshot-cuda-16gib.txt)",

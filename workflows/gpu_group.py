@@ -539,7 +539,11 @@ class GpuGroupWorkflow:
             result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, target)
             now = workflow.now()
             self._book.eviction_done(
-                resident.job_id, gone=result is _Moved.GONE, ok=result is _Moved.OK, now=now
+                resident.job_id,
+                gone=result is _Moved.GONE,
+                ok=result is _Moved.OK,
+                now=now,
+                preempted=resident.lease_expired,
             )
             moved = self._book.state.stats.bytes_moved - bytes_before
             if moved:
@@ -564,7 +568,7 @@ class GpuGroupWorkflow:
         assert resident is not None and resident.snapshot is not None
         result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
         if result is _Moved.OK:
-            self._book.evicted(resident.job_id)
+            self._book.evicted(resident.job_id, preempted=resident.lease_expired)
         elif result is _Moved.GONE:
             # Its process is gone, and its device memory with it: nothing to evict.
             self._book.forget(resident.job_id)

@@ -440,6 +440,15 @@ class GroupBook:
         stats.busy_s += held
         setattr(stats, _COUNTERS[outcome], getattr(stats, _COUNTERS[outcome]) + 1)
         self.observer.lease_ended(outcome, held)
+        resident = state.resident
+        if (
+            outcome is LeaseOutcome.EXPIRED
+            and resident is not None
+            and resident.job_id == holder.request.job_id
+        ):
+            # It never yielded: if another job takes the device before this one is granted
+            # again, the group's eviction of it is a preemption.
+            resident.lease_expired = True
         if self.config.history_keep:
             state.history.append(
                 LeaseRecord(
@@ -653,20 +662,26 @@ class GroupBook:
             evict=evict, restore=restore, restores_itself=restores_itself, overlapped=overlapped
         )
 
-    def eviction_done(self, job_id: str, *, gone: bool, ok: bool, now: datetime) -> None:
+    def eviction_done(
+        self, job_id: str, *, gone: bool, ok: bool, now: datetime, preempted: bool = False
+    ) -> None:
         """An eviction that ran beside a grant finished: ``ok`` (moved out), ``gone`` (the
         job's processes are gone, and its device memory with them), or failed (faulted)."""
         state = self.state
         self.clear_evicting(job_id)
         if ok:
-            self.evicted(job_id)
+            self.evicted(job_id, preempted=preempted)
         elif gone:
             self.forget(job_id)
         elif job_id in state.evicted_jobs:  # failed: the job is faulted, its state unknown
             state.evicted_jobs.remove(job_id)
 
-    def evicted(self, job_id: str) -> None:
+    def evicted(self, job_id: str, *, preempted: bool = False) -> None:
+        """The job's state left the device; ``preempted``: the group evicted a job whose lease
+        ran out without it yielding (``ResidentJob.lease_expired``)."""
         self.state.stats.evictions += 1
+        if preempted:
+            self.state.stats.preemptions += 1
         self._note_evicted(job_id)
 
     def _note_evicted(self, job_id: str) -> None:

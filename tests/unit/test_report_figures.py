@@ -354,3 +354,19 @@ def test_carried_leases_show_in_the_lanes_figures_and_text():
     assert "held by a: carrying into sample" in text
     assert "4 leases carried past waiters into their next phase" in text
     assert "lease kept into the next phase 1 of 2 times asked" in text
+
+
+def test_preemptions_show_in_the_figures_the_text_and_the_status():
+    from timeslice.cli.main import format_status
+
+    preempted = status()
+    quiet, _ = group_figures(preempted, at(10.0), [], set())
+    assert "preempted" not in format_text(
+        Report(generated_at=at(10.0), groups=[quiet], jobs=[], lanes=[])
+    )
+    preempted.stats.preemptions = 1
+    g, _ = group_figures(preempted, at(10.0), [], set())
+    assert g.preemptions == 1
+    text = format_text(Report(generated_at=at(10.0), groups=[g], jobs=[], lanes=[]))
+    assert "g: 1 preempted (a lease ran out without yielding" in text
+    assert "preemptions 1," in format_status(preempted)

@@ -1,0 +1,310 @@
+"""Preempting a holder that never yields: its lease runs out, the node agent takes it off the
+device with cuda-checkpoint, the next job runs, and the holder comes back only under a new lease.
+
+Job A holds the group and is frozen with SIGSTOP (a hung process: no renewal, no release). At
+its TTL the group revokes the lease, and B's grant evicts A through A's snapshot target: the
+node agent locks and checkpoints A's registered process. B runs its hold while A is still
+frozen; then A is let go (SIGCONT): its stale lease is refused, and its next acquire is granted
+under a new token, restored through the agent, with its data intact.
+
+On CPU (``test_a_frozen_holder_is_preempted_and_comes_back_under_a_new_lease``) the node agent
+is the real one (tests/fake_cuda_agent.py runs ``build_node_agent``) with only the CUDA driver
+call faked (tests/fake_cuda_driver.py: per-PID states as the driver documents them, every call
+written to a JSON-lines file). The `gpu` test does the same with the real driver and a process
+holding 4 GiB of device memory (tests/gpu/run.sh); it has never run on a device yet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from timeslice.protocol.group import GroupStatus, LeaseOutcome
+from timeslice.snapshot.processes import JOB_ENV
+from timeslice.snapshot.registration import (
+    JOB_TOKEN_ENV,
+    job_token,
+    key_path,
+    load_agent_key,
+    socket_path,
+)
+
+from .conftest import start_service, stop_process
+from .fake_cuda_driver import read_calls, scheduler_state
+from .helpers import CONTENDER, REPO, events, read_log, wait_for
+
+TTL_S = 4.0  # A's lease: long enough that a loaded machine renews it, short for the test
+DEADLINE_S = 120.0  # for each wait: generous, the machine may be loaded
+
+
+def token_for(node: str, job_id: str) -> str:
+    return job_token(load_agent_key(key_path(socket_path(node).parent)), job_id)
+
+
+@pytest.fixture
+def fake_agent(server, worker, tmp_path) -> Iterator[tuple[str, Path]]:
+    """The real node agent with a recording fake driver: (its node name, the driver's log)."""
+    node = f"p{uuid.uuid4().hex[:6]}"
+    calls = tmp_path / "driver.jsonl"
+    log = tmp_path / "agent.log"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "tests.fake_cuda_agent", "--address", server.address,
+         "--node", node, "--calls", str(calls)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=log.open("wb"), text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert agent.stdout is not None
+    line = agent.stdout.readline()
+    if "node agent on task queue" not in line:
+        agent.kill()
+        raise AssertionError(f"the fake-driver agent did not start: {line!r}; see {log}")
+    yield node, calls
+    stop_process(agent)
+
+
+def spawn_job(
+    address: str, group: str, job: str, log: Path, *extra: str, node: str | None = None
+) -> subprocess.Popen:
+    """A contender process for ``job``; with ``node``, launched for the job with its token
+    and registered with that node's agent for cuda-checkpoint."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    on_node: list[str] = []
+    if node is not None:
+        env |= {JOB_ENV: job, JOB_TOKEN_ENV: token_for(node, job)}
+        on_node = ["--node", node, "--node-backend", "cuda-checkpoint"]
+    cmd = [sys.executable, str(CONTENDER), "--address", address, "--group", group,
+           "--job-id", job, "--log", str(log), *on_node, *extra]  # fmt: skip
+    stderr = log.with_suffix(f".{job}.stderr").open("wb")
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stderr=stderr)
+
+
+@dataclass
+class Preemption:
+    a: subprocess.Popen
+    b: subprocess.Popen
+    a_log: list[dict]
+    b_log: list[dict]
+    stopped_at: float  # time.monotonic() just before SIGSTOP
+    continued_at: float  # just before SIGCONT
+    status: GroupStatus
+
+
+def only(records: list[dict], event: str, job: str, token: int | None = None) -> dict:
+    found = [
+        r
+        for r in records
+        if r["event"] == event and r["job"] == job and (token is None or r["token"] == token)
+    ]
+    assert len(found) == 1, f"expected one {event!r} of {job} (token {token}) in {records}"
+    return found[0]
+
+
+def preempt_a_frozen_holder(
+    address: str,
+    group: str,
+    node: str,
+    tmp_path: Path,
+    make_client: Callable,
+    *,
+    a_extra: tuple[str, ...] = (),
+    b_node: str | None = None,
+    while_frozen: Callable[[], None] = lambda: None,
+    before_stop: Callable[[], None] = lambda: None,
+) -> Preemption:
+    """Run the scenario (module docstring); ``while_frozen`` runs once B holds, A frozen."""
+    log = tmp_path / "jobs.jsonl"
+    # A: its first hold would last 600 s; it ends it early only once its lease is no longer
+    # valid (as a fenced job does), which it can learn only after it is let go.
+    a = spawn_job(
+        address, group, "pa", log, "--ttl", str(TTL_S), "--iterations", "2",
+        "--first-hold", "600", "--hold", "0.2", "--until-revoked", *a_extra, node=node,
+    )  # fmt: skip
+    b = None
+    try:
+        wait_for(lambda: events(log, "data-ok", "pa"), timeout=DEADLINE_S, what="A holds the group")
+        observer = make_client(job_id="observer")
+
+        def confirmed() -> bool:
+            # A grant taken from a parked update runs its TTL once a renewal confirms it; a
+            # holder frozen before that is taken for one that never took its grant (DEAD, at
+            # grant_ack_timeout_s), which is not a preemption.
+            holder = observer.group_status(group).holder
+            return holder is not None and holder.job_id == "pa" and holder.expires_in_s is not None
+
+        wait_for(confirmed, timeout=DEADLINE_S, what="the group to confirm A's lease")
+        before_stop()
+        stopped_at = time.monotonic()
+        os.kill(a.pid, signal.SIGSTOP)
+        wait_for(lambda: scheduler_state(a.pid) == "T", timeout=DEADLINE_S, what="A stopped")
+        # B stays registered (--linger) after its hold, so A's return evicts it too.
+        b = spawn_job(
+            address, group, "pb", log, "--ttl", "30", "--hold", "2", "--linger", node=b_node
+        )
+        wait_for(lambda: events(log, "acquired", "pb"), timeout=DEADLINE_S, what="B granted")
+        while_frozen()
+        wait_for(lambda: events(log, "releasing", "pb"), timeout=DEADLINE_S, what="B's hold")
+        assert scheduler_state(a.pid) == "T", "A was let go before the test let it go"
+        continued_at = time.monotonic()
+        os.kill(a.pid, signal.SIGCONT)
+        assert a.wait(timeout=DEADLINE_S) == 0, f"A exited with {a.returncode}; see {log}"
+        status = observer.group_status(group)
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        if b is not None:
+            b.communicate(timeout=DEADLINE_S)  # closes its stdin: it leaves
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+    records = read_log(log)
+    return Preemption(
+        a=a,
+        b=b,
+        a_log=[r for r in records if r["job"] == "pa"],
+        b_log=[r for r in records if r["job"] == "pb"],
+        stopped_at=stopped_at,
+        continued_at=continued_at,
+        status=status,
+    )
+
+
+def check_the_group_and_the_jobs(run: Preemption) -> tuple[int, int, int]:
+    """What holds whatever the driver: A's first lease expired, B held while A was frozen,
+    A's stale release was refused and its next lease has a newer token than B's. Returns the
+    three tokens (A's first, B's, A's second)."""
+    a_log, b_log = run.a_log, run.b_log
+    [first, second] = [r["token"] for r in a_log if r["event"] == "acquired"]
+    b_token = only(b_log, "acquired", "pb")["token"]
+    assert first < b_token < second, (first, b_token, second)
+    # A's stale lease: its release is refused (the contender logs it and goes on).
+    revoked = only(a_log, "revoked", "pa", first)
+    assert "was revoked while held" in revoked["reason"], revoked
+    assert [r["event"] for r in a_log][-4:] == ["acquired", "data-ok", "releasing", "done"]
+    assert only(a_log, "data-ok", "pa", second)  # its data intact under the new lease
+    # B's whole hold, on the processes' own monotonic clocks, lies inside A's frozen time.
+    b_start = only(b_log, "acquired", "pb")["t"]
+    b_end = only(b_log, "releasing", "pb")["t"]
+    assert run.stopped_at < b_start < b_end < run.continued_at
+    # The group's own record: A's lease ended EXPIRED before B's began; A's next came after.
+    leases = {(r.job_id, r.token): r for r in run.status.history}
+    a_lease, b_lease = leases[("pa", first)], leases[("pb", b_token)]
+    assert a_lease.outcome is LeaseOutcome.EXPIRED
+    assert (a_lease.end - a_lease.start).total_seconds() >= TTL_S
+    assert a_lease.end <= b_lease.start
+    assert leases[("pa", second)].outcome is LeaseOutcome.RELEASED
+    stats = run.status.stats
+    assert stats.expired == 1 and stats.preemptions == 1, stats
+    assert stats.snapshot_failures == 0 and run.status.faulted_jobs == {}
+    return first, b_token, second
+
+
+def test_a_frozen_holder_is_preempted_and_comes_back_under_a_new_lease(
+    address, group, fake_agent, tmp_path, make_client
+):
+    node, calls = fake_agent
+    run = preempt_a_frozen_holder(
+        address, group, node, tmp_path, make_client, a_extra=("--data-mb", "1"), b_node=node
+    )
+    check_the_group_and_the_jobs(run)
+    a_pid, b_pid = run.a.pid, run.b.pid
+    driver = [(c["call"], c["pid"], c["state"]) for c in read_calls(calls)]
+    # The agent locked and checkpointed A (frozen), B was never touched while A was frozen;
+    # A's return checkpointed B (which had yielded) and restored A.
+    assert driver == [
+        ("lock", a_pid, "LOCKED"),
+        ("checkpoint", a_pid, "CHECKPOINTED"),
+        ("lock", b_pid, "LOCKED"),
+        ("checkpoint", b_pid, "CHECKPOINTED"),
+        ("restore", a_pid, "LOCKED"),
+        ("unlock", a_pid, "RUNNING"),
+    ], driver
+    by_call = {(c["call"], c["pid"]): c for c in read_calls(calls)}
+    b_start = only(run.b_log, "acquired", "pb")["t"]
+    for step in ("lock", "checkpoint"):
+        made = by_call[(step, a_pid)]
+        assert made["proc"] == "T", f"A was not stopped at its {step}: {made}"
+        assert run.stopped_at < made["t"] < b_start, "A was not taken off before B's grant"
+    a_second = [r for r in run.a_log if r["event"] == "acquired"][-1]["t"]
+    assert run.continued_at < by_call[("restore", a_pid)]["t"] < a_second
+    stats = run.status.stats
+    # Two evictions by the group (A, preempted; B, which had yielded), one restore (A).
+    assert (stats.evictions, stats.preemptions, stats.restores) == (2, 1, 1), stats
+    shown = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "status", group, "--address", address],
+        capture_output=True, text=True, timeout=DEADLINE_S, check=True,
+    )  # fmt: skip
+    assert "expired 1, preemptions 1," in shown.stdout, shown.stdout
+    report = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "report", "--group", group, "--text-only",
+         "--address", address],
+        capture_output=True, text=True, timeout=DEADLINE_S, check=True,
+    )  # fmt: skip
+    assert f"{group}: 1 preempted (a lease ran out without yielding" in report.stdout, report.stdout
+
+
+GPU_MIB = int(os.environ.get("TIMESLICE_GPU_PREEMPT_MIB", str(4 * 1024)))
+
+
+@pytest.fixture
+def real_agent(server, worker, tmp_path) -> Iterator[str]:
+    """`timeslice agent` with the real cuda-checkpoint driver: its node name."""
+    node = f"g{uuid.uuid4().hex[:6]}"
+    agent = start_service(
+        ["agent", "--node", node, "--address", server.address, "--lock-timeout", "10"],
+        "node agent on task queue",
+        tmp_path / "agent.log",
+    )
+    yield node
+    stop_process(agent)
+
+
+@pytest.mark.gpu
+def test_real_cuda_holder_frozen_is_preempted_and_its_device_memory_freed(
+    address, group, real_agent, tmp_path, make_client
+):
+    """Never run on a device yet (tests/gpu/run.sh, step pytest-preemption). A holds
+    GPU_MIB of device memory and is frozen; the real driver locks and checkpoints it.
+
+    Open: whether cuCheckpointProcessLock succeeds on a SIGSTOPped process at all
+    (docs/architecture.md, "Preemption"); this test is what answers it."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    free: dict[str, int] = {}
+
+    def held() -> None:  # this process is not A: the device's free memory, as others see it
+        free["held"] = torch.cuda.mem_get_info()[0]
+
+    def frozen() -> None:
+        free["frozen"] = torch.cuda.mem_get_info()[0]
+
+    # B holds no device memory (and registers no process with the agent, which the real
+    # driver could not lock): the memory freed is A's.
+    run = preempt_a_frozen_holder(
+        address, group, real_agent, tmp_path, make_client,
+        a_extra=("--cuda-mb", str(GPU_MIB)), before_stop=held, while_frozen=frozen,
+    )  # fmt: skip
+    if run.status.faulted_jobs:  # the open question's answer, in report.txt
+        faults = "; ".join(run.status.faulted_jobs.values())
+        print(f"preemption of a frozen {GPU_MIB} MiB CUDA holder failed: {faults}")
+    first, b_token, second = check_the_group_and_the_jobs(run)
+    freed = free["frozen"] - free["held"]
+    assert freed >= GPU_MIB * 1024**2, f"only {freed} bytes of device memory were freed"
+    b_start = only(run.b_log, "acquired", "pb")["t"]
+    switches = [s for s in run.status.switch_history if s.from_job == "pa" and s.to_job == "pb"]
+    took = (switches[0].end - switches[0].start).total_seconds() if switches else float("nan")
+    print(
+        f"preemption of a frozen {GPU_MIB} MiB CUDA holder (TTL {TTL_S:g} s): "
+        f"{freed / 1024**3:.2f} GiB freed; eviction (lock + checkpoint) {took:.2f} s; "
+        f"B's phase began {b_start - run.stopped_at:.2f} s after A froze; "
+        f"tokens {first} -> {b_token} -> {second}"
+    )
