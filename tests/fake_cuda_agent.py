@@ -16,8 +16,8 @@ import signal
 import sys
 from pathlib import Path
 
-from timeslice.connection import connect, connect_config
 from timeslice.protocol.group import node_task_queue
+from timeslice.transport.connection import connect, connect_config
 from timeslice.workers.node_agent import build_node_agent
 
 from tests.fake_cuda_driver import RecordingDriver
