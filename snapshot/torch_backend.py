@@ -25,7 +25,6 @@ from typing import Literal
 
 from timeslice.protocol.group import SnapshotReport
 from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
-from timeslice.snapshot.host_arena import ArenaTimes, HostArena, available_host_bytes, page_offsets
 from timeslice.snapshot.hugepages import advise_huge_pages
 
 try:
@@ -34,6 +33,14 @@ except ImportError as err:  # a clean message instead of a bare ImportError deep
     raise ImportError(
         "the torch snapshot backend needs PyTorch: pip install 'timeslice[torch]'"
     ) from err
+
+# After the check above: the arena needs torch too, and a missing torch must get its message.
+from timeslice.snapshot.host_arena import (
+    ArenaTimes,
+    HostArena,
+    available_host_bytes,
+    page_offsets,
+)
 
 Mode = Literal["offload", "discard"]
 KeepHostBuffers = Literal["cuda", "all"]
