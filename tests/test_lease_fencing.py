@@ -135,7 +135,7 @@ def test_control_worker_outage_during_prepare_never_lets_two_hold(
         wait_for(lambda: _events(device, "start", "setup"), timeout=120, what="the job's setup")
         client = spawn_contender(server.address, group, "client", holds, "--hold", "1")
         procs.append(client)
-        wait_for(lambda: _queued(server.address, group), timeout=60, what="the client queued")
+        wait_for(lambda: _queued(server.address, group), timeout=180, what="the client queued")
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         killed = time.monotonic()
@@ -365,7 +365,7 @@ def test_job_process_cut_off_from_temporal_stops_its_phase_in_time(
             })  # fmt: skip
             wait_for(lambda: _events(device, "start", "sample 0"), timeout=120, what="sampling")
             client = spawn_contender(address, group, "client", holds, "--hold", "1")
-            wait_for(lambda: _queued(address, group), timeout=60, what="the client queued")
+            wait_for(lambda: _queued(address, group), timeout=180, what="the client queued")
             proxy.stalled = True
             stalled_at = time.monotonic()
             [stopped] = wait_for(
