@@ -1,0 +1,332 @@
+"""Async RL jobs end to end: AsyncRLJobWorkflow on the control worker, a real job process.
+
+Every job process here is a real `timeslice job worker` subprocess running the `simulated`
+workload in its async mode; jobs start from the SDK, the `temporal` CLI or `timeslice job start`
+against the session's dev server. The simulated workload's checkpoint lists every training step
+the model holds (step, batch, weights version): what "each step applied once" is read from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import ApplicationError
+from timeslice.cli.server import temporal_binary
+from timeslice.connection import connect, connect_config
+from timeslice.errors import InvalidArgumentError
+from timeslice.jobs import parse_any_job_config, start_any_rl_job
+from timeslice.protocol.async_rl_job import AsyncRLJobProgress, AsyncRLJobResult
+from timeslice.protocol.rl_job import rl_job_workflow_id
+
+from tests.conftest import start_service, stop_process
+from tests.helpers import wait_for
+
+SIZE = 1 << 20
+# The trainer is the slower: batches queue up, and the staleness bound is what holds them back.
+PIPELINE = {"sample_s": 0.05, "reward_s": 0.02, "train_s": 0.15, "sync_bytes": SIZE}
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> Path:
+    return tmp_path / "checkpoints"
+
+
+@pytest.fixture
+def job_worker(address: str, tmp_path: Path, checkpoints: Path) -> Iterator[Callable[..., Any]]:
+    procs: list[subprocess.Popen] = []
+
+    def start(job_id: str, workload: str = "simulated") -> subprocess.Popen:
+        proc = start_service(
+            ["job", "worker", "--address", address, "--job-id", job_id, "--workload", workload,
+             "--checkpoint-dir", str(checkpoints), "--threads", "1"],
+            f"job {job_id} rank 0",
+            tmp_path / f"{job_id}.log",
+        )  # fmt: skip
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        stop_process(proc)
+
+
+def job_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def run(coro_fn: Callable[[Client], Any], address: str) -> Any:
+    async def main() -> Any:
+        return await coro_fn(await connect(connect_config(address)))
+
+    return asyncio.run(main())
+
+
+def async_config(job: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "mode": "async",
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": PIPELINE,
+        "sampler_group": f"s-{job}",
+        "trainer_group": f"t-{job}",
+        "epochs": 12,
+        "checkpoint_every": 4,
+        "max_staleness": 2,
+        "sync_every": 2,
+        **extra,
+    }
+
+
+def start(address: str, config: dict[str, Any]) -> None:
+    async def go(client: Client) -> None:
+        await start_any_rl_job(client, parse_any_job_config(config))
+
+    run(go, address)
+
+
+def result(address: str, job: str) -> AsyncRLJobResult:
+    async def go(client: Client) -> AsyncRLJobResult:
+        handle = client.get_workflow_handle(rl_job_workflow_id(job), result_type=AsyncRLJobResult)
+        return await handle.result()
+
+    return run(go, address)
+
+
+def progress(address: str, job: str) -> AsyncRLJobProgress:
+    async def go(client: Client) -> AsyncRLJobProgress:
+        handle = client.get_workflow_handle(rl_job_workflow_id(job))
+        return await handle.query("progress", result_type=AsyncRLJobProgress)
+
+    return run(go, address)
+
+
+def applied_steps(done: AsyncRLJobResult) -> list[list[int]]:
+    """(step, batch, weights version) of every step the final model holds, from its checkpoint."""
+    assert done.last_checkpoint is not None
+    assert done.last_checkpoint.epochs_done == done.epochs_done
+    saved = Path(done.last_checkpoint.path) / "rank-0" / "simulated.json"
+    return json.loads(saved.read_text())["applied"]
+
+
+def assert_every_step_once(done: AsyncRLJobResult, steps: int) -> None:
+    assert done.epochs_done == steps and not done.stopped
+    applied = applied_steps(done)
+    assert [s for s, _, _ in applied] == list(range(steps)), "a step missing or applied twice"
+    batches = [b for _, b, _ in applied]
+    assert len(set(batches)) == steps, f"a batch trained on twice: {batches}"
+    assert all(b < done.next_batch for b in batches)
+    # The workflow's records say the same as the model.
+    assert [(r.epoch, r.batch, r.weights_version) for r in done.records] == [
+        tuple(a) for a in applied[-len(done.records) :]
+    ]
+    # Every batch id drawn was trained on once — by a step the model holds, or by one a rewind
+    # undid — or dropped and counted.
+    assert done.next_batch == steps + done.redone_epochs + done.dropped_batches
+
+
+def test_async_job_never_exceeds_its_staleness_and_overlaps_sampler_and_trainer(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    job = job_id("async")
+    job_worker(job)
+    start(address, async_config(job))
+    done = result(address, job)
+    assert_every_step_once(done, 12)
+    assert done.rewinds == 0 and done.dropped_batches == 0 and done.stale_dropped == 0
+    staleness = [r.staleness for r in done.records]
+    assert all(0 <= s <= 2 for s in staleness), staleness
+    assert [r.epoch - r.weights_version for r in done.records] == staleness
+    assert sum(done.staleness_counts) == 12 and len(done.staleness_counts) <= 3
+    # It ran asynchronously: batches were sampled with weights older than the step's, and the
+    # sampler held its group while the trainer held its own.
+    assert max(staleness) >= 1, "every batch was fresh: the sampler never ran ahead"
+    samples = [h for r in done.records for h in r.holds if h.phase == "sample"]
+    trains = [h for r in done.records for h in r.holds if h.phase == "train"]
+    assert {h.group_id for h in samples} == {f"s-{job}"}
+    assert {h.group_id for h in trains} == {f"t-{job}"}
+    assert any(
+        s.mono_start < t.mono_end and t.mono_start < s.mono_end for s in samples for t in trains
+    ), "no sampling overlapped a training step"
+    # Weights published every 2 steps (not after the last), each moving the declared bytes.
+    assert [r.published for r in done.records] == [
+        (r.epoch + 1) % 2 == 0 and r.epoch + 1 < 12 for r in done.records
+    ]
+    assert done.syncs == 5 and done.sync_bytes == 5 * SIZE
+
+
+def test_max_staleness_zero_is_the_sync_schedule(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    job = job_id("fresh")
+    job_worker(job)
+    start(address, async_config(job, epochs=5, max_staleness=0, sync_every=1))
+    done = result(address, job)
+    assert_every_step_once(done, 5)
+    assert [r.staleness for r in done.records] == [0] * 5
+    assert [r.weights_version for r in done.records] == list(range(5))
+
+
+def test_killed_job_process_rewinds_and_applies_every_step_once(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    job = job_id("akill")
+    proc = job_worker(job)
+    start(address, async_config(job, epochs=14, checkpoint_every=3, heartbeat_timeout_s=3))
+    # Past a checkpoint, with batches queued and a step in hand.
+    wait_for(lambda: progress(address, job).epoch >= 5, timeout=120, what="step 5 of the job")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    job_worker(job)  # a fresh process: no state, no batch, until the job re-prepares it
+    done = result(address, job)
+    assert done.rewinds >= 1 and done.redone_epochs >= 1
+    assert_every_step_once(done, 14)
+    assert all(r.staleness <= 2 for r in done.records)
+    assert done.stale_dropped == 0
+
+
+def test_async_job_from_the_temporal_cli_and_stop(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    job = job_id("acli")
+    job_worker(job)
+    config = async_config(job, epochs=1000, checkpoint_every=50)
+    out = subprocess.run(
+        [str(temporal_binary()), "workflow", "start", "--address", address,
+         "--type", "AsyncRLJobWorkflow", "--task-queue", "timeslice",
+         "--workflow-id", rl_job_workflow_id(job), "--input", json.dumps(config)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: progress(address, job).epoch >= 3, timeout=120, what="step 3")
+    stopped = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "job", "stop", job, "--address", address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr
+    done = result(address, job)
+    assert done.stopped and 3 <= done.epochs_done < 1000
+    assert done.last_checkpoint is not None
+    assert done.last_checkpoint.epochs_done == done.epochs_done
+    applied = applied_steps(done)
+    assert [s for s, _, _ in applied] == list(range(done.epochs_done))
+    # Batches handed over but never trained are counted, not lost.
+    assert done.next_batch == done.epochs_done + done.dropped_batches
+    shown = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "job", "progress", job, "--address", address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert f"step {done.epochs_done}/1000" in shown.stdout
+
+
+def test_async_job_continues_as_new_with_an_empty_pipeline(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    job = job_id("acan")
+    job_worker(job)
+
+    async def go(client: Client) -> tuple[AsyncRLJobResult, WorkflowExecutionStatus | None]:
+        handle = await start_any_rl_job(
+            client, parse_any_job_config(async_config(job, epochs=9, continue_as_new_every=4))
+        )
+        done = await handle.result()
+        first = client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
+        return done, (await first.describe()).status
+
+    done, first_status = run(go, address)
+    assert first_status == WorkflowExecutionStatus.CONTINUED_AS_NEW
+    assert_every_step_once(done, 9)
+    assert done.dropped_batches == 0  # the trainer drained each run's batches before it ended
+
+
+@pytest.mark.parametrize(
+    ("change", "complaint"),
+    [
+        ({"sync_every": 4}, "sync_every=4 with max_staleness=2"),
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"max_staleness": 257}, "max_staleness"),
+        ({"trainer_group": None}, "need two groups"),
+        ({"ranks": 2}, "one rank"),
+        ({"epochs": 0}, "epochs"),
+    ],
+)
+def test_bad_async_config_fails_the_workflow_at_once(
+    address: str, change: dict[str, Any], complaint: str
+) -> None:
+    job = job_id("abad")
+    config = {k: v for k, v in {**async_config(job), **change}.items() if v is not None}
+    with pytest.raises(InvalidArgumentError, match=complaint):
+        parse_any_job_config(config)
+
+    async def go(client: Client) -> None:
+        handle = await client.start_workflow(
+            "AsyncRLJobWorkflow", config, id=rl_job_workflow_id(job), task_queue="timeslice"
+        )
+        await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as failed:
+        run(go, address)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError)
+    assert cause.type == "InvalidConfig" and cause.non_retryable
+    assert complaint in cause.message
+
+
+def test_a_workload_without_an_async_mode_is_refused(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    job = job_id("anoasync")
+    job_worker(job, "grpo-toy")
+    start(address, async_config(job, workload="grpo-toy", workload_options={}))
+    with pytest.raises(WorkflowFailureError) as failed:
+        result(address, job)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidConfig"
+    assert "has no async mode" in cause.message
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        (
+            [
+                "--mode",
+                "async",
+                "--trainer-group",
+                "t",
+                "--max-staleness",
+                "1",
+                "--sync-every",
+                "3",
+            ],
+            "sync_every=3",
+        ),
+        (["--mode", "async"], "need two groups"),
+        (["--max-staleness", "2"], "max_staleness set for a sync job"),
+        (["--mode", "async", "--max-staleness", "-2", "--trainer-group", "t"], "max_staleness"),
+        (["--mode", "later"], "invalid choice"),
+    ],
+)
+def test_job_start_refuses_bad_async_flags_before_connecting(
+    flags: list[str], complaint: str
+) -> None:
+    # No server at this address: the config is refused before any connection is tried.
+    out = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "job", "start", "--address", "127.0.0.1:9",
+         "--job-id", "j", "--workload", "simulated", "--sampler-group", "s", "--epochs", "3",
+         *flags],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert complaint in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
