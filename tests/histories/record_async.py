@@ -3,9 +3,10 @@
     .venv/bin/python -m tests.histories.record_async
 
 One `simulated` async job (sampler and trainer on groups of their own, staleness 2, weights
-every 2 steps): its job process is killed (-9) after step 2, so the first run holds a failure
-of both loops and a rewind from the last checkpoint; the job then continues as new, so a second
-run is stored too. Re-record only when the workflow changes on purpose.
+every 2 steps): its job process is killed (-9) after step 3, so the first run (stored last:
+the listing is newest first) holds a failure of both loops and a rewind from the last
+checkpoint; the job then continues as new, so a second run is stored too. Re-record only when
+the workflow changes on purpose.
 """
 
 from __future__ import annotations
