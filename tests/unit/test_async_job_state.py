@@ -3,6 +3,9 @@ a state at every bound, measured as the real data converter encodes it, fits the
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -32,6 +35,7 @@ GOOD: dict[str, Any] = {
     "epochs": 10,
 }
 LARGE = 2**63 - 1
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_good_async_config_is_an_rl_job_config_with_its_two_groups() -> None:
@@ -154,3 +158,32 @@ def test_staleness_is_counted_by_value() -> None:
     for staleness in (0, 2, 2, 1):
         state.count_staleness(staleness)
     assert state.staleness_counts == [1, 1, 2]
+
+
+def _replay() -> ModuleType:
+    sys.path.insert(0, str(REPO))
+    try:
+        import bench.replay
+
+        return bench.replay
+    finally:
+        sys.path.remove(str(REPO))
+
+
+def test_the_async_replay_gives_each_dedicated_job_two_groups_and_bounds_the_trainer() -> None:
+    replay = _replay()
+    assert replay.groups_of("dedicated", 0, "x", "async") == ("dedicated-x-0-s", "dedicated-x-0-t")
+    assert replay.groups_of("shared-trainer", 1, "x", "async") == ("sampler-x-1", "trainer-x")
+    configs = [
+        {
+            "sampler_group": f"s{i}",
+            "trainer_group": "t",
+            "workload_options": {"sample_s": sample, "reward_s": 0.0, "train_s": train},
+        }
+        for i, (sample, train) in enumerate(((2.0, 1.0), (3.0, 1.5)))
+    ]
+    # Each loop runs at the slower of its two loops' pace: the samplers here (2 s, 3 s a step).
+    bound = replay.async_demand_bound(configs)
+    assert bound == pytest.approx({"s0": 1.0, "s1": 1.0, "t": 1.0})
+    configs[1]["workload_options"]["sample_s"] = 6.0
+    assert replay.async_demand_bound(configs)["t"] == pytest.approx(0.5 + 0.25)
