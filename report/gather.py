@@ -16,6 +16,17 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.errors import InvalidArgumentError, UnknownGroupError
+from timeslice.protocol.async_rl_job import (
+    ASYNC_RL_JOB_WORKFLOW_TYPE,
+    ASYNC_SAMPLE_ACTIVITY,
+    ASYNC_SCORE_ACTIVITY,
+    ASYNC_TRAIN_ACTIVITY,
+    AsyncPhaseResult,
+    AsyncRLJobConfig,
+    AsyncRLJobInput,
+    AsyncRLJobProgress,
+    AsyncRLJobResult,
+)
 from timeslice.protocol.group import (
     GROUP_WORKFLOW_TYPE,
     GroupQuery,
@@ -48,6 +59,8 @@ from timeslice.report.model import JobFigures, JobStatus, Lane, Report
 DEFAULT_MAX_JOBS = 50
 QUERY_TIMEOUT = timedelta(seconds=15)  # a workflow no worker serves never answers
 PHASE_ACTIVITIES = {SAMPLE_ACTIVITY, REWARDS_ACTIVITY, TRAIN_ACTIVITY}
+# An async job's phases: their results wrap a PhaseResult (both loops' phases are read).
+ASYNC_PHASE_ACTIVITIES = {ASYNC_SAMPLE_ACTIVITY, ASYNC_SCORE_ACTIVITY, ASYNC_TRAIN_ACTIVITY}
 
 _STATUS_NAMES: dict[WorkflowExecutionStatus, JobStatus] = {
     WorkflowExecutionStatus.RUNNING: "running",
@@ -176,7 +189,12 @@ async def _job(client: Client, job_id: str, now: datetime) -> JobRecord:
         await _read_run(client, history.events, record)
     if runs:
         record.started = runs[0].start_time
-    handle = client.get_workflow_handle(workflow_id, run_id=latest.run_id, result_type=RLJobResult)
+    is_async = latest.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE
+    handle = client.get_workflow_handle(
+        workflow_id,
+        run_id=latest.run_id,
+        result_type=AsyncRLJobResult if is_async else RLJobResult,
+    )
     if status == "completed":
         result = await handle.result()
         record.epochs_done = result.epochs_done
@@ -187,7 +205,9 @@ async def _job(client: Client, job_id: str, now: datetime) -> JobRecord:
         return record
     try:
         progress = await handle.query(
-            JobQuery.PROGRESS, result_type=RLJobProgress, rpc_timeout=QUERY_TIMEOUT
+            JobQuery.PROGRESS,
+            result_type=AsyncRLJobProgress if is_async else RLJobProgress,
+            rpc_timeout=QUERY_TIMEOUT,
         )
     except Exception as err:  # a closed run needs a worker to answer; report what we know
         record.note = record.note or f"no progress: {err}"
@@ -214,11 +234,20 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
             if payloads:
                 try:
                     (raw,) = await converter.decode(payloads, [Any])
-                    config = (
-                        RLJobInput.model_validate(raw).config
-                        if isinstance(raw, dict) and "config" in raw
-                        else RLJobConfig.model_validate(raw)
-                    )
+                    carried = isinstance(raw, dict) and "config" in raw
+                    body = raw["config"] if carried else raw
+                    if isinstance(body, dict) and body.get("mode") == "async":
+                        config: RLJobConfig = (
+                            AsyncRLJobInput.model_validate(raw).config
+                            if carried
+                            else AsyncRLJobConfig.model_validate(raw)
+                        )
+                    else:
+                        config = (
+                            RLJobInput.model_validate(raw).config
+                            if carried
+                            else RLJobConfig.model_validate(raw)
+                        )
                 except (ValueError, KeyError, RuntimeError):
                     # A job started with input it refused (not one config, or undecodable; it
                     # failed at once): no groups or phases to report, and it must not stop the
@@ -232,10 +261,15 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
             scheduled[event.event_id] = attrs.activity_type.name
         elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
             attrs = event.activity_task_completed_event_attributes
-            if scheduled.get(attrs.scheduled_event_id) not in PHASE_ACTIVITIES:
+            activity_type = scheduled.get(attrs.scheduled_event_id)
+            if activity_type not in PHASE_ACTIVITIES | ASYNC_PHASE_ACTIVITIES:
                 continue
             try:
-                (phase,) = await converter.decode(attrs.result.payloads, [PhaseResult])
+                if activity_type in ASYNC_PHASE_ACTIVITIES:
+                    (wrapped,) = await converter.decode(attrs.result.payloads, [AsyncPhaseResult])
+                    phase = wrapped.phase
+                else:
+                    (phase,) = await converter.decode(attrs.result.payloads, [PhaseResult])
             except ValueError:
                 # A result the job refused (a job process of another release, or a forged or
                 # malformed answer: the job failed that phase and did not use it) is no phase

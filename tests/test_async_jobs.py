@@ -330,3 +330,32 @@ def test_job_start_refuses_bad_async_flags_before_connecting(
     assert out.returncode != 0
     assert complaint in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_report_reads_an_async_job(address: str, job_worker: Callable[..., Any]) -> None:
+    from timeslice.report import collect_report
+
+    job = job_id("areport")
+    job_worker(job)
+    start(address, async_config(job, epochs=6))
+    done = result(address, job)
+
+    async def go(client: Client) -> Any:
+        return await collect_report(client, groups=[f"s-{job}", f"t-{job}"], jobs=[job])
+
+    report = run(go, address)
+    (found,) = report.jobs
+    assert found.job_id == job and found.status == "completed"
+    assert found.epochs_done == 6 and found.rewards == done.rewards
+    # Both loops' phases, read from the job's history: 6 batches sampled and scored, 6 steps.
+    phases = sorted(
+        s.kind for s in report.spans if s.job_id == job and s.kind in ("sample", "rewards", "train")
+    )
+    assert phases == ["rewards"] * 6 + ["sample"] * 6 + ["train"] * 6
+    shown = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "report", "--address", address, "--job", job,
+         "--group", f"s-{job}", "--group", f"t-{job}", "--text-only"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert job in shown.stdout and "Traceback" not in shown.stderr
