@@ -9,10 +9,12 @@ the model holds (step, batch, weights version): what "each step applied once" is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,11 +23,13 @@ from typing import Any
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from timeslice.cli.server import temporal_binary
 from timeslice.connection import connect, connect_config
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_any_job_config, start_any_rl_job
 from timeslice.protocol.async_rl_job import AsyncRLJobProgress, AsyncRLJobResult
+from timeslice.protocol.group import HolderView, group_workflow_id
 from timeslice.protocol.rl_job import rl_job_workflow_id
 
 from tests.conftest import start_service, stop_process
@@ -359,3 +363,57 @@ def test_report_reads_an_async_job(address: str, job_worker: Callable[..., Any])
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert job in shown.stdout and "Traceback" not in shown.stderr
+
+
+def test_a_revoked_sampler_lease_stops_the_sampling_and_fails_the_loop(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    job = job_id("arevoke")
+    proc = job_worker(job)
+    sampler = f"s-{job}"
+
+    async def go(client: Client) -> AsyncRLJobResult:
+        config = async_config(
+            job,
+            # A long first sampling to revoke in the middle of; the lease is checked every 1 s.
+            workload_options={"sample_s": 30.0, "reward_s": 0.05, "train_s": 0.05},
+            epochs=1,
+            lease_ttl_s=4,
+            max_failures=0,
+        )
+        handle = await start_any_rl_job(client, parse_any_job_config(config))
+        group_handle = client.get_workflow_handle(group_workflow_id(sampler))
+
+        async def holder() -> HolderView | None:
+            return await group_handle.query("holder", result_type=HolderView | None)
+
+        # The sampling's own lease: the same holder for 1 s while the sampler samples (not the
+        # preparation's lease, which may still be handed back as sampling starts).
+        seen: tuple[int, float] | None = None
+        while True:
+            with contextlib.suppress(RPCError):
+                held = await holder()
+                now = await handle.query("progress", result_type=AsyncRLJobProgress)
+                if held is not None and now.sampler_phase == "batch 0 · sample":
+                    if seen is None or seen[0] != held.token:
+                        seen = (held.token, time.monotonic())
+                    elif time.monotonic() - seen[1] >= 1.0:
+                        break
+                else:
+                    seen = None
+            await asyncio.sleep(0.1)
+        # Revoked the way a lease is: its process stops renewing (frozen) and the TTL runs out.
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            while (current := await holder()) is not None and current.token == held.token:
+                await asyncio.sleep(0.1)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        return await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as failed:
+        run(go, address)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "JobFailed"
+    assert "LeaseRevoked" in cause.message
+    assert "was revoked" in cause.message or "was not confirmed within" in cause.message
