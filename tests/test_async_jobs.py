@@ -417,3 +417,43 @@ def test_a_revoked_sampler_lease_stops_the_sampling_and_fails_the_loop(
     assert isinstance(cause, ApplicationError) and cause.type == "JobFailed"
     assert "LeaseRevoked" in cause.message
     assert "was revoked" in cause.message or "was not confirmed within" in cause.message
+
+
+def test_grpo_toy_async_with_max_staleness_zero_learns_as_the_sync_job(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    torch = pytest.importorskip("torch")
+    grpo = {"workload": "grpo-toy", "epochs": 6, "batch_size": 8, "group_size": 4, "seed": 7}
+    sync_job, async_job = job_id("gsync"), job_id("gasync")
+    job_worker(sync_job, "grpo-toy")
+    job_worker(async_job, "grpo-toy")
+
+    async def go(client: Client) -> tuple[Any, AsyncRLJobResult]:
+        sync_config = {"job_id": sync_job, "sampler_group": f"g-{sync_job}", **grpo}
+        configs = [
+            sync_config,
+            {
+                **async_config(async_job, workload_options={}),
+                **grpo,
+                "max_staleness": 0,
+                "sync_every": 1,
+            },
+        ]
+        handles = [await start_any_rl_job(client, parse_any_job_config(c)) for c in configs]
+        return await handles[0].result(), await handles[1].result()
+
+    synced, done = run(go, address)
+    assert done.epochs_done == synced.epochs_done == 6
+    assert [r.staleness for r in done.records] == [0] * 6
+    # The same schedule, so the same learning: rewards and trained weights bit for bit.
+    assert done.rewards == synced.rewards
+    assert done.rewards[-1] > done.rewards[0]
+
+    def trainer_state(ref: Any) -> dict[str, Any]:
+        return torch.load(Path(ref.path) / "rank-0" / "trainer.pt", weights_only=True)
+
+    mine, theirs = trainer_state(done.last_checkpoint), trainer_state(synced.last_checkpoint)
+    for name, tensor in theirs["policy"].items():
+        assert torch.equal(mine["policy"][name], tensor), name
+    for ours, sync_state in zip(mine["optimizer"], theirs["optimizer"], strict=True):
+        assert all(torch.equal(ours[k], sync_state[k]) for k in sync_state)
