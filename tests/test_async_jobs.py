@@ -21,16 +21,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
+from temporalio.worker import Worker
 from timeslice.cli.server import temporal_binary
 from timeslice.connection import connect, connect_config
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_any_job_config, start_any_rl_job
 from timeslice.protocol.async_rl_job import AsyncRLJobProgress, AsyncRLJobResult
-from timeslice.protocol.group import HolderView, group_workflow_id
-from timeslice.protocol.rl_job import rl_job_workflow_id
+from timeslice.protocol.group import HolderView, group_workflow_id, job_task_queue
+from timeslice.protocol.rl_job import (
+    DESCRIBE_ACTIVITY,
+    JOB_PROTOCOL_VERSION,
+    DescribeInput,
+    DescribeResult,
+    rl_job_workflow_id,
+)
 
 from tests.conftest import start_service, stop_process
 from tests.helpers import wait_for
@@ -290,8 +298,9 @@ def test_a_workload_without_an_async_mode_is_refused(
     address: str, job_worker: Callable[..., Any]
 ) -> None:
     job = job_id("anoasync")
-    job_worker(job, "grpo-toy")
-    start(address, async_config(job, workload="grpo-toy", workload_options={}))
+    workload = "tests.sync_only_workload:create"
+    job_worker(job, workload)
+    start(address, async_config(job, workload=workload, workload_options={}))
     with pytest.raises(WorkflowFailureError) as failed:
         result(address, job)
     cause = failed.value.cause
@@ -457,3 +466,32 @@ def test_grpo_toy_async_with_max_staleness_zero_learns_as_the_sync_job(
         assert torch.equal(mine["policy"][name], tensor), name
     for ours, sync_state in zip(mine["optimizer"], theirs["optimizer"], strict=True):
         assert all(torch.equal(ours[k], sync_state[k]) for k in sync_state)
+
+
+def test_a_job_process_without_async_activities_is_refused_at_once(address: str) -> None:
+    """A job process of a release before async jobs serves the sync job's describe only: the
+    async job fails at once, saying so, instead of waiting process_wait_s for it."""
+    job = job_id("aold")
+
+    @activity.defn(name=DESCRIBE_ACTIVITY)
+    async def describe(inp: DescribeInput) -> DescribeResult:
+        return DescribeResult(
+            workload="simulated",
+            sampler_backends=["sampler"],
+            trainer_backends=["trainer"],
+            epochs_done=None,
+            protocol=JOB_PROTOCOL_VERSION,
+        )
+
+    async def go(client: Client) -> None:
+        async with Worker(client, task_queue=job_task_queue(job, 0), activities=[describe]):
+            # Without the refusal it would wait for another process this long, then time out.
+            config = async_config(job, process_wait_s=30)
+            handle = await start_any_rl_job(client, parse_any_job_config(config))
+            await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as failed:
+        run(go, address)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "ProtocolMismatch"
+    assert "serves no async jobs" in cause.message

@@ -90,6 +90,8 @@ _NO_RETRY = RetryPolicy(maximum_attempts=1)
 _NO_WAIT_LIMIT_S = 30 * 86_400.0
 _DEFAULT_TTL_S = 20.0
 _STOP_GRACE = timedelta(seconds=5)
+# The error type a worker answers for an activity it does not have.
+_NOT_REGISTERED = "NotFoundError"
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -629,6 +631,9 @@ class AsyncRLJobWorkflow:
                 task_queue=job_task_queue(cfg.job_id, 0),
                 schedule_to_close_timeout=timedelta(seconds=cfg.process_wait_s),
                 start_to_close_timeout=timedelta(seconds=30),
+                # A job process of a release before async jobs has no such activity: that is
+                # no process still starting, and waiting would not change it.
+                retry_policy=RetryPolicy(non_retryable_error_types=[_NOT_REGISTERED]),
                 summary=f"wait for the job process · {cfg.workload} (async)",
             )
         )
@@ -647,6 +652,15 @@ class AsyncRLJobWorkflow:
             ending = _ending_the_job(err, cfg.job_id)
             if ending is not None:
                 raise ending from None
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type == _NOT_REGISTERED:
+                raise ApplicationError(
+                    f"job {cfg.job_id}: its job process serves no async jobs (a Timeslice "
+                    "release before them): run job workers of the same release as the control "
+                    "workers (docs/upgrading.md)",
+                    type="ProtocolMismatch",
+                    non_retryable=True,
+                ) from None
             raise
         try:
             found = _validated(DescribeResult, raw, "the job process")
