@@ -111,7 +111,11 @@ async def collect_report(
     job_reports: list[JobFigures] = []
     for record in records:
         spans = job_spans(record)
-        job_lanes.append(Lane(name=record.job_id, kind="job", spans=spans))
+        names = list(dict.fromkeys(s.lane for s in spans)) or [record.job_id]
+        job_lanes += [
+            Lane(name=name, kind="job", spans=[s for s in spans if s.lane == name])
+            for name in names
+        ]
         job_reports.append(job_figures(record, spans, (dedicated_s or {}).get(record.job_id)))
     rl_jobs = {r.job_id for r in records}
     group_reports = []
@@ -225,6 +229,7 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
     """Add one run's phases (and, from the first run, the job's groups) to ``record``."""
     converter = client.data_converter
     scheduled: dict[int, str] = {}
+    versions: dict[int, int] = {}  # async: batch id -> the weights version it was sampled with
     for event in events:
         if (
             event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
@@ -268,6 +273,14 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
                 if activity_type in ASYNC_PHASE_ACTIVITIES:
                     (wrapped,) = await converter.decode(attrs.result.payloads, [AsyncPhaseResult])
                     phase = wrapped.phase
+                    record.mode = "async"
+                    if wrapped.weights_version is not None:  # a sampling: the batch's weights
+                        versions[wrapped.batch] = wrapped.weights_version
+                    if phase.phase == "train":
+                        sampled_with = versions.get(wrapped.batch)
+                        record.staleness.append(
+                            None if sampled_with is None else phase.epoch - sampled_with
+                        )
                 else:
                     (phase,) = await converter.decode(attrs.result.payloads, [PhaseResult])
             except ValueError:

@@ -345,8 +345,10 @@ def test_job_start_refuses_bad_async_flags_before_connecting(
     assert "Traceback" not in out.stderr
 
 
-def test_report_reads_an_async_job(address: str, job_worker: Callable[..., Any]) -> None:
-    from timeslice.report import collect_report
+def test_report_reads_an_async_job(
+    address: str, job_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    from timeslice.report import collect_report, write_report
 
     job = job_id("areport")
     job_worker(job)
@@ -365,6 +367,18 @@ def test_report_reads_an_async_job(address: str, job_worker: Callable[..., Any])
         s.kind for s in report.spans if s.job_id == job and s.kind in ("sample", "rewards", "train")
     )
     assert phases == ["rewards"] * 6 + ["sample"] * 6 + ["train"] * 6
+    # A lane per loop: the sampler's phases in one, the trainer's in the other.
+    lanes = {lane.name: lane for lane in report.lanes if lane.kind == "job"}
+    assert set(lanes) == {f"{job} · sampler", f"{job} · trainer"}
+    assert {s.kind for s in lanes[f"{job} · trainer"].spans} <= {"train", "waiting", "switching"}
+    assert "train" not in {s.kind for s in lanes[f"{job} · sampler"].spans}
+    # Each step's staleness, read from the history, is the workflow's own record of it.
+    assert found.mode == "async"
+    assert found.staleness == [r.staleness for r in done.records]
+    trained = [s.label for s in lanes[f"{job} · trainer"].spans if s.kind == "train"]
+    assert [label.rsplit("staleness ", 1)[1] for label in trained] == [
+        str(r.staleness) for r in done.records
+    ]
     shown = subprocess.run(
         [sys.executable, "-m", "timeslice.cli", "report", "--address", address, "--job", job,
          "--group", f"s-{job}", "--group", f"t-{job}", "--text-only"],
@@ -372,6 +386,10 @@ def test_report_reads_an_async_job(address: str, job_worker: Callable[..., Any])
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert job in shown.stdout and "Traceback" not in shown.stderr
+    assert f"async: staleness max {max(found.staleness)}" in shown.stdout
+    files = write_report(report, tmp_path / "report")  # the page and picture draw both lanes
+    page = files.html.read_text()
+    assert all(f"{job} \\u00b7 {loop}" in page for loop in ("sampler", "trainer"))
 
 
 def test_a_revoked_sampler_lease_stops_the_sampling_and_fails_the_loop(
