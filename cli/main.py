@@ -453,7 +453,8 @@ async def _run_job_start(args: argparse.Namespace) -> int:
         return 1
     rewards = [r for r in result.rewards if r is not None]
     state = "stopped" if result.stopped else "completed"
-    print(f"job {config.job_id} {state} after {result.epochs_done} epochs", end="")
+    unit = "steps" if isinstance(config, AsyncRLJobConfig) else "epochs"
+    print(f"job {config.job_id} {state} after {result.epochs_done} {unit}", end="")
     print(f"; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "")
     return 0
 

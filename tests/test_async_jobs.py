@@ -513,3 +513,25 @@ def test_a_job_process_without_async_activities_is_refused_at_once(address: str)
     cause = failed.value.cause
     assert isinstance(cause, ApplicationError) and cause.type == "ProtocolMismatch"
     assert "serves no async jobs" in cause.message
+
+
+def test_job_start_mode_async_waits_and_shows_both_loops(
+    address: str, job_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    job = job_id("await")
+    job_worker(job)
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps({"workload_options": PIPELINE, "checkpoint_every": 3}))
+    out = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "job", "start", "--address", address,
+         "--config", str(config), "--mode", "async", "--job-id", job, "--workload", "simulated",
+         "--sampler-group", f"s-{job}", "--trainer-group", f"t-{job}", "--epochs", "6",
+         "--max-staleness", "3", "--sync-every", "2", "--wait"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert f"job {job} completed after 6 steps" in out.stdout
+    assert "trainer:" in out.stdout and "sampler:" in out.stdout  # the progress lines
+    done = result(address, job)
+    assert done.max_staleness == 3 and all(r.staleness <= 3 for r in done.records)
+    assert done.syncs == 2  # after steps 2 and 4 (not after the last)
