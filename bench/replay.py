@@ -14,8 +14,8 @@ staleness): layouts ``shared-trainer`` (each job samples on its own group, all t
 ``dedicated`` (each job on a sampler group and a trainer group of its own). Per-job phase times
 (``--sample-s-per-job``, ``--train-s-per-job``) give jobs of different shapes; each job's
 training steps per second (its steps / its first phase start to its last phase end) is printed,
-and the trainer's utilization also over the span when every job was running (``both_running``).
-The simulator has no async jobs yet, so async runs print no ideal.
+and the trainer's utilization also over the span when every job was running (``both_running``);
+the ideal is the simulator's async jobs with free switches, started when they did.
 
 Figures (docs/report.md defines them the same way):
 
@@ -177,6 +177,7 @@ def ideal(
     firsts = {r.job_id: min(h.mono_start for rec in r.records for h in rec.holds) for r in results}
     origin = min(firsts.values())
     groups = {g for c in configs for g in (c["sampler_group"], c["trainer_group"])}
+    asynchronous = {c["job_id"]: c.get("mode") == "async" for c in configs}
     return simulate(
         [
             Placement(
@@ -190,6 +191,8 @@ def ideal(
                 sampler_group=c["sampler_group"],
                 trainer_group=c["trainer_group"],
                 start_s=firsts[c["job_id"]] - origin,
+                max_staleness=c["max_staleness"] if asynchronous[c["job_id"]] else None,
+                sync_every=c.get("sync_every", 1),
             )
             for c in configs
         ],
@@ -413,6 +416,7 @@ def report_async(
     elapsed: float,
 ) -> None:
     bounds = async_demand_bound(configs)
+    simulated = ideal(results, configs, {}, args.policy)
     start, end = both_running(results)
     overheads = [
         o
@@ -423,23 +427,28 @@ def report_async(
     for group, holds in sorted(by_group.items()):
         measured = utilization(holds)
         overlap = utilization(holds, start, end) if end > start else None
+        best = simulated.groups[group].utilization
         groups[group] = {
             "utilization": round(measured["utilization"], 4),
             "both_running": None if overlap is None else round(overlap["utilization"], 4),
+            "ideal": round(best, 4),
+            "of_ideal": round(measured["utilization"] / best, 4),
             "demand_bound": round(bounds[group], 4),
             "phases": len(holds),
         }
         print(
             f"{group}: utilization {measured['utilization']:.1%}"
             + ("" if overlap is None else f" ({overlap['utilization']:.1%} while every job ran)")
-            + f"; demand bound {bounds[group]:.1%}",
+            + f"; ideal {best:.1%} (free switches); demand bound {bounds[group]:.1%}",
             flush=True,
         )
     rates = steps_per_s(results)
     for r in results:
         staleness = [rec.staleness for rec in r.records]
+        best_s = simulated.jobs[r.job_id].completion_s
         print(
-            f"{r.job_id}: {rates[r.job_id]:.3f} steps/s; staleness max {max(staleness)}, mean "
+            f"{r.job_id}: {rates[r.job_id]:.3f} steps/s (ideal {len(r.records) / best_s:.3f}); "
+            f"staleness max {max(staleness)}, mean "
             f"{statistics.mean(staleness):.2f}; dropped batches {r.dropped_batches}",
             flush=True,
         )
@@ -450,12 +459,17 @@ def report_async(
         "layout": args.layout,
         "mode": "async",
         "grant_policy": args.policy,
+        "ideal_is": "the simulator's async jobs with free switches, started when they did",
         "max_staleness": args.max_staleness,
         "sync_every": args.sync_every,
         "profiles": {c["job_id"]: {**c["workload_options"], "steps": c["epochs"]} for c in configs},
         "group_memory_declared": not args.no_overlap,
         "groups": groups,
         "steps_per_s": {job: round(rate, 4) for job, rate in rates.items()},
+        "ideal_steps_per_s": {
+            r.job_id: round(len(r.records) / simulated.jobs[r.job_id].completion_s, 4)
+            for r in results
+        },
         "staleness_max": {r.job_id: max(rec.staleness for rec in r.records) for r in results},
         "dropped_batches": {r.job_id: r.dropped_batches for r in results},
         "switches": len(overheads),
