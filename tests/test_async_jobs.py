@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
@@ -535,3 +536,31 @@ def test_job_start_mode_async_waits_and_shows_both_loops(
     done = result(address, job)
     assert done.max_staleness == 3 and all(r.staleness <= 3 for r in done.records)
     assert done.syncs == 2  # after steps 2 and 4 (not after the last)
+
+
+def test_stop_cancels_the_sampling_no_step_would_train(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    job = job_id("astop")
+    job_worker(job)
+    # The first batch samples for 60 s: the stop comes while it does.
+    start(address, async_config(job, workload_options={**PIPELINE, "sample_s": 60.0}))
+    wait_for(
+        lambda: progress(address, job).sampler_phase == "batch 0 · sample",
+        timeout=120,
+        what="the first sampling",
+    )
+
+    async def stop_and_wait(client: Client) -> tuple[AsyncRLJobResult, list[Any]]:
+        handle = client.get_workflow_handle(rl_job_workflow_id(job), result_type=AsyncRLJobResult)
+        await handle.signal("stop")
+        done = await handle.result()
+        events = [e async for e in handle.fetch_history_events()]
+        return done, events
+
+    done, events = run(stop_and_wait, address)
+    assert done.stopped and done.epochs_done == 0
+    assert done.next_batch == 1 and done.dropped_batches == 1
+    # The sampling was cancelled, not waited for: no step would have trained its batch.
+    kinds = {e.event_type for e in events}
+    assert EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED in kinds

@@ -268,10 +268,19 @@ class AsyncRLJobWorkflow:
         sampler = asyncio.ensure_future(self._sampler_loop())
         trainer = asyncio.ensure_future(self._trainer_loop())
         loops = [trainer, sampler]
-        await workflow.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in loops if t.done() and t.exception() is not None), None)
-        if failed is None:
-            return
+        await workflow.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+        if trainer.done() and trainer.exception() is None:
+            if not sampler.done() and state.stop_requested:
+                # Stopped: no step will train the batch in hand, so its sampling stops too.
+                sampler.cancel()
+                await workflow.wait([sampler])
+                if not sampler.cancelled():
+                    sampler.exception()  # retrieved: the stop is what ended the loop
+                return
+            await workflow.wait([sampler])  # it stops after the batch in hand (draining)
+            if sampler.exception() is None:
+                return
+        failed = next(t for t in loops if t.done() and t.exception() is not None)
         self._draining = True
         for loop in loops:
             if not loop.done():
