@@ -111,9 +111,12 @@ class AsyncRLJobState(RLJobState):
         max_length=MAX_STALENESS + 1,
         description="steps trained at each staleness (index = staleness)",
     )
-    syncs: int = 0
+    syncs: int = Field(0, description="weight publications: trainer -> host, trainer lease")
     sync_bytes: int = 0
     sync_s: float = 0.0
+    loads: int = Field(0, description="weight loads: host -> sampler, sampler lease")
+    load_bytes: int = 0
+    load_s: float = 0.0
 
     def count_staleness(self, staleness: int) -> None:
         while len(self.staleness_counts) <= staleness:
@@ -221,5 +224,8 @@ class AsyncRLJobResult(_Model):
     syncs: int
     sync_bytes: int
     sync_s: float
+    loads: int = 0
+    load_bytes: int = 0
+    load_s: float = 0.0
     phase_s: dict[str, float] = Field(default_factory=dict)
     wait_s: dict[str, float] = Field(default_factory=dict)

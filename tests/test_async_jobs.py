@@ -175,6 +175,9 @@ def test_async_job_never_exceeds_its_staleness_and_overlaps_sampler_and_trainer(
         (r.epoch + 1) % 2 == 0 and r.epoch + 1 < 12 for r in done.records
     ]
     assert done.syncs == 5 and done.sync_bytes == 5 * SIZE
+    # The sampler loaded newer weights (each through host memory, under its own lease) at
+    # most once per publication, each load moving the declared bytes.
+    assert 1 <= done.loads <= done.syncs and done.load_bytes == done.loads * SIZE
 
 
 def test_max_staleness_zero_is_the_sync_schedule(

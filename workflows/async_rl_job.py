@@ -252,6 +252,9 @@ class AsyncRLJobWorkflow:
             syncs=state.syncs,
             sync_bytes=state.sync_bytes,
             sync_s=state.sync_s,
+            loads=state.loads,
+            load_bytes=state.load_bytes,
+            load_s=state.load_s,
             phase_s=phase_s,
             wait_s=wait_s,
         )
@@ -326,6 +329,10 @@ class AsyncRLJobWorkflow:
                 f"batch {batch} · sample · {cfg.sampler_group} · weights v{version}",
             )
             await self._settle(order, sampled.phase)
+            if sampled.load_bytes or sampled.load_s:
+                state.loads += 1
+                state.load_bytes += sampled.load_bytes
+                state.load_s += sampled.load_s
             self._sampler_phase = f"batch {batch} · rewards"
             scored = await self._execute(
                 ASYNC_SCORE_ACTIVITY,
