@@ -9,6 +9,14 @@ a simulated state of the profile's size in its snapshot / restore times. Layouts
 - ``shared-trainer``: each job samples on its own group, all train on one shared group;
 - ``dedicated``: each job alone on its own group (the baseline sharing is measured against).
 
+``--mode async`` runs ``AsyncRLJobWorkflow``s instead (sampler and trainer at once, bounded
+staleness): layouts ``shared-trainer`` (each job samples on its own group, all train on one) and
+``dedicated`` (each job on a sampler group and a trainer group of its own). Per-job phase times
+(``--sample-s-per-job``, ``--train-s-per-job``) give jobs of different shapes; each job's
+training steps per second (its steps / its first phase start to its last phase end) is printed,
+and the trainer's utilization also over the span when every job was running (``both_running``);
+the ideal is the simulator's async jobs with free switches, started when they did.
+
 Figures (docs/report.md defines them the same way):
 
 - **utilization while jobs ran** of a group = the time GPU phases ran on it (the phases' own
@@ -56,11 +64,14 @@ from bench.handoff import cpu_model, percentile  # noqa: E402
 WHILE_JOBS_RAN = one_definition.WHILE_JOBS_RAN
 
 LAYOUTS = ("one-group", "disaggregated", "shared-trainer", "dedicated")
+ASYNC_LAYOUTS = ("shared-trainer", "dedicated")
 POLICIES = ("phase_aware", "fifo")  # GroupConfig.grant_policy; the first is its default
 
 
-def groups_of(layout: str, job: int, stamp: str) -> tuple[str, str]:
+def groups_of(layout: str, job: int, stamp: str, mode: str = "sync") -> tuple[str, str]:
     """(sampler group, trainer group) of job number ``job``."""
+    if mode == "async" and layout == "dedicated":  # an async job needs two groups
+        return f"dedicated-{stamp}-{job}-s", f"dedicated-{stamp}-{job}-t"
     if layout == "one-group":
         return f"shared-{stamp}", f"shared-{stamp}"
     if layout == "disaggregated":
@@ -81,15 +92,63 @@ def holds_by_group(results: list[Any]) -> dict[str, list[Any]]:
     return by_group
 
 
-def utilization(holds: list[Any]) -> dict[str, float]:
+def utilization(
+    holds: list[Any], start: float | None = None, end: float | None = None
+) -> dict[str, float]:
     """The group's utilization while jobs ran (``timeslice.protocol.utilization``), from its
-    GPU phases' own monotonic-clock intervals (one host: one clock)."""
-    measured = one_definition.while_jobs_ran((h.mono_start, h.mono_end) for _, h in holds)
+    GPU phases' own monotonic-clock intervals (one host: one clock); or over [start, end],
+    each phase clipped to it."""
+    spans = [(h.mono_start, h.mono_end) for _, h in holds]
+    if start is None and end is None:
+        measured = one_definition.while_jobs_ran(spans)
+        phase_s, window_s = measured.phase_s, measured.window_s
+    else:
+        window = one_definition.active_window(spans)
+        assert window is not None, "no GPU phase to measure"
+        lo = window[0] if start is None else start
+        hi = window[1] if end is None else end
+        phase_s, window_s = one_definition.phase_time(spans, (lo, hi)), hi - lo
     return {
-        "busy_s": measured.phase_s,
-        "wall_s": measured.window_s,
-        "utilization": measured.share,
+        "busy_s": phase_s,
+        "wall_s": window_s,
+        "utilization": phase_s / window_s if window_s > 0 else 0.0,
     }
+
+
+def steps_per_s(results: list[Any]) -> dict[str, float]:
+    """Each job's training steps per second: its steps over its first phase start to its last
+    phase end (the records a result keeps: run at most RECENT_EPOCH_RECORDS steps)."""
+    rates = {}
+    for r in results:
+        holds = [h for rec in r.records for h in rec.holds]
+        span = max(h.mono_end for h in holds) - min(h.mono_start for h in holds)
+        rates[r.job_id] = len(r.records) / span
+    return rates
+
+
+def both_running(results: list[Any]) -> tuple[float, float]:
+    """The span when every job was running: the last first phase start, the first last end."""
+    spans = [
+        (min(h.mono_start for rec in r.records for h in rec.holds),
+         max(h.mono_end for rec in r.records for h in rec.holds))
+        for r in results
+    ]  # fmt: skip
+    return max(s for s, _ in spans), min(e for _, e in spans)
+
+
+def async_demand_bound(configs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per group: each async job's GPU time per step there x its steps per second alone (its
+    slower loop: sample + rewards, or train), summed, capped at 1."""
+    demand: dict[str, float] = {}
+    for c in configs:
+        o = c["workload_options"]
+        period = max(o["sample_s"] + o["reward_s"], o["train_s"])
+        for group, seconds in (
+            (c["sampler_group"], o["sample_s"]),
+            (c["trainer_group"], o["train_s"]),
+        ):
+            demand[group] = demand.get(group, 0.0) + seconds / period
+    return {g: min(1.0, d) for g, d in demand.items()}
 
 
 def switch_overheads(holds: list[Any], both_fit: bool) -> list[float]:
@@ -110,9 +169,10 @@ def switch_overheads(holds: list[Any], both_fit: bool) -> list[float]:
 def demand_bound(configs: list[dict[str, Any]], profile: dict[str, float]) -> dict[str, float]:
     """Per group: the jobs' GPU seconds per epoch there over their epoch alone, summed, capped
     at 1 (every job here runs ``profile``)."""
-    epoch_s = profile["sample_s"] + profile["reward_s"] + profile["train_s"]
     shares: dict[str, list[float]] = {}
     for c in configs:
+        profile = c.get("workload_options", profile)  # a job's own times (--*-per-job)
+        epoch_s = profile["sample_s"] + profile["reward_s"] + profile["train_s"]
         gpu = {c["sampler_group"]: 0.0, c["trainer_group"]: 0.0}
         gpu[c["sampler_group"]] += profile["sample_s"]
         gpu[c["trainer_group"]] += profile["train_s"]
@@ -135,19 +195,22 @@ def ideal(
     firsts = {r.job_id: min(h.mono_start for rec in r.records for h in rec.holds) for r in results}
     origin = min(firsts.values())
     groups = {g for c in configs for g in (c["sampler_group"], c["trainer_group"])}
+    asynchronous = {c["job_id"]: c.get("mode") == "async" for c in configs}
     return simulate(
         [
             Placement(
                 rl_profile(
                     c["job_id"],
-                    sample_s=profile["sample_s"],
-                    rewards_s=profile["reward_s"],
-                    train_s=profile["train_s"],
+                    sample_s=c["workload_options"]["sample_s"],
+                    rewards_s=c["workload_options"]["reward_s"],
+                    train_s=c["workload_options"]["train_s"],
                     epochs=c["epochs"],
                 ),
                 sampler_group=c["sampler_group"],
                 trainer_group=c["trainer_group"],
                 start_s=firsts[c["job_id"]] - origin,
+                max_staleness=c["max_staleness"] if asynchronous[c["job_id"]] else None,
+                sync_every=c.get("sync_every", 1),
             )
             for c in configs
         ],
@@ -163,7 +226,7 @@ async def run_jobs(
     policy: str = POLICIES[0],
 ) -> list[Any]:
     from timeslice.activities.group_requests import start_group
-    from timeslice.jobs import parse_job_config, start_rl_job
+    from timeslice.jobs import parse_any_job_config, start_any_rl_job
     from timeslice.protocol.group import GrantPolicy, GroupConfig
     from timeslice.transport.connection import connect, connect_config
 
@@ -176,7 +239,7 @@ async def run_jobs(
                 group_id=group, memory_bytes=memory_bytes, grant_policy=GrantPolicy(policy)
             ),
         )
-    handles = [await start_rl_job(client, parse_job_config(c)) for c in configs]
+    handles = [await start_any_rl_job(client, parse_any_job_config(c)) for c in configs]
     return list(await asyncio.gather(*(h.result() for h in handles)))
 
 
@@ -203,11 +266,24 @@ def main() -> None:
         default=POLICIES[0],
         help="the groups' grant_policy, and the ideal's (default phase_aware, GroupConfig's)",
     )
+    p.add_argument("--mode", choices=("sync", "async"), default="sync", help="the jobs' mode")
+    p.add_argument("--max-staleness", type=int, default=8, help="async: the staleness bound")
+    p.add_argument("--sync-every", type=int, default=1, help="async: steps between syncs")
+    p.add_argument("--sync-s", type=float, default=0.0, help="async: one weight publication")
+    p.add_argument("--sample-s-per-job", type=_floats, help="per-job sample times, e.g. 2.0,3.0")
+    p.add_argument("--train-s-per-job", type=_floats, help="per-job train times, e.g. 1.0,1.5")
+    p.add_argument("--epochs-per-job", type=_ints, help="per-job epochs (async: steps), e.g. 30,20")
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     p.add_argument("--records", type=Path, help="write every job's result here (JSON)")
     args = p.parse_args()
     if args.jobs < 1 or args.epochs < 1:
         raise SystemExit("--jobs and --epochs must be >= 1")
+    if args.mode == "async" and args.layout not in ASYNC_LAYOUTS:
+        raise SystemExit(f"--mode async runs the layouts {', '.join(ASYNC_LAYOUTS)}")
+    for flag in ("sample_s_per_job", "train_s_per_job", "epochs_per_job"):
+        given = getattr(args, flag)
+        if given is not None and len(given) != args.jobs:
+            raise SystemExit(f"--{flag.replace('_', '-')} needs {args.jobs} values (--jobs)")
 
     from timeslice.cli.server import EmbeddedServer, free_port
     from timeslice.cli.services import start_service, stop_service
@@ -222,25 +298,38 @@ def main() -> None:
         "restore_s": restore_s,
         "shared_state": args.shared_state,
     }
+    if args.mode == "async":
+        options = {**options, "sync_s": args.sync_s, "sync_bytes": args.state_bytes}
+        options.pop("shared_state")
     stamp = str(int(time.time()))
     configs = []
     for i in range(args.jobs):
-        sampler, trainer = groups_of(args.layout, i, stamp)
-        configs.append(
-            {
-                "job_id": f"{args.layout}-{stamp}-{i}",
-                "workload": "simulated",
-                "workload_options": options,
-                "sampler_group": sampler,
-                "trainer_group": trainer,
-                "epochs": args.epochs,
-                "checkpoint_every": args.epochs,
-            }
-        )
+        sampler, trainer = groups_of(args.layout, i, stamp, args.mode)
+        job_options = dict(options)
+        if args.sample_s_per_job:
+            job_options["sample_s"] = args.sample_s_per_job[i]
+        if args.train_s_per_job:
+            job_options["train_s"] = args.train_s_per_job[i]
+        epochs = args.epochs_per_job[i] if args.epochs_per_job else args.epochs
+        config: dict[str, Any] = {
+            "job_id": f"{args.layout}-{stamp}-{i}",
+            "workload": "simulated",
+            "workload_options": job_options,
+            "sampler_group": sampler,
+            "trainer_group": trainer,
+            "epochs": epochs,
+            "checkpoint_every": epochs,
+        }
+        if args.mode == "async":
+            config.update(
+                mode="async", max_staleness=args.max_staleness, sync_every=args.sync_every
+            )
+        configs.append(config)
     # What one job keeps on a group's device: one state, or two where it samples and trains.
     footprint: dict[str, int] = {}
     for c in configs:
-        states = 1 if args.shared_state or c["sampler_group"] != c["trainer_group"] else 2
+        separate = c["sampler_group"] != c["trainer_group"]
+        states = 1 if args.shared_state or separate else 2
         footprint[c["sampler_group"]] = states * args.state_bytes
         footprint[c["trainer_group"]] = states * args.state_bytes
     memory = {g: None if args.no_overlap else 2 * b for g, b in footprint.items()}
@@ -263,7 +352,11 @@ def main() -> None:
                         tmp / f"{c['job_id']}.log",
                     )
                 )  # fmt: skip
-            print(f"{args.layout}: {args.jobs} jobs x {args.epochs} epochs ...", flush=True)
+            print(
+                f"{args.layout} ({args.mode}): {args.jobs} jobs x "
+                f"{args.epochs_per_job or args.epochs} epochs ...",
+                flush=True,
+            )
             started = time.monotonic()
             results = asyncio.run(run_jobs(server.address, configs, memory, args.policy))
             elapsed = time.monotonic() - started
@@ -273,6 +366,9 @@ def main() -> None:
             server.stop()
 
     by_group = holds_by_group(results)
+    if args.mode == "async":
+        report_async(args, configs, results, by_group, memory, elapsed)
+        return
     simulated = ideal(results, configs, options, args.policy)
     bounds = demand_bound(configs, options)
     overheads = [
@@ -329,6 +425,102 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.records:
         args.records.write_text(json.dumps([r.model_dump(mode="json") for r in results]))
+
+
+def report_async(
+    args: argparse.Namespace,
+    configs: list[dict[str, Any]],
+    results: list[Any],
+    by_group: dict[str, list[Any]],
+    memory: dict[str, int | None],
+    elapsed: float,
+) -> None:
+    bounds = async_demand_bound(configs)
+    simulated = ideal(results, configs, {}, args.policy)
+    start, end = both_running(results)
+    overheads = [
+        o
+        for group, holds in by_group.items()
+        for o in switch_overheads(holds, both_fit=memory[group] is not None)
+    ]
+    groups = {}
+    for group, holds in sorted(by_group.items()):
+        measured = utilization(holds)
+        overlap = utilization(holds, start, end) if end > start else None
+        best = simulated.groups[group].utilization
+        groups[group] = {
+            "utilization": round(measured["utilization"], 4),
+            "both_running": None if overlap is None else round(overlap["utilization"], 4),
+            "ideal": round(best, 4),
+            "of_ideal": round(measured["utilization"] / best, 4),
+            "demand_bound": round(bounds[group], 4),
+            "phases": len(holds),
+        }
+        print(
+            f"{group}: utilization {measured['utilization']:.1%}"
+            + ("" if overlap is None else f" ({overlap['utilization']:.1%} while every job ran)")
+            + f"; ideal {best:.1%} (free switches); demand bound {bounds[group]:.1%}",
+            flush=True,
+        )
+    rates = steps_per_s(results)
+    for r in results:
+        staleness = [rec.staleness for rec in r.records]
+        best_s = simulated.jobs[r.job_id].completion_s
+        print(
+            f"{r.job_id}: {rates[r.job_id]:.3f} steps/s (ideal {len(r.records) / best_s:.3f}); "
+            f"staleness max {max(staleness)}, mean "
+            f"{statistics.mean(staleness):.2f}; dropped batches {r.dropped_batches}",
+            flush=True,
+        )
+    result = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, "
+        f"Python {platform.python_version()}",
+        "layout": args.layout,
+        "mode": "async",
+        "grant_policy": args.policy,
+        "ideal_is": "the simulator's async jobs with free switches, started when they did",
+        "max_staleness": args.max_staleness,
+        "sync_every": args.sync_every,
+        "profiles": {c["job_id"]: {**c["workload_options"], "steps": c["epochs"]} for c in configs},
+        "group_memory_declared": not args.no_overlap,
+        "groups": groups,
+        "steps_per_s": {job: round(rate, 4) for job, rate in rates.items()},
+        "ideal_steps_per_s": {
+            r.job_id: round(len(r.records) / simulated.jobs[r.job_id].completion_s, 4)
+            for r in results
+        },
+        "staleness_max": {r.job_id: max(rec.staleness for rec in r.records) for r in results},
+        "dropped_batches": {r.job_id: r.dropped_batches for r in results},
+        "switches": len(overheads),
+        "switch_overhead_ms": None
+        if not overheads
+        else {
+            "p50": round(statistics.median(overheads) * 1000, 1),
+            "p99": round(percentile(overheads, 0.99) * 1000, 1),
+        },
+        "run_s": round(elapsed, 1),
+        "rewinds": sum(r.rewinds for r in results),
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.records:
+        args.records.write_text(json.dumps([r.model_dump(mode="json") for r in results]))
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use numbers separated by commas") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use integers separated by commas") from None
 
 
 def _completions(results: list[Any]) -> list[tuple[Any, float]]:

@@ -252,6 +252,22 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     start.add_argument("--config", type=Path, help="JSON file with the job config (RLJobConfig)")
     start.add_argument(
+        "--mode",
+        choices=["sync", "async"],
+        help="sync (default): sample, score, train in turn; async: sampler and trainer at once "
+        "on two groups (AsyncRLJobWorkflow; needs --trainer-group)",
+    )
+    start.add_argument(
+        "--max-staleness",
+        type=int,
+        help="async: the most weights versions a batch's sampler may lag the trainer (default 1)",
+    )
+    start.add_argument(
+        "--sync-every",
+        type=int,
+        help="async: publish the trainer's weights to the sampler every N steps (default 1)",
+    )
+    start.add_argument(
         "--job-id", help="the job's id: names one run (required here or in --config)"
     )
     start.add_argument("--workload", help=_WORKLOAD_HELP)
@@ -297,6 +313,9 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 _START_FIELDS = (
+    "mode",
+    "max_staleness",
+    "sync_every",
     "job_id",
     "workload",
     "sampler_group",
@@ -435,17 +454,24 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
 
 async def _run_job_start(args: argparse.Namespace) -> int:
     from temporalio.client import WorkflowFailureError
-    from timeslice.jobs import follow_job, parse_job_config, start_rl_job
+    from timeslice.jobs import (
+        follow_async_job,
+        follow_job,
+        parse_any_job_config,
+        start_any_rl_job,
+    )
+    from timeslice.protocol.async_rl_job import AsyncRLJobConfig
 
-    config = parse_job_config(_job_config_data(args))
+    config = parse_any_job_config(_job_config_data(args))
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    handle = await start_rl_job(client, config)
+    handle = await start_any_rl_job(client, config)
     print(f"started job {config.job_id}: workflow {handle.id} (run {handle.result_run_id})")
     if not args.wait:
         print(f"follow it with: timeslice job progress {config.job_id}")
         return 0
     try:
-        result = await follow_job(client, config.job_id, lambda line: print(line, flush=True))
+        follow = follow_async_job if isinstance(config, AsyncRLJobConfig) else follow_job
+        result = await follow(client, config.job_id, lambda line: print(line, flush=True))
     except WorkflowFailureError as err:
         cause = err.cause
         print(
@@ -455,13 +481,15 @@ async def _run_job_start(args: argparse.Namespace) -> int:
         return 1
     rewards = [r for r in result.rewards if r is not None]
     state = "stopped" if result.stopped else "completed"
-    print(f"job {config.job_id} {state} after {result.epochs_done} epochs", end="")
+    unit = "steps" if isinstance(config, AsyncRLJobConfig) else "epochs"
+    print(f"job {config.job_id} {state} after {result.epochs_done} {unit}", end="")
     print(f"; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "")
     return 0
 
 
 async def _run_job_progress(args: argparse.Namespace) -> int:
-    from timeslice.jobs import describe_progress, job_failure
+    from timeslice.jobs import describe_async_progress, describe_progress, job_failure
+    from timeslice.protocol.async_rl_job import ASYNC_RL_JOB_WORKFLOW_TYPE, AsyncRLJobProgress
     from timeslice.protocol.rl_job import JobQuery, RLJobProgress, rl_job_workflow_id
 
     workflow_id = _job_workflow_id(args.job_id, rl_job_workflow_id)  # before any connection
@@ -469,13 +497,20 @@ async def _run_job_progress(args: argparse.Namespace) -> int:
     handle = client.get_workflow_handle(workflow_id)
     described = await _rpc_job(args.job_id, handle.describe())
     ended_badly = job_failure(described.status)
+    is_async = described.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE
     try:
-        progress = await handle.query(JobQuery.PROGRESS, result_type=RLJobProgress)
+        progress = await handle.query(
+            JobQuery.PROGRESS, result_type=AsyncRLJobProgress if is_async else RLJobProgress
+        )
     except Exception:
         if ended_badly is None:
             raise
         progress = None  # a job that failed on its input has no progress to show
-    if progress is not None:
+    if isinstance(progress, AsyncRLJobProgress):
+        print(
+            progress.model_dump_json(indent=2) if args.json else describe_async_progress(progress)
+        )
+    elif progress is not None:
         print(progress.model_dump_json(indent=2) if args.json else describe_progress(progress))
     if ended_badly is None:
         return 0

@@ -35,6 +35,7 @@ from timeslice.plan.profile import (
     Seconds,
     StateProfile,
 )
+from timeslice.protocol.async_rl_job import ASYNC_RL_JOB_WORKFLOW_TYPE
 from timeslice.protocol.group import GroupQuery, GroupStatus, LeaseRecord, group_workflow_id
 from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
@@ -91,6 +92,13 @@ async def read_rl_job(client: Client, job_id: str) -> RLJobRun:
         if err.status == RPCStatusCode.NOT_FOUND:
             raise NoSuchJobError(f"no RL job {job_id!r} (no workflow {workflow_id})") from None
         raise
+    if latest.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE:
+        # Its loops overlap: a profile of its phases in turn would plan it as a sync job.
+        raise TimesliceError(
+            f"job {job_id!r} is an async RL job: `timeslice plan` profiles sync jobs only; "
+            "async jobs are simulated by timeslice.plan.simulator (Placement.max_staleness) "
+            "and bench/replay.py --mode async"
+        )
     notes: list[str] = []
     run_id: str | None = latest.raw_info.first_run_id or latest.run_id
     histories: list[list[HistoryEvent]] = []

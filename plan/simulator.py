@@ -25,6 +25,14 @@ What it models, each rule taken from the code it stands for:
   before its phase and, when its release is answered "evict", evicts after it (co-operative
   switching); a state another group holds is moved out of there first (states move with the
   lease).
+- **async RL jobs** (``workflows/async_rl_job.py``; a :class:`Placement` with
+  ``max_staleness``): two loops at once, each an actor of its own — the sampler loop (the
+  phases off the trainer pool, in order) and the trainer loop (the trainer pool's phases) —
+  handing batches over in order. The sampler starts a batch only while no batch would be
+  trained more than ``max_staleness`` steps after the weights it is sampled with (the weights
+  are published every ``sync_every`` steps), the trainer trains one batch per step; every GPU
+  phase asks for its lease as its activity starts and releases as it ends (no ask ahead, no
+  carry), and the trainer checkpoints as a sync job's does.
 - **client jobs** (``timeslice.TimeSliceOrchestratorClient``): acquire, hold, release (the
   release is awaited, and carries nothing: a plain acquire), work off the GPU, acquire again;
   the group evicts and restores their state with its own activities.
@@ -84,6 +92,9 @@ class Placement:
     trainer_group: str
     start_s: float = 0.0
     epochs: int | None = None  # default: the profile's
+    # An async RL job (None: sync): the staleness bound and the steps between weight syncs.
+    max_staleness: int | None = None
+    sync_every: int = 1
 
     def group_of(self, pool: str) -> str:
         return self.sampler_group if pool == "sampler" else self.trainer_group
@@ -233,6 +244,42 @@ class _Step:
         self.last_gpu = False  # the epoch's last GPU phase (a checkpoint may follow)
 
 
+class _Gate:
+    """An async job's hand-over between its two loops (the workflow's queue and staleness
+    bound, ``AsyncRLJobWorkflow._may_sample``)."""
+
+    def __init__(self, steps: int, max_staleness: int, sync_every: int) -> None:
+        self.steps = steps
+        self.max_staleness = max_staleness
+        self.sync_every = sync_every
+        self.queued = self.trained = self.published = 0
+        self.sampling = self.training = False
+        self.waiting: list[_Job] = []
+
+    def may_start(self, job: _Job) -> bool:
+        if job.role == "trainer":
+            return self.queued > 0
+        ahead = self.trained + int(self.training) + self.queued
+        return ahead < self.steps and ahead - self.published <= self.max_staleness
+
+    def start(self, job: _Job) -> None:
+        if job.role == "trainer":
+            self.queued -= 1
+            self.training = True
+        else:
+            self.sampling = True
+
+    def end(self, job: _Job) -> None:
+        if job.role == "trainer":
+            self.training = False
+            self.trained += 1
+            if self.trained % self.sync_every == 0:
+                self.published = self.trained
+        else:
+            self.sampling = False
+            self.queued += 1
+
+
 class _Job:
     __slots__ = (
         "asked_at",
@@ -241,6 +288,8 @@ class _Job:
         "client",
         "epoch",
         "epochs",
+        "gate",
+        "gate_passed",
         "grant_at",
         "held",
         "id",
@@ -248,30 +297,50 @@ class _Job:
         "priority",
         "ready_at",
         "result",
+        "role",
         "start_s",
         "states",
         "steps",
     )
 
-    def __init__(self, placement: Placement, move_bps: float) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        move_bps: float,
+        *,
+        role: str | None = None,
+        gate: _Gate | None = None,
+    ) -> None:
         p = placement.profile
-        self.id = p.job_id
+        # An async job's loop is an actor of its own: the trainer's phases, or the others.
+        self.role = role
+        self.gate = gate
+        self.gate_passed = False
+        self.id = p.job_id if role is None else f"{p.job_id} · {role}"
         self.client = p.kind == "client"
         self.priority = p.priority
         self.epochs = placement.epochs or p.epochs
         self.start_s = placement.start_s
-        self.states = [_State(s, move_bps) for s in p.states]
+        phases = [
+            ph for ph in p.phases if role is None or (ph.pool == "trainer") == (role == "trainer")
+        ]
+        self.states = [
+            _State(s, move_bps)
+            for s in p.states
+            if role is None or s.pool == "both" or (s.pool == "trainer") == (role == "trainer")
+        ]
         self.steps = [
             _Step(ph.name, ph.gpu, placement.group_of(ph.pool) if ph.pool else None, ph.seconds)
-            for ph in p.phases
+            for ph in phases
         ]
         for step in self.steps:
             if step.group is not None:
                 step.states = tuple(self.states_on(step.group, placement))
         gpu_steps = [s for s in self.steps if s.gpu]
-        gpu_steps[-1].last_gpu = True
-        self.ckpt_every = p.checkpoint_every
-        self.ckpt = p.checkpoint_s
+        if gpu_steps:
+            gpu_steps[-1].last_gpu = True
+        self.ckpt_every = p.checkpoint_every if role != "sampler" else None
+        self.ckpt = p.checkpoint_s if role != "sampler" else None
         self.epoch = 0
         self.index = 0
         self.held: set[str] = set()
@@ -358,7 +427,33 @@ class Simulation:
         self.record = record
         self.segments: list[Segment] = []
         self.events: list[GroupEvent] = []
-        self.jobs = [_Job(p, move_bytes_per_s) for p in placements]
+        self.jobs: list[_Job] = []
+        placed: list[Placement] = []
+        # An async job's actors, by the job's id: their results are merged into the job's.
+        self.async_jobs: dict[str, list[_Job]] = {}
+        for p in placements:
+            if p.max_staleness is None:
+                self.jobs.append(_Job(p, move_bytes_per_s))
+                placed.append(p)
+                continue
+            if p.sampler_group == p.trainer_group:
+                raise ValueError(f"async job {p.profile.job_id}: its loops need two groups")
+            if p.max_staleness < 0 or not 1 <= p.sync_every <= p.max_staleness + 1:
+                raise ValueError(
+                    f"async job {p.profile.job_id}: max_staleness >= 0 and sync_every within "
+                    "1 .. max_staleness + 1 (the sampler would wait for good)"
+                )
+            gate = _Gate(p.epochs or p.profile.epochs, p.max_staleness, p.sync_every)
+            actors = [_Job(p, move_bytes_per_s, role=r, gate=gate) for r in ("sampler", "trainer")]
+            if not all(a.steps and any(s.gpu for s in a.steps) for a in actors):
+                raise ValueError(
+                    f"async job {p.profile.job_id}: needs GPU phases on both pools (a sampler "
+                    "loop and a trainer loop)"
+                )
+            self.async_jobs[p.profile.job_id] = actors
+            self.jobs += actors
+            placed += [p, p]
+        placements = placed
         specs = groups or {}
         self.groups: dict[str, _Group] = {}
         for job, placement in zip(self.jobs, placements, strict=True):
@@ -404,9 +499,17 @@ class Simulation:
         for job in self.jobs:
             if job.epoch < job.epochs:
                 raise RuntimeError(f"simulation stalled: job {job.id} at epoch {job.epoch}")
+        jobs = {j.id: j.result for j in self.jobs if j.gate is None}
+        for job_id, actors in self.async_jobs.items():
+            merged = JobResult(job_id=job_id, epochs_done=actors[1].result.epochs_done)
+            starts = [a.result.first_start for a in actors if a.result.first_start is not None]
+            merged.first_start = min(starts) if starts else None
+            merged.last_end = max(a.result.last_end for a in actors)
+            merged.waited_s = sum(a.result.waited_s for a in actors)
+            jobs[job_id] = merged
         return Outcome(
             groups={g.id: g.result for g in self.groups.values()},
-            jobs={j.id: j.result for j in self.jobs},
+            jobs=jobs,
             segments=self.segments,
             events=self.events,
         )
@@ -429,6 +532,14 @@ class Simulation:
 
     def _ready(self, t: float, job: _Job) -> None:
         """The job's current step may start (its activity is dispatched, or its loop got there)."""
+        gate = job.gate
+        if gate is not None and job.index == 0 and not job.gate_passed:
+            if not gate.may_start(job):
+                if job not in gate.waiting:
+                    gate.waiting.append(job)  # the other loop's next step end wakes it
+                return
+            gate.start(job)
+            job.gate_passed = True
         step = job.step
         if not step.gpu:
             end = t + self._duration(step)
@@ -516,12 +627,21 @@ class Simulation:
             job.index = 0
             job.epoch += 1
             job.result.epochs_done = job.epoch
+            gate = job.gate
+            if gate is not None:
+                gate.end(job)
+                job.gate_passed = False
+                waiting, gate.waiting = gate.waiting, []
+                for other in waiting:
+                    self._at(t, self._ready, other)
             if job.epoch >= job.epochs:
                 return
         self._at(t, self._ready, job)
 
     def _prefetch(self, t: float, job: _Job, nxt: _Step | None) -> None:
         """An RL job asks for its next GPU phase's lease as this step ends."""
+        if job.gate is not None:
+            return  # an async job's phases ask as their activity starts
         if not job.client and nxt is not None and nxt.gpu and nxt.group not in job.held:
             assert nxt.group is not None
             self._ask(t, job, nxt.group)
@@ -556,7 +676,7 @@ class Simulation:
             self._prefetch(end, job, nxt)
             self._advance(end + ov.hop_s, job)
             return
-        if nxt is not None and nxt.gpu and nxt.group == group.id:
+        if nxt is not None and nxt.gpu and nxt.group == group.id and job.gate is None:
             # Asks to carry the lease into the next phase (the grant policy decides); the
             # process awaits the answer, then its next activity is dispatched: the group idles
             # for the carried lease's gap.

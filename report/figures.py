@@ -38,6 +38,10 @@ class JobRecord:
     skipped_results: int = 0
     # False: no RL job of this id exists (a named job, or an embedded client's job id).
     found: bool = True
+    # An async job: its sampler's phases and its trainer's get a lane each; each training
+    # step's staleness, in the order trained (parallel to the train phases; None: unknown).
+    mode: str = "sync"
+    staleness: list[int | None] = field(default_factory=list)
 
 
 def _wall(phase: PhaseResult, completed_at: datetime | None) -> float | None:
@@ -53,14 +57,25 @@ def _at(mono: float, offset: float) -> datetime:
     return datetime.fromtimestamp(mono + offset, tz=UTC)
 
 
+def job_lane(job: JobRecord, phase: PhaseResult) -> str:
+    """The lane a phase of ``job`` is drawn in: the job's, or for an async job its sampler's
+    (sample, rewards) or its trainer's (train)."""
+    if job.mode != "async":
+        return job.job_id
+    return f"{job.job_id} · {'trainer' if phase.phase == 'train' else 'sampler'}"
+
+
 def job_spans(job: JobRecord) -> list[Span]:
-    """The job's lane: each phase, each wait for a grant, each restore of its own state."""
+    """The job's lane (an async job's two): each phase, each wait for a grant, each restore of
+    its own state."""
     spans: list[Span] = []
+    staleness = iter(job.staleness)
     for phase, completed in zip(job.phases, job.completed_at, strict=True):
+        stale = next(staleness, None) if job.mode == "async" and phase.phase == "train" else None
         offset = _wall(phase, completed)
         if offset is None:
             continue
-        common = {"lane": job.job_id, "job_id": job.job_id, "epoch": phase.epoch}
+        common = {"lane": job_lane(job, phase), "job_id": job.job_id, "epoch": phase.epoch}
         group = phase.group_id
         if phase.asked_mono is not None and phase.granted_mono is not None:
             spans.append(
@@ -91,7 +106,7 @@ def job_spans(job: JobRecord) -> list[Span]:
                 start=_at(phase.mono_start, offset),
                 end=_at(phase.mono_end, offset),
                 group_id=group,
-                label=_phase_label(phase),
+                label=_phase_label(phase) + ("" if stale is None else f" · staleness {stale}"),
                 **common,
             )
         )
@@ -133,6 +148,8 @@ def job_figures(job: JobRecord, spans: list[Span], dedicated_s: float | None = N
         carries_asked=sum(1 for phase in job.phases if phase.carry),
         carries_kept=sum(1 for phase in job.phases if phase.carry and phase.kept),
         note=job.note,
+        mode=job.mode,
+        staleness=[s for s in job.staleness if s is not None],
     )
 
 

@@ -16,6 +16,17 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.errors import InvalidArgumentError, UnknownGroupError
+from timeslice.protocol.async_rl_job import (
+    ASYNC_RL_JOB_WORKFLOW_TYPE,
+    ASYNC_SAMPLE_ACTIVITY,
+    ASYNC_SCORE_ACTIVITY,
+    ASYNC_TRAIN_ACTIVITY,
+    AsyncPhaseResult,
+    AsyncRLJobConfig,
+    AsyncRLJobInput,
+    AsyncRLJobProgress,
+    AsyncRLJobResult,
+)
 from timeslice.protocol.group import (
     GROUP_WORKFLOW_TYPE,
     GroupQuery,
@@ -49,6 +60,8 @@ from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Re
 DEFAULT_MAX_JOBS = 50
 QUERY_TIMEOUT = timedelta(seconds=15)  # a workflow no worker serves never answers
 PHASE_ACTIVITIES = {SAMPLE_ACTIVITY, REWARDS_ACTIVITY, TRAIN_ACTIVITY}
+# An async job's phases: their results wrap a PhaseResult (both loops' phases are read).
+ASYNC_PHASE_ACTIVITIES = {ASYNC_SAMPLE_ACTIVITY, ASYNC_SCORE_ACTIVITY, ASYNC_TRAIN_ACTIVITY}
 
 _STATUS_NAMES: dict[WorkflowExecutionStatus, JobStatus] = {
     WorkflowExecutionStatus.RUNNING: "running",
@@ -99,7 +112,11 @@ async def collect_report(
     job_reports: list[JobFigures] = []
     for record in records:
         spans = job_spans(record)
-        job_lanes.append(Lane(name=record.job_id, kind="job", spans=spans))
+        names = list(dict.fromkeys(s.lane for s in spans)) or [record.job_id]
+        job_lanes += [
+            Lane(name=name, kind="job", spans=[s for s in spans if s.lane == name])
+            for name in names
+        ]
         job_reports.append(job_figures(record, spans, (dedicated_s or {}).get(record.job_id)))
     # A job with no RL job workflow is an embedded client: its leases are its phases.
     rl_jobs = {r.job_id for r in records if r.found}
@@ -213,7 +230,12 @@ async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = T
         record.started = runs[0].start_time
     if not progress:
         return record
-    handle = client.get_workflow_handle(workflow_id, run_id=latest.run_id, result_type=RLJobResult)
+    is_async = latest.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE
+    handle = client.get_workflow_handle(
+        workflow_id,
+        run_id=latest.run_id,
+        result_type=AsyncRLJobResult if is_async else RLJobResult,
+    )
     if status == "completed":
         result = await handle.result()
         record.epochs_done = result.epochs_done
@@ -224,7 +246,9 @@ async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = T
         return record
     try:
         progress = await handle.query(
-            JobQuery.PROGRESS, result_type=RLJobProgress, rpc_timeout=QUERY_TIMEOUT
+            JobQuery.PROGRESS,
+            result_type=AsyncRLJobProgress if is_async else RLJobProgress,
+            rpc_timeout=QUERY_TIMEOUT,
         )
     except Exception as err:  # a closed run needs a worker to answer; report what we know
         record.note = record.note or f"no progress: {err}"
@@ -242,6 +266,7 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
     """Add one run's phases (and, from the first run, the job's groups) to ``record``."""
     converter = client.data_converter
     scheduled: dict[int, str] = {}
+    versions: dict[int, int] = {}  # async: batch id -> the weights version it was sampled with
     for event in events:
         if (
             event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
@@ -251,11 +276,20 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
             if payloads:
                 try:
                     (raw,) = await converter.decode(payloads, [Any])
-                    config = (
-                        RLJobInput.model_validate(raw).config
-                        if isinstance(raw, dict) and "config" in raw
-                        else RLJobConfig.model_validate(raw)
-                    )
+                    carried = isinstance(raw, dict) and "config" in raw
+                    body = raw["config"] if carried else raw
+                    if isinstance(body, dict) and body.get("mode") == "async":
+                        config: RLJobConfig = (
+                            AsyncRLJobInput.model_validate(raw).config
+                            if carried
+                            else AsyncRLJobConfig.model_validate(raw)
+                        )
+                    else:
+                        config = (
+                            RLJobInput.model_validate(raw).config
+                            if carried
+                            else RLJobConfig.model_validate(raw)
+                        )
                 except (ValueError, KeyError, RuntimeError):
                     # A job started with input it refused (not one config, or undecodable; it
                     # failed at once): no groups or phases to report, and it must not stop the
@@ -269,10 +303,23 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
             scheduled[event.event_id] = attrs.activity_type.name
         elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
             attrs = event.activity_task_completed_event_attributes
-            if scheduled.get(attrs.scheduled_event_id) not in PHASE_ACTIVITIES:
+            activity_type = scheduled.get(attrs.scheduled_event_id)
+            if activity_type not in PHASE_ACTIVITIES | ASYNC_PHASE_ACTIVITIES:
                 continue
             try:
-                (phase,) = await converter.decode(attrs.result.payloads, [PhaseResult])
+                if activity_type in ASYNC_PHASE_ACTIVITIES:
+                    (wrapped,) = await converter.decode(attrs.result.payloads, [AsyncPhaseResult])
+                    phase = wrapped.phase
+                    record.mode = "async"
+                    if wrapped.weights_version is not None:  # a sampling: the batch's weights
+                        versions[wrapped.batch] = wrapped.weights_version
+                    if phase.phase == "train":
+                        sampled_with = versions.get(wrapped.batch)
+                        record.staleness.append(
+                            None if sampled_with is None else phase.epoch - sampled_with
+                        )
+                else:
+                    (phase,) = await converter.decode(attrs.result.payloads, [PhaseResult])
             except ValueError:
                 # A result the job refused (a job process of another release, or a forged or
                 # malformed answer: the job failed that phase and did not use it) is no phase

@@ -133,6 +133,12 @@ class JobFigures(_Model):
     carries_asked: int = Field(0, description="GPU phases that asked to carry their lease on")
     carries_kept: int = Field(0, description="... and kept it for the next phase")
     note: str | None = None
+    mode: Literal["sync", "async"] = "sync"
+    staleness: list[int] = Field(
+        default_factory=list,
+        description="async jobs: each training step's staleness (the step minus the weights "
+        "version its batch was sampled with), in the order trained, rewinds included",
+    )
 
     @property
     def gpu_s(self) -> float:

@@ -161,6 +161,9 @@ def format_text(report: Report) -> str:
             extra.append(
                 f"lease kept into the next phase {j.carries_kept} of {j.carries_asked} times asked"
             )
+        if j.staleness:
+            mean = sum(j.staleness) / len(j.staleness)
+            extra.append(f"async: staleness max {max(j.staleness)}, mean {mean:.2f}")
         if j.note:
             extra.append(j.note)
         if extra:

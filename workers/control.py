@@ -29,11 +29,12 @@ from timeslice.protocol.group import (
 )
 from timeslice.transport.connection import control_workers_polling
 from timeslice.workers.sandbox import workflow_runner
+from timeslice.workflows.async_rl_job import AsyncRLJobWorkflow
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.rl_job import RLJobWorkflow
 from timeslice.workflows.snapshot_job import SnapshotJobWorkflow
 
-WORKFLOWS = [GpuGroupWorkflow, SnapshotJobWorkflow, RLJobWorkflow]
+WORKFLOWS = [GpuGroupWorkflow, SnapshotJobWorkflow, RLJobWorkflow, AsyncRLJobWorkflow]
 
 _TYPES = {
     "Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.worker import Worker
+from timeslice.activities.async_job import AsyncJobRuntime
 from timeslice.activities.job_runtime import JobRuntime
 from timeslice.protocol.group import job_task_queue
 from timeslice.workloads.registry import load_workload
@@ -24,7 +25,8 @@ def build_job_runtime(
     if rank < 0:
         raise ValueError(f"rank must be >= 0, not {rank}")
     job_task_queue(job_id, rank)  # raises, naming the rule, for an invalid job id
-    return JobRuntime(
+    # Serves sync jobs and, for a workload with an async mode, async ones.
+    return AsyncJobRuntime(
         job_id=job_id,
         rank=rank,
         workload=load_workload(workload_ref),

@@ -313,3 +313,93 @@ class Workload(ABC):
         """
         sizes = [registered_bytes(b) for b in self.snapshot_backends().values()]
         return None if None in sizes else sum(s for s in sizes if s is not None)
+
+
+class AsyncWorkload(Workload):
+    """A workload that also runs as an asynchronous job (``"mode": "async"``): its sampler and
+    trainer run at the same time, in two threads of the job process, on two groups.
+
+    The sync job's methods still serve sync jobs. An async job calls, for each batch,
+    ``sample_batch`` (under the sampler group's lease) and ``score_batch`` (no lease), and for
+    each training step ``train_batch`` on one batch scored earlier (under the trainer group's
+    lease); every ``sync_every`` steps ``publish_weights`` copies the trainer's weights to host
+    memory (under the trainer lease), and the next ``sample_batch`` is preceded by
+    ``load_weights`` (under the sampler lease). The sampler's methods and the trainer's run
+    concurrently: they must share nothing unguarded but the published weights, which the
+    workload guards itself.
+
+    ``setup`` and ``load`` leave the sampler with the trainer's weights (the version is the
+    steps trained) and no batch held: a rewind drops every batch in flight.
+    """
+
+    @abstractmethod
+    def sample_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Generate batch ``batch`` with the sampler's current weights; keep it in the process.
+
+        Args:
+            batch: The batch's id (drawn once per job, from 0); draw its randomness from
+                ``(seed, batch)``.
+            ctx: Call ``ctx.check()`` between steps.
+
+        Returns:
+            Metrics, recorded with the step that trains the batch.
+
+        Raises:
+            PhaseStopped: From ``ctx.check()``, when the lease is lost; let it propagate.
+        """
+
+    @abstractmethod
+    def score_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Score batch ``batch``'s rollouts, holding no lease (CPU work).
+
+        Args:
+            batch: A batch ``sample_batch`` made.
+            ctx: As for ``sample_batch``.
+
+        Returns:
+            Metrics, at least ``reward_mean``.
+        """
+
+    @abstractmethod
+    def train_batch(self, step: int, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Apply training step ``step`` on batch ``batch`` (scored), then forget the batch.
+
+        Args:
+            step: The step, from 0 (the model holds ``step`` steps before it).
+            batch: A batch ``score_batch`` scored; each is trained on at most once.
+            ctx: As for ``sample_batch``.
+
+        Returns:
+            Metrics (a loss, say).
+
+        Raises:
+            PhaseStopped: From ``ctx.check()``, when the lease is lost; let it propagate.
+        """
+
+    @abstractmethod
+    def publish_weights(self, version: int, ctx: PhaseContext) -> int:
+        """Copy the trainer's weights to host memory as ``version`` (the steps trained).
+
+        Args:
+            version: The weights' version.
+            ctx: The training step's context.
+
+        Returns:
+            The bytes copied.
+        """
+
+    @abstractmethod
+    def load_weights(self, version: int, ctx: PhaseContext) -> int:
+        """Load the published weights ``version`` into the sampler.
+
+        Args:
+            version: A version ``publish_weights`` made (or the one ``setup``/``load`` left).
+            ctx: The sampling's context.
+
+        Returns:
+            The bytes copied.
+        """
+
+    @abstractmethod
+    def drop_batches(self) -> None:
+        """Forget every batch held (host memory only): the job rewound."""

@@ -23,12 +23,20 @@ of epoch ``e``'s randomness (the prompt draw and the token sampling) comes from 
 so the backend covers it from the start and every step updates the same tensor objects in
 place. A ``train`` stopped part-way (:class:`PhaseStopped`) rolls the trainer back to where it
 began, so running the phase again gives the same result.
+
+Async mode (:class:`~timeslice.workloads.base.AsyncWorkload`): batch ``b`` is sampled with the
+sampler's (stale) copy of the policy and randomness from ``(seed, b)``; the trainer trains on
+batches as they come, and the pending buffer is refreshed only when the job publishes its
+weights (``publish_weights``), the sampler's copy only when it loads them (``load_weights``).
+With ``max_staleness`` 0 every batch ``b`` is sampled with the weights after ``b`` steps, which
+is the sync job's schedule: the same rewards and the same trained weights.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from timeslice.snapshot.torch_backend import TorchBackend
 from timeslice.workloads.base import (
+    AsyncWorkload,
     JobSpec,
     PhaseContext,
     PhaseStopped,
-    Workload,
     options_as,
 )
 from torch import nn
@@ -187,7 +195,7 @@ class _Rollout:
     rewards: torch.Tensor | None = None  # (n,)
 
 
-class GrpoToyWorkload(Workload):
+class GrpoToyWorkload(AsyncWorkload):
     """GRPO with a tiny transformer on a digit task; split sampler / trainer state."""
 
     name = "grpo-toy"
@@ -200,6 +208,10 @@ class GrpoToyWorkload(Workload):
         self._backends: dict[str, TorchBackend] | None = None
         self._rollout: _Rollout | None = None
         self._last_trained: int | None = None
+        # Async mode: the batches held by id; the pending buffer is shared by the sampler's
+        # thread (loading) and the trainer's (publishing).
+        self._batches: dict[int, _Rollout] = {}
+        self._pending_lock = threading.Lock()
 
     # ------------------------------------------------------------ setup
 
@@ -303,11 +315,17 @@ class GrpoToyWorkload(Workload):
     # ------------------------------------------------------------ phases
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
-        spec = self._spec()
+        self._spec()  # setup() first
         ctx.check()
         # The trainer's last weights, through the host buffer (never the trainer's tensors).
         for name, param in self.sampler.named_parameters():
             self._copy_in(param, self.pending[name])
+        self._rollout, metrics = self._sample_rollout(epoch, ctx)
+        return metrics
+
+    def _sample_rollout(self, epoch: int, ctx: PhaseContext) -> tuple[_Rollout, dict[str, float]]:
+        """Rollouts with the sampler's weights as they are, randomness from (seed, epoch)."""
+        spec = self._spec()
         gen = self._generator(epoch)
         k, n = self.opts.seq_len, spec.batch_size * spec.group_size
         prompts = torch.randint(0, self.opts.digits, (spec.batch_size, k), generator=gen)
@@ -324,16 +342,15 @@ class GrpoToyWorkload(Workload):
                 tokens = torch.cat([tokens, choice.to(self.device)], dim=1)
                 ctx.progress(step=step + 1, of=k)
         ctx.check()
-        self._rollout = _Rollout(
+        rollout = _Rollout(
             epoch=epoch,
             prompts=prompts,
             completions=tokens[:, -k:].cpu(),
             old_logp=torch.cat(logps, dim=1),
         )
-        return {"completions": float(n), "tokens": float(n * k)}
+        return rollout, {"completions": float(n), "tokens": float(n * k)}
 
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
-        spec = self._spec()
         ro = self._rollout
         if ro is None or ro.epoch != epoch:
             have = "none" if ro is None else f"epoch {ro.epoch}"
@@ -341,6 +358,10 @@ class GrpoToyWorkload(Workload):
                 f"grpo-toy: compute_rewards({epoch}) needs sample({epoch}) to have run in this "
                 f"process first (sampled rollouts held: {have})"
             )
+        return self._score(ro, ctx)
+
+    def _score(self, ro: _Rollout, ctx: PhaseContext) -> dict[str, float]:
+        spec = self._spec()
         ctx.check()
         correct = ro.completions == self._targets(ro.prompts)
         rewards = correct.float().mean(dim=1)
@@ -358,7 +379,6 @@ class GrpoToyWorkload(Workload):
         }
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
-        spec = self._spec()
         ro = self._rollout
         if ro is None or ro.epoch != epoch or ro.rewards is None:
             have = (
@@ -370,6 +390,16 @@ class GrpoToyWorkload(Workload):
                 f"grpo-toy: train({epoch}) needs compute_rewards({epoch}) to have run in this "
                 f"process first (rollouts held: {have})"
             )
+        stats = self._train_on(ro, ctx)
+        # Hand the new weights to the sampler through the host buffer.
+        for name, param in self.policy.named_parameters():
+            self._copy_in(self.pending[name], param.detach())
+        self._last_trained = epoch
+        return stats
+
+    def _train_on(self, ro: _Rollout, ctx: PhaseContext) -> dict[str, float]:
+        spec = self._spec()
+        assert ro.rewards is not None
         ctx.check()
         grouped = ro.rewards.view(spec.batch_size, spec.group_size)
         mean = grouped.mean(dim=1, keepdim=True)
@@ -388,11 +418,46 @@ class GrpoToyWorkload(Workload):
             raise
         finally:
             self.optimizer.zero_grad(set_to_none=True)  # no device memory outside the backends
-        # Hand the new weights to the sampler through the host buffer.
-        for name, param in self.policy.named_parameters():
-            self._copy_in(self.pending[name], param.detach())
-        self._last_trained = epoch
         return stats
+
+    # ------------------------------------------------------------ async mode
+
+    def sample_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        self._spec()  # setup() first
+        ctx.check()
+        rollout, metrics = self._sample_rollout(batch, ctx)
+        self._batches[batch] = rollout
+        return metrics
+
+    def score_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        ro = self._batches.get(batch)
+        if ro is None:
+            raise RuntimeError(f"grpo-toy: batch {batch} was not sampled in this process")
+        return self._score(ro, ctx)
+
+    def train_batch(self, step: int, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        ro = self._batches.pop(batch, None)
+        if ro is None or ro.rewards is None:
+            raise RuntimeError(f"grpo-toy: batch {batch} is not held scored in this process")
+        stats = self._train_on(ro, ctx)
+        self._last_trained = step
+        return stats
+
+    def publish_weights(self, version: int, ctx: PhaseContext) -> int:
+        with self._pending_lock:
+            for name, param in self.policy.named_parameters():
+                self._copy_in(self.pending[name], param.detach())
+        return sum(t.numel() * t.element_size() for t in self.pending.values())
+
+    def load_weights(self, version: int, ctx: PhaseContext) -> int:
+        ctx.check()
+        with self._pending_lock:
+            for name, param in self.sampler.named_parameters():
+                self._copy_in(param, self.pending[name])
+        return sum(t.numel() * t.element_size() for t in self.pending.values())
+
+    def drop_batches(self) -> None:
+        self._batches.clear()
 
     def _optimize(
         self,
@@ -510,8 +575,15 @@ class GrpoToyWorkload(Workload):
                 self._copy_in(tensor, saved[key])
         for name, tensor in self.pending.items():
             self._copy_in(tensor, pending[name])
+        # The sampler starts from the trained weights (what a sync job's next sample copies in
+        # anyway; an async job's pending buffer may hold older ones): no batch survives.
+        for name, param in self.policy.named_parameters():
+            self._copy_in(self.pending[name], param.detach())
+        for name, param in self.sampler.named_parameters():
+            self._copy_in(param, self.pending[name])
         self._last_trained = meta.get("last_trained_epoch")
         self._rollout = None
+        self._batches.clear()
 
 
 def create() -> GrpoToyWorkload:

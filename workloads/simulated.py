@@ -5,6 +5,12 @@ duration, and every switch moves a simulated state of configured size and time. 
 optional): ``sample_s`` 1.0, ``reward_s`` 1.5, ``train_s`` 0.5, ``state_bytes`` 0 (per state),
 ``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``), ``shared_state`` false.
 
+It also runs as an async job (``"mode": "async"``): the sampler holds its lease ``sample_s`` per
+batch, scoring takes ``reward_s``, the trainer holds its lease ``train_s`` per step; publishing
+the weights takes ``sync_s`` (0.0) under the trainer lease and loading them ``load_s`` (0.0)
+under the sampler lease, each moving ``sync_bytes`` (default: ``state_bytes``). Its checkpoint
+lists every step applied (step, batch, weights version), which the tests read.
+
 Like a real sampler + trainer pair, the job has two states by default — the sampler's (moved by
 switches of the sampler group) and the trainer's (the trainer group's). ``shared_state: true``
 keeps one state that both groups move, for studying workloads whose state follows the lease
@@ -14,12 +20,13 @@ from group to group.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.simulated import SimulatedBackend
-from timeslice.workloads.base import JobSpec, PhaseContext, Workload
+from timeslice.workloads.base import AsyncWorkload, JobSpec, PhaseContext
 
 DEFAULTS: dict[str, float] = {
     "sample_s": 1.0,
@@ -27,6 +34,8 @@ DEFAULTS: dict[str, float] = {
     "train_s": 0.5,
     "state_bytes": 0,
     "snapshot_s": 0.0,
+    "sync_s": 0.0,
+    "load_s": 0.0,
 }
 
 
@@ -34,14 +43,18 @@ SHARED_STATE = "shared_state"
 
 
 def parse_options(options: dict[str, Any]) -> dict[str, float]:
-    known = {*DEFAULTS, "restore_s", SHARED_STATE}
+    known = {*DEFAULTS, "restore_s", "sync_bytes", SHARED_STATE}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"simulated workload: unknown option(s) {unknown}; known: {sorted(known)}")
     shared = options.get(SHARED_STATE, False)
     if not isinstance(shared, bool):
         raise ValueError(f"simulated workload: option {SHARED_STATE} must be true or false")
-    values: dict[str, float] = {**DEFAULTS, "restore_s": options.get("snapshot_s", 0.0)}
+    values: dict[str, float] = {
+        **DEFAULTS,
+        "restore_s": options.get("snapshot_s", 0.0),
+        "sync_bytes": options.get("state_bytes", 0),
+    }
     for key, value in options.items():
         if key == SHARED_STATE:
             continue
@@ -53,7 +66,7 @@ def parse_options(options: dict[str, Any]) -> dict[str, float]:
     return values
 
 
-class SimulatedWorkload(Workload):
+class SimulatedWorkload(AsyncWorkload):
     name = "simulated"
     sampler_backends = ("sampler",)
     trainer_backends = ("trainer",)
@@ -63,6 +76,14 @@ class SimulatedWorkload(Workload):
         self._backends: dict[str, SnapshotBackend] = {}
         self._spec: JobSpec | None = None
         self.epochs_trained = 0
+        # Async mode: (step, batch, weights version) of every step the model holds; the
+        # weights version published to host memory and the one the sampler runs; the batches
+        # held (id -> the version each was sampled with).
+        self.applied: list[list[int]] = []
+        self.published = 0
+        self.sampler_version = 0
+        self.batches: dict[int, int] = {}
+        self._lock = threading.Lock()  # the sampler's thread and the trainer's
 
     def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         parse_options(options)
@@ -102,11 +123,66 @@ class SimulatedWorkload(Workload):
         self.epochs_trained = epoch + 1
         return {"loss": 0.5 * 0.9**epoch}
 
+    # ---------------------------------------------------------------- async mode
+
+    def sample_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        self._hold(ctx, "sample_s")
+        with self._lock:
+            self.batches[batch] = self.sampler_version
+        assert self._spec is not None
+        return {"completions": float(self._spec.batch_size * self._spec.group_size)}
+
+    def score_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        with self._lock:
+            version = self.batches[batch]
+        self._hold(ctx, "reward_s")
+        # The stand-in learning curve follows the weights that sampled the batch.
+        return {"reward_mean": 1.0 - 0.5 * 0.9**version}
+
+    def train_batch(self, step: int, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        with self._lock:
+            if step != self.epochs_trained:
+                raise RuntimeError(f"step {step} asked of a model after {self.epochs_trained}")
+            version = self.batches.pop(batch)
+        self._hold(ctx, "train_s")
+        with self._lock:
+            self.applied.append([step, batch, version])
+            self.epochs_trained = step + 1
+        return {"loss": 0.5 * 0.9**step}
+
+    def publish_weights(self, version: int, ctx: PhaseContext) -> int:
+        ctx.wait(self._options["sync_s"])
+        with self._lock:
+            self.published = version
+        return int(self._options["sync_bytes"])
+
+    def load_weights(self, version: int, ctx: PhaseContext) -> int:
+        ctx.wait(self._options["load_s"])
+        with self._lock:
+            if version != self.published:
+                raise RuntimeError(f"weights {version} asked, {self.published} published")
+            self.sampler_version = version
+        return int(self._options["sync_bytes"])
+
+    def drop_batches(self) -> None:
+        with self._lock:
+            self.batches.clear()
+
+    # ---------------------------------------------------------------- checkpoints
+
     def save(self, directory: Path) -> None:
-        (directory / "simulated.json").write_text(json.dumps({"epochs": self.epochs_trained}))
+        with self._lock:
+            saved = {"epochs": self.epochs_trained, "applied": list(self.applied)}
+        (directory / "simulated.json").write_text(json.dumps(saved))
 
     def load(self, directory: Path) -> None:
-        self.epochs_trained = json.loads((directory / "simulated.json").read_text())["epochs"]
+        saved = json.loads((directory / "simulated.json").read_text())
+        with self._lock:
+            self.epochs_trained = saved["epochs"]
+            self.applied = saved.get("applied", [])
+            # The sampler starts again from the trainer's weights; no batch survives.
+            self.published = self.sampler_version = self.epochs_trained
+            self.batches.clear()
 
     def snapshot_backends(self) -> dict[str, SnapshotBackend]:
         return self._backends

@@ -7,13 +7,16 @@ from __future__ import annotations
 import inspect
 from types import ModuleType
 
+import pytest
 from temporalio import activity, workflow
 from timeslice import grants, snapshot_activities
-from timeslice.activities import group_requests, job_runtime
+from timeslice.activities import async_job, group_requests, job_runtime
+from timeslice.protocol import async_rl_job as async_protocol
 from timeslice.protocol import group as protocol
 from timeslice.protocol import rl_job as rl_protocol
 from timeslice.protocol.group import GRANT_SIGNAL, GroupQuery, GroupSignal, GroupUpdate
 from timeslice.protocol.rl_job import JobQuery, JobSignal
+from timeslice.workflows.async_rl_job import AsyncRLJobWorkflow
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.rl_job import RLJobWorkflow
 from timeslice.workflows.snapshot_job import SnapshotJobWorkflow
@@ -30,8 +33,9 @@ def test_group_workflow_handles_exactly_the_group_messages() -> None:
     assert _names(defn.queries) == {m.value for m in GroupQuery}
 
 
-def test_rl_job_workflow_handles_exactly_the_job_messages() -> None:
-    defn = workflow._Definition.must_from_class(RLJobWorkflow)
+@pytest.mark.parametrize("job_workflow", [RLJobWorkflow, AsyncRLJobWorkflow])
+def test_rl_job_workflow_handles_exactly_the_job_messages(job_workflow: type) -> None:
+    defn = workflow._Definition.must_from_class(job_workflow)
     # GRANT_SIGNAL is registered at run time by GroupLeases (workflow.set_signal_handler).
     assert _names(defn.signals) == {m.value for m in JobSignal}
     assert GRANT_SIGNAL not in {m.value for m in JobSignal}
@@ -69,6 +73,8 @@ def _defined_activities(*modules: ModuleType) -> set[str]:
 
 
 def test_every_declared_activity_is_defined_and_every_defined_one_declared() -> None:
-    declared = _declared_activities(protocol, rl_protocol)
-    defined = _defined_activities(grants, group_requests, job_runtime, snapshot_activities)
+    declared = _declared_activities(protocol, rl_protocol, async_protocol)
+    defined = _defined_activities(
+        grants, group_requests, job_runtime, async_job, snapshot_activities
+    )
     assert declared == defined

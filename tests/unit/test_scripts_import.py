@@ -17,6 +17,7 @@ SCRIPTS = sorted(
         REPO / "docs" / "screenshots.py",
         REPO / "tests" / "histories" / "record.py",
         REPO / "tests" / "histories" / "record_rl.py",
+        REPO / "tests" / "histories" / "record_async.py",
     ]
 )
 

@@ -1,0 +1,189 @@
+"""The async job's config rules and its carried state: every bad value refused with what to fix;
+a state at every bound, measured as the real data converter encodes it, fits the budget."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from timeslice.errors import InvalidArgumentError
+from timeslice.jobs import parse_any_job_config, parse_job_config
+from timeslice.protocol import group as g
+from timeslice.protocol import rl_job as r
+from timeslice.protocol.async_rl_job import (
+    MAX_STALENESS,
+    AsyncRLJobConfig,
+    AsyncRLJobInput,
+    AsyncRLJobState,
+    StepRecord,
+    carried_async_input,
+)
+from timeslice.protocol.rl_job import CheckpointRef, EpochTotals, RLJobConfig
+
+from tests.unit.test_state_budget import BIG, HUGE, WORST, converted, encrypted, worst_record
+
+GOOD: dict[str, Any] = {
+    "mode": "async",
+    "job_id": "j",
+    "workload": "simulated",
+    "sampler_group": "s",
+    "trainer_group": "t",
+    "epochs": 10,
+}
+LARGE = 2**63 - 1
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_good_async_config_is_an_rl_job_config_with_its_two_groups() -> None:
+    config = parse_any_job_config(GOOD)
+    assert isinstance(config, AsyncRLJobConfig) and isinstance(config, RLJobConfig)
+    assert (config.max_staleness, config.sync_every) == (1, 1)
+    assert config.groups() == ["s", "t"]
+    assert not isinstance(parse_any_job_config({**GOOD, "mode": "sync"}), AsyncRLJobConfig)
+
+
+@pytest.mark.parametrize(
+    ("change", "complaint"),
+    [
+        ({"max_staleness": 3, "sync_every": 5}, "use sync_every <= max_staleness + 1 (4)"),
+        ({"max_staleness": 0, "sync_every": 2}, "sync_every=2 with max_staleness=0"),
+        ({"max_staleness": MAX_STALENESS + 1}, "max_staleness"),
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"sync_every": 0}, "sync_every"),
+        ({"max_staleness": "two"}, "max_staleness"),
+        ({"trainer_group": "s"}, "need two groups"),
+        ({"trainer_group": None}, "need two groups"),
+        ({"ranks": 2}, "async jobs run one rank"),
+        ({"mode": "later"}, "mode must be sync or async"),
+    ],
+)
+def test_bad_async_settings_are_refused_naming_what_to_fix(
+    change: dict[str, Any], complaint: str
+) -> None:
+    data = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
+    with pytest.raises(InvalidArgumentError) as refused:
+        parse_any_job_config(data)
+    assert complaint in str(refused.value)
+
+
+def test_async_settings_on_a_sync_job_say_to_add_the_mode() -> None:
+    with pytest.raises(InvalidArgumentError, match='add "mode": "async"'):
+        parse_job_config({k: v for k, v in GOOD.items() if k != "mode"} | {"max_staleness": 2})
+
+
+def test_a_sync_config_is_no_async_one() -> None:
+    with pytest.raises(ValidationError):
+        AsyncRLJobConfig.model_validate({**GOOD, "mode": "sync"})
+
+
+def worst_step(step: int) -> StepRecord:
+    return StepRecord(
+        **worst_record(step).model_dump(),
+        batch=LARGE,
+        weights_version=LARGE,
+        staleness=LARGE,
+        published=True,
+        sync_bytes=LARGE,
+    )
+
+
+def worst_async_input() -> AsyncRLJobInput:
+    config = AsyncRLJobConfig(
+        job_id="j" * 100,
+        workload="simulated",
+        workload_options={"o": WORST * (r.MAX_OPTIONS_BYTES // 6 - 10)},
+        sampler_group="s" * 100,
+        trainer_group="t" * 100,
+        epochs=1_000_000,
+        max_staleness=MAX_STALENESS,
+        sync_every=MAX_STALENESS + 1,
+    )
+    state = AsyncRLJobState(
+        epochs_done=BIG,
+        last_checkpoint=CheckpointRef(epochs_done=2**62, path=WORST * r.MAX_CHECKPOINT_PATH),
+        rewinds=BIG,
+        redone_epochs=BIG,
+        runs=BIG,
+        state_bytes=2**50,
+        backend_bytes={f"{i:02d}" + WORST * 98: 2**50 for i in range(40)},
+        failures=BIG,
+        lease_secret="f" * 64,
+        folded=EpochTotals(epochs=BIG, phase_s={f"{i}" + WORST * 31: HUGE for i in range(20)}),
+        next_batch=LARGE,
+        published=LARGE,
+        dropped_batches=LARGE,
+        stale_dropped=LARGE,
+        staleness_counts=[LARGE] * (MAX_STALENESS + 1),
+        syncs=LARGE,
+        sync_bytes=LARGE,
+        sync_s=HUGE,
+    )
+    kept_from = r.MAX_REWARDS + 100 - r.RECENT_EPOCH_RECORDS
+    for step in range(r.MAX_REWARDS + 100):
+        if step < kept_from:
+            state.add_record(
+                StepRecord(epoch=step, reward_mean=HUGE, batch=0, weights_version=0, staleness=0)
+            )
+        else:
+            state.add_record(worst_step(step))
+    state.unconfirmed = EpochTotals(
+        epochs=BIG,
+        phase_s={f"{i}" + WORST * 31: HUGE for i in range(r.MAX_RECORD_TIMES)},
+        wait_s={f"{i}" + WORST * 31: HUGE for i in range(r.MAX_RECORD_TIMES)},
+    )
+    return AsyncRLJobInput(config=config, state=state)
+
+
+def test_an_async_job_at_every_bound_fits_its_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    carried = worst_async_input()
+    state = carried.state
+    assert state is not None
+    dumped, size, shed = carried_async_input(carried.config, state)
+    assert shed == 0 and len(state.records) == r.RECENT_EPOCH_RECORDS
+    assert all(isinstance(record, StepRecord) for record in state.records)
+    size_converted = converted(dumped)
+    with capsys.disabled():
+        print(f"\nasync RL job at its bounds: {size_converted} bytes encoded")
+    assert size < size_converted <= g.CARRIED_STATE_BUDGET_BYTES
+    assert encrypted(dumped) <= g.CARRY_CEILING_BYTES
+    assert AsyncRLJobInput.model_validate(dumped).state == state
+
+
+def test_staleness_is_counted_by_value() -> None:
+    state = AsyncRLJobState()
+    for staleness in (0, 2, 2, 1):
+        state.count_staleness(staleness)
+    assert state.staleness_counts == [1, 1, 2]
+
+
+def _replay() -> ModuleType:
+    sys.path.insert(0, str(REPO))
+    try:
+        import bench.replay
+
+        return bench.replay
+    finally:
+        sys.path.remove(str(REPO))
+
+
+def test_the_async_replay_gives_each_dedicated_job_two_groups_and_bounds_the_trainer() -> None:
+    replay = _replay()
+    assert replay.groups_of("dedicated", 0, "x", "async") == ("dedicated-x-0-s", "dedicated-x-0-t")
+    assert replay.groups_of("shared-trainer", 1, "x", "async") == ("sampler-x-1", "trainer-x")
+    configs = [
+        {
+            "sampler_group": f"s{i}",
+            "trainer_group": "t",
+            "workload_options": {"sample_s": sample, "reward_s": 0.0, "train_s": train},
+        }
+        for i, (sample, train) in enumerate(((2.0, 1.0), (3.0, 1.5)))
+    ]
+    # Each loop runs at the slower of its two loops' pace: the samplers here (2 s, 3 s a step).
+    bound = replay.async_demand_bound(configs)
+    assert bound == pytest.approx({"s0": 1.0, "s1": 1.0, "t": 1.0})
+    configs[1]["workload_options"]["sample_s"] = 6.0
+    assert replay.async_demand_bound(configs)["t"] == pytest.approx(0.5 + 0.25)
