@@ -16,6 +16,7 @@ picture, an interactive HTML page and a trace file (Perfetto) under .timeslice/d
     .venv/bin/python examples/demo.py --quick    # 6 epochs
     .venv/bin/python examples/demo.py --device cuda   # the jobs' models on the GPU
     .venv/bin/python examples/demo.py --device cuda --option d_model=1024 --option layers=8
+    .venv/bin/python examples/demo.py --workload hf-grpo --device cuda   # a transformers model
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ SEEDS = (0, 1)
 # over them), and a 1.5-s verifier: each job alone keeps its group busy about half the time.
 OPTIONS: dict[str, Any] = {"reward_latency_s": 1.5}
 BATCH, GROUP_SIZE = 96, 16
+WORKLOADS = ("grpo-toy", "hf-grpo")
+
+
+def options_class(workload: str) -> type[GrpoToyOptions]:
+    """The workload's options (hf-grpo's imports transformers, so only when asked for)."""
+    if workload == "hf-grpo":
+        from timeslice.workloads.hf_grpo import HfGrpoOptions
+
+        return HfGrpoOptions
+    return GrpoToyOptions
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,7 @@ async def run_jobs(
     batch: int,
     options: dict[str, Any],
     policy: GrantPolicy = GrantPolicy.PHASE_AWARE,
+    workload: str = "grpo-toy",
 ) -> tuple[list[RLJobResult], dict[str, float]]:
     """Run the two jobs of ``run`` at once; their results and wall times (start to result)."""
     client = await connect(connect_config(address))
@@ -108,7 +120,7 @@ async def run_jobs(
         config = parse_job_config(
             {
                 "job_id": job,
-                "workload": "grpo-toy",
+                "workload": workload,
                 "workload_options": options,
                 "batch_size": batch,
                 "group_size": GROUP_SIZE,
@@ -269,17 +281,25 @@ def main() -> int:
         "next sample, within bounds, even when the other waits; fifo: only when nobody waits)",
     )
     parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=WORKLOADS[0],
+        help="what the jobs run: grpo-toy (a small torch transformer) or hf-grpo (the same "
+        "GRPO on a locally made transformers causal LM; needs the trl extra)",
+    )
+    parser.add_argument(
         "--option",
         action="append",
         default=[],
         type=workload_option,
         metavar="KEY=VALUE",
-        help="a grpo-toy option (workloads/grpo_toy.py), e.g. d_model=1024; repeatable",
+        help="a workload option (workloads/grpo_toy.py, workloads/hf_grpo.py), e.g. "
+        "d_model=1024; repeatable",
     )
     args = parser.parse_args()
     options = {**OPTIONS, "device": args.device, **dict(args.option)}
     try:  # before anything starts: a bad option fails here, with what to fix
-        GrpoToyOptions.parse(options)
+        options_class(args.workload).parse(options)
     except ValueError as err:
         parser.error(str(err))
     epochs = 6 if args.quick else args.epochs
@@ -304,17 +324,21 @@ def main() -> int:
         address = ["--address", server.address]
         procs.append(start(["worker", *address], "control worker", state / "worker.log"))
         for job in (*DEDICATED.jobs, *SHARED.jobs):
-            cmd = ["job", "worker", "--job-id", job, "--workload", "grpo-toy", "--threads", "1"]
+            cmd = ["job", "worker", "--job-id", job, "--workload", args.workload, "--threads", "1"]
             cmd += ["--checkpoint-dir", str(checkpoints), *address]
             procs.append(start(cmd, f"job {job}", state / f"{job}.log"))
         policy = GrantPolicy(args.grant_policy)
         _, alone_wall = asyncio.run(
-            run_jobs(server.address, DEDICATED, epochs, args.batch_size, options, policy)
+            run_jobs(
+                server.address, DEDICATED, epochs, args.batch_size, options, policy, args.workload
+            )
         )
         # Read now: a group's figures run from its creation to the report's query.
         alone = asyncio.run(read_report(server.address, DEDICATED))
         _, shared_wall = asyncio.run(
-            run_jobs(server.address, SHARED, epochs, args.batch_size, options, policy)
+            run_jobs(
+                server.address, SHARED, epochs, args.batch_size, options, policy, args.workload
+            )
         )
         # The shared jobs' slowdown is against the same job's measured wall time alone.
         baseline = {

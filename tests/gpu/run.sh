@@ -121,6 +121,24 @@ else
     skip pytest-preemption "no temporal CLI here: it needs a dev server"
 fi
 
+# ------------------------------------------------------------------ a transformers model
+# Two hf-grpo jobs (a locally made Qwen2-style causal LM, d_model 1024 x 12 layers, ~100 M
+# parameters: ~1.6 GB of trainer state with its reference and Adam moments, ~0.4 GB of sampler
+# state, the largest the workload's options allow) dedicated, then sharing one group, on
+# the GPU: bytes, switch times and rewards in demo-hf-grpo.txt. Added 2026-12-01, never run on
+# a device. It needs a dev server and transformers; vLLM stays last (below).
+if ((!has_temporal)); then
+    skip demo-hf-grpo "no temporal CLI here: it needs a dev server"
+elif ! has transformers; then
+    skip demo-hf-grpo "transformers is not installed (pip install 'timeslice[trl]')"
+elif ((budget_s - SECONDS < 330)); then
+    skip demo-hf-grpo "under 330s of the budget left: it would crowd out vLLM"
+else
+    step demo-hf-grpo 150 "$py" examples/demo.py --workload hf-grpo --device cuda --epochs 4 \
+        --option d_model=1024 --option layers=12 --option heads=16 --port 47233 \
+        --ui-port 48233 --state "$out/demo-hf-grpo" --out "$out/demo-hf-grpo/report"
+fi
+
 # ------------------------------------------------------------------ vLLM sleep / wake
 if has vllm; then
     : # preinstalled
