@@ -38,7 +38,13 @@ class LoopThread:
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        # Returns only once the loop runs: a call made at once (``connect()`` right after the
+        # constructor) would otherwise find it not yet running and take the client for closed,
+        # which a loaded machine made happen (test_phase_aware_client, ClientClosedError).
+        running = threading.Event()
+        self.loop.call_soon(running.set)
         self._thread.start()
+        running.wait()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
