@@ -43,14 +43,10 @@ from timeslice.protocol.async_rl_job import (
 from timeslice.protocol.group import (
     JOB_KEY,
     PHASE_KEY,
-    CancelRequest,
     GrantNotice,
-    GroupSignal,
     MalformedMessage,
     QueueTarget,
-    ReleaseRequest,
     SnapshotTarget,
-    group_workflow_id,
     job_task_queue,
     parse_message,
 )
@@ -74,7 +70,7 @@ from timeslice.protocol.rl_job import (
     protocol_mismatch,
     rl_job_workflow_id,
 )
-from timeslice.workflows.group_lease import GroupLeases
+from timeslice.workflows.group_lease import GroupLeases, end_order
 from timeslice.workflows.job_leases import JobLeases
 
 # The sync job's rules for reading activity failures and results, shared so both job kinds end
@@ -602,16 +598,7 @@ class AsyncRLJobWorkflow:
 
     async def _end_order(self, order: LeaseOrder) -> None:
         """End a lease the process took (or asked for) when the process cannot."""
-        handle = workflow.get_external_workflow_handle(group_workflow_id(order.group_id))
-        if order.token is not None:
-            await handle.signal(
-                GroupSignal.RELEASE,
-                ReleaseRequest(request_id=order.request_id, token=order.token, key=order.key),
-            )
-        else:
-            await handle.signal(
-                GroupSignal.CANCEL, CancelRequest(request_id=order.request_id, key=order.key)
-            )
+        await end_order(order)
         self._ledger.ended(order)
 
     async def _release_all(self) -> None:

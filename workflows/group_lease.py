@@ -44,6 +44,7 @@ from timeslice.protocol.group import (
     notice_is_proven,
     parse_message,
 )
+from timeslice.protocol.rl_job import LeaseOrder
 
 # workflow.patched id: requester workflows that started before it replay taking grants unproven.
 GRANT_NOTICE_PROOFS = "grant-notice-proofs"
@@ -53,6 +54,22 @@ ANSWERED_RENEWALS = "answered-lease-renewals"
 # A renewal that failed (no answer: the group's worker is down, the server unreachable) is tried
 # again this soon, until the lease's TTL since the last answered renewal runs out.
 _RENEW_RETRY_S = 1.0
+
+
+async def end_order(order: LeaseOrder) -> None:
+    """End a lease a job process took (or asked for) when the process cannot: a failed
+    phase, a stop, a continue-as-new. A known token releases it; otherwise cancel takes the
+    request back, or ends a grant it had (both are no-ops if the process did it)."""
+    handle = workflow.get_external_workflow_handle(group_workflow_id(order.group_id))
+    if order.token is not None:
+        await handle.signal(
+            GroupSignal.RELEASE,
+            ReleaseRequest(request_id=order.request_id, token=order.token, key=order.key),
+        )
+    else:
+        await handle.signal(
+            GroupSignal.CANCEL, CancelRequest(request_id=order.request_id, key=order.key)
+        )
 
 
 class GroupLeases:

@@ -27,17 +27,13 @@ from temporalio.workflow import ActivityCancellationType
 from timeslice.protocol.group import (
     JOB_KEY,
     PHASE_KEY,
-    CancelRequest,
     GrantNotice,
-    GroupSignal,
     MalformedMessage,
     NextPhase,
     QueueTarget,
-    ReleaseRequest,
     SnapshotReport,
     SnapshotTarget,
     explain_validation_error,
-    group_workflow_id,
     job_task_queue,
     parse_message,
 )
@@ -73,7 +69,7 @@ from timeslice.protocol.rl_job import (
     protocol_mismatch,
     rl_job_workflow_id,
 )
-from timeslice.workflows.group_lease import GroupLeases
+from timeslice.workflows.group_lease import GroupLeases, end_order
 from timeslice.workflows.job_leases import JobLeases, Release
 
 # workflow.patched ids of job protocols v3 and v4 (see JOB_PROTOCOL_VERSION).
@@ -703,19 +699,8 @@ class RLJobWorkflow:
             self._ledger.released(lease.group_id)
 
     async def _end_order(self, order: LeaseOrder) -> None:
-        """End a lease the process took (or asked for) when the process cannot: a failed
-        phase, a stop, a continue-as-new. A known token releases it; otherwise cancel takes
-        the request back, or ends a grant it had (both are no-ops if the process did it)."""
-        handle = workflow.get_external_workflow_handle(group_workflow_id(order.group_id))
-        if order.token is not None:
-            await handle.signal(
-                GroupSignal.RELEASE,
-                ReleaseRequest(request_id=order.request_id, token=order.token, key=order.key),
-            )
-        else:
-            await handle.signal(
-                GroupSignal.CANCEL, CancelRequest(request_id=order.request_id, key=order.key)
-            )
+        """End a lease the process took (or asked for) when the process cannot."""
+        await end_order(order)
         self._ledger.ended(order)
 
     async def _release_all(self) -> None:
