@@ -20,10 +20,11 @@ demo: $(STAMP)
 # Three pytest workers, each with its own Temporal dev server and control worker; a test file
 # stays on one worker (its module fixtures are shared). Most tests wait on processes and
 # servers, so three fit two cores: 399 s of pytest against 511 s with two (2026-12-01).
-# TEST_WORKERS=0 runs everything in one.
+# TEST_WORKERS=0 runs everything in one. The slowest tests are listed at the end, so a run
+# that nears the ten-minute budget says where its time went.
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The soak's tests alone (tests/test_soak.py: the 60-s soak with every fault kind, its command line,
 # the dropped-connection regression); `make test` runs them too.
