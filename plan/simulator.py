@@ -26,13 +26,14 @@ What it models, each rule taken from the code it stands for:
   switching); a state another group holds is moved out of there first (states move with the
   lease).
 - **async RL jobs** (``workflows/async_rl_job.py``; a :class:`Placement` with
-  ``max_staleness``): two loops at once, each an actor of its own — the sampler loop (the
-  phases off the trainer pool, in order) and the trainer loop (the trainer pool's phases) —
-  handing batches over in order. The sampler starts a batch only while no batch would be
-  trained more than ``max_staleness`` steps after the weights it is sampled with (the weights
-  are published every ``sync_every`` steps), the trainer trains one batch per step; every GPU
-  phase asks for its lease as its activity starts and releases as it ends (no ask ahead, no
-  carry), and the trainer checkpoints as a sync job's does.
+  ``max_staleness``, which a profile with ``mode: async`` gives by itself): two loops at
+  once, each an actor of its own — the sampler loop (the phases off the trainer pool, in
+  order) and the trainer loop (the trainer pool's phases) — handing batches over in order.
+  The sampler starts a batch only while no batch would be trained more than
+  ``max_staleness`` steps after the weights it is sampled with (the weights are published
+  every ``sync_every`` steps), the trainer trains one batch per step; every GPU phase asks
+  for its lease as its activity starts and releases as it ends (no ask ahead, no carry),
+  and the trainer checkpoints as a sync job's does.
 - **client jobs** (``timeslice.TimeSliceOrchestratorClient``): acquire, hold, release (the
   release is awaited, and carries nothing: a plain acquire), work off the GPU, acquire again;
   the group evicts and restores their state with its own activities.
