@@ -22,7 +22,7 @@ from timeslice.protocol.utilization import WHILE_JOBS_RAN
 
 if TYPE_CHECKING:
     from timeslice.plan.profile import JobProfile, Overheads
-    from timeslice.plan.search import Assignment, Layout, Planner, PlanResult
+    from timeslice.plan.search import Assignment, JobPlan, Layout, Planner, PlanResult
 
     # The other grant policy's name, and the assignments found predicted under it.
     Compared = tuple[str, list[Assignment]]
@@ -231,10 +231,35 @@ def describe_profile(p: JobProfile) -> str:
             return f"{seconds.mean:.2f} s (p90 {seconds.p90:.2f}, n={seconds.samples})"
         return f"{seconds.mean:.2f} s"
 
-    lines = [f"{p.job_id}: {p.kind}, {p.epochs} epochs, GPU share {p.duty:.0%} alone"]
+    if p.is_async:
+        lines = [
+            f"{p.job_id}: {p.kind}, async (max_staleness {p.max_staleness}, sync_every "
+            f"{p.sync_every}), {p.epochs} steps, alone: sampler busy "
+            f"{p.gpu_share({'sampler'}):.0%}, trainer busy {p.gpu_share({'trainer'}):.0%}"
+        ]
+    else:
+        lines = [f"{p.job_id}: {p.kind}, {p.epochs} epochs, GPU share {p.duty:.0%} alone"]
     for ph in p.phases:
         where = f"GPU, {ph.pool}" if ph.gpu else "off the GPU"
+        if p.is_async:
+            where += ", trainer loop" if ph.pool == "trainer" else ", sampler loop"
         lines.append(f"  {ph.name:<10} {span(ph.seconds):<34} {where}")
+    sync = p.weight_sync
+    if sync is not None:
+        lines.append(
+            f"  weights: {sync.publications} publication(s)"
+            + (
+                f" of {_gb(sync.publish_bytes)}, {span(sync.publish_s)} each"
+                if sync.publish_s is not None
+                else ""
+            )
+            + f"; {sync.loads} load(s) into the sampler"
+            + (
+                f" of {_gb(sync.load_bytes)}, {span(sync.load_s)} each"
+                if sync.load_s is not None
+                else ""
+            )
+        )
     for s in p.states:
         moves = (
             f"snapshot {s.snapshot_s:.3f} s, restore {s.restore_s:.3f} s"
@@ -515,7 +540,7 @@ def format_plan(result: PlanResult, origin: str, compared: Compared | None = Non
             if g.jobs
         ]
         lines += _table(rows)
-        rows = [("job", "slowdown", "limit", "alone", "shared", "groups")]
+        rows = [("job", "mode", "slowdown", "limit", "alone", "shared", "groups")]
         for j in a.jobs:
             groups = (
                 j.sampler_group
@@ -527,6 +552,7 @@ def format_plan(result: PlanResult, origin: str, compared: Compared | None = Non
             rows.append(
                 (
                     j.job_id,
+                    _mode(j),
                     f"{j.slowdown:.2f}x{mark}",
                     limit,
                     f"{j.dedicated_s:.1f} s",
@@ -547,9 +573,21 @@ def format_plan(result: PlanResult, origin: str, compared: Compared | None = Non
             "long jobs are simulated on fewer epochs, the same fraction for all (times above "
             f"are for those): {shown}{' ...' if len(scaled) > 4 else ''}"
         )
+    async_jobs = [j for a in result.assignments[:1] for j in a.jobs if j.mode == "async"]
+    if async_jobs:
+        lines.append("")
+        lines.append(
+            "async jobs (mode async): sampler and trainer loops simulated at once, the sampler "
+            "at most max_staleness (k) weights versions ahead; alone = on a sampler group and a "
+            "trainer group of their own"
+        )
     if not result.assignments:
         lines.append("no assignment found")
     return "\n".join(lines)
+
+
+def _mode(job: JobPlan) -> str:
+    return f"async k={job.max_staleness}" if job.mode == "async" else "sync"
 
 
 def _comparison(ours: Assignment, theirs: Assignment, our_name: str, their_name: str) -> list[str]:
@@ -610,6 +648,8 @@ def _assignment_json(a: Assignment) -> dict[str, object]:
         "jobs": [
             {
                 "job": j.job_id,
+                "mode": j.mode,
+                "max_staleness": j.max_staleness,
                 "sampler_group": j.sampler_group,
                 "trainer_group": j.trainer_group,
                 "slowdown": j.slowdown,

@@ -6,8 +6,13 @@ each ``timeslice.job.sample | compute_rewards | train`` activity completes with 
 for and granted, what it restored), ``timeslice.job.prepare`` says how many bytes each state
 holds, ``timeslice.job.describe`` which states live on the sampler and on the trainer group,
 ``timeslice.job.save_checkpoint`` how long a checkpoint takes (its activity's start to
-completion), and the workflow's input is the job's config. A process using the embedded client
-leaves only its leases, in the group's ``status`` (its recent ``history``).
+completion), and the workflow's input is the job's config. An async RL job (an
+``AsyncRLJobWorkflow`` under the same id) keeps the same in its own activities'
+(``timeslice.job.async_sample | async_score | async_train`` complete with an
+``AsyncPhaseResult``: the phase's ``PhaseResult``, the batch, the weights version it sampled
+with, and the weight publication's or load's seconds and bytes; ``async_describe`` stands for
+``describe``). A process using the embedded client leaves only its leases, in the group's
+``status`` (its recent ``history``).
 
 Reading (:func:`read_rl_job`, :func:`read_group`) talks to Temporal; turning what was read into
 a profile (:func:`rl_job_profile`, :func:`client_profile`) is pure and unit-tested.
@@ -34,8 +39,18 @@ from timeslice.plan.profile import (
     ProfileSource,
     Seconds,
     StateProfile,
+    WeightSync,
 )
-from timeslice.protocol.async_rl_job import ASYNC_RL_JOB_WORKFLOW_TYPE
+from timeslice.protocol.async_rl_job import (
+    ASYNC_DESCRIBE_ACTIVITY,
+    ASYNC_RL_JOB_WORKFLOW_TYPE,
+    ASYNC_SAMPLE_ACTIVITY,
+    ASYNC_SCORE_ACTIVITY,
+    ASYNC_TRAIN_ACTIVITY,
+    AsyncPhaseResult,
+    AsyncRLJobConfig,
+    AsyncRLJobInput,
+)
 from timeslice.protocol.group import GroupQuery, GroupStatus, LeaseRecord, group_workflow_id
 from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
@@ -55,6 +70,7 @@ from timeslice.protocol.rl_job import (
 
 PHASE_ORDER = ("sample", "rewards", "train")
 _PHASE_ACTIVITIES = {SAMPLE_ACTIVITY, REWARDS_ACTIVITY, TRAIN_ACTIVITY}
+_ASYNC_PHASE_ACTIVITIES = {ASYNC_SAMPLE_ACTIVITY, ASYNC_SCORE_ACTIVITY, ASYNC_TRAIN_ACTIVITY}
 MAX_RUNS = 10_000  # continue-as-new chain guard
 
 
@@ -67,8 +83,11 @@ class RLJobRun:
     """What an RL job's histories hold (every run, oldest first)."""
 
     workflow_id: str
-    config: RLJobConfig
+    config: RLJobConfig  # an AsyncRLJobConfig for an async job
     phases: list[PhaseResult] = field(default_factory=list)
+    # An async job's phases as they completed (sampling and scoring: epoch = the batch id;
+    # training: epoch = the step), with their weight moves and versions.
+    async_phases: list[AsyncPhaseResult] = field(default_factory=list)
     checkpoint_s: list[float] = field(default_factory=list)
     describe: DescribeResult | None = None
     prepare: PrepareResult | None = None
@@ -92,13 +111,6 @@ async def read_rl_job(client: Client, job_id: str) -> RLJobRun:
         if err.status == RPCStatusCode.NOT_FOUND:
             raise NoSuchJobError(f"no RL job {job_id!r} (no workflow {workflow_id})") from None
         raise
-    if latest.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE:
-        # Its loops overlap: a profile of its phases in turn would plan it as a sync job.
-        raise TimesliceError(
-            f"job {job_id!r} is an async RL job: `timeslice plan` profiles sync jobs only; "
-            "async jobs are simulated by timeslice.plan.simulator (Placement.max_staleness) "
-            "and bench/replay.py --mode async"
-        )
     notes: list[str] = []
     run_id: str | None = latest.raw_info.first_run_id or latest.run_id
     histories: list[list[HistoryEvent]] = []
@@ -115,7 +127,9 @@ async def read_rl_job(client: Client, job_id: str) -> RLJobRun:
         events = list(history.events)
         histories.append(events)
         run_id = _next_run(events)
-    run = await decode_runs(client, workflow_id, histories)
+    run = await decode_runs(
+        client, workflow_id, histories, async_job=latest.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE
+    )
     run.status = latest.status.name.lower() if latest.status else "unknown"
     run.notes = notes + run.notes
     return run
@@ -129,18 +143,30 @@ def _next_run(events: list[HistoryEvent]) -> str | None:
     return None
 
 
-def _parse_config(raw: Any) -> RLJobConfig:
-    # As RLJobWorkflow reads its input: the bare config, or {config, state} after continue-as-new.
-    if isinstance(raw, dict) and "config" in raw:
+def _parse_config(raw: Any, async_job: bool = False) -> RLJobConfig:
+    # As the job's workflow reads its input: the bare config, or {config, state} after
+    # continue-as-new.
+    wrapped = isinstance(raw, dict) and "config" in raw
+    if async_job:
+        if wrapped:
+            return AsyncRLJobInput.model_validate(raw).config
+        return AsyncRLJobConfig.model_validate(raw)
+    if wrapped:
         return RLJobInput.model_validate(raw).config
     return RLJobConfig.model_validate(raw)
 
 
 async def decode_runs(
-    client: Client, workflow_id: str, histories: list[list[HistoryEvent]]
+    client: Client,
+    workflow_id: str,
+    histories: list[list[HistoryEvent]],
+    *,
+    async_job: bool = False,
 ) -> RLJobRun:
     config: RLJobConfig | None = None
     phases: list[PhaseResult] = []
+    async_phases: list[AsyncPhaseResult] = []
+    describe_activity = ASYNC_DESCRIBE_ACTIVITY if async_job else DESCRIBE_ACTIVITY
     checkpoints: list[float] = []
     describe: DescribeResult | None = None
     prepare: PrepareResult | None = None
@@ -153,7 +179,7 @@ async def decode_runs(
             if kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and config is None:
                 payloads = event.workflow_execution_started_event_attributes.input.payloads
                 (raw,) = await converter.decode(list(payloads), [dict])
-                config = _parse_config(raw)
+                config = _parse_config(raw, async_job)
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 attrs = event.activity_task_scheduled_event_attributes
                 names[event.event_id] = attrs.activity_type.name
@@ -167,13 +193,17 @@ async def decode_runs(
                 if name in _PHASE_ACTIVITIES:
                     (result,) = await converter.decode(payloads, [PhaseResult])
                     phases.append(result)
+                elif name in _ASYNC_PHASE_ACTIVITIES:
+                    (done_async,) = await converter.decode(payloads, [AsyncPhaseResult])
+                    async_phases.append(done_async)
+                    phases.append(done_async.phase)
                 elif name == CHECKPOINT_ACTIVITY and done.scheduled_event_id in started:
                     begun = started[done.scheduled_event_id]
                     ended = event.event_time.ToDatetime(UTC)
                     checkpoints.append((ended - begun).total_seconds())
                 elif name == PREPARE_ACTIVITY:
                     (prepare,) = await converter.decode(payloads, [PrepareResult])
-                elif name == DESCRIBE_ACTIVITY and describe is None:
+                elif name == describe_activity and describe is None:
                     (describe,) = await converter.decode(payloads, [DescribeResult])
     if config is None:
         raise TimesliceError(f"{workflow_id}: no start event in its history")
@@ -181,6 +211,7 @@ async def decode_runs(
         workflow_id=workflow_id,
         config=config,
         phases=phases,
+        async_phases=async_phases,
         checkpoint_s=checkpoints,
         describe=describe,
         prepare=prepare,
@@ -238,12 +269,16 @@ def opens_for_simulation(results: list[RLJobResult], grant_s: float) -> dict[str
 # ---------------------------------------------------------------- building profiles
 
 
-def measured_overheads(phases: list[PhaseResult]) -> Overheads | None:
+def measured_overheads(
+    phases: list[PhaseResult], *, carried_leases: bool = True
+) -> Overheads | None:
     """The protocol's costs seen in one RL job's phases (rank 0's clock; None: too few).
 
     - hop: rewards start - sample end (sampling releases in the background, so nothing but
-      the workflow's dispatch of the next activity lies between);
-    - carry: next sample start - train end, where train kept its lease;
+      the workflow's dispatch of the next activity lies between; an async job's phases of
+      one batch share its id as their epoch);
+    - carry: next sample start - train end, where train kept its lease (``carried_leases`` False:
+      none, an async job's loops carry no lease from one into the other);
     - request + grant: a lease's ask -> grant, over the phases that restored nothing (the
       group had not passed to another job since this job's last phase there) and whose wait
       was shorter than half the job's shortest GPU phase (no other job's phase fits in it):
@@ -258,7 +293,13 @@ def measured_overheads(phases: list[PhaseResult]) -> Overheads | None:
         if "sample" in ps and "rewards" in ps:
             hops.append(ps["rewards"].mono_start - ps["sample"].mono_end)
         train, nxt = ps.get("train"), by_epoch.get(epoch + 1, {}).get("sample")
-        if train is not None and nxt is not None and train.kept and not nxt.restored:
+        if (
+            carried_leases
+            and train is not None
+            and nxt is not None
+            and train.kept
+            and not nxt.restored
+        ):
             carries.append(nxt.mono_start - train.mono_end)
     gpu = [p.seconds for p in phases if p.group_id is not None]
     trips: list[float] = []
@@ -326,9 +367,22 @@ def rl_job_profile(run: RLJobRun, *, read_at: datetime | None = None) -> JobProf
             "the simulator prices like a process's"
         )
     epochs_read = len({p.epoch for p in run.phases if p.phase == "train"})
+    pipeline: dict[str, Any] = {}
+    if isinstance(cfg, AsyncRLJobConfig):
+        pipeline = {
+            "mode": "async",
+            "max_staleness": cfg.max_staleness,
+            "sync_every": cfg.sync_every,
+            "weight_sync": _weight_sync(run.async_phases, notes),
+        }
+        notes.append(
+            "async job: its sampler loop (sample, rewards) and trainer loop (train) run at "
+            "once; the weights' publication and loads are inside the train and sample seconds"
+        )
     return JobProfile(
         job_id=cfg.job_id,
         kind="rl-job",
+        **pipeline,
         epochs=cfg.epochs,
         priority=cfg.priority,
         phases=phases,
@@ -342,9 +396,40 @@ def rl_job_profile(run: RLJobRun, *, read_at: datetime | None = None) -> JobProf
             sampler_group=cfg.sampler_group,
             trainer_group=cfg.trainer,
             read_at=(read_at or datetime.now(UTC)).isoformat(timespec="seconds"),
-            overheads=measured_overheads(run.phases),
+            overheads=measured_overheads(run.phases, carried_leases=not pipeline),
             notes=notes,
         ),
+    )
+
+
+def _weight_sync(results: list[AsyncPhaseResult], notes: list[str]) -> WeightSync:
+    """An async job's weight moves, and the staleness its batches were trained at (a note)."""
+    publish = [r for r in results if r.phase.phase == "train" and r.published_version is not None]
+    loads = [r for r in results if r.phase.phase == "sample" and (r.load_s or r.load_bytes)]
+    # The weights each batch was sampled with, and the step that trained it (a redone batch
+    # gets a new id, so each id is sampled and trained at most once per run read).
+    sampled_with = {
+        r.batch: r.weights_version
+        for r in results
+        if r.phase.phase == "sample" and r.weights_version is not None
+    }
+    staleness = [
+        r.phase.epoch - sampled_with[r.batch]
+        for r in results
+        if r.phase.phase == "train" and r.batch in sampled_with
+    ]
+    if staleness:
+        notes.append(
+            f"staleness of the steps read: max {max(staleness)}, mean "
+            f"{statistics.fmean(staleness):.2f} ({len(staleness)} steps)"
+        )
+    return WeightSync(
+        publications=len(publish),
+        publish_s=Seconds.of([r.sync_s for r in publish]) if publish else None,
+        publish_bytes=max((r.sync_bytes for r in publish), default=0),
+        loads=len(loads),
+        load_s=Seconds.of([r.load_s for r in loads]) if loads else None,
+        load_bytes=max((r.load_bytes for r in loads), default=0),
     )
 
 

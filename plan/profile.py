@@ -16,6 +16,22 @@ by hand, in YAML or JSON, for a job that has not run yet::
       - {name: sampler, pool: sampler, bytes: 16e9, snapshot_s: 0.7, restore_s: 0.6}
       - {name: trainer, pool: trainer, bytes: 48e9}
 
+An async RL job (``mode: async``, an ``AsyncRLJobWorkflow``) runs two loops at once: its
+sampler loop (the phases off the trainer pool: sample, then rewards) and its trainer loop (the
+trainer pool's phases: train), the sampler at most ``max_staleness`` weights versions ahead,
+the weights published every ``sync_every`` steps; ``epochs`` counts training steps::
+
+    job_id: grpo-async
+    mode: async
+    max_staleness: 8
+    sync_every: 1
+    epochs: 400
+    phases:
+      - {name: sample, gpu: true, pool: sampler, seconds: 2.0}
+      - {name: rewards, gpu: false, seconds: 0.02}
+      - {name: train, gpu: true, pool: trainer, seconds: 1.0}
+
+A profile without ``mode`` is a sync job's (files written before async jobs still load).
 ``timeslice plan schema`` prints the JSON schema. Every file crossing into the planner goes
 through :func:`load_profile`, which names the file, the field and the problem.
 """
@@ -37,6 +53,10 @@ PROFILE_VERSION = 1
 Pool = Literal["sampler", "trainer"]
 StatePool = Literal["sampler", "trainer", "both"]
 Kind = Literal["rl-job", "client"]
+Mode = Literal["sync", "async"]
+# AsyncRLJobConfig's bound (timeslice.protocol.async_rl_job.MAX_STALENESS; kept here so that the
+# planner reads profiles without the job protocol).
+MAX_STALENESS = 256
 
 
 class _Model(BaseModel):
@@ -208,6 +228,20 @@ class ProfileSource(_Model):
     notes: list[str] = Field(default_factory=list)
 
 
+class WeightSync(_Model):
+    """An async job's weight publications (trainer -> host memory, under the trainer lease,
+    every ``sync_every`` steps) and loads (host -> sampler, under the sampler lease, before the
+    first batch sampled with newer weights), as measured. Their time is part of the train and
+    sample phases' seconds (the phases ran them); these fields say how much, per move."""
+
+    publications: int = Field(0, ge=0, description="publications measured")
+    publish_s: Seconds | None = Field(None, description="one publication")
+    publish_bytes: int = Field(0, ge=0, description="bytes one publication moved")
+    loads: int = Field(0, ge=0, description="loads into the sampler measured")
+    load_s: Seconds | None = Field(None, description="one load")
+    load_bytes: int = Field(0, ge=0, description="bytes one load moved")
+
+
 class JobProfile(_Model):
     """One job, as the planner sees it (``timeslice plan schema`` prints this as JSON schema)."""
 
@@ -219,7 +253,23 @@ class JobProfile(_Model):
         "the lease train -> sample, move their own state); client: a process using the "
         "embedded client (acquire, hold, release; the group moves its state)",
     )
-    epochs: int = Field(ge=1, le=10_000_000)
+    mode: Mode = Field(
+        "sync",
+        description="sync: one phase after the other; async: an AsyncRLJobWorkflow, whose "
+        "sampler loop (the phases off the trainer pool) and trainer loop (the trainer pool's) "
+        "run at once, on two groups",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_STALENESS,
+        description="async: the most weights versions a batch's sampler may lag its trainer",
+    )
+    sync_every: int | None = Field(
+        None, ge=1, le=MAX_STALENESS + 1, description="async: steps between weight publications"
+    )
+    weight_sync: WeightSync | None = Field(None, description="async: weight moves measured")
+    epochs: int = Field(ge=1, le=10_000_000, description="epochs (async: training steps)")
     priority: int = Field(0, ge=-100, le=100)
     max_slowdown: float | None = Field(
         None, ge=1.0, allow_inf_nan=False, description="at most this much slower than dedicated"
@@ -248,7 +298,56 @@ class JobProfile(_Model):
             raise ValueError("a client job has one group: give its GPU phases pool 'sampler'")
         if self.checkpoint_every is not None and self.checkpoint_s is None:
             raise ValueError("checkpoint_every needs checkpoint_s (how long one takes)")
+        if self.mode == "sync":
+            given = [
+                name
+                for name in ("max_staleness", "sync_every", "weight_sync")
+                if getattr(self, name) is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: only for an async job; add mode: async (or leave "
+                    "them out)"
+                )
+            return self
+        if self.kind != "rl-job":
+            raise ValueError("an async job is an RL job: kind rl-job, not client")
+        if self.max_staleness is None:
+            raise ValueError("an async job needs max_staleness (0 to 256)")
+        if self.sync_every is None:
+            self.sync_every = 1  # AsyncRLJobConfig's default
+        every = self.sync_every
+        if every > self.max_staleness + 1:
+            raise ValueError(
+                f"sync_every={every} with max_staleness={self.max_staleness}: the sampler would "
+                f"wait for good; use sync_every <= {self.max_staleness + 1}"
+            )
+        if not any(p.gpu and p.pool == "trainer" for p in self.phases) or not any(
+            p.gpu and p.pool == "sampler" for p in self.phases
+        ):
+            raise ValueError(
+                "an async job needs a GPU phase on each pool: its sampler loop's (pool sampler) "
+                "and its trainer loop's (pool trainer)"
+            )
         return self
+
+    @property
+    def is_async(self) -> bool:
+        return self.mode == "async"
+
+    def loop_s(self, loop: Literal["sampler", "trainer"]) -> float:
+        """An async job's loop: the trainer pool's phases, or all the others."""
+        return sum(
+            p.seconds.mean for p in self.phases if (p.pool == "trainer") == (loop == "trainer")
+        )
+
+    @property
+    def cycle_s(self) -> float:
+        """One epoch's share of the job's time alone: a sync job's phases in turn; an async
+        job's slower loop (with ``max_staleness`` 0 its loops take turns: the phases in turn)."""
+        if not self.is_async or not self.max_staleness:
+            return self.epoch_s
+        return max(self.loop_s("sampler"), self.loop_s("trainer"))
 
     @property
     def gpu_s(self) -> float:
@@ -260,14 +359,18 @@ class JobProfile(_Model):
 
     @property
     def duty(self) -> float:
-        """The GPU share of an epoch when the job runs alone (protocol costs left out)."""
+        """The GPU share of an epoch when the job runs alone (protocol costs left out); an
+        async job's: the busier of its two groups'."""
+        if self.is_async:
+            return max(self.gpu_share({"sampler"}), self.gpu_share({"trainer"}))
         return self.gpu_s / self.epoch_s if self.epoch_s > 0 else 1.0
 
     def gpu_share(self, pools: set[str]) -> float:
-        """The share of an epoch alone spent in GPU phases on the groups of ``pools``
+        """The share of the job's time alone spent in GPU phases on the groups of ``pools``
         (``sampler``, ``trainer``): this job's term of a group's demand bound."""
         on = sum(p.seconds.mean for p in self.phases if p.gpu and p.pool in pools)
-        return on / self.epoch_s if self.epoch_s > 0 else 1.0
+        cycle = self.cycle_s
+        return min(1.0, on / cycle) if cycle > 0 else 1.0
 
     def pools(self) -> set[str]:
         return {p.pool for p in self.phases if p.pool is not None}

@@ -9,6 +9,11 @@ Two layouts:
   group and trains on one trainer group. A job links its two groups, so the jobs and groups
   linked together (a connected component) are simulated together, cached by their placement.
 
+An async RL job (a profile with ``mode: async``) needs two groups, its loops running at once:
+it is planned on disaggregated pools only (its sampler loop on a sampler group, its trainer
+loop on a trainer group), simulated as the workflow runs it (both loops, the staleness bound),
+and measured against a sampler group and a trainer group of its own.
+
 An assignment is *feasible* when every job's predicted slowdown (its completion / its
 completion alone on a group of its own) is within its limit. Assignments are ranked by:
 fewest limit violations, then fewest groups used (most GPUs saved), then the smallest sum of
@@ -102,6 +107,13 @@ class JobPlan:
     max_slowdown: float
     epochs_simulated: int
     epochs: int
+    mode: str = "sync"
+    max_staleness: int | None = None
+
+    @property
+    def groups_alone(self) -> int:
+        """The groups it has to itself in the baseline: an async job's loops need two."""
+        return 2 if self.mode == "async" else 1
 
     @property
     def slowdown(self) -> float:
@@ -138,8 +150,9 @@ class Assignment:
 
     @property
     def gpus_dedicated(self) -> int:
-        """One group of its own per job: the baseline slowdowns are measured against."""
-        return len(self.jobs) * self.gpus_per_group
+        """Groups of its own per job (one; an async job two): the baseline slowdowns are
+        measured against."""
+        return sum(j.groups_alone for j in self.jobs) * self.gpus_per_group
 
     @property
     def gpus_saved(self) -> int:
@@ -204,6 +217,13 @@ class Planner:
                 raise ValueError(
                     f"client jobs hold one group, not a sampler and a trainer pool: {clients}"
                 )
+        else:
+            async_jobs = [p.job_id for p in profiles if p.is_async]
+            if async_jobs:
+                raise ValueError(
+                    f"async jobs run their sampler and trainer loops at once, on two groups: "
+                    f"{async_jobs}; plan them on pools (--sampler-groups N --trainer-groups M)"
+                )
         self.profiles = {p.job_id: p for p in profiles}
         self.layout = layout
         self.overheads = overheads or Overheads()
@@ -247,8 +267,11 @@ class Planner:
     def dedicated_s(self, job: str, epochs: int) -> float:
         key = (job, epochs)
         if key not in self._dedicated:
-            alone = Placement(self.profiles[job], "alone", "alone", epochs=epochs)
-            self._dedicated[key] = self._run([alone], ["alone"]).jobs[job].completion_s
+            profile = self.profiles[job]
+            # A sync job alone on one group; an async job's loops on a group each.
+            groups = ["alone-sampler", "alone-trainer"] if profile.is_async else ["alone"]
+            alone = Placement(profile, groups[0], groups[-1], epochs=epochs)
+            self._dedicated[key] = self._run([alone], groups).jobs[job].completion_s
         return self._dedicated[key]
 
     def _component(
@@ -284,6 +307,8 @@ class Planner:
                         max_slowdown=self.limit[job],
                         epochs_simulated=epochs[job],
                         epochs=self.profiles[job].epochs,
+                        mode=self.profiles[job].mode,
+                        max_staleness=self.profiles[job].max_staleness,
                     )
                 )
             for gid, g in outcome.groups.items():
@@ -377,13 +402,8 @@ class Planner:
         return False
 
     def _share(self, job: str, sampler: bool, trainer: bool) -> float:
-        p = self.profiles[job]
-        gpu = sum(
-            ph.seconds.mean
-            for ph in p.phases
-            if (ph.pool == "sampler" and sampler) or (ph.pool == "trainer" and trainer)
-        )
-        return gpu / p.epoch_s if p.epoch_s > 0 else 1.0
+        pools = {pool for pool, on in (("sampler", sampler), ("trainer", trainer)) if on}
+        return self.profiles[job].gpu_share(pools)
 
     def search(self, *, top: int = 3, time_limit_s: float = 5.0) -> PlanResult:
         """The best ``top`` assignments: searched on short simulations (``sim_epochs``), the

@@ -26,13 +26,14 @@ What it models, each rule taken from the code it stands for:
   switching); a state another group holds is moved out of there first (states move with the
   lease).
 - **async RL jobs** (``workflows/async_rl_job.py``; a :class:`Placement` with
-  ``max_staleness``): two loops at once, each an actor of its own — the sampler loop (the
-  phases off the trainer pool, in order) and the trainer loop (the trainer pool's phases) —
-  handing batches over in order. The sampler starts a batch only while no batch would be
-  trained more than ``max_staleness`` steps after the weights it is sampled with (the weights
-  are published every ``sync_every`` steps), the trainer trains one batch per step; every GPU
-  phase asks for its lease as its activity starts and releases as it ends (no ask ahead, no
-  carry), and the trainer checkpoints as a sync job's does.
+  ``max_staleness``, which a profile with ``mode: async`` gives by itself): two loops at
+  once, each an actor of its own — the sampler loop (the phases off the trainer pool, in
+  order) and the trainer loop (the trainer pool's phases) — handing batches over in order.
+  The sampler starts a batch only while no batch would be trained more than
+  ``max_staleness`` steps after the weights it is sampled with (the weights are published
+  every ``sync_every`` steps), the trainer trains one batch per step; every GPU phase asks
+  for its lease as its activity starts and releases as it ends (no ask ahead, no carry),
+  and the trainer checkpoints as a sync job's does.
 - **client jobs** (``timeslice.TimeSliceOrchestratorClient``): acquire, hold, release (the
   release is awaited, and carries nothing: a plain acquire), work off the GPU, acquire again;
   the group evicts and restores their state with its own activities.
@@ -93,8 +94,20 @@ class Placement:
     start_s: float = 0.0
     epochs: int | None = None  # default: the profile's
     # An async RL job (None: sync): the staleness bound and the steps between weight syncs.
+    # Left out, they are the profile's (an async profile places an async job).
     max_staleness: int | None = None
-    sync_every: int = 1
+    sync_every: int | None = None
+
+    def __post_init__(self) -> None:
+        p = self.profile
+        if self.max_staleness is None and p.is_async:
+            object.__setattr__(self, "max_staleness", p.max_staleness)
+        if self.sync_every is None:
+            object.__setattr__(self, "sync_every", (p.sync_every if p.is_async else None) or 1)
+
+    @property
+    def steps_between_syncs(self) -> int:
+        return self.sync_every or 1
 
     def group_of(self, pool: str) -> str:
         return self.sampler_group if pool == "sampler" else self.trainer_group
@@ -438,12 +451,12 @@ class Simulation:
                 continue
             if p.sampler_group == p.trainer_group:
                 raise ValueError(f"async job {p.profile.job_id}: its loops need two groups")
-            if p.max_staleness < 0 or not 1 <= p.sync_every <= p.max_staleness + 1:
+            if p.max_staleness < 0 or not 1 <= p.steps_between_syncs <= p.max_staleness + 1:
                 raise ValueError(
                     f"async job {p.profile.job_id}: max_staleness >= 0 and sync_every within "
                     "1 .. max_staleness + 1 (the sampler would wait for good)"
                 )
-            gate = _Gate(p.epochs or p.profile.epochs, p.max_staleness, p.sync_every)
+            gate = _Gate(p.epochs or p.profile.epochs, p.max_staleness, p.steps_between_syncs)
             actors = [_Job(p, move_bytes_per_s, role=r, gate=gate) for r in ("sampler", "trainer")]
             if not all(a.steps and any(s.gpu for s in a.steps) for a in actors):
                 raise ValueError(
@@ -882,10 +895,17 @@ def rl_profile(
     priority: int = 0,
     checkpoint_every: int | None = None,
     checkpoint_s: float | None = None,
+    max_staleness: int | None = None,
+    sync_every: int | None = None,
 ) -> JobProfile:
-    """A profile of the RL job's three phases from plain numbers (tests, bench/replay.py)."""
+    """A profile of the RL job's three phases from plain numbers (tests, bench/replay.py);
+    with ``max_staleness``, an async job's."""
+    extra: dict[str, Any] = {}
+    if max_staleness is not None:
+        extra = {"mode": "async", "max_staleness": max_staleness, "sync_every": sync_every}
     return JobProfile.model_validate(
         {
+            **extra,
             "job_id": job_id,
             "epochs": epochs,
             "priority": priority,

@@ -55,7 +55,16 @@ def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None 
         return at + timedelta(seconds=seconds)
 
     plans = {j.job_id: j for j in assignment.jobs}
-    job_lanes: dict[str, Lane] = {j: Lane(name=j, kind="job") for j in sorted(outcome.jobs)}
+
+    def job_of(actor: str) -> str:
+        """An async job's loops are actors of their own (``JOB · sampler``, ``JOB · trainer``),
+        drawn in a lane each as the report draws a real async job; figures are the job's."""
+        return actor if actor in outcome.jobs else actor.rpartition(" · ")[0]
+
+    async_jobs = {j.job_id for j in assignment.jobs if j.mode == "async"}
+    lanes = {j for j in outcome.jobs if j not in async_jobs}
+    lanes |= {f"{j} · {loop}" for j in async_jobs for loop in ("sampler", "trainer")}
+    job_lanes: dict[str, Lane] = {j: Lane(name=j, kind="job") for j in sorted(lanes)}
     group_lanes: dict[str, Lane] = {g: Lane(name=g, kind="group") for g in sorted(outcome.groups)}
     phase_s: dict[str, dict[str, float]] = {j: {} for j in outcome.jobs}
     waiting: dict[str, float] = dict.fromkeys(outcome.jobs, 0.0)
@@ -65,6 +74,7 @@ def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None 
     for s in outcome.segments:
         label = f"epoch {s.epoch} · {s.phase}" + (f" · {s.group_id}" if s.group_id else "")
         kind = _span_kind(s)
+        job = job_of(s.job_id)
         if kind is not None and not (s.kind == "evict" and s.group_id is not None):
             job_lanes[s.job_id].spans.append(
                 Span(
@@ -72,7 +82,7 @@ def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None 
                     kind=kind,  # type: ignore[arg-type]
                     start=when(s.start),
                     end=when(s.end),
-                    job_id=s.job_id,
+                    job_id=job,
                     group_id=s.group_id,
                     epoch=s.epoch,
                     label=label if s.kind == "phase" else f"{label} ({s.kind})",
@@ -80,11 +90,11 @@ def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None 
             )
         if s.kind == "phase":
             name = s.phase if s.group_id is not None else "rewards"
-            phase_s[s.job_id][name] = phase_s[s.job_id].get(name, 0.0) + (s.end - s.start)
+            phase_s[job][name] = phase_s[job].get(name, 0.0) + (s.end - s.start)
         elif s.kind == "wait":
-            waiting[s.job_id] += s.end - s.start
+            waiting[job] += s.end - s.start
         elif s.kind == "restore":
-            moving[s.job_id] += s.end - s.start
+            moving[job] += s.end - s.start
         if s.group_id is not None and s.kind in ("lease", "restore", "evict"):
             group_lanes[s.group_id].spans.append(
                 Span(
@@ -92,7 +102,7 @@ def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None 
                     kind="lease" if s.kind == "lease" else "switching",
                     start=when(s.start),
                     end=when(s.end),
-                    job_id=s.job_id,
+                    job_id=job,
                     group_id=s.group_id,
                     epoch=s.epoch,
                     label=f"{s.job_id}" if s.kind == "lease" else f"{s.job_id} {s.kind}",
@@ -137,7 +147,7 @@ def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None 
                 epochs_done=r.epochs_done,
                 epochs=r.epochs_done,
                 groups=sorted(
-                    {s.group_id for s in outcome.segments if s.job_id == jid and s.group_id}
+                    {s.group_id for s in outcome.segments if job_of(s.job_id) == jid and s.group_id}
                 ),
                 phase_s=phase_s[jid],
                 waiting_s=waiting[jid],

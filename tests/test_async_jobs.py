@@ -567,20 +567,3 @@ def test_stop_cancels_the_sampling_no_step_would_train(
     # The sampling was cancelled, not waited for: no step would have trained its batch.
     kinds = {e.event_type for e in events}
     assert EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED in kinds
-
-
-def test_plan_profile_refuses_an_async_job_saying_why(
-    address: str, job_worker: Callable[..., Any], tmp_path: Path
-) -> None:
-    job = job_id("aplan")
-    job_worker(job)
-    start(address, async_config(job, epochs=2))
-    result(address, job)
-    done = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "plan", "profile", job, "--address", address,
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert f"job {job!r} is an async RL job" in done.stderr
-    assert "Traceback" not in done.stderr and "validation error" not in done.stderr

@@ -265,3 +265,123 @@ def test_plan_cli_predicts_with_the_groups_policy_and_compares(tmp_path: Path) -
 
     done = plan_cli(str(folder), "--groups", "2", "--policy", "lifo")
     assert done.returncode == 2 and "invalid choice: 'lifo'" in done.stderr
+
+
+ASYNC_OPTIONS = {
+    "sample_s": 0.3,
+    "reward_s": 0.05,
+    "train_s": 0.2,
+    "sync_s": 0.05,
+    "load_s": 0.02,
+    "state_bytes": 1_000_000,
+    "snapshot_s": 0.02,
+}
+ASYNC_STEPS = 6
+
+
+def test_async_job_profiled_through_the_cli_and_planned_on_a_shared_trainer(
+    address: str, tmp_path: Path
+) -> None:
+    """A real AsyncRLJobWorkflow (the `simulated` workload's async mode, a real job process)
+    run to its end, profiled by `timeslice plan profile`, and planned by `timeslice plan`."""
+    from timeslice.jobs import parse_any_job_config, start_any_rl_job
+    from timeslice.plan.search import Layout, Planner
+    from timeslice.protocol.async_rl_job import AsyncRLJobResult
+
+    job = f"aplan-{uuid.uuid4().hex[:8]}"
+    sampler, trainer = f"s-{job}", f"t-{job}"
+    proc = start_service(
+        ["job", "worker", "--address", address, "--job-id", job, "--workload", "simulated",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--threads", "1"],
+        f"job {job} rank 0",
+        tmp_path / f"{job}.log",
+    )  # fmt: skip
+
+    async def go() -> AsyncRLJobResult:
+        client = await connect(connect_config(address))
+        config = parse_any_job_config(
+            {
+                "mode": "async",
+                "job_id": job,
+                "workload": "simulated",
+                "workload_options": ASYNC_OPTIONS,
+                "sampler_group": sampler,
+                "trainer_group": trainer,
+                "epochs": ASYNC_STEPS,
+                "checkpoint_every": 3,
+                "max_staleness": 2,
+                "sync_every": 2,
+            }
+        )
+        handle = await start_any_rl_job(client, config)
+        return await handle.result()
+
+    try:
+        done = asyncio.run(go())
+    finally:
+        stop_process(proc)
+    assert done.epochs_done == ASYNC_STEPS and done.syncs == 2  # after steps 2 and 4
+
+    out = tmp_path / "profiles"
+    ran = plan_cli("profile", job, "--address", address, "--out", str(out), "--format", "json")
+    assert ran.returncode == 0, ran.stderr
+    assert "async (max_staleness 2, sync_every 2), 6 steps" in ran.stdout, ran.stdout
+    profile = load_profile(out / f"{job}.json")
+    assert profile.is_async and profile.kind == "rl-job" and profile.epochs == ASYNC_STEPS
+    assert (profile.max_staleness, profile.sync_every) == (2, 2)
+    phases = {p.name: p for p in profile.phases}
+    assert [(p.gpu, p.pool) for p in phases.values()] == [
+        (True, "sampler"),
+        (False, None),
+        (True, "trainer"),
+    ]
+    # Each phase holds for its set time (train: plus two 0.05-s publications over six steps;
+    # sample: plus the loads of newer weights); the clock read around it adds a little.
+    for name, key in (("sample", "sample_s"), ("rewards", "reward_s"), ("train", "train_s")):
+        seconds = phases[name].seconds
+        assert seconds.samples == ASYNC_STEPS, (name, seconds)
+        assert ASYNC_OPTIONS[key] <= seconds.mean < ASYNC_OPTIONS[key] + 0.3, (name, seconds)
+    sync = profile.weight_sync
+    assert sync is not None and sync.publications == 2
+    assert sync.publish_bytes == ASYNC_OPTIONS["state_bytes"]  # sync_bytes: state_bytes
+    assert sync.publish_s is not None and 0.05 <= sync.publish_s.mean < 0.35
+    assert sync.loads >= 1 and sync.load_bytes == ASYNC_OPTIONS["state_bytes"]
+    assert {s.name: (s.pool, s.bytes) for s in profile.states} == {
+        "sampler": ("sampler", ASYNC_OPTIONS["state_bytes"]),
+        "trainer": ("trainer", ASYNC_OPTIONS["state_bytes"]),
+    }
+    assert profile.source is not None
+    assert (profile.source.sampler_group, profile.source.trainer_group) == (sampler, trainer)
+    assert profile.source.epochs_read == ASYNC_STEPS
+
+    # The profile predicts its own run: alone on its two groups, its loops overlapping.
+    overheads = profile.source.overheads
+    assert overheads is not None
+    alone = simulate([Placement(profile, sampler, trainer)], overheads=overheads)
+    assert alone.jobs[job].completion_s == pytest.approx(completion_s(done), rel=0.15)  # type: ignore[arg-type]
+
+    # Two such jobs, each on a sampler group of its own, one trainer group shared.
+    twin = profile.model_copy(update={"job_id": f"{job}-twin"})
+    dump_profile(twin, out / f"{job}-twin.json")
+    answer = tmp_path / "plan.json"
+    ran = plan_cli(
+        str(out), "--sampler-groups", "2", "--trainer-groups", "1", "--json", str(answer)
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "async k=2" in ran.stdout and "async jobs (mode async)" in ran.stdout, ran.stdout
+    best = json.loads(answer.read_text())["assignments"][0]
+    assert {(j["mode"], j["max_staleness"]) for j in best["jobs"]} == {("async", 2)}
+    assert len({j["sampler_group"] for j in best["jobs"]}) == 2
+    shared = next(g for g in best["groups"] if g["role"] == "trainer")
+    assert len(shared["jobs"]) == 2
+    # The same jobs, placed the same, as sync jobs: the trainer idles while each samples.
+    as_sync = [
+        p.model_copy(update={"mode": "sync", "max_staleness": None, "sync_every": None,
+                             "weight_sync": None})
+        for p in (profile, twin)
+    ]  # fmt: skip
+    placed = {j["job"]: (j["sampler_group"], j["trainer_group"]) for j in best["jobs"]}
+    layout = Layout(sampler_groups=("sampler-1", "sampler-2"), trainer_groups=("trainer-1",))
+    sync_plan = Planner(as_sync, layout, overheads=overheads).evaluate(placed, 60)
+    sync_trainer = next(g for g in sync_plan.groups if g.role == "trainer")
+    assert shared["utilization"] > sync_trainer.utilization + 0.1, (shared, sync_trainer)
