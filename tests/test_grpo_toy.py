@@ -206,6 +206,8 @@ def test_phase_order_is_enforced() -> None:
         ({"task": "juggle"}, r"option 'task' = 'juggle' is invalid; allowed: one of \['sort'"),
         ({"device": "tpu"}, r"option 'device' = 'tpu' is invalid"),
         ({"ppo_steps": 0}, r"option 'ppo_steps' = 0 is invalid"),
+        ({"stale_objective": "vtrace"}, r"option 'stale_objective' = 'vtrace' is invalid"),
+        ({"behaviour_weight_cap": 0.5}, r"option 'behaviour_weight_cap' = 0.5 is invalid"),
     ],
 )
 def test_invalid_options_are_rejected(options: dict, message: str) -> None:
