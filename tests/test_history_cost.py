@@ -15,7 +15,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice.jobs import parse_job_config, start_rl_job
-from timeslice.protocol.group import GroupSignal, group_workflow_id
+from timeslice.protocol.group import GroupSignal, GroupUpdate, group_workflow_id
 from timeslice.protocol.rl_job import (
     SAMPLE_ACTIVITY,
     TRAIN_ACTIVITY,
@@ -212,11 +212,28 @@ def test_a_carried_epoch_sends_the_group_no_cancel(address, group, tmp_path):
         assert GroupSignal.CANCEL not in signals, epochs
     assert statistics.mean(events for *_, events, _ in carried) <= 20, epochs
     assert statistics.mean(tasks for *_, tasks in carried) <= 3.5, epochs
-    # The group was sent no cancel either: every request it got was granted.
+    # The group was sent no cancel either, and every acquire it got was granted: no order the
+    # workflow forgot had reached it.
+    group_histories = histories_of(address, group_workflow_id(group))
     group_signals = [
         event.workflow_execution_signaled_event_attributes.signal_name
-        for h in histories_of(address, group_workflow_id(group))
+        for h in group_histories
         for event in h.events
         if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
     ]
     assert GroupSignal.CANCEL not in group_signals, group_signals
+    acquires, granted = set(), set()
+    for h in group_histories:
+        for event in h.events:
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
+                accepted = event.workflow_execution_update_accepted_event_attributes
+                if accepted.accepted_request.input.name == GroupUpdate.ACQUIRE:
+                    acquires.add(accepted.accepted_request.meta.update_id)
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED:
+                completed = event.workflow_execution_update_completed_event_attributes
+                if completed.meta.update_id not in acquires:
+                    continue
+                answer = json.loads(completed.outcome.success.payloads[0].data)
+                if answer.get("outcome") == "granted":
+                    granted.add(completed.meta.update_id)
+    assert acquires and acquires == granted, (acquires, granted)
