@@ -441,8 +441,9 @@ class JobRuntime:
             finally:
                 if lease is not None:  # the phase failed: hand the group on now, not at its TTL
                     await self._abandon(lease)
+            asked_ahead = None
             if inp.prefetch is not None:
-                self._prefetch(inp.prefetch, inp.prefetch_backends)
+                asked_ahead = self._prefetch(inp.prefetch, inp.prefetch_backends)
         log.info(
             "epoch %d %s: %.2f s %s",
             inp.epoch,
@@ -469,6 +470,7 @@ class JobRuntime:
             kept=kept and owned,
             carry=carry,
             restored=restored,
+            asked_ahead=asked_ahead,
         )
 
     # ---------------------------------------------------------------- leases
@@ -558,21 +560,23 @@ class JobRuntime:
             )
         return lease
 
-    def _prefetch(self, order: LeaseOrder, names: list[str]) -> None:
+    def _prefetch(self, order: LeaseOrder, names: list[str]) -> bool:
         """Ask for the job's next GPU phase's lease now, as this step ends: the request
         reaches the group one workflow round trip sooner than if the next phase's activity
         asked when it starts, and the grant waits in this process for that activity. The
-        workflow cancels the request if the phase never comes."""
-        if not process_prefetches(
+        workflow cancels the request if the phase never comes. Returns whether the acquire
+        went out (now or before): not while this process still holds the group, whose lease
+        the next phase carries; the workflow then forgets the order rather than cancel it."""
+        if process_prefetches(
             order,
             asked=order.request_id in self._prefetched,
             holds_group=order.group_id in self.session.held,
         ):
-            return
-        asking = asyncio.ensure_future(self._acquire_order(order, names))
-        # Retrieved by the phase; a failure is raised there (or the workflow cancels it).
-        asking.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._prefetched[order.request_id] = asking
+            asking = asyncio.ensure_future(self._acquire_order(order, names))
+            # Retrieved by the phase; a failure is raised there (or the workflow cancels it).
+            asking.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._prefetched[order.request_id] = asking
+        return order.request_id in self._prefetched
 
     def _yield_in_background(
         self, lease: Lease, names: list[str], restored: list[SnapshotReport]

@@ -55,7 +55,7 @@ class JobSignal(StrEnum):
 # activities' inputs and results, and what each side expects of the other between them). Raised
 # on any change an older or newer counterpart would get wrong; each side checks the other's at
 # `describe` (docs/upgrading.md), so a job never runs phases across releases that disagree.
-JOB_PROTOCOL_VERSION = 4
+JOB_PROTOCOL_VERSION = 5
 
 # Served by a job process on ``timeslice-job-<job_id>-<rank>``.
 DESCRIBE_ACTIVITY = "timeslice.job.describe"
@@ -466,6 +466,20 @@ class PhaseResult(_Model):
     evicted: list[SnapshotReport] = Field(
         default_factory=list, description="state the process moved out after releasing"
     )
+    asked_ahead: bool | None = Field(
+        None,
+        description="with a prefetch: whether the process sent its acquire (False: it still "
+        "held that group, whose lease the next phase carries, so the order never reached the "
+        "group and needs no cancel); None: no prefetch, or a process before protocol v5 (absent "
+        "from the encoded result when None)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_answer(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if self.asked_ahead is None and isinstance(data, dict):
+            data.pop("asked_ahead", None)
+        return data
 
 
 class CheckpointInput(_Model):

@@ -5,16 +5,23 @@ remaining event is for)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import threading
 import uuid
 from pathlib import Path
 
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice.jobs import parse_job_config, start_rl_job
-from timeslice.protocol.group import group_workflow_id
-from timeslice.protocol.rl_job import RLJobResult, rl_job_workflow_id
+from timeslice.protocol.group import GroupSignal, GroupUpdate, group_workflow_id
+from timeslice.protocol.rl_job import (
+    SAMPLE_ACTIVITY,
+    TRAIN_ACTIVITY,
+    RLJobResult,
+    rl_job_workflow_id,
+)
 from timeslice.transport.connection import connect, connect_config
 
 from bench.history_cost import HistoryCost, event_name, group_cost, rl_job_cost, steady_epochs
@@ -130,3 +137,103 @@ def test_an_rl_jobs_epoch_upserts_no_search_attribute(address, group, tmp_path):
     # TimeslicePhase: prepare, running, completed; TimesliceJob was set by the start.
     assert ours == ["upsert_workflow_search_attributes:TimeslicePhase"] * 3, ours
     assert rl_job_cost(histories).units == 5
+
+
+def carried_epochs(history: WorkflowHistory) -> list[tuple[bool, list[str], int, int]]:
+    """Per steady epoch of one run (as ``steady_epochs`` cuts them: one sample's scheduling to
+    the next's): whether its train kept the lease (the group carried it into the next sample),
+    the signals the workflow sent, its events and its workflow tasks."""
+    epochs: list[tuple[bool, list[str], int, int]] = []
+    activities: dict[int, str] = {}
+    current: dict | None = None
+    for event in history.events:
+        kind = event.event_type
+        if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            name = event.activity_task_scheduled_event_attributes.activity_type.name
+            activities[event.event_id] = name
+            if name == SAMPLE_ACTIVITY:
+                if current is not None:
+                    epochs.append(tuple(current.values()))
+                current = {"kept": False, "signals": [], "events": 0, "tasks": 0}
+        if current is None:
+            continue
+        current["events"] += 1
+        current["tasks"] += kind == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+        if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            done = event.activity_task_completed_event_attributes
+            if activities.get(done.scheduled_event_id) == TRAIN_ACTIVITY:
+                current["kept"] = json.loads(done.result.payloads[0].data)["kept"]
+        if kind == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED:
+            signal = event.signal_external_workflow_execution_initiated_event_attributes
+            current["signals"].append(signal.signal_name)
+    return epochs
+
+
+def test_a_carried_epoch_sends_the_group_no_cancel(address, group, tmp_path):
+    """A train whose lease the group carries into the next sample never sends the acquire it
+    was told to ask ahead (its process still holds the group). The workflow once cancelled that
+    order anyway: a signal to a group that never had the request, 2 events and a workflow task
+    of the job's epoch (23 events an epoch), and a signal and a task of the group's. From
+    protocol v5 the process says it did not send it, and the order is forgotten: 3 activities
+    and the 3 workflow tasks that follow them, 18 events."""
+    job = f"carry-{uuid.uuid4().hex[:8]}"
+    proc = start_service(
+        ["job", "worker", "--address", address, "--job-id", job, "--workload", "simulated",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--threads", "1"],
+        f"job {job} rank 0",
+        tmp_path / "job.log",
+    )  # fmt: skip
+    config = {
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05},
+        "sampler_group": group,
+        "epochs": 6,
+        "checkpoint_every": 6,
+    }
+
+    async def go() -> RLJobResult:
+        client = await connect(connect_config(address))
+        return await (await start_rl_job(client, parse_job_config(config))).result()
+
+    try:
+        result = asyncio.run(go())
+    finally:
+        stop_process(proc)
+    assert result.epochs_done == 6, result
+
+    (history,) = histories_of(address, rl_job_workflow_id(job))
+    epochs = carried_epochs(history)
+    assert len(epochs) == 5, epochs
+    carried = [e for e in epochs if e[0]]
+    # Nobody else uses the group: every train's lease is carried into the next sample.
+    assert len(carried) == 5, epochs
+    for _kept, signals, _events, _tasks in carried:
+        assert GroupSignal.CANCEL not in signals, epochs
+    assert statistics.mean(events for *_, events, _ in carried) <= 20, epochs
+    assert statistics.mean(tasks for *_, tasks in carried) <= 3.5, epochs
+    # The group was sent no cancel either, and every acquire it got was granted: no order the
+    # workflow forgot had reached it.
+    group_histories = histories_of(address, group_workflow_id(group))
+    group_signals = [
+        event.workflow_execution_signaled_event_attributes.signal_name
+        for h in group_histories
+        for event in h.events
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+    ]
+    assert GroupSignal.CANCEL not in group_signals, group_signals
+    acquires, granted = set(), set()
+    for h in group_histories:
+        for event in h.events:
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
+                accepted = event.workflow_execution_update_accepted_event_attributes
+                if accepted.accepted_request.input.name == GroupUpdate.ACQUIRE:
+                    acquires.add(accepted.accepted_request.meta.update_id)
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED:
+                completed = event.workflow_execution_update_completed_event_attributes
+                if completed.meta.update_id not in acquires:
+                    continue
+                answer = json.loads(completed.outcome.success.payloads[0].data)
+                if answer.get("outcome") == "granted":
+                    granted.add(completed.meta.update_id)
+    assert acquires and acquires == granted, (acquires, granted)

@@ -76,6 +76,7 @@ from timeslice.workflows.job_leases import JobLeases
 # The sync job's rules for reading activity failures and results, shared so both job kinds end
 # (or rewind) on the same failures.
 from timeslice.workflows.rl_job import (
+    JOB_PROTOCOL_V5,
     _ending_the_job,
     _failure,
     _InvalidResult,
@@ -138,7 +139,9 @@ class AsyncRLJobWorkflow:
         self._leases = GroupLeases(
             self._config.job_id, priority=self._config.priority, ttl_s=self._config.lease_ttl_s
         )
-        self._ledger = JobLeases(self._config, protocol=JOB_PROTOCOL_VERSION)
+        # The job protocol the run speaks: decided in run, before any other command.
+        self._protocol = JOB_PROTOCOL_VERSION
+        self._ledger = JobLeases(self._config, protocol=self._protocol)
         # The pipeline of this run (never carried: a rewind or the run's end empties it).
         self._queue: list[QueuedBatch] = []
         self._in_flight = 0  # batches being sampled or scored
@@ -162,6 +165,10 @@ class AsyncRLJobWorkflow:
                 type="InvalidConfig",
                 non_retryable=True,
             )
+        # Async jobs that began under v4 keep speaking it (their processes answered v4); v5
+        # changed nothing of theirs, but a process speaks one version.
+        self._protocol = JOB_PROTOCOL_VERSION if workflow.patched(JOB_PROTOCOL_V5) else 4
+        self._ledger.protocol = self._protocol
         workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
         try:
             return await self._run()
@@ -629,7 +636,7 @@ class AsyncRLJobWorkflow:
                     job_id=cfg.job_id,
                     options=cfg.workload_options,
                     chain_id=workflow.info().first_execution_run_id,
-                    protocol=JOB_PROTOCOL_VERSION,
+                    protocol=self._protocol,
                 ),
                 task_queue=job_task_queue(cfg.job_id, 0),
                 schedule_to_close_timeout=timedelta(seconds=cfg.process_wait_s),
@@ -671,7 +678,7 @@ class AsyncRLJobWorkflow:
             raise ApplicationError(
                 f"job {cfg.job_id}: {err}", type="InvalidResult", non_retryable=True
             ) from None
-        mismatch = protocol_mismatch(JOB_PROTOCOL_VERSION, found.protocol)
+        mismatch = protocol_mismatch(self._protocol, found.protocol)
         if mismatch is not None:
             raise ApplicationError(
                 f"job {cfg.job_id}: {mismatch}", type="ProtocolMismatch", non_retryable=True

@@ -40,7 +40,9 @@ class SampleLease:
     # epoch ended; None: the workflow makes one now.
     order: LeaseOrder | None
     carried: bool
-    # An order asked for ahead that the carried lease made needless: the workflow ends it.
+    # An order asked for ahead that the carried lease made needless, and that the process may
+    # have sent to the group: the workflow ends it. One the process said it never sent is
+    # forgotten instead (from protocol v5): there is nothing at the group to end.
     needless: LeaseOrder | None = None
 
 
@@ -101,7 +103,8 @@ class JobLeases:
 
     def __init__(self, config: RLJobConfig, *, protocol: int) -> None:
         self.config = config
-        # The job protocol the run speaks: a carry_into is told to groups from v4 on.
+        # The job protocol the run speaks: a carry_into is told to groups from v4 on, and an
+        # order asked ahead that the process did not send is forgotten, not cancelled, from v5.
         self.protocol = protocol
         # Leases the job process takes and releases itself, by request id: asked for (no
         # token yet) or held (a phase kept it, for its checkpoint or the next phase).
@@ -114,6 +117,9 @@ class JobLeases:
         self.carried: LeaseOrder | None = None
         # The next sampling's order, asked for by the process as the epoch's last step ended.
         self.next_sample: LeaseOrder | None = None
+        # The request id of an order asked ahead that the process said it did not send (it
+        # still held that group: the next phase carries the lease instead).
+        self._unsent: str | None = None
 
     @property
     def solo(self) -> bool:
@@ -191,13 +197,18 @@ class JobLeases:
 
     def sample_lease(self) -> SampleLease:
         """The lease the epoch's sample runs under: the trainer lease carried from the last
-        epoch before the order asked for ahead (then never granted, so ended), before a new
-        one."""
+        epoch before the order asked for ahead (then never granted, so ended, unless the
+        process never sent it: then only forgotten), before a new one."""
         carried, self.carried = self.carried, None
         prefetched, self.next_sample = self.next_sample, None
-        if carried is not None:
-            return SampleLease(order=carried, carried=True, needless=prefetched)
-        return SampleLease(order=prefetched, carried=False)
+        unsent, self._unsent = self._unsent, None
+        if carried is None:
+            return SampleLease(order=prefetched, carried=False)
+        if prefetched is not None and prefetched.request_id == unsent:
+            # No acquire of it went out, and none will: no process has it any more.
+            self.orders.pop(prefetched.request_id, None)
+            prefetched = None
+        return SampleLease(order=carried, carried=True, needless=prefetched)
 
     def sample_release(self) -> Release:
         return "always" if self.solo else "never"
@@ -272,6 +283,15 @@ class JobLeases:
             held = self.held_order(order.group_id)
         return held if held is not None and held.token is not None else None
 
+    def asked_ahead(self, order: LeaseOrder | None, sent: bool | None) -> None:
+        """The process's answer for ``order``, the lease it was told to ask for ahead as its
+        step ended: ``sent`` False, it did not (it still held that group, as a train does whose
+        lease the group carries into the next sample); True or None (a checkpoint's, or a
+        process before v5, which do not say), it may have. Only a process that says it did
+        not lets the workflow skip ending the order (protocol v5)."""
+        unsent = order is not None and sent is False and self.protocol >= 5
+        self._unsent = order.request_id if unsent and order is not None else None
+
     def checkpointed(self, lease: LeaseOrder) -> None:
         """A checkpoint ran under ``lease``; a process's lease was released after it."""
         if lease.held_by != "process":
@@ -286,6 +306,7 @@ class JobLeases:
     def hand_back(self) -> HandBack:
         """Everything to end; nothing is carried or asked ahead after it."""
         self.carried = self.next_sample = None
+        self._unsent = None
         return HandBack(
             orders=list(self.orders.values()), leases=list(reversed(self.held.values()))
         )

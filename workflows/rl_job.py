@@ -77,6 +77,12 @@ JOB_PROTOCOL_V3 = "job-protocol-v3"
 # v4: a train followed by the next epoch's sample on the same group asks the group to carry
 # its lease into that sample (PhaseInput.carry_into), with the sample's expected length.
 JOB_PROTOCOL_V4 = "job-protocol-v4"
+# v5: a phase's result says whether the process sent the acquire of the order it was told to ask
+# ahead (PhaseResult.asked_ahead). A train whose lease the group carries into the next sample
+# does not send it, and the workflow forgets that order instead of signalling the group a cancel
+# for a request it never had (two events and a workflow task of the job an epoch, and the
+# group's signal and task).
+JOB_PROTOCOL_V5 = "job-protocol-v5"
 # workflow.patched id: TimeslicePhase is upserted when the job's state changes, not at every
 # phase, and TimesliceJob only when the start did not set it (jobs that began before upsert as
 # they did). A filter reads the state; the phase of the moment is the progress query's.
@@ -225,8 +231,10 @@ class RLJobWorkflow:
         # protocol, so their histories replay. Decided first thing, before any other command:
         # asked later (after the lease secret's local activity) a query's replay was once seen
         # to miss the marker.
-        if workflow.patched(JOB_PROTOCOL_V4):
+        if workflow.patched(JOB_PROTOCOL_V5):
             self._protocol = JOB_PROTOCOL_VERSION
+        elif workflow.patched(JOB_PROTOCOL_V4):
+            self._protocol = 4
         else:
             self._protocol = 3 if workflow.patched(JOB_PROTOCOL_V3) else 2
         self._ledger.protocol = self._protocol
@@ -333,7 +341,7 @@ class RLJobWorkflow:
     async def _sample(self, epoch: int, record: EpochRecord) -> None:
         lease = self._ledger.sample_lease()
         if lease.needless is not None:
-            await self._end_order(lease.needless)  # the lease was kept: never asked for
+            await self._end_order(lease.needless)  # the lease was kept: not needed
         order = lease.order or await self._order(self._config.sampler_group, "sample", record)
         sampled: PhaseResult | None = None
         try:
@@ -362,15 +370,17 @@ class RLJobWorkflow:
         if order is None:
             order = await self._order(cfg.trainer, "train", record)
         trained: PhaseResult | None = None
+        train_asks = None if plan.checkpoint_due else ahead
         try:
             trained = await self._run_phase(
                 epoch,
                 "train",
                 order,
                 release=plan.release,
-                prefetch=None if plan.checkpoint_due else ahead,
+                prefetch=train_asks,
                 carry_into=plan.carry_into,
             )
+            self._ledger.asked_ahead(train_asks, trained.asked_ahead)
             self._note(record, trained, "train", False)
             if order.held_by == "process":
                 await self._settle(order, trained, keep=plan.release == "if_contended")
@@ -556,6 +566,8 @@ class RLJobWorkflow:
         group_id = lease.group_id
         self._set_phase("checkpoint")
         release = lease.held_by == "process"
+        if prefetch is not None:
+            self._ledger.asked_ahead(prefetch, None)  # asked once the checkpoint released
         refs = await self._on_all_ranks(
             CHECKPOINT_ACTIVITY,
             CheckpointInput(
@@ -819,7 +831,8 @@ class RLJobWorkflow:
         record.phase_s[result.phase] = result.seconds
         record.metrics.update({f"{result.phase}.{k}": v for k, v in result.metrics.items()})
         if result.group_id is not None:
-            record.holds.append(result)
+            # The record keeps the hold, not the process's answer for the order asked ahead.
+            record.holds.append(result.model_copy(update={"asked_ahead": None}))
             if phase not in record.wait_s:  # else the workflow timed its own acquire
                 record.wait_s[phase] = 0.0 if carried else result.waited_s
 

@@ -196,6 +196,64 @@ def test_the_sample_runs_under_the_carried_lease_before_one_asked_ahead(
     assert leases.sample_lease().order is None
 
 
+@pytest.mark.parametrize(
+    ("protocol", "sent", "carry", "runs_under", "needless"),
+    [
+        # the train kept the lease and its process never sent the ask: forgotten, not ended
+        (5, False, True, "j:kept", None),
+        # sent after all (it lost the group between its release and the ask): ended
+        (5, True, True, "j:kept", "j:ahead"),
+        # a process that does not say: ended, as before v5
+        (5, None, True, "j:kept", "j:ahead"),
+        # before v5 a process's answer is not acted on
+        (4, False, True, "j:kept", "j:ahead"),
+        # the carry was refused: the sample runs under the order, sent or not
+        (5, True, False, "j:ahead", None),
+        (5, False, False, "j:ahead", None),
+    ],
+    ids=["unsent", "sent", "unsaid", "v4", "refused-sent", "refused-unsent"],
+)
+def test_an_order_the_process_never_sent_is_forgotten_not_ended(
+    protocol, sent, carry, runs_under, needless
+):
+    leases = ledger(protocol=protocol)
+    train = order(leases, "j:kept")
+    ahead = order(leases, "j:ahead")
+    leases.after_phase(train, result(kept=carry, released=not carry), keep=carry)
+    leases.asked_ahead(ahead, sent)
+    leases.epoch_ended(ahead)
+    lease = leases.sample_lease()
+    assert lease.order is not None and lease.order.request_id == runs_under
+    assert (lease.needless.request_id if lease.needless else None) == needless
+    # what is left to end on a failure: the lease in use, and the order only if still live
+    assert ("j:ahead" in leases.orders) is (needless is not None or runs_under == "j:ahead")
+
+
+def test_an_order_a_checkpoint_asked_for_after_an_unsent_answer_is_ended():
+    """A train kept its lease without asking ahead, then a stop made it checkpoint, whose
+    process releases and then asks: the order may be out, so it is not forgotten."""
+    leases = ledger(protocol=5)
+    train = order(leases, "j:kept")
+    ahead = order(leases, "j:ahead")
+    leases.after_phase(train, result(kept=True), keep=True)
+    leases.asked_ahead(ahead, False)
+    leases.asked_ahead(ahead, None)  # the checkpoint's, which does not say
+    leases.epoch_ended(ahead)
+    lease = leases.sample_lease()
+    assert lease.needless is not None and lease.needless.request_id == "j:ahead"
+
+
+def test_an_unsent_answer_lasts_one_sample():
+    leases = ledger(protocol=5)
+    ahead = order(leases, "j:ahead")
+    leases.asked_ahead(ahead, False)
+    leases.hand_back()
+    kept = order(leases, "j:kept")
+    leases.after_phase(kept, result(kept=True), keep=True)
+    leases.epoch_ended(ahead)
+    assert leases.sample_lease().needless is not None
+
+
 def test_a_checkpoint_under_a_carried_lease_uncarries_it():
     leases = ledger()
     kept = order(leases, "j:kept")
