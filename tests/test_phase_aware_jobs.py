@@ -1,8 +1,9 @@
 """Two real RL jobs on one group, under each grant policy: the convoy, and its end.
 
 Under ``fifo`` a job keeps its lease from ``train`` into its next ``sample`` only when nobody
-waits, and two jobs phase-lock: B trains, A trains, B samples, A samples, and both compute
-rewards at once while the group idles. Under ``phase_aware`` (the default) the lease is carried
+waits, and two jobs can phase-lock: B trains, A trains, B samples, A samples, and both compute
+rewards at once while the group idles (with these times most fifo runs do; the fifo case asserts
+only the policy's rule, never a carry). Under ``phase_aware`` (the default) the lease is carried
 into the sample past the waiter, so each job's GPU work is one block and one job's rewards run
 during the other's block. Checked on the jobs' own records (phase intervals and grants), not
 on wall time, so a loaded machine slows both runs alike without changing the verdict.
@@ -149,7 +150,13 @@ def test_two_jobs_on_one_group_do_not_phase_lock(
         assert switches <= 1.25, f"{switches:.2f} switches per epoch per job"
         assert status.stats.carried >= 1
     else:
-        # The convoy this policy makes, so the check above can fail.
-        assert overlap > 0.5, f"no convoy under fifo: rewards overlap {overlap:.2f}"
-        assert switches >= 1.5, f"{switches:.2f} switches per epoch per job"
+        # fifo never carries a lease past a waiter. Whether its jobs then phase-lock is a
+        # knife-edge with these times (each job's GPU block, 0.8 s, ends within milliseconds of
+        # the other's rewards): most runs convoy (overlap 0.6-0.9, 2 switches per epoch per
+        # job), one in about eight here interleaved instead, so the convoy is printed above,
+        # not asserted; BENCHMARKS.md ("Phase-aware grants") measures it over whole runs.
         assert status.stats.carried == 0
+        # Every answer is fifo's: keep when nobody waits, release to a waiter otherwise.
+        assert carries, "no job asked to carry its lease: the check below would pass unasked"
+        odd = {c for c in carries if not c.startswith(("fifo: ", "carrying into "))}
+        assert not odd, f"answers fifo does not give: {sorted(odd)}"
