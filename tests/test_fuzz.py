@@ -102,6 +102,7 @@ from timeslice.workers.control import (
 from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
+from .conftest import ARTIFACTS
 from .helpers import wait_for
 
 SEED = int(os.environ.get("TIMESLICE_FUZZ_SEED", "20260112"))
@@ -690,7 +691,10 @@ async def task_failures(client: Client, workflow_id: str) -> list[str]:
                 continue
             if attrs.cause not in _NOT_A_TASK_FAILURE:
                 cause = WorkflowTaskFailedCause.Name(attrs.cause)
-                found.append(f"{workflow_id}: {cause}: {attrs.failure.message[:300]}")
+                kept = ARTIFACTS / "fuzz" / f"{workflow_id}.{run.run_id}.json"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(history.to_json())
+                found.append(f"{workflow_id}: {cause} (history: {kept}): {attrs.failure.message}")
     return found
 
 
