@@ -186,3 +186,24 @@ class ForgedPhaseWorkflow:
                     answers.append(f"failed: {err}")
         await leases.release(own)
         return answers
+
+
+@workflow.defn(name="ReleaseOnSignalWorkflow")
+class ReleaseOnSignalWorkflow:
+    """Acquire ``group`` with a TTL of ``ttl_s``, hold it until signalled, release; returns the
+    lease's token."""
+
+    def __init__(self) -> None:
+        self._release = False
+
+    @workflow.signal
+    def release_now(self) -> None:
+        self._release = True
+
+    @workflow.run
+    async def run(self, job_id: str, group: str, ttl_s: float) -> int:
+        leases = GroupLeases(job_id, ttl_s=ttl_s)
+        lease = await leases.acquire(group, timeout=60)
+        await workflow.wait_condition(lambda: self._release)
+        await leases.release(lease)
+        return lease.token

@@ -5,15 +5,25 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from temporalio import activity
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
-from timeslice.protocol.group import LeaseOutcome
+from timeslice.protocol.group import (
+    RENEW_LEASE_ACTIVITY,
+    LeaseOutcome,
+    LeaseRenewal,
+    RenewResult,
+)
 from timeslice.workers.sandbox import workflow_runner
 
 from .helpers import Interval, assert_no_overlap, wait_for
-from .requester_workflows import LeaseKeepingWorkflow, LeaseTakingWorkflow
+from .requester_workflows import (
+    LeaseKeepingWorkflow,
+    LeaseTakingWorkflow,
+    ReleaseOnSignalWorkflow,
+)
 
 QUEUE = "test-requesters"
 
@@ -127,3 +137,55 @@ def test_workflow_learns_that_its_lease_was_lost(address, group, make_client):
     outcome = asyncio.run(go())
     assert outcome[0] == "lost", f"the workflow never learned its lease was lost: {outcome}"
     assert "expired" in outcome[1] or "no longer held" in outcome[1], outcome
+
+
+def test_a_release_during_a_renewal_reaches_the_group(address, group, make_client):
+    """The workflow releases while its renewal's local activity is in flight (here: one that
+    never answers). Releasing cancels the renewer; the SDK reports that cancel as the local
+    activity's ActivityError, which the renewer once took for an unanswered renewal: it kept
+    renewing, the release waited for it forever, and the workflow held the group for good
+    (124 of 200 jobs in bench/scale.py)."""
+    status_client = make_client()
+
+    async def go() -> int:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        queue = f"{QUEUE}-{uuid.uuid4().hex[:8]}"
+        renewing = asyncio.Event()
+
+        @activity.defn(name=RENEW_LEASE_ACTIVITY)
+        async def unanswered_renewal(req: LeaseRenewal) -> RenewResult:
+            renewing.set()
+            await asyncio.Event().wait()  # until cancelled, or timed out
+            raise AssertionError("unreachable")
+
+        async with Worker(
+            client,
+            task_queue=queue,
+            workflows=[ReleaseOnSignalWorkflow],
+            activities=[request_group, draw_secret, unanswered_renewal],
+            workflow_runner=workflow_runner(),
+        ):
+            # A TTL of 30 s: the first renewal starts after 10 s and is given 11 s, the window
+            # in which the release must come.
+            handle = await client.start_workflow(
+                ReleaseOnSignalWorkflow.run,
+                args=["wf-releaser", group, 30.0],
+                id=f"lease-releaser-{uuid.uuid4().hex[:8]}",
+                task_queue=queue,
+            )
+            await asyncio.wait_for(renewing.wait(), timeout=120)
+            await handle.signal(ReleaseOnSignalWorkflow.release_now)
+            try:
+                return await asyncio.wait_for(handle.result(), timeout=90)
+            except TimeoutError:
+                await handle.terminate("the release never came")
+                raise AssertionError(
+                    "the workflow never released: its renewer swallowed the cancel"
+                ) from None
+
+    token = asyncio.run(go())
+    wait_for(
+        lambda: (s := status_client.group_status(group)).holder is None and s.stats.released >= 1,
+        what="the group to take the release",
+    )
+    assert token >= 1

@@ -21,7 +21,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 from timeslice.protocol.group import (
     DRAW_SECRET_ACTIVITY,
     GRANT_SIGNAL,
@@ -51,6 +51,11 @@ GRANT_NOTICE_PROOFS = "grant-notice-proofs"
 # workflow.patched id: requesters that started before it replay with renewals by signal, which
 # the group never answers.
 ANSWERED_RENEWALS = "answered-lease-renewals"
+# workflow.patched id: a renewer cancelled while its renewal's local activity is in flight
+# stops. Before it, the SDK's ActivityError for that cancel read as an unanswered renewal, the
+# renewer carried on, and the release (or continue-as-new) awaiting it waited forever, holding
+# the group: 124 of 200 jobs on 50 groups wedged in their first checkpoint's release.
+RENEWER_OBEYS_CANCEL = "renewer-obeys-cancel"
 # A renewal that failed (no answer: the group's worker is down, the server unreachable) is tried
 # again this soon, until the lease's TTL since the last answered renewal runs out.
 _RENEW_RETRY_S = 1.0
@@ -280,6 +285,8 @@ class GroupLeases:
                 summary=f"renew {group_id}",
             )
         except ActivityError as err:
+            if isinstance(err.cause, CancelledError) and workflow.patched(RENEWER_OBEYS_CANCEL):
+                raise asyncio.CancelledError() from err  # forget() cancelled this renewer
             return str(err.cause or err)
 
     def _lose(self, request_id: str, group_id: str, why: str) -> None:
