@@ -109,6 +109,9 @@ def job_configs(jobs: int, groups: int, epochs: int, options: dict[str, Any], st
     return configs
 
 
+PROGRESS_EVERY_S = 15.0
+
+
 async def start_groups(address: str, groups: list[str], memory_bytes: int) -> None:
     from timeslice.activities.group_requests import start_group
     from timeslice.protocol.group import GroupConfig
@@ -125,7 +128,17 @@ async def run_jobs(address: str, configs: list[dict[str, Any]]) -> list[Any]:
 
     client = await connect(connect_config(address))
     handles = [await start_rl_job(client, parse_job_config(c)) for c in configs]
-    return list(await asyncio.gather(*(h.result() for h in handles)))
+    began = time.monotonic()
+    results = [asyncio.ensure_future(h.result()) for h in handles]
+    pending = set(results)
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=PROGRESS_EVERY_S)
+        print(
+            f"  {time.monotonic() - began:5.0f} s: {len(results) - len(pending)} of "
+            f"{len(results)} jobs done",
+            flush=True,
+        )
+    return [r.result() for r in results]
 
 
 async def history_costs(address: str, stamp: str, keep: Path | None) -> dict[str, Any]:
@@ -191,6 +204,17 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     p.add_argument("--histories", type=Path, help="also write every workflow history here")
+    p.add_argument(
+        "--sticky-timeout",
+        type=float,
+        help="the control worker's --sticky-timeout (default: timeslice worker's)",
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the server's database and every process's log here (default: a temporary "
+        "directory, removed)",
+    )
     args = p.parse_args()
     if min(args.jobs, args.groups, args.epochs, args.jobs_per_process) < 1:
         raise SystemExit("--jobs, --groups, --epochs and --jobs-per-process must be >= 1")
@@ -215,11 +239,18 @@ def main() -> None:
     # so a switch evicts beside the next holder's work (bench/replay.py's default).
     memory_bytes = 2 * 2 * args.state_bytes
 
-    with tempfile.TemporaryDirectory() as tmp_dir:
+    sticky = [] if args.sticky_timeout is None else ["--sticky-timeout", str(args.sticky_timeout)]
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    with (
+        contextlib.nullcontext(str(args.workdir))
+        if args.workdir is not None
+        else tempfile.TemporaryDirectory()
+    ) as tmp_dir:
         tmp = Path(tmp_dir)
         server = EmbeddedServer(port=free_port(), ui_port=None, db=tmp / "t.db").start()
         worker = start_service(
-            ["worker", "--address", server.address], "control worker", tmp / "worker.log"
+            ["worker", "--address", server.address, *sticky], "control worker", tmp / "worker.log"
         )
         procs = [worker]
         try:
