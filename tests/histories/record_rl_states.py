@@ -31,48 +31,55 @@ GROUP = "recorded-rl-states"
 JOB = "states-a"
 
 
-async def drive(address: str) -> int:
+async def drive(address: str, prefix: str, group: str, job: str, schedule: dict[str, int]) -> int:
+    """Run one `simulated` job alone on ``group`` (``schedule``: epochs, checkpoint_every,
+    continue_as_new_every) and write each run's history as ``<prefix><N>.json``."""
     client = await connect(connect_config(address))
-    await start_group(client, GroupConfig(group_id=GROUP))
+    await start_group(client, GroupConfig(group_id=group))
     config = {
-        "job_id": JOB,
+        "job_id": job,
         "workload": "simulated",
         "workload_options": {"sample_s": 0.1, "reward_s": 0.1, "train_s": 0.1},
-        "sampler_group": GROUP,
-        "epochs": 3,
-        "checkpoint_every": 2,
-        "continue_as_new_every": 2,
+        "sampler_group": group,
+        **schedule,
     }
     await (await start_rl_job(client, parse_job_config(config))).result()
     written = 0
-    query = f"WorkflowId = '{rl_job_workflow_id(JOB)}'"
+    query = f"WorkflowId = '{rl_job_workflow_id(job)}'"
     async for n, wf in _enumerate(client.list_workflows(query)):
         history = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
-        (HERE / f"{PREFIX}{n}.json").write_text(history.to_json())
+        (HERE / f"{prefix}{n}.json").write_text(history.to_json())
         written += 1
     return written
 
 
-def main() -> None:
+def record_one_job(prefix: str, group: str, job: str, schedule: dict[str, int]) -> None:
+    """A scratch server, control worker and job process; replaces ``<prefix>*.json``."""
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedServer(port=free_port(), ui_port=None, db=Path(tmp) / "t.db").start()
         procs = [start_worker(server.address, Path(tmp) / "worker.log")]
         try:
             procs.append(
                 start_service(
-                    ["job", "worker", "--address", server.address, "--job-id", JOB,
+                    ["job", "worker", "--address", server.address, "--job-id", job,
                      "--workload", "simulated", "--checkpoint-dir", str(Path(tmp) / "ck")],
-                    f"job {JOB} rank 0",
+                    f"job {job} rank 0",
                     Path(tmp) / "job.log",
                 )
             )  # fmt: skip
-            for old in HERE.glob(f"{PREFIX}*.json"):
+            for old in HERE.glob(f"{prefix}*.json"):
                 old.unlink()
-            print(f"wrote {asyncio.run(drive(server.address))} histories to {HERE}")
+            written = asyncio.run(drive(server.address, prefix, group, job, schedule))
+            print(f"wrote {written} histories to {HERE}")
         finally:
             for proc in reversed(procs):
                 stop_process(proc)
             server.stop()
+
+
+def main() -> None:
+    schedule = {"epochs": 3, "checkpoint_every": 2, "continue_as_new_every": 2}
+    record_one_job(PREFIX, GROUP, JOB, schedule)
 
 
 if __name__ == "__main__":
