@@ -94,31 +94,8 @@ def test_an_rl_jobs_epoch_upserts_no_search_attribute(address, group, tmp_path):
     """Each phase once upserted TimeslicePhase (three or four events an epoch, 26 in all); the
     job's searched state changes at prepare, running and completed only, and a continued run
     starts with the attributes it carries."""
-    job = f"cost-{uuid.uuid4().hex[:8]}"
-    proc = start_service(
-        ["job", "worker", "--address", address, "--job-id", job, "--workload", "simulated",
-         "--checkpoint-dir", str(tmp_path / "ckpt"), "--threads", "1"],
-        f"job {job} rank 0",
-        tmp_path / "job.log",
-    )  # fmt: skip
-    config = {
-        "job_id": job,
-        "workload": "simulated",
-        "workload_options": {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05},
-        "sampler_group": group,
-        "epochs": 5,
-        "checkpoint_every": 5,
-        "continue_as_new_every": 2,
-    }
-
-    async def go() -> RLJobResult:
-        client = await connect(connect_config(address))
-        return await (await start_rl_job(client, parse_job_config(config))).result()
-
-    try:
-        result = asyncio.run(go())
-    finally:
-        stop_process(proc)
+    schedule = {"epochs": 5, "checkpoint_every": 5, "continue_as_new_every": 2}
+    result, job = _run_alone(address, group, tmp_path, "cost", schedule)
     assert result.epochs_done == 5, result
 
     histories = histories_of(address, rl_job_workflow_id(job))
@@ -176,30 +153,8 @@ def test_a_carried_epoch_sends_the_group_no_cancel(address, group, tmp_path):
     of the job's epoch (23 events an epoch), and a signal and a task of the group's. From
     protocol v5 the process says it did not send it, and the order is forgotten: 3 activities
     and the 3 workflow tasks that follow them, 18 events."""
-    job = f"carry-{uuid.uuid4().hex[:8]}"
-    proc = start_service(
-        ["job", "worker", "--address", address, "--job-id", job, "--workload", "simulated",
-         "--checkpoint-dir", str(tmp_path / "ckpt"), "--threads", "1"],
-        f"job {job} rank 0",
-        tmp_path / "job.log",
-    )  # fmt: skip
-    config = {
-        "job_id": job,
-        "workload": "simulated",
-        "workload_options": {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05},
-        "sampler_group": group,
-        "epochs": 6,
-        "checkpoint_every": 6,
-    }
-
-    async def go() -> RLJobResult:
-        client = await connect(connect_config(address))
-        return await (await start_rl_job(client, parse_job_config(config))).result()
-
-    try:
-        result = asyncio.run(go())
-    finally:
-        stop_process(proc)
+    schedule = {"epochs": 6, "checkpoint_every": 6}
+    result, job = _run_alone(address, group, tmp_path, "carry", schedule)
     assert result.epochs_done == 6, result
 
     (history,) = histories_of(address, rl_job_workflow_id(job))
@@ -237,3 +192,31 @@ def test_a_carried_epoch_sends_the_group_no_cancel(address, group, tmp_path):
                 if answer.get("outcome") == "granted":
                     granted.add(completed.meta.update_id)
     assert acquires and acquires == granted, (acquires, granted)
+
+
+def _run_alone(address: str, group: str, tmp_path: Path, prefix: str, schedule: dict) -> tuple:
+    """One `simulated` job of 0.05-s phases alone on ``group`` with its own job process
+    (``schedule``: epochs, checkpoint_every, ...); its result and id."""
+    job = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    proc = start_service(
+        ["job", "worker", "--address", address, "--job-id", job, "--workload", "simulated",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--threads", "1"],
+        f"job {job} rank 0",
+        tmp_path / "job.log",
+    )  # fmt: skip
+    config = {
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05},
+        "sampler_group": group,
+        **schedule,
+    }
+
+    async def go() -> RLJobResult:
+        client = await connect(connect_config(address))
+        return await (await start_rl_job(client, parse_job_config(config))).result()
+
+    try:
+        return asyncio.run(go()), job
+    finally:
+        stop_process(proc)
