@@ -510,18 +510,22 @@ class GrpoToyWorkload(AsyncWorkload):
         ctx: PhaseContext,
         tokens: torch.Tensor,
         advantages: torch.Tensor,
-        old_logp: torch.Tensor,
+        centre_logp: torch.Tensor,
         ref_logp: torch.Tensor,
+        weight: torch.Tensor | None = None,
     ) -> dict[str, float]:
+        """``ppo_steps`` clipped-objective steps, the trust region centred on ``centre_logp``
+        (plain PPO: the behaviour policy's), each token's objective times ``weight`` if given."""
         opts = self.opts
         losses, kls, norms, clipped = [], [], [], []
         for step in range(opts.ppo_steps):
             ctx.check()
             logp = self._completion_logp(self.policy, tokens)
-            ratio = torch.exp(logp - old_logp)
+            ratio = torch.exp(logp - centre_logp)
             unclipped = ratio * advantages
             clipped_obj = ratio.clamp(1 - opts.clip_eps, 1 + opts.clip_eps) * advantages
-            policy_loss = -torch.minimum(unclipped, clipped_obj).mean()
+            objective = torch.minimum(unclipped, clipped_obj)
+            policy_loss = -(objective if weight is None else weight * objective).mean()
             log_ref_ratio = ref_logp - logp
             kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1).mean()  # k3 estimator, >= 0
             loss = policy_loss + opts.kl_coef * kl
@@ -566,32 +570,9 @@ class GrpoToyWorkload(AsyncWorkload):
             behaviour_ratio = torch.exp(prox_logp - behaviour_logp)
             weight = behaviour_ratio.clamp(max=opts.behaviour_weight_cap)
             behaviour_clip = ((behaviour_ratio - 1).abs() > opts.clip_eps).float().mean().item()
-        losses, kls, norms, clipped = [], [], [], []
-        for step in range(opts.ppo_steps):
-            ctx.check()
-            logp = self._completion_logp(self.policy, tokens)
-            ratio = torch.exp(logp - prox_logp)
-            unclipped = ratio * advantages
-            clipped_obj = ratio.clamp(1 - opts.clip_eps, 1 + opts.clip_eps) * advantages
-            policy_loss = -(weight * torch.minimum(unclipped, clipped_obj)).mean()
-            log_ref_ratio = ref_logp - logp
-            kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1).mean()
-            loss = policy_loss + opts.kl_coef * kl
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = nn.utils.clip_grad_norm_(self.policy.parameters(), opts.max_grad_norm)
-            self.optimizer.step()
-            losses.append(loss.item())
-            kls.append(kl.item())
-            norms.append(norm.item())
-            clipped.append(((ratio - 1).abs() > opts.clip_eps).float().mean().item())
-            ctx.progress(step=step + 1, of=opts.ppo_steps)
+        stats = self._optimize(ctx, tokens, advantages, prox_logp, ref_logp, weight)
         return {
-            "loss": sum(losses) / len(losses),
-            "kl": kls[-1],
-            "grad_norm": sum(norms) / len(norms),
-            "clip_frac": sum(clipped) / len(clipped),
-            "optimizer_steps": float(opts.ppo_steps),
+            **stats,
             # What the plain objective would have clipped before its first step.
             "behaviour_clip_frac": behaviour_clip,
             "behaviour_weight_mean": weight.mean().item(),
