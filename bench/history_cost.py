@@ -108,6 +108,22 @@ def _token(payloads: Any) -> int | None:
     return token if isinstance(token, int) else None
 
 
+def acquire_answers(history: WorkflowHistory) -> dict[str, Any]:
+    """Each ``acquire`` update a group's run accepted, by update id: its answer's payloads, or
+    None while it is unanswered."""
+    answers: dict[str, Any] = {}
+    for event in history.events:
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
+            accepted = event.workflow_execution_update_accepted_event_attributes
+            if accepted.accepted_request.input.name == GroupUpdate.ACQUIRE:
+                answers[accepted.accepted_request.meta.update_id] = None
+        elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED:
+            completed = event.workflow_execution_update_completed_event_attributes
+            if completed.meta.update_id in answers:
+                answers[completed.meta.update_id] = completed.outcome.success.payloads
+    return answers
+
+
 def group_cost(histories: Iterable[WorkflowHistory]) -> HistoryCost:
     """A group's cost per lease. A lease is a fencing token handed out: as a parked acquire's
     answer, as a grant delivered by activity or signalled to a requester workflow (a token
@@ -117,19 +133,14 @@ def group_cost(histories: Iterable[WorkflowHistory]) -> HistoryCost:
     kinds: Counter[int] = Counter()
     tokens: set[tuple[str, int]] = set()  # each group counts its own tokens
     for history in histories:
-        acquires: set[str] = set()
+        for answer in acquire_answers(history).values():
+            token = _token(answer)
+            if token is not None:
+                tokens.add((history.workflow_id, token))
         for event in history.events:
             kinds[event.event_type] += 1
-            token: int | None = None
-            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
-                accepted = event.workflow_execution_update_accepted_event_attributes
-                if accepted.accepted_request.input.name == GroupUpdate.ACQUIRE:
-                    acquires.add(accepted.accepted_request.meta.update_id)
-            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED:
-                completed = event.workflow_execution_update_completed_event_attributes
-                if completed.meta.update_id in acquires:
-                    token = _token(completed.outcome.success.payloads)
-            elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            token = None
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 scheduled = event.activity_task_scheduled_event_attributes
                 if scheduled.activity_type.name == DELIVER_GRANT_ACTIVITY:
                     token = _token(scheduled.input.payloads)

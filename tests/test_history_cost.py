@@ -15,7 +15,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice.jobs import parse_job_config, start_rl_job
-from timeslice.protocol.group import GroupSignal, GroupUpdate, group_workflow_id
+from timeslice.protocol.group import GroupSignal, group_workflow_id
 from timeslice.protocol.rl_job import (
     SAMPLE_ACTIVITY,
     TRAIN_ACTIVITY,
@@ -24,7 +24,14 @@ from timeslice.protocol.rl_job import (
 )
 from timeslice.transport.connection import connect, connect_config
 
-from bench.history_cost import HistoryCost, event_name, group_cost, rl_job_cost, steady_epochs
+from bench.history_cost import (
+    HistoryCost,
+    acquire_answers,
+    event_name,
+    group_cost,
+    rl_job_cost,
+    steady_epochs,
+)
 from tests.conftest import start_service, stop_process
 
 ROUNDS = 5
@@ -179,18 +186,10 @@ def test_a_carried_epoch_sends_the_group_no_cancel(address, group, tmp_path):
     assert GroupSignal.CANCEL not in group_signals, group_signals
     acquires, granted = set(), set()
     for h in group_histories:
-        for event in h.events:
-            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
-                accepted = event.workflow_execution_update_accepted_event_attributes
-                if accepted.accepted_request.input.name == GroupUpdate.ACQUIRE:
-                    acquires.add(accepted.accepted_request.meta.update_id)
-            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED:
-                completed = event.workflow_execution_update_completed_event_attributes
-                if completed.meta.update_id not in acquires:
-                    continue
-                answer = json.loads(completed.outcome.success.payloads[0].data)
-                if answer.get("outcome") == "granted":
-                    granted.add(completed.meta.update_id)
+        for update_id, answer in acquire_answers(h).items():
+            acquires.add(update_id)
+            if answer and json.loads(answer[0].data).get("outcome") == "granted":
+                granted.add(update_id)
     assert acquires and acquires == granted, (acquires, granted)
 
 
