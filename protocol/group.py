@@ -134,9 +134,14 @@ MAX_WAIT_SAMPLES_KEEP = 2048
 # computed over, and jobs a group remembers them for (the least recently granted go first).
 WAIT_RECORDS_KEEP = 16
 WAIT_SHARE_JOBS_KEEP = 32
+# A group's grant policy and its bounds when its config names none: GroupConfig's defaults,
+# and the planner's, the simulator's and the CLI's (one place, so they cannot drift apart).
+DEFAULT_GRANT_POLICY = GrantPolicy.PHASE_AWARE
 DEFAULT_MAX_CARRIES = 1
 DEFAULT_CARRY_LIMIT_S = 60.0
 DEFAULT_SHARE_SLACK = 0.05
+# Seconds of waiting that raise a waiter by one priority level (the waiter order's ageing).
+DEFAULT_AGING_S = 60.0
 # The most one entry takes, encoded with its separator: ids are ASCII (ID_RULE), times at most
 # "2999-12-31T23:59:59.999999-23:59", integers 20 characters, floats 24.
 _ID_BYTES = 103
@@ -380,7 +385,7 @@ class GroupConfig(_Model):
     group_id: str
     default_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
     aging_s: float = Field(
-        60.0,
+        DEFAULT_AGING_S,
         gt=0,
         le=366 * 86_400.0,
         description="seconds of waiting that raise a waiter by one priority level",
@@ -408,7 +413,7 @@ class GroupConfig(_Model):
         "next job's declared state both fit, eviction and restore run at the same time",
     )
     grant_policy: GrantPolicy = Field(
-        GrantPolicy.PHASE_AWARE,
+        DEFAULT_GRANT_POLICY,
         description="phase_aware: a holder whose next GPU phase here follows at once keeps "
         "the lease into it even when others wait, within max_carries, carry_limit_s and the "
         "waiting-share rule; fifo: only when nobody waits",

@@ -63,7 +63,6 @@ from timeslice.protocol.group import (
     ResidentJob,
     ReturnAnswer,
     SnapshotTarget,
-    SwitchRecord,
     parse_message,
 )
 from timeslice.workflows.group_book import GroupBook, SwitchPlan
@@ -241,7 +240,7 @@ class GpuGroupWorkflow:
         if holder is not None and not holder.delivered and holder.confirm_by is None:
             # Granted by activity or signal in the last run, not yet confirmed: deliver again
             # (the process's inbox answers a duplicate grant as accepted).
-            notice = self._book.holder_notice()
+            notice = self._book.leases.holder_notice()
             assert notice is not None
             self._start_delivery(notice)
         self._publish_details()
@@ -306,9 +305,7 @@ class GpuGroupWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         self._closing = False
         if self._quiescent() and self._carriable():
-            self._book.state.stats.runs += 1
-            carried, _, _ = self._book.carried_input()
-            workflow.continue_as_new(carried)
+            workflow.continue_as_new(self._book.accounts.next_run_input())
 
     def _carriable(self) -> bool:
         """Whether the next run's input fits Temporal's payload limit (shedding the oldest
@@ -316,7 +313,7 @@ class GpuGroupWorkflow:
         bounds can be). If not even that does, the group keeps serving in this run rather than
         send an input the server refuses: a continue-as-new task failing forever."""
         book = self._book
-        _, size, shed = book.carried_input()
+        _, size, shed = book.accounts.carried_input()
         if shed:
             workflow.logger.warning(
                 "group %s shed its %d oldest lease and switch records so that its "
@@ -427,16 +424,16 @@ class GpuGroupWorkflow:
         if (
             notice.reply_task_queue is not None
             and workflow.patched(AUTHENTICATED_GRANT_ANSWERS)
-            and not self._book.answer_is_proven(notice.token, answer_key)
+            and not self._book.leases.answer_is_proven(notice.token, answer_key)
         ):
             # Anyone in the namespace can complete or fail an activity by its id: an outcome
             # without the key may hide a grant the process took, so it ends nothing. The
             # holder's renewal or release confirms the lease, or it ends as dead.
             if answered:
-                self._book.forged_answer()
-            self._book.unconfirmed(notice.token, now)
+                self._book.leases.forged_answer()
+            self._book.leases.unconfirmed(notice.token, now)
         elif outcome is None:
-            self._book.confirm(notice.token, now)
+            self._book.leases.confirm(notice.token, now)
         elif holder.delivered and workflow.patched(CONFIRMED_GRANT_OUTLIVES_DELIVERY):
             # The holder confirmed the grant by a renewal while this activity was on its way
             # (it took the grant by asking again): it holds it, whatever became of the activity.
@@ -459,7 +456,7 @@ class GpuGroupWorkflow:
         started = workflow.now()
         bytes_before = book.state.stats.bytes_moved
         waited_for = await self._await_own_eviction(request)
-        plan = book.plan_switch(request)
+        plan = book.residency.plan_switch(request)
         if plan.fault is not None:
             return plan.fault
         fault: str | None = None
@@ -485,7 +482,7 @@ class GpuGroupWorkflow:
         If the report does not come in time, the group evicts it through its own snapshot
         activity. Returns the job waited for, if any."""
         book = self._book
-        evicting = book.eviction_to_await(request)
+        evicting = book.residency.eviction_to_await(request)
         if evicting is None:
             return None
         self._awaiting_eviction_of = evicting.job_id
@@ -514,7 +511,7 @@ class GpuGroupWorkflow:
             self._report_deadline = None
         late = book.state.evicting
         if late is not None:
-            book.clear_evicting()
+            book.residency.clear_evicting()
             if late.snapshot is not None:
                 workflow.logger.warning(
                     "job %s did not report its own eviction; evicting it", late.job_id
@@ -547,16 +544,7 @@ class GpuGroupWorkflow:
             )
             moved = self._book.state.stats.bytes_moved - bytes_before
             if moved:
-                self._book.record_switch(
-                    SwitchRecord(
-                        from_job=resident.job_id,
-                        to_job=None,
-                        start=now,
-                        end=now,
-                        bytes=moved,
-                        overlapped=True,
-                    )
-                )
+                self._book.accounts.mark_overlapped(resident.job_id, now, moved)
             self._wake = True
 
         task = asyncio.create_task(evict())
@@ -568,7 +556,7 @@ class GpuGroupWorkflow:
         assert resident is not None and resident.snapshot is not None
         result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
         if result is _Moved.OK:
-            self._book.evicted(resident.job_id, preempted=resident.lease_expired)
+            self._book.residency.evicted(resident.job_id, preempted=resident.lease_expired)
         elif result is _Moved.GONE:
             # Its process is gone, and its device memory with it: nothing to evict.
             self._book.forget(resident.job_id)
@@ -578,9 +566,10 @@ class GpuGroupWorkflow:
         assert request.snapshot is not None
         result = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
         if result is _Moved.OK:
-            self._book.restored(request.job_id)
+            self._book.residency.restored(request.job_id)
             return None
-        return self._book.fault(request.job_id, "restore found no process on a rank queue")
+        fault = "restore found no process on a rank queue"
+        return self._book.residency.fault(request.job_id, fault)
 
     async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
         verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
@@ -595,7 +584,7 @@ class GpuGroupWorkflow:
         failures = [r for r in results if isinstance(r, BaseException)]
         for reports in results:
             if isinstance(reports, list):
-                self._book.count_moved(verb, reports)
+                self._book.accounts.count_moved(verb, reports)
         if not failures:
             return _Moved.OK
         if all(process_gone(f) for f in failures):
@@ -604,10 +593,7 @@ class GpuGroupWorkflow:
         cause = next(f for f in failures if not process_gone(f))
         message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
         workflow.logger.error("job %s: %s; marking the job faulted", job_id, message)
-        self._book.fault(job_id, message)
-        self._book.state.stats.snapshot_failures += 1
-        if job_id in self._book.state.evicted_jobs:
-            self._book.state.evicted_jobs.remove(job_id)
+        self._book.residency.move_failed(job_id, message)
         return _Moved.FAILED
 
     # ---------------------------------------------------------------- updates (processes)
@@ -626,9 +612,9 @@ class GpuGroupWorkflow:
         if refusal is not None:  # the validator refuses it first; a replay finds the same
             raise ApplicationError(refusal, type="QueueFull", non_retryable=True)
         rid = request.request_id
-        if book.holds(rid):
-            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.holder_notice())
-        if book.done(rid):
+        if book.leases.holds(rid):
+            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.leases.holder_notice())
+        if book.leases.done(rid):
             return AcquireAnswer(outcome=AcquireOutcome.GONE)
         busy = book.state.holder is not None or book.state.queue or book.switching_for
         if call.only_if_free and busy and not book.known(rid):
@@ -668,8 +654,8 @@ class GpuGroupWorkflow:
         answer = self._parked.pop(rid, None)
         if answer is not None:
             return answer
-        if book.holds(rid):  # granted by another path while parked
-            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.holder_notice())
+        if book.leases.holds(rid):  # granted by another path while parked
+            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.leases.holder_notice())
         if book.settled(rid):
             return AcquireAnswer(outcome=AcquireOutcome.GONE)
         return AcquireAnswer(outcome=AcquireOutcome.RETRY)
@@ -748,7 +734,7 @@ class GpuGroupWorkflow:
         try:
             return parse_message(model, raw, f"the {name} signal")
         except MalformedMessage as err:
-            self._book.state.stats.malformed_messages += 1
+            self._book.accounts.dropped("malformed")
             workflow.logger.warning("group %s dropped %s", self._config.group_id, err)
             return None
 
@@ -759,7 +745,7 @@ class GpuGroupWorkflow:
             return
         refusal = self._book.refusal(request)
         if refusal is not None:
-            self._book.state.stats.refused_requests += 1
+            self._book.accounts.dropped("refused")
             workflow.logger.warning("dropped request %s: %s", request.request_id, refusal)
         elif self._book.enqueue(request, workflow.now()):
             self._wake = True

@@ -128,7 +128,7 @@ def _serve_one(book: GroupBook, now: datetime) -> datetime:
     """Grant the best waiter and release it: one lease; returns the time after."""
     waiter = book.take_next(now)
     assert waiter is not None
-    plan = book.plan_switch(waiter.request)
+    plan = book.residency.plan_switch(waiter.request)
     later = now + timedelta(seconds=1)
     book.finish_switch(plan, waiter.request, started=now, ended=later, moved_bytes=1,
                        waited_for=None)  # fmt: skip

@@ -135,7 +135,7 @@ def grant_next(b: GroupBook, now: datetime) -> int:
     waiter = b.take_next(now)
     assert waiter is not None
     notice = b.grant(waiter, now, parked=False)
-    b.confirm(notice.token, now)
+    b.leases.confirm(notice.token, now)
     return notice.token
 
 
@@ -161,7 +161,7 @@ def test_a_contended_carry_keeps_the_lease_once_and_status_says_why():
     # The carried phase ends with another carry ask: the bound says no, b is next.
     answer = release(b, "a:1", token, at(2.2))
     assert answer.released and "carried 1 phase(s) past waiters already" in answer.reason
-    assert b.state.holder is None and b.peek_next(at(2.2)).request.job_id == "b"
+    assert b.state.holder is None and b.waiters.peek_next(at(2.2)).request.job_id == "b"
 
 
 def test_fifo_groups_and_unpatched_groups_release_to_a_waiter():
@@ -201,13 +201,13 @@ def test_a_job_that_waited_less_cannot_hold_off_one_that_waited_more():
         b.enqueue(request(holder, f"{holder}:1"), at(10))
         token = grant_next(b, at(10))
         b.enqueue(request(waiter, f"{waiter}:1"), at(10))
-        assert b.waiting_share("a", at(10)) == 0.0  # its 0-s wait for this grant recorded
-        assert b.waiting_share("b", at(10)) == pytest.approx(0.3)
+        assert b.accounts.waiting_share("a", at(10)) == 0.0  # its 0-s wait for this grant recorded
+        assert b.accounts.waiting_share("b", at(10)) == pytest.approx(0.3)
         answer = release(b, f"{holder}:1", token, at(10))
         assert answer.released is not kept
         if not kept:
             assert "b waited more" in answer.reason
-            assert b.peek_next(at(10)).request.job_id == "b"
+            assert b.waiters.peek_next(at(10)).request.job_id == "b"
 
 
 def test_next_phase_is_validated():

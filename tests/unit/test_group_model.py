@@ -80,7 +80,7 @@ class GroupModel(RuleBasedStateMachine):
             score = self._score(rid)
             for other in book.state.queue:
                 assert self._score(other.request.request_id) <= score
-            plan = book.plan_switch(waiter.request)
+            plan = book.residency.plan_switch(waiter.request)
             book.finish_switch(
                 plan, waiter.request, started=self.now, ended=self.now, moved_bytes=0,
                 waited_for=None,
@@ -184,7 +184,7 @@ class GroupModel(RuleBasedStateMachine):
     def cancel(self, rid: str) -> None:
         self.withdrawn.add(rid)
         self.book.cancel(rid, key(rid), self.now)
-        assert not self.book.holds(rid)
+        assert not self.book.leases.holds(rid)
         assert all(w.request.request_id != rid for w in self.book.state.queue)
         self._grant_while_free()
 

@@ -104,7 +104,7 @@ def replay_through_group_book(events: list[GroupEvent], config: GroupConfig) -> 
             assert waiter is not None, f"{e}: the book has nobody to grant"
             assert waiter.request.job_id == e.job_id, f"{e}: the book grants {waiter.request}"
             notice = book.grant(waiter, now, parked=False)
-            book.confirm(notice.token, now)
+            book.leases.confirm(notice.token, now)
             leases[e.job_id] = (waiter.request.request_id, notice.token)
         else:
             rid, token = leases[e.job_id]
