@@ -1,14 +1,20 @@
 """The grant policy: carrying a lease into its holder's next phase, and each of its bounds.
 
-``decide_carry`` alone, then through ``GroupBook.release`` (a hand-set clock, no Temporal)."""
+``decide_carry`` alone, then through ``GroupBook.release`` (a hand-set clock, no Temporal);
+and the default policy, written once."""
 
 from __future__ import annotations
 
+import ast
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from timeslice.plan.simulator import GroupSpec
 from timeslice.protocol.group import (
+    DEFAULT_AGING_S,
+    DEFAULT_GRANT_POLICY,
     WAIT_RECORDS_KEEP,
     WAIT_SHARE_JOBS_KEEP,
     AcquireRequest,
@@ -224,3 +230,64 @@ def test_next_phase_is_validated():
         GroupConfig(group_id="g", grant_policy="lifo")  # type: ignore[arg-type]
     with pytest.raises(ValidationError):
         GroupConfig(group_id="g", max_carries=5)
+
+
+# ------------------------------------------------------------------ the default, named once
+
+REPO = Path(__file__).resolve().parents[2]
+# Every folder whose code may name a grant policy (the package, the benchmarks, the examples).
+CODE = ("activities", "bench", "cli", "client", "examples", "integrations", "plan", "protocol",
+        "report", "snapshot", "transport", "workers", "workflows", "workloads")  # fmt: skip
+DEFAULT_MEMBER = DEFAULT_GRANT_POLICY.name
+
+
+def _default_spelt_again(path: Path) -> list[str]:
+    """Where ``path`` writes the default grant policy itself: its member
+    (``GrantPolicy.PHASE_AWARE``) or any policy's value as a string, instead of naming
+    ``DEFAULT_GRANT_POLICY`` (protocol/group.py defines both, once)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    values = {p.value for p in GrantPolicy}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == DEFAULT_MEMBER:
+            found.append(f"{node.lineno}: GrantPolicy.{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in values and id(node) not in docstrings:
+            found.append(f"{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_the_default_policy_is_written_once() -> None:
+    offenders = [
+        f"{path.relative_to(REPO)}:{where}"
+        for folder in CODE
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for where in _default_spelt_again(path)
+        if path != REPO / "protocol" / "group.py"
+    ]
+    assert not offenders, f"name DEFAULT_GRANT_POLICY (protocol/group.py) instead: {offenders}"
+    assert GroupConfig(group_id="g").grant_policy is DEFAULT_GRANT_POLICY
+    assert CarryLimits().policy is DEFAULT_GRANT_POLICY
+    assert GroupSpec().grant_policy is DEFAULT_GRANT_POLICY
+    assert GroupConfig(group_id="g").aging_s == GroupSpec().aging_s == DEFAULT_AGING_S
+
+
+def test_the_checker_sees_the_default_spelt_again(tmp_path: Path) -> None:
+    module = tmp_path / "elsewhere.py"
+    module.write_text(
+        '"""phase_aware is the default."""\n'
+        "policy = GrantPolicy.PHASE_AWARE\n"
+        'choices = ("phase_aware", "fifo")\n'
+        "other = GrantPolicy.FIFO\n"
+    )
+    assert _default_spelt_again(module) == [
+        "2: GrantPolicy.PHASE_AWARE",
+        "3: 'phase_aware'",
+        "3: 'fifo'",
+    ]
