@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-from collections.abc import Callable
 from datetime import datetime, timedelta
-from enum import Enum
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -34,8 +31,6 @@ from timeslice.protocol.group import (
     DELIVER_GRANT_ACTIVITY,
     GRANT_SIGNAL,
     GROUP_WORKFLOW_TYPE,
-    RESTORE_ACTIVITY,
-    SNAPSHOT_ACTIVITY,
     AcquireAnswer,
     AcquireCall,
     AcquireOutcome,
@@ -60,71 +55,23 @@ from timeslice.protocol.group import (
     ReleaseRequest,
     RenewRequest,
     RenewResult,
-    ResidentJob,
     ReturnAnswer,
-    SnapshotTarget,
     parse_message,
 )
-from timeslice.workflows.group_book import GroupBook, SwitchPlan
-from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
+from timeslice.workflows.deadline_timer import DeadlineTimer
+from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_patches import (
+    AUTHENTICATED_GRANT_ANSWERS,
+    CONFIRMED_GRANT_OUTLIVES_DELIVERY,
+    FAULT_ONLY_ASKED_EVICTION,
+    ONE_DEADLINE_TIMER,
+    PHASE_AWARE_GRANTS,
+)
+from timeslice.workflows.group_switch import GroupSwitch
 
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
-# workflow.patched id: groups that started before it replay with the old, unbounded wait.
-BOUNDED_EVICTION_REPORT_WAIT = "bounded-eviction-report-wait"
-# workflow.patched ids: a holder that never reported its eviction and whose processes are gone
-# is forgotten; a failed-eviction report faults the job only from the lease answered `evict`.
-FORGET_GONE_EVICTOR = "forget-gone-evictor"
-FAULT_ONLY_ASKED_EVICTION = "fault-only-asked-eviction"
-# workflow.patched id: a grant's delivery outcome is obeyed only when it presents the lease key.
-AUTHENTICATED_GRANT_ANSWERS = "authenticated-grant-answers"
-# workflow.patched id: a delivery activity that fails after its holder confirmed the grant by a
-# renewal no longer ends the lease (groups that started before end it, as they did).
-CONFIRMED_GRANT_OUTLIVES_DELIVERY = "confirmed-grant-outlives-delivery"
-# workflow.patched id: a lease may be carried past waiters into its holder's next phase (the
-# phase_aware grant policy); groups that started before it replay releasing as FIFO did.
-PHASE_AWARE_GRANTS = "phase-aware-grants"
-# workflow.patched id: one durable timer for the earliest of the group's deadlines (lease
-# expiry, grant confirmation, waiter and park time-outs, an eviction report) instead of a timer
-# started and cancelled by every wait; groups that started before it replay as they ran.
-ONE_DEADLINE_TIMER = "one-deadline-timer"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
-
-
-class _Moved(Enum):
-    OK = "ok"
-    GONE = "gone"  # no process picked the task up: the job's processes are gone
-    FAILED = "failed"
-
-
-class _DeadlineTimer:
-    """One pending durable timer, set for the earliest deadline the group knows of.
-
-    ``workflow.wait_condition(timeout=...)`` starts a timer on every call and cancels it when
-    the condition wins first: on a busy group, three timers started and cancelled per lease.
-    This timer is replaced only when a deadline earlier than it appears; a later deadline waits
-    for it to fire (one early wake, which sets the timer for what is then the earliest)."""
-
-    def __init__(self, fired: Callable[[], None]) -> None:
-        self._fired = fired
-        self._handle: asyncio.TimerHandle | None = None
-        self._at: datetime | None = None
-
-    def set_for(self, deadline: datetime | None) -> None:
-        if deadline is None or (self._at is not None and self._at <= deadline):
-            return
-        now = workflow.now()
-        if deadline <= now:
-            return  # overdue: whoever waits for it acts on it now
-        if self._handle is not None:
-            self._handle.cancel()
-        self._at = deadline
-        delay = (deadline - now).total_seconds()
-        self._handle = asyncio.get_running_loop().call_later(delay, self._ring)
-
-    def _ring(self) -> None:
-        self._handle = self._at = None
-        self._fired()
 
 
 class _GroupMetrics:
@@ -216,19 +163,20 @@ class GpuGroupWorkflow:
         # delivery activity (its completion arriving during continue-as-new would fail it).
         self._fault_notices_in_flight = 0
         self._delivery_tasks: set[asyncio.Task[None]] = set()
-        # Evictions running beside the holder's lease (both states fit).
-        self._evictions: set[asyncio.Task[None]] = set()
         # request id -> the answer for its parked `acquire` update (None while undecided)
         self._parked: dict[str, AcquireAnswer | None] = {}
         self._closing = False
-        # A switch waiting for the previous holder's report of its own eviction: the report's
-        # bytes belong to that switch's mark on the timeline.
-        self._awaiting_eviction_of: str | None = None
         self._unfit_logged = False
         # With ONE_DEADLINE_TIMER: the deadlines that are not the book's, by what waits on them.
         self._park_deadlines: dict[str, datetime] = {}
-        self._report_deadline: datetime | None = None
-        self._timer = _DeadlineTimer(self._deadline_passed)
+        self._timer = DeadlineTimer(self._deadline_passed)
+        self._switch = GroupSwitch(
+            self._book,
+            self._config,
+            wake=self._wake_up,
+            one_timer=self._one_timer,
+            set_timer=self._set_timer,
+        )
 
     # ---------------------------------------------------------------- main loop
 
@@ -266,12 +214,15 @@ class GpuGroupWorkflow:
     def _one_timer(self) -> bool:
         return workflow.patched(ONE_DEADLINE_TIMER)
 
+    def _wake_up(self) -> None:
+        self._wake = True
+
     def _set_timer(self) -> None:
         """Keep the one timer set for the earliest deadline still ahead."""
         now = workflow.now()
         ahead = [
             d
-            for d in (self._book.next_deadline(), self._report_deadline)
+            for d in (self._book.next_deadline(), self._switch.report_deadline)
             if d is not None and d > now
         ]
         ahead.extend(d for d in self._park_deadlines.values() if d > now)
@@ -290,7 +241,7 @@ class GpuGroupWorkflow:
             self._fault_notices_in_flight == 0
             and self._book.switching_for is None
             and not self._delivery_tasks
-            and not self._evictions
+            and not self._switch.evictions
         )
 
     async def _continue_as_new(self) -> None:
@@ -344,7 +295,7 @@ class GpuGroupWorkflow:
             assert waiter is not None
             request = waiter.request
             try:
-                fault = await self._switch_to(request)
+                fault = await self._switch.switch_to(request)
             finally:
                 if book.switch_cancelled:
                     book.switching_for = book.switching_key_hash = None
@@ -445,156 +396,6 @@ class GpuGroupWorkflow:
             )
         else:
             self._book.end_lease(outcome, now)
-
-    # ---------------------------------------------------------------- switching
-
-    async def _switch_to(self, request: AcquireRequest) -> str | None:
-        """Evict the resident job if another job takes the group, then restore the new one
-        (both at once when the group's memory holds both). Returns a fault message if the new
-        holder's state could not be restored."""
-        book = self._book
-        started = workflow.now()
-        bytes_before = book.state.stats.bytes_moved
-        waited_for = await self._await_own_eviction(request)
-        plan = book.residency.plan_switch(request)
-        if plan.fault is not None:
-            return plan.fault
-        fault: str | None = None
-        if plan.overlapped:
-            self._evict_beside(plan)
-        elif plan.evict is not None:
-            await self._evict(plan)
-        if plan.restore:
-            fault = await self._restore(request)
-        book.finish_switch(
-            dataclasses.replace(plan, fault=fault),
-            request,
-            started=started,
-            ended=workflow.now(),
-            moved_bytes=book.state.stats.bytes_moved - bytes_before,
-            waited_for=waited_for,
-        )
-        return fault
-
-    async def _await_own_eviction(self, request: AcquireRequest) -> ResidentJob | None:
-        """A previous holder still moving its state out: wait for its report unless both fit.
-
-        If the report does not come in time, the group evicts it through its own snapshot
-        activity. Returns the job waited for, if any."""
-        book = self._book
-        evicting = book.residency.eviction_to_await(request)
-        if evicting is None:
-            return None
-        self._awaiting_eviction_of = evicting.job_id
-        # Its process may have died right after releasing (the soak found a group idle for its
-        # whole 300-s snapshot time-out so): past the time a live process has to answer a grant,
-        # the group's own snapshot activity takes over. On a live process it waits for the
-        # eviction under way and finds nothing left to move; on a dead one it is not picked up.
-        report_wait = self._config.snapshot_timeout_s
-        if workflow.patched(BOUNDED_EVICTION_REPORT_WAIT):
-            report_wait = min(report_wait, self._config.grant_ack_timeout_s)
-        try:
-            if self._one_timer():
-                give_up_at = workflow.now() + timedelta(seconds=report_wait)
-                self._report_deadline = give_up_at
-                self._set_timer()
-                await workflow.wait_condition(
-                    lambda: book.state.evicting is None or workflow.now() >= give_up_at
-                )
-            else:
-                with contextlib.suppress(TimeoutError):
-                    await workflow.wait_condition(
-                        lambda: book.state.evicting is None, timeout=report_wait
-                    )
-        finally:
-            self._awaiting_eviction_of = None
-            self._report_deadline = None
-        late = book.state.evicting
-        if late is not None:
-            book.residency.clear_evicting()
-            if late.snapshot is not None:
-                workflow.logger.warning(
-                    "job %s did not report its own eviction; evicting it", late.job_id
-                )
-                result = await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
-                if result is _Moved.GONE and workflow.patched(FORGET_GONE_EVICTOR):
-                    # No process picked the task up: the job's processes are gone, and its
-                    # state with them (as in _evict), so nothing is left to restore.
-                    book.evictor_gone(late.job_id)
-        return evicting
-
-    def _evict_beside(self, plan: SwitchPlan) -> None:
-        """Evict the previous resident while the next holder is granted and works: both
-        states fit in the group's declared memory. The copy's bytes get a mark of no width
-        (it overlapped the holder's lease, which is not switching time)."""
-        resident = plan.evict
-        assert resident is not None and resident.snapshot is not None
-        target = resident.snapshot
-
-        async def evict() -> None:
-            bytes_before = self._book.state.stats.bytes_moved
-            result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, target)
-            now = workflow.now()
-            self._book.eviction_done(
-                resident.job_id,
-                gone=result is _Moved.GONE,
-                ok=result is _Moved.OK,
-                now=now,
-                preempted=resident.lease_expired,
-            )
-            moved = self._book.state.stats.bytes_moved - bytes_before
-            if moved:
-                self._book.accounts.mark_overlapped(resident.job_id, now, moved)
-            self._wake = True
-
-        task = asyncio.create_task(evict())
-        self._evictions.add(task)
-        task.add_done_callback(self._evictions.discard)
-
-    async def _evict(self, plan: SwitchPlan) -> None:
-        resident = plan.evict
-        assert resident is not None and resident.snapshot is not None
-        result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
-        if result is _Moved.OK:
-            self._book.residency.evicted(resident.job_id, preempted=resident.lease_expired)
-        elif result is _Moved.GONE:
-            # Its process is gone, and its device memory with it: nothing to evict.
-            self._book.forget(resident.job_id)
-
-    async def _restore(self, request: AcquireRequest) -> str | None:
-        """Restore the request's job; a fault message if that failed."""
-        assert request.snapshot is not None
-        result = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
-        if result is _Moved.OK:
-            self._book.residency.restored(request.job_id)
-            return None
-        fault = "restore found no process on a rank queue"
-        return self._book.residency.fault(request.job_id, fault)
-
-    async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
-        verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
-        results = await run_on_queues(
-            activity,
-            job_id,
-            target,
-            context=self._config.group_id,
-            pickup_timeout_s=self._config.grant_ack_timeout_s,
-            run_timeout_s=self._config.snapshot_timeout_s,
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for reports in results:
-            if isinstance(reports, list):
-                self._book.accounts.count_moved(verb, reports)
-        if not failures:
-            return _Moved.OK
-        if all(process_gone(f) for f in failures):
-            workflow.logger.warning("%s of job %s: no process serves its queue", verb, job_id)
-            return _Moved.GONE
-        cause = next(f for f in failures if not process_gone(f))
-        message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
-        workflow.logger.error("job %s: %s; marking the job faulted", job_id, message)
-        self._book.residency.move_failed(job_id, message)
-        return _Moved.FAILED
 
     # ---------------------------------------------------------------- updates (processes)
 
@@ -704,7 +505,7 @@ class GpuGroupWorkflow:
     @workflow.update(name=GroupUpdate.MOVED)
     def report_moved(self, *raw: Any) -> None:
         report = parse_message(MovedReport, raw, "the report_moved update")
-        awaited = report.job_id == self._awaiting_eviction_of
+        awaited = report.job_id == self._switch.awaiting_eviction_of
         asked_only = report.error is None or workflow.patched(FAULT_ONLY_ASKED_EVICTION)
         self._book.moved(
             report, workflow.now(), marked=not awaited, faults_only_if_asked=asked_only
