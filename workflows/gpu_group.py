@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
@@ -72,6 +73,7 @@ from timeslice.workflows.group_switch import GroupSwitch
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 
 
 class _GroupMetrics:
@@ -403,9 +405,13 @@ class GpuGroupWorkflow:
     # undecodable or invalid argument must not fail the workflow task. Updates are refused by
     # their validator (the sender gets the reason); signals are dropped and counted.
 
-    @workflow.update(name=GroupUpdate.ACQUIRE)
+    @workflow.update(
+        name=GroupUpdate.ACQUIRE,
+        description="Queue a lease request (idempotent by request id) and park until it is "
+        "granted (the answer carries the grant notice), gone, or to be asked again; refused "
+        "while the queue is full.",
+    )
     async def acquire(self, *raw: Any) -> AcquireAnswer:
-        """Queue a request (idempotent by request id) and park until it is granted or gone."""
         book = self._book
         call = parse_message(AcquireCall, raw, "the acquire update")
         request = call.request
@@ -468,23 +474,33 @@ class GpuGroupWorkflow:
         if refusal is not None:
             raise ValueError(refusal)
 
-    @workflow.update(name=GroupUpdate.RELEASE)
+    def _obey(self, message: M, act: Callable[[M, datetime], R]) -> R:
+        """Have the book act on a valid message now, and wake the main loop to follow up."""
+        result = act(message, workflow.now())
+        self._wake = True
+        return result
+
+    @workflow.update(
+        name=GroupUpdate.RELEASE,
+        description="End the caller's lease, or keep it (nobody waits and it asked, or the "
+        "grant policy carries it into its next phase); the answer says whether to evict its "
+        "own state now.",
+    )
     def release_lease(self, *raw: Any) -> ReturnAnswer:
         ret = parse_message(LeaseReturn, raw, "the release_lease update")
-        answer = self._book.release(ret, workflow.now())
-        self._wake = True
-        return answer
+        return self._obey(ret, self._book.release)
 
     @release_lease.validator
     def _validate_release_lease(self, *raw: Any) -> None:
         parse_message(LeaseReturn, raw, "the release_lease update")
 
-    @workflow.update(name=GroupUpdate.RENEW)
+    @workflow.update(
+        name=GroupUpdate.RENEW,
+        description="Renew the caller's lease for its TTL (the first renewal confirms a grant "
+        "taken from a parked acquire); not valid once the lease is gone or with a wrong key.",
+    )
     def renew(self, *raw: Any) -> RenewResult:
-        renew = parse_message(RenewRequest, raw, "the renew update")
-        result = self._book.renew(renew, workflow.now())
-        self._wake = True
-        return result
+        return self._obey(parse_message(RenewRequest, raw, "the renew update"), self._book.renew)
 
     @renew.validator
     def _validate_renew(self, *raw: Any) -> None:
@@ -492,17 +508,28 @@ class GpuGroupWorkflow:
         if renew.token <= 0:
             raise ValueError(f"invalid fencing token {renew.token}")
 
-    @workflow.update(name=GroupUpdate.CANCEL)
+    @workflow.update(
+        name=GroupUpdate.CANCEL,
+        description="Take a request back: leave the queue, or end the lease if a grant raced "
+        "the give-up. Only with the request's key.",
+    )
     def cancel_request(self, *raw: Any) -> None:
         cancel = parse_message(CancelRequest, raw, "the cancel_request update")
-        self._book.cancel(cancel.request_id, cancel.key, workflow.now())
-        self._wake = True
+        self._obey(cancel, self._cancel)
+
+    def _cancel(self, cancel: CancelRequest, now: datetime) -> None:
+        self._book.cancel(cancel.request_id, cancel.key, now)
 
     @cancel_request.validator
     def _validate_cancel_request(self, *raw: Any) -> None:
         parse_message(CancelRequest, raw, "the cancel_request update")
 
-    @workflow.update(name=GroupUpdate.MOVED)
+    @workflow.update(
+        name=GroupUpdate.MOVED,
+        description="A job reports that its state left this group's device (its own eviction "
+        "after a release, or a move to another group): bytes counted, residency forgotten; a "
+        "failed eviction faults the job when the group asked for it.",
+    )
     def report_moved(self, *raw: Any) -> None:
         report = parse_message(MovedReport, raw, "the report_moved update")
         awaited = report.job_id == self._switch.awaiting_eviction_of
@@ -516,13 +543,14 @@ class GpuGroupWorkflow:
     def _validate_report_moved(self, *raw: Any) -> None:
         parse_message(MovedReport, raw, "the report_moved update")
 
-    @workflow.update(name=GroupUpdate.DEPART)
+    @workflow.update(
+        name=GroupUpdate.DEPART,
+        description="A job's processes closed: its state left the device with them, and the "
+        "group forgets it. False while the job holds the group, or with a wrong key.",
+    )
     def depart_job(self, *raw: Any) -> bool:
-        """A job's processes closed: its state left the device with them."""
         depart = parse_message(DepartRequest, raw, "the depart_job update")
-        known = self._book.depart(depart.job_id, depart.key)
-        self._wake = True
-        return known
+        return self._obey(depart, lambda d, _: self._book.depart(d.job_id, d.key))
 
     @depart_job.validator
     def _validate_depart_job(self, *raw: Any) -> None:
@@ -539,7 +567,11 @@ class GpuGroupWorkflow:
             workflow.logger.warning("group %s dropped %s", self._config.group_id, err)
             return None
 
-    @workflow.signal(name=GroupSignal.REQUEST)
+    @workflow.signal(
+        name=GroupSignal.REQUEST,
+        description="A requester workflow's lease request: queued (its grant comes by the "
+        "timeslice_grant signal); dropped and counted when malformed or the queue is full.",
+    )
     def request(self, *raw: Any) -> None:
         request = self._signal_arg(AcquireRequest, raw, GroupSignal.REQUEST)
         if request is None:
@@ -551,35 +583,49 @@ class GpuGroupWorkflow:
         elif self._book.enqueue(request, workflow.now()):
             self._wake = True
 
-    @workflow.signal(name=GroupSignal.RELEASE)
+    @workflow.signal(
+        name=GroupSignal.RELEASE,
+        description="A requester workflow ends its lease (with what it moved itself).",
+    )
     def release(self, *raw: Any) -> None:
         release = self._signal_arg(ReleaseRequest, raw, GroupSignal.RELEASE)
         if release is not None:
-            self._book.release_by_signal(release, workflow.now())
-            self._wake = True
+            self._obey(release, self._book.release_by_signal)
 
-    @workflow.signal(name=GroupSignal.RENEW)
+    @workflow.signal(
+        name=GroupSignal.RENEW,
+        description="A requester workflow renews its lease (its answered renewals go as the "
+        "renew update).",
+    )
     def renew_lease(self, *raw: Any) -> None:
         renew = self._signal_arg(RenewRequest, raw, GroupSignal.RENEW)
         if renew is not None:
-            self._book.renew(renew, workflow.now())
-            self._wake = True
+            self._obey(renew, self._book.renew)
 
-    @workflow.signal(name=GroupSignal.CANCEL)
+    @workflow.signal(
+        name=GroupSignal.CANCEL,
+        description="A requester workflow takes its request back (as the cancel_request update).",
+    )
     def cancel(self, *raw: Any) -> None:
         cancel = self._signal_arg(CancelRequest, raw, GroupSignal.CANCEL)
         if cancel is not None:
-            self._book.cancel(cancel.request_id, cancel.key, workflow.now())
-            self._wake = True
+            self._obey(cancel, self._cancel)
 
     # ---------------------------------------------------------------- queries and the UI
 
-    @workflow.query(name=GroupQuery.HOLDER)
+    @workflow.query(
+        name=GroupQuery.HOLDER,
+        description="The current lease only (job, fencing token, time held and left, waiters): "
+        "what a running phase checks its token against.",
+    )
     def holder(self) -> HolderView | None:
-        """The current lease only: what a running phase checks its fencing token against."""
         return self._book.holder_view(workflow.now())
 
-    @workflow.query(name=GroupQuery.STATUS)
+    @workflow.query(
+        name=GroupQuery.STATUS,
+        description="The group's status: holder, queue, resident and faulted jobs, counts, "
+        "share held, wait percentiles, lease and switch records.",
+    )
     def status(self) -> GroupStatus:
         return self._book.status(workflow.now())
 

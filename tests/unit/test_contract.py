@@ -33,6 +33,15 @@ def test_group_workflow_handles_exactly_the_group_messages() -> None:
     assert _names(defn.queries) == {m.value for m in GroupQuery}
 
 
+def test_every_group_handler_says_what_it_does() -> None:
+    """The Web UI and ``temporal workflow metadata`` show each handler's description."""
+    defn = workflow._Definition.must_from_class(GpuGroupWorkflow)
+    handlers = {**defn.signals, **defn.updates, **defn.queries}
+    assert len(handlers) == 12
+    undescribed = sorted(str(name) for name, h in handlers.items() if not h.description)
+    assert not undescribed, f"GpuGroupWorkflow handlers without a description: {undescribed}"
+
+
 @pytest.mark.parametrize("job_workflow", [RLJobWorkflow, AsyncRLJobWorkflow])
 def test_rl_job_workflow_handles_exactly_the_job_messages(job_workflow: type) -> None:
     defn = workflow._Definition.must_from_class(job_workflow)
