@@ -59,6 +59,7 @@ from timeslice.protocol.group import (
     ReturnAnswer,
     parse_message,
 )
+from timeslice.protocol.group import GROUP_MESSAGE_ABOUT as ABOUT
 from timeslice.workflows.deadline_timer import DeadlineTimer
 from timeslice.workflows.group_book import GroupBook
 from timeslice.workflows.group_patches import (
@@ -69,6 +70,7 @@ from timeslice.workflows.group_patches import (
     PHASE_AWARE_GRANTS,
 )
 from timeslice.workflows.group_switch import GroupSwitch
+from timeslice.workflows.inputs import fail_on_bad_input, parse_input, parses
 
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
 _PARK_TIMEOUT_S = 120.0
@@ -143,15 +145,12 @@ class _GroupMetrics:
 class GpuGroupWorkflow:
     @workflow.init
     def __init__(self, *raw: Any) -> None:
-        # Taken raw and validated here rather than by the data converter: a decoding error (or
-        # a missing or extra argument) would fail the workflow *task* and retry forever; bad
-        # input must fail the workflow, once, clearly.
-        self._input_error: str | None = None
-        try:
-            inp = parse_message(GroupInput, raw, "GpuGroupWorkflow")
-        except MalformedMessage as err:
-            self._input_error = str(err)
-            inp = GroupInput(config=GroupConfig(group_id="invalid-input"))
+        inp, self._input_error = parse_input(
+            GroupInput,
+            raw,
+            "GpuGroupWorkflow",
+            lambda: GroupInput(config=GroupConfig(group_id="invalid-input")),
+        )
         self._config = inp.config
         self._metrics = _GroupMetrics(self._config.group_id)
         self._book = GroupBook(
@@ -184,8 +183,7 @@ class GpuGroupWorkflow:
 
     @workflow.run
     async def run(self, *raw: Any) -> None:
-        if self._input_error is not None:
-            raise ApplicationError(self._input_error, type="InvalidInput", non_retryable=True)
+        fail_on_bad_input(self._input_error)
         holder = self._book.state.holder
         if holder is not None and not holder.delivered and holder.confirm_by is None:
             # Granted by activity or signal in the last run, not yet confirmed: deliver again
@@ -405,12 +403,7 @@ class GpuGroupWorkflow:
     # undecodable or invalid argument must not fail the workflow task. Updates are refused by
     # their validator (the sender gets the reason); signals are dropped and counted.
 
-    @workflow.update(
-        name=GroupUpdate.ACQUIRE,
-        description="Queue a lease request (idempotent by request id) and park until it is "
-        "granted (the answer carries the grant notice), gone, or to be asked again; refused "
-        "while the queue is full.",
-    )
+    @workflow.update(name=GroupUpdate.ACQUIRE, description=ABOUT[GroupUpdate.ACQUIRE])
     async def acquire(self, *raw: Any) -> AcquireAnswer:
         book = self._book
         call = parse_message(AcquireCall, raw, "the acquire update")
@@ -480,25 +473,14 @@ class GpuGroupWorkflow:
         self._wake = True
         return result
 
-    @workflow.update(
-        name=GroupUpdate.RELEASE,
-        description="End the caller's lease, or keep it (nobody waits and it asked, or the "
-        "grant policy carries it into its next phase); the answer says whether to evict its "
-        "own state now.",
-    )
+    @workflow.update(name=GroupUpdate.RELEASE, description=ABOUT[GroupUpdate.RELEASE])
     def release_lease(self, *raw: Any) -> ReturnAnswer:
         ret = parse_message(LeaseReturn, raw, "the release_lease update")
         return self._obey(ret, self._book.release)
 
-    @release_lease.validator
-    def _validate_release_lease(self, *raw: Any) -> None:
-        parse_message(LeaseReturn, raw, "the release_lease update")
+    release_lease.validator(parses(LeaseReturn, "the release_lease update"))
 
-    @workflow.update(
-        name=GroupUpdate.RENEW,
-        description="Renew the caller's lease for its TTL (the first renewal confirms a grant "
-        "taken from a parked acquire); not valid once the lease is gone or with a wrong key.",
-    )
+    @workflow.update(name=GroupUpdate.RENEW, description=ABOUT[GroupUpdate.RENEW])
     def renew(self, *raw: Any) -> RenewResult:
         return self._obey(parse_message(RenewRequest, raw, "the renew update"), self._book.renew)
 
@@ -508,11 +490,7 @@ class GpuGroupWorkflow:
         if renew.token <= 0:
             raise ValueError(f"invalid fencing token {renew.token}")
 
-    @workflow.update(
-        name=GroupUpdate.CANCEL,
-        description="Take a request back: leave the queue, or end the lease if a grant raced "
-        "the give-up. Only with the request's key.",
-    )
+    @workflow.update(name=GroupUpdate.CANCEL, description=ABOUT[GroupUpdate.CANCEL])
     def cancel_request(self, *raw: Any) -> None:
         cancel = parse_message(CancelRequest, raw, "the cancel_request update")
         self._obey(cancel, self._cancel)
@@ -520,16 +498,9 @@ class GpuGroupWorkflow:
     def _cancel(self, cancel: CancelRequest, now: datetime) -> None:
         self._book.cancel(cancel.request_id, cancel.key, now)
 
-    @cancel_request.validator
-    def _validate_cancel_request(self, *raw: Any) -> None:
-        parse_message(CancelRequest, raw, "the cancel_request update")
+    cancel_request.validator(parses(CancelRequest, "the cancel_request update"))
 
-    @workflow.update(
-        name=GroupUpdate.MOVED,
-        description="A job reports that its state left this group's device (its own eviction "
-        "after a release, or a move to another group): bytes counted, residency forgotten; a "
-        "failed eviction faults the job when the group asked for it.",
-    )
+    @workflow.update(name=GroupUpdate.MOVED, description=ABOUT[GroupUpdate.MOVED])
     def report_moved(self, *raw: Any) -> None:
         report = parse_message(MovedReport, raw, "the report_moved update")
         awaited = report.job_id == self._switch.awaiting_eviction_of
@@ -539,22 +510,14 @@ class GpuGroupWorkflow:
         )
         self._wake = True
 
-    @report_moved.validator
-    def _validate_report_moved(self, *raw: Any) -> None:
-        parse_message(MovedReport, raw, "the report_moved update")
+    report_moved.validator(parses(MovedReport, "the report_moved update"))
 
-    @workflow.update(
-        name=GroupUpdate.DEPART,
-        description="A job's processes closed: its state left the device with them, and the "
-        "group forgets it. False while the job holds the group, or with a wrong key.",
-    )
+    @workflow.update(name=GroupUpdate.DEPART, description=ABOUT[GroupUpdate.DEPART])
     def depart_job(self, *raw: Any) -> bool:
         depart = parse_message(DepartRequest, raw, "the depart_job update")
         return self._obey(depart, lambda d, _: self._book.depart(d.job_id, d.key))
 
-    @depart_job.validator
-    def _validate_depart_job(self, *raw: Any) -> None:
-        parse_message(DepartRequest, raw, "the depart_job update")
+    depart_job.validator(parses(DepartRequest, "the depart_job update"))
 
     # ---------------------------------------------------------------- signals (workflows)
 
@@ -567,11 +530,7 @@ class GpuGroupWorkflow:
             workflow.logger.warning("group %s dropped %s", self._config.group_id, err)
             return None
 
-    @workflow.signal(
-        name=GroupSignal.REQUEST,
-        description="A requester workflow's lease request: queued (its grant comes by the "
-        "timeslice_grant signal); dropped and counted when malformed or the queue is full.",
-    )
+    @workflow.signal(name=GroupSignal.REQUEST, description=ABOUT[GroupSignal.REQUEST])
     def request(self, *raw: Any) -> None:
         request = self._signal_arg(AcquireRequest, raw, GroupSignal.REQUEST)
         if request is None:
@@ -583,29 +542,19 @@ class GpuGroupWorkflow:
         elif self._book.enqueue(request, workflow.now()):
             self._wake = True
 
-    @workflow.signal(
-        name=GroupSignal.RELEASE,
-        description="A requester workflow ends its lease (with what it moved itself).",
-    )
+    @workflow.signal(name=GroupSignal.RELEASE, description=ABOUT[GroupSignal.RELEASE])
     def release(self, *raw: Any) -> None:
         release = self._signal_arg(ReleaseRequest, raw, GroupSignal.RELEASE)
         if release is not None:
             self._obey(release, self._book.release_by_signal)
 
-    @workflow.signal(
-        name=GroupSignal.RENEW,
-        description="A requester workflow renews its lease (its answered renewals go as the "
-        "renew update).",
-    )
+    @workflow.signal(name=GroupSignal.RENEW, description=ABOUT[GroupSignal.RENEW])
     def renew_lease(self, *raw: Any) -> None:
         renew = self._signal_arg(RenewRequest, raw, GroupSignal.RENEW)
         if renew is not None:
             self._obey(renew, self._book.renew)
 
-    @workflow.signal(
-        name=GroupSignal.CANCEL,
-        description="A requester workflow takes its request back (as the cancel_request update).",
-    )
+    @workflow.signal(name=GroupSignal.CANCEL, description=ABOUT[GroupSignal.CANCEL])
     def cancel(self, *raw: Any) -> None:
         cancel = self._signal_arg(CancelRequest, raw, GroupSignal.CANCEL)
         if cancel is not None:
@@ -613,19 +562,11 @@ class GpuGroupWorkflow:
 
     # ---------------------------------------------------------------- queries and the UI
 
-    @workflow.query(
-        name=GroupQuery.HOLDER,
-        description="The current lease only (job, fencing token, time held and left, waiters): "
-        "what a running phase checks its token against.",
-    )
+    @workflow.query(name=GroupQuery.HOLDER, description=ABOUT[GroupQuery.HOLDER])
     def holder(self) -> HolderView | None:
         return self._book.holder_view(workflow.now())
 
-    @workflow.query(
-        name=GroupQuery.STATUS,
-        description="The group's status: holder, queue, resident and faulted jobs, counts, "
-        "share held, wait percentiles, lease and switch records.",
-    )
+    @workflow.query(name=GroupQuery.STATUS, description=ABOUT[GroupQuery.STATUS])
     def status(self) -> GroupStatus:
         return self._book.status(workflow.now())
 

@@ -3,62 +3,31 @@ them, and what of it all the next run carries.
 
 One of :class:`~timeslice.workflows.group_book.GroupBook`'s pieces: it keeps the accounting part
 of the group's ``GroupState`` (``stats``, ``history``, ``switch_history``, ``wait_shares``) and
-reports to an :class:`Observer` (the workflow's metrics) what the metrics count.
+reports what the metrics count to its observer (the workflow's metrics).
 """
 
 from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from timeslice.protocol.group import (
     CARRIED_STATE_BUDGET_BYTES,
     AcquireRequest,
-    GroupConfig,
     GroupInput,
-    GroupState,
     HeldLease,
     LeaseOutcome,
     LeaseRecord,
-    ResidentJob,
     SnapshotReport,
     SwitchRecord,
     encoded_size,
 )
+from timeslice.workflows.book_piece import BookPiece
 from timeslice.workflows.grant_policy import record_wait, remember_job, waiting_share
-from timeslice.workflows.residency import SwitchPlan
+from timeslice.workflows.residency import SwitchDone
 
-__all__ = ["GroupAccounts", "Observer", "SilentObserver", "percentile"]
-
-
-class Observer(Protocol):
-    """Where the book reports what metrics count (the workflow's metric meter)."""
-
-    def granted(self, waited_s: float) -> None: ...
-    def lease_ended(self, outcome: LeaseOutcome, held_s: float) -> None: ...
-    def stale(self, kind: str) -> None: ...
-    def moved(self, direction: str, nbytes: int) -> None: ...
-    def switched(self, seconds: float) -> None: ...
-
-
-class SilentObserver:
-    """An observer that counts nothing (a book without metrics: tests, the planner)."""
-
-    def granted(self, waited_s: float) -> None:
-        """Count nothing."""
-
-    def lease_ended(self, outcome: LeaseOutcome, held_s: float) -> None:
-        """Count nothing."""
-
-    def stale(self, kind: str) -> None:
-        """Count nothing."""
-
-    def moved(self, direction: str, nbytes: int) -> None:
-        """Count nothing."""
-
-    def switched(self, seconds: float) -> None:
-        """Count nothing."""
+__all__ = ["GroupAccounts", "percentile"]
 
 
 def percentile(samples: list[float], q: float) -> float | None:
@@ -86,13 +55,8 @@ _COUNTERS = {
 }
 
 
-class GroupAccounts:
+class GroupAccounts(BookPiece):
     """The group's counts, times, bytes and records."""
-
-    def __init__(self, config: GroupConfig, state: GroupState, observer: Observer) -> None:
-        self.config = config
-        self.state = state
-        self.observer = observer
 
     def _seconds(self, when: datetime) -> float:
         """A time as the waiting-share records keep it: seconds since the group's creation."""
@@ -187,15 +151,41 @@ class GroupAccounts:
         self.observer.moved(direction, moved)
         return moved
 
-    def record_switch(self, record: SwitchRecord) -> None:
-        """Keep a switch's record (the last ``history_keep``).
+    def record_move(
+        self,
+        from_job: str | None,
+        to_job: str | None,
+        span: tuple[datetime, datetime],
+        nbytes: int,
+        *,
+        overlapped: bool = False,
+        by_holder: bool = False,
+    ) -> None:
+        """Keep the record of one move of device state (the last ``history_keep``): the
+        timeline's switch marks (``SwitchRecord``).
 
         Args:
-            record: the switch.
+            from_job: the job evicted, if any.
+            to_job: the job restored, if any.
+            span: when the move started and ended.
+            nbytes: the bytes moved.
+            overlapped: it ran beside a lease (its time is not switching time).
+            by_holder: a holder moved its own state (else the group's activities did).
         """
         if self.config.history_keep:
+            start, end = span
             switches = self.state.switch_history
-            switches.append(record)
+            switches.append(
+                SwitchRecord(
+                    from_job=from_job,
+                    to_job=to_job,
+                    start=start,
+                    end=end,
+                    bytes=nbytes,
+                    overlapped=overlapped,
+                    by_holder=by_holder,
+                )
+            )
             del switches[: max(0, len(switches) - self.config.history_keep)]
 
     def mark_overlapped(
@@ -210,58 +200,31 @@ class GroupAccounts:
             nbytes: the bytes it moved.
             by_holder: the job evicted its own state (else the group's activity did).
         """
-        self.record_switch(
-            SwitchRecord(
-                from_job=job_id,
-                to_job=None,
-                start=at,
-                end=at,
-                bytes=nbytes,
-                overlapped=True,
-                by_holder=by_holder,
-            )
-        )
+        self.record_move(job_id, None, (at, at), nbytes, overlapped=True, by_holder=by_holder)
 
-    def switch_done(
-        self,
-        plan: SwitchPlan,
-        request: AcquireRequest,
-        *,
-        started: datetime,
-        ended: datetime,
-        moved_bytes: int,
-        waited_for: ResidentJob | None,
-    ) -> None:
+    def switch_done(self, done: SwitchDone) -> None:
         """Count one switch, however its moves were split between the group and the holders.
 
         Args:
-            plan: what the switch moved (its ``fault`` if the restore failed).
-            request: the request it was for.
-            started: when the switch began.
-            ended: when it ended.
-            moved_bytes: the bytes moved during it.
-            waited_for: a previous holder whose own eviction the switch waited for.
+            done: the switch.
         """
-        stats = self.state.stats
+        stats, plan, waited_for = self.state.stats, done.plan, done.waited_for
         if plan.moves or plan.evict is not None or plan.restores_itself or waited_for is not None:
             stats.switches += 1
         if plan.overlapped:
             stats.overlapped_switches += 1
         if plan.moves or waited_for is not None:
-            seconds = (ended - started).total_seconds()
+            seconds = (done.ended - done.started).total_seconds()
             stats.switching_s += seconds
             self.observer.switched(seconds)
             source = plan.evict or waited_for
-            self.record_switch(
-                SwitchRecord(
-                    from_job=source.job_id if source is not None else None,
-                    to_job=request.job_id,
-                    start=started,
-                    end=ended,
-                    bytes=moved_bytes,
-                    overlapped=plan.overlapped,
-                    by_holder=plan.evict is None and waited_for is not None,
-                )
+            self.record_move(
+                source.job_id if source is not None else None,
+                done.request.job_id,
+                (done.started, done.ended),
+                done.moved_bytes,
+                overlapped=plan.overlapped,
+                by_holder=plan.evict is None and waited_for is not None,
             )
 
     def own_moves(
@@ -295,15 +258,12 @@ class GroupAccounts:
             if reports:
                 took = timedelta(seconds=sum(r.seconds for r in reports))
                 start = granted_at if is_restore else now - took
-                self.record_switch(
-                    SwitchRecord(
-                        from_job=None if is_restore else job_id,
-                        to_job=job_id if is_restore else None,
-                        start=start,
-                        end=start + took,
-                        bytes=sum(r.bytes for r in reports),
-                        by_holder=True,
-                    )
+                self.record_move(
+                    None if is_restore else job_id,
+                    job_id if is_restore else None,
+                    (start, start + took),
+                    sum(r.bytes for r in reports),
+                    by_holder=True,
                 )
 
     # ------------------------------------------------------------------ continue-as-new

@@ -40,7 +40,6 @@ from timeslice.protocol.group import (
     ReleaseRequest,
     RenewRequest,
     RenewResult,
-    ResidentJob,
     ReturnAnswer,
     SnapshotReport,
     Waiter,
@@ -49,13 +48,14 @@ from timeslice.protocol.group import (
     lease_fingerprint,
     lease_key_hash,
 )
+from timeslice.workflows.book_piece import Observer, SilentObserver
 from timeslice.workflows.grant_policy import CarryLimits, decide_carry
-from timeslice.workflows.group_accounts import GroupAccounts, Observer, SilentObserver, percentile
+from timeslice.workflows.group_accounts import GroupAccounts, percentile
 from timeslice.workflows.lease_ledger import LeaseLedger
-from timeslice.workflows.residency import Residency, SwitchPlan
+from timeslice.workflows.residency import Residency, SwitchDone, SwitchPlan
 from timeslice.workflows.waiter_queue import WaiterQueue
 
-__all__ = ["JOB_KEYS_KEEP", "RECENT_DONE_KEEP", "GroupBook", "SwitchPlan"]
+__all__ = ["JOB_KEYS_KEEP", "RECENT_DONE_KEEP", "GroupBook", "SwitchDone", "SwitchPlan"]
 
 
 class GroupBook:
@@ -409,35 +409,14 @@ class GroupBook:
 
     # ------------------------------------------------------------------ switches and moves
 
-    def finish_switch(
-        self,
-        plan: SwitchPlan,
-        request: AcquireRequest,
-        *,
-        started: datetime,
-        ended: datetime,
-        moved_bytes: int,
-        waited_for: ResidentJob | None,
-    ) -> None:
+    def finish_switch(self, done: SwitchDone) -> None:
         """Count one switch and make its job resident (unless its restore failed).
 
         Args:
-            plan: what the switch moved, with its ``fault`` if the restore failed.
-            request: the request it was for.
-            started: when it began.
-            ended: when it ended.
-            moved_bytes: the bytes moved during it.
-            waited_for: a previous holder whose own eviction it waited for.
+            done: the switch, as it ran.
         """
-        self.accounts.switch_done(
-            plan,
-            request,
-            started=started,
-            ended=ended,
-            moved_bytes=moved_bytes,
-            waited_for=waited_for,
-        )
-        self.residency.settle(request, plan.fault)
+        self.accounts.switch_done(done)
+        self.residency.settle(done.request, done.plan.fault)
 
     def eviction_done(
         self, job_id: str, *, gone: bool, ok: bool, now: datetime, preempted: bool = False

@@ -25,7 +25,7 @@ from timeslice.protocol.group import (
     ResidentJob,
     SnapshotTarget,
 )
-from timeslice.workflows.group_book import GroupBook, SwitchPlan
+from timeslice.workflows.group_book import GroupBook, SwitchDone, SwitchPlan
 from timeslice.workflows.group_patches import BOUNDED_EVICTION_REPORT_WAIT, FORGET_GONE_EVICTOR
 from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
 
@@ -93,12 +93,14 @@ class GroupSwitch:
         if plan.restore:
             fault = await self._restore(request)
         book.finish_switch(
-            dataclasses.replace(plan, fault=fault),
-            request,
-            started=started,
-            ended=workflow.now(),
-            moved_bytes=book.state.stats.bytes_moved - bytes_before,
-            waited_for=waited_for,
+            SwitchDone(
+                dataclasses.replace(plan, fault=fault),
+                request,
+                started=started,
+                ended=workflow.now(),
+                moved_bytes=book.state.stats.bytes_moved - bytes_before,
+                waited_for=waited_for,
+            )
         )
         return fault
 

@@ -19,15 +19,13 @@ from timeslice.protocol.group import (
     RECENT_DONE_KEEP,
     AcquireRequest,
     GrantNotice,
-    GroupConfig,
-    GroupState,
     HeldLease,
     LeaseOutcome,
     Waiter,
     lease_key_hash,
     prove_notice,
 )
-from timeslice.workflows.group_accounts import Observer
+from timeslice.workflows.book_piece import BookPiece
 
 __all__ = ["LeaseLedger"]
 
@@ -38,13 +36,8 @@ def _fingerprint(request_id: str) -> str:
     return hashlib.sha256(request_id.encode()).hexdigest()[:16]
 
 
-class LeaseLedger:
+class LeaseLedger(BookPiece):
     """The group's one lease and the authentication of the messages that name it."""
-
-    def __init__(self, config: GroupConfig, state: GroupState, observer: Observer) -> None:
-        self.config = config
-        self.state = state
-        self.observer = observer
 
     # ------------------------------------------------------------------ idempotency
 

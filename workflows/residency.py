@@ -9,20 +9,20 @@ needs the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from timeslice.protocol.group import (
     EVICTED_JOBS_KEEP,
     FAULTED_JOBS_KEEP,
     MAX_FAULT_BYTES,
     AcquireRequest,
-    GroupConfig,
-    GroupState,
     ResidentJob,
     cut_to_encoded,
     lease_key_hash,
 )
+from timeslice.workflows.book_piece import BookPiece
 
-__all__ = ["Residency", "SwitchPlan"]
+__all__ = ["Residency", "SwitchDone", "SwitchPlan"]
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,22 @@ class SwitchPlan:
         return (self.evict is not None and not self.overlapped) or self.restore
 
 
-class Residency:
-    """The group's device: the resident job, an eviction under way, saved and faulted jobs."""
+@dataclass(frozen=True)
+class SwitchDone:
+    """A switch that ran, for the book to count: its plan (with its ``fault`` if the restore
+    failed), the request it was for, when it started and ended, the bytes moved meanwhile, and
+    a previous holder whose own eviction it waited for."""
 
-    def __init__(self, config: GroupConfig, state: GroupState) -> None:
-        self.config = config
-        self.state = state
+    plan: SwitchPlan
+    request: AcquireRequest
+    started: datetime
+    ended: datetime
+    moved_bytes: int
+    waited_for: ResidentJob | None
+
+
+class Residency(BookPiece):
+    """The group's device: the resident job, an eviction under way, saved and faulted jobs."""
 
     def is_resident(self, job_id: str) -> bool:
         """Whether the job's state is on the device (and no eviction of it is under way).

@@ -15,11 +15,10 @@ from timeslice.protocol.group import (
     MAX_REQUEST_BYTES,
     MAX_WAITERS,
     AcquireRequest,
-    GroupConfig,
-    GroupState,
     Waiter,
     encoded_size,
 )
+from timeslice.workflows.book_piece import BookPiece
 from timeslice.workflows.grant_policy import next_waiter
 
 __all__ = ["FAR_FUTURE_S", "WaiterQueue", "after"]
@@ -43,12 +42,8 @@ def after(start: datetime, seconds: float | None) -> datetime | None:
     return start + timedelta(seconds=max(0.0, seconds))
 
 
-class WaiterQueue:
+class WaiterQueue(BookPiece):
     """The requests waiting for the group, kept in ``state.queue`` in arrival order."""
-
-    def __init__(self, config: GroupConfig, state: GroupState) -> None:
-        self.config = config
-        self.state = state
 
     def __len__(self) -> int:
         return len(self.state.queue)

@@ -29,7 +29,7 @@ from timeslice.protocol.rl_job import (
     RLJobInput,
     RLJobState,
 )
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, SwitchDone
 
 LIMIT = 256 * 1024
 
@@ -130,8 +130,9 @@ def _serve_one(book: GroupBook, now: datetime) -> datetime:
     assert waiter is not None
     plan = book.residency.plan_switch(waiter.request)
     later = now + timedelta(seconds=1)
-    book.finish_switch(plan, waiter.request, started=now, ended=later, moved_bytes=1,
-                       waited_for=None)  # fmt: skip
+    book.finish_switch(
+        SwitchDone(plan, waiter.request, started=now, ended=later, moved_bytes=1, waited_for=None)
+    )
     notice = book.grant(waiter, later, parked=False)
     now = later + timedelta(seconds=1)
     rid = waiter.request.request_id

@@ -23,7 +23,7 @@ from timeslice.protocol.group import (
     SnapshotTarget,
     lease_key_hash,
 )
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, SwitchDone
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -67,7 +67,7 @@ def grant_next(b: GroupBook, now: datetime, *, parked: bool = False) -> str:
     waiter = b.take_next(now)
     assert waiter is not None
     plan = b.residency.plan_switch(waiter.request)
-    b.finish_switch(plan, waiter.request, started=now, ended=now, moved_bytes=0, waited_for=None)
+    b.finish_switch(SwitchDone(plan, waiter.request, now, now, moved_bytes=0, waited_for=None))
     notice = b.grant(waiter, now, parked=parked)
     if not parked:
         b.leases.confirm(notice.token, now)
@@ -536,7 +536,7 @@ def switch_as_the_group_does(b: GroupBook, now: datetime) -> str:
             )
         else:
             b.residency.evicted(plan.evict.job_id, preempted=plan.evict.lease_expired)
-    b.finish_switch(plan, waiter.request, started=now, ended=now, moved_bytes=0, waited_for=None)
+    b.finish_switch(SwitchDone(plan, waiter.request, now, now, moved_bytes=0, waited_for=None))
     b.leases.confirm(b.grant(waiter, now, parked=False).token, now)
     return waiter.request.job_id
 

@@ -35,7 +35,7 @@ from timeslice.protocol.group import (
     RenewRequest,
     lease_key_hash,
 )
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, SwitchDone
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -82,9 +82,8 @@ class GroupModel(RuleBasedStateMachine):
                 assert self._score(other.request.request_id) <= score
             plan = book.residency.plan_switch(waiter.request)
             book.finish_switch(
-                plan, waiter.request, started=self.now, ended=self.now, moved_bytes=0,
-                waited_for=None,
-            )  # fmt: skip
+                SwitchDone(plan, waiter.request, self.now, self.now, 0, waited_for=None)
+            )
             notice = book.grant(waiter, self.now, parked=True)
             assert rid not in self.withdrawn, "granted a request that was withdrawn"
             grants, carries = self.queued_after.pop(rid)

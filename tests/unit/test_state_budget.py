@@ -50,7 +50,7 @@ from timeslice.protocol.rl_job import (
 )
 from timeslice.transport.codec import PayloadEncryptionCodec
 from timeslice.workflows.grant_policy import record_wait, remember_job
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, SwitchDone
 
 # A control character: six bytes as JSON ("\u0001"), the most any character takes. Task queue
 # names must be printable: for them, a character of four bytes in UTF-8.
@@ -354,9 +354,7 @@ def test_the_testers_flood_leaves_the_group_within_its_bounds():
         waiter = book.take_next(now)
         assert waiter is not None and waiter.request.job_id == job(i)
         plan = book.residency.plan_switch(waiter.request)
-        book.finish_switch(
-            plan, waiter.request, started=now, ended=now, moved_bytes=1, waited_for=None
-        )
+        book.finish_switch(SwitchDone(plan, waiter.request, now, now, 1, waited_for=None))
         book.leases.confirm(book.grant(waiter, now, parked=False).token, now)
         now += timedelta(seconds=1)
 
