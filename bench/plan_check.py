@@ -151,7 +151,7 @@ def main() -> None:
         "--policy",
         choices=POLICIES,
         default=POLICIES[0],
-        help="the groups' grant_policy, and the predictions' (default phase_aware)",
+        help=f"the groups' grant_policy, and the predictions' (default {POLICIES[0]})",
     )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument(

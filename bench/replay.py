@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from timeslice.protocol import utilization as one_definition  # noqa: E402
+from timeslice.protocol.group import DEFAULT_GRANT_POLICY, GrantPolicy  # noqa: E402
 
 from bench.handoff import cpu_model, percentile  # noqa: E402
 
@@ -65,7 +66,8 @@ WHILE_JOBS_RAN = one_definition.WHILE_JOBS_RAN
 
 LAYOUTS = ("one-group", "disaggregated", "shared-trainer", "dedicated")
 ASYNC_LAYOUTS = ("shared-trainer", "dedicated")
-POLICIES = ("phase_aware", "fifo")  # GroupConfig.grant_policy; the first is its default
+# GroupConfig.grant_policy's values, its default first.
+POLICIES = tuple(sorted((p.value for p in GrantPolicy), key=lambda p: p != DEFAULT_GRANT_POLICY))
 
 
 def groups_of(layout: str, job: int, stamp: str, mode: str = "sync") -> tuple[str, str]:
@@ -264,7 +266,7 @@ def main() -> None:
         "--policy",
         choices=POLICIES,
         default=POLICIES[0],
-        help="the groups' grant_policy, and the ideal's (default phase_aware, GroupConfig's)",
+        help=f"the groups' grant_policy, and the ideal's (default {POLICIES[0]}, GroupConfig's)",
     )
     p.add_argument("--mode", choices=("sync", "async"), default="sync", help="the jobs' mode")
     p.add_argument("--max-staleness", type=int, default=8, help="async: the staleness bound")

@@ -38,7 +38,12 @@ from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import EmbeddedServer
 from timeslice.cli.services import ServiceStartError, start_service
 from timeslice.jobs import describe_progress, parse_job_config, start_rl_job
-from timeslice.protocol.group import GrantPolicy, GroupConfig, group_workflow_id
+from timeslice.protocol.group import (
+    DEFAULT_GRANT_POLICY,
+    GrantPolicy,
+    GroupConfig,
+    group_workflow_id,
+)
 from timeslice.protocol.rl_job import (
     JobQuery,
     RLJobProgress,
@@ -107,7 +112,7 @@ async def run_jobs(
     epochs: int,
     batch: int,
     options: dict[str, Any],
-    policy: GrantPolicy = GrantPolicy.PHASE_AWARE,
+    policy: GrantPolicy = DEFAULT_GRANT_POLICY,
     workload: str = "grpo-toy",
 ) -> tuple[list[RLJobResult], dict[str, float]]:
     """Run the two jobs of ``run`` at once; their results and wall times (start to result)."""
@@ -276,7 +281,7 @@ def main() -> int:
     parser.add_argument(
         "--grant-policy",
         choices=[p.value for p in GrantPolicy],
-        default=GrantPolicy.PHASE_AWARE.value,
+        default=DEFAULT_GRANT_POLICY.value,
         help="the groups' grant policy (phase_aware: a job keeps the group from train into its "
         "next sample, within bounds, even when the other waits; fifo: only when nobody waits)",
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from timeslice.errors import InvalidArgumentError
+from timeslice.protocol.group import DEFAULT_AGING_S, DEFAULT_GRANT_POLICY, GrantPolicy
 from timeslice.protocol.utilization import WHILE_JOBS_RAN
 
 if TYPE_CHECKING:
@@ -74,14 +75,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     where.add_argument("--gpus-per-group", type=int, default=1, help="for GPUs saved (default 1)")
     where.add_argument(
-        "--aging", type=_finite, default=60.0, metavar="S", help="the groups' aging_s (default 60)"
+        "--aging",
+        type=_finite,
+        default=DEFAULT_AGING_S,
+        metavar="S",
+        help=f"the groups' aging_s (default {DEFAULT_AGING_S:g})",
     )
     where.add_argument(
         "--policy",
-        choices=("phase_aware", "fifo"),
-        default="phase_aware",
+        choices=[p.value for p in GrantPolicy],
+        default=DEFAULT_GRANT_POLICY.value,
         help="the groups' grant_policy, which predictions and the recommendation use (default "
-        "phase_aware, GroupConfig's default; its bounds are GroupConfig's defaults)",
+        f"{DEFAULT_GRANT_POLICY}, GroupConfig's default; its bounds are GroupConfig's defaults)",
     )
     where.add_argument(
         "--compare-policies",
@@ -346,7 +351,7 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
     if args.aging <= 0:
         raise InvalidArgumentError("--aging must be > 0 seconds")
     try:
-        policy = GroupSpec(grant_policy=getattr(args, "policy", "phase_aware"))
+        policy = GroupSpec(grant_policy=getattr(args, "policy", DEFAULT_GRANT_POLICY))
         if pooled:
             return Layout(
                 sampler_groups=_names(args.sampler_groups, "--sampler-groups", "sampler"),
@@ -469,10 +474,9 @@ def compare_policies(planner: Planner, result: PlanResult) -> Compared:
     """The assignments found, predicted again under the other grant policy (same groups,
     same bounds, same epochs)."""
     from timeslice.plan.search import Planner
-    from timeslice.protocol.group import GrantPolicy
 
     ours = result.layout.policy.grant_policy
-    other = GrantPolicy.FIFO if ours is GrantPolicy.PHASE_AWARE else GrantPolicy.PHASE_AWARE
+    other = next(p for p in GrantPolicy if p is not ours)
     rival = Planner(
         list(planner.profiles.values()),
         result.layout.with_policy(other),
@@ -496,7 +500,7 @@ def _pct(x: float) -> str:
 
 def describe_policy(layout: Layout) -> str:
     spec = layout.policy
-    if spec.grant_policy.value == "fifo":
+    if spec.grant_policy is GrantPolicy.FIFO:
         return "fifo (a lease is kept into its holder's next phase only when nobody waits)"
     return (
         "phase_aware (a lease may be carried past waiters into its holder's next phase: "

@@ -43,7 +43,7 @@ from timeslice.plan.simulator import (
     Placement,
     simulate,
 )
-from timeslice.protocol.group import GrantPolicy
+from timeslice.protocol.group import DEFAULT_AGING_S, GrantPolicy
 from timeslice.protocol.utilization import demand_bound
 
 DEFAULT_MAX_SLOWDOWN = 1.5
@@ -59,7 +59,7 @@ class Layout:
     sampler_groups: tuple[str, ...] = ()
     trainer_groups: tuple[str, ...] = ()
     memory_bytes: int | None = None
-    aging_s: float = 60.0
+    aging_s: float = DEFAULT_AGING_S
     gpus_per_group: int = 1
     # Every group's settings but its memory and ageing: the grant policy and its bounds
     # (GroupConfig's defaults).

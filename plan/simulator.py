@@ -4,9 +4,10 @@ What it models, each rule taken from the code it stands for:
 
 - **the group** (``workflows/group_book.py``): one holder at a time; the next holder is the
   waiter with the highest ``priority + waited / aging_s``, first come first served among
-  equals; sticky residency (a release with nobody waiting leaves the state on the device);
-  when the group's ``memory_bytes`` holds both jobs' states the next holder is granted at once
-  and its restore overlaps the eviction, otherwise the grant waits for the eviction's report.
+  equals (``grant_policy.next_waiter``, called here as ``GroupBook`` calls it); sticky
+  residency (a release with nobody waiting leaves the state on the device); when the group's
+  ``memory_bytes`` holds both jobs' states the next holder is granted at once and its restore
+  overlaps the eviction, otherwise the grant waits for the eviction's report.
 - **the grant policy** (``workflows/grant_policy.py``, called here, not copied): a holder whose
   next GPU phase on the same group follows at once asks to *carry* its lease into it (what
   ``LeaseReturn.carry_into`` says), stating that phase's length (the step's mean: a job knows
@@ -64,7 +65,9 @@ from typing import Any, Literal
 
 from timeslice.plan.profile import JobProfile, Overheads, Seconds, StateProfile
 from timeslice.protocol.group import (
+    DEFAULT_AGING_S,
     DEFAULT_CARRY_LIMIT_S,
+    DEFAULT_GRANT_POLICY,
     DEFAULT_MAX_CARRIES,
     DEFAULT_SHARE_SLACK,
     GrantPolicy,
@@ -74,6 +77,7 @@ from timeslice.workflows.grant_policy import (
     Carry,
     CarryLimits,
     decide_carry,
+    next_waiter,
     record_wait,
     remember_job,
     waiting_share,
@@ -118,11 +122,11 @@ class GroupSpec:
     """A group's settings, as its ``GroupConfig`` has them (same defaults)."""
 
     memory_bytes: int | None = None
-    aging_s: float = 60.0
+    aging_s: float = DEFAULT_AGING_S
     # The group grants nothing before this (the jobs' preparation held it; bench/plan_check.py
     # lines a simulated run up with a real one this way).
     opens_s: float = 0.0
-    grant_policy: GrantPolicy = GrantPolicy.PHASE_AWARE
+    grant_policy: GrantPolicy = DEFAULT_GRANT_POLICY
     max_carries: int = DEFAULT_MAX_CARRIES
     carry_limit_s: float = DEFAULT_CARRY_LIMIT_S
     share_slack: float = DEFAULT_SHARE_SLACK
@@ -721,10 +725,10 @@ class Simulation:
         self._decide(t, group)
 
     def _best(self, t: float, group: _Group) -> _Waiter | None:
-        if not group.queue:
-            return None
-        aging = group.spec.aging_s
-        return max(group.queue, key=lambda w: (w.job.priority + (t - w.enqueued) / aging, -w.seq))
+        """The waiter the group serves next, by the group's own rule (``next_waiter``)."""
+        return next_waiter(
+            group.queue, lambda w: (w.job.priority, t - w.enqueued, w.seq), group.spec.aging_s
+        )
 
     def _share(self, group: _Group, job: _Job, t: float) -> float:
         records = group.shares.get(job.id)

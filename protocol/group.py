@@ -83,6 +83,57 @@ class GroupQuery(StrEnum):
     STATUS = "status"
 
 
+# What each message of the group workflow does: its handler's description, which the Web UI
+# and `temporal workflow metadata` show (tests/unit/test_contract.py: every message has one).
+GROUP_MESSAGE_ABOUT: dict[str, str] = {
+    GroupUpdate.ACQUIRE: (
+        "Queue a lease request (idempotent by request id) and park until it is granted (the "
+        "answer carries the grant notice), gone, or to be asked again; refused while the queue "
+        "is full."
+    ),
+    GroupUpdate.RELEASE: (
+        "End the caller's lease, or keep it (nobody waits and it asked, or the grant policy "
+        "carries it into its next phase); the answer says whether to evict its own state now."
+    ),
+    GroupUpdate.RENEW: (
+        "Renew the caller's lease for its TTL (the first renewal confirms a grant taken from a "
+        "parked acquire); not valid once the lease is gone or with a wrong key."
+    ),
+    GroupUpdate.CANCEL: (
+        "Take a request back: leave the queue, or end the lease if a grant raced the give-up. "
+        "Only with the request's key."
+    ),
+    GroupUpdate.MOVED: (
+        "A job reports that its state left this group's device (its own eviction after a "
+        "release, or a move to another group): bytes counted, residency forgotten; a failed "
+        "eviction faults the job when the group asked for it."
+    ),
+    GroupUpdate.DEPART: (
+        "A job's processes closed: its state left the device with them, and the group forgets "
+        "it. False while the job holds the group, or with a wrong key."
+    ),
+    GroupSignal.REQUEST: (
+        "A requester workflow's lease request: queued (its grant comes by the timeslice_grant "
+        "signal); dropped and counted when malformed or the queue is full."
+    ),
+    GroupSignal.RELEASE: "A requester workflow ends its lease (with what it moved itself).",
+    GroupSignal.RENEW: (
+        "A requester workflow renews its lease (its answered renewals go as the renew update)."
+    ),
+    GroupSignal.CANCEL: (
+        "A requester workflow takes its request back (as the cancel_request update)."
+    ),
+    GroupQuery.HOLDER: (
+        "The current lease only (job, fencing token, time held and left, waiters): what a "
+        "running phase checks its token against."
+    ),
+    GroupQuery.STATUS: (
+        "The group's status: holder, queue, resident and faulted jobs, counts, share held, wait "
+        "percentiles, lease and switch records."
+    ),
+}
+
+
 # The Web UI's search attributes, defined here once: the group's id on its workflow, the job's
 # id and current phase on an RL job's workflow (`timeslice setup` registers them).
 GROUP_KEY = SearchAttributeKey.for_keyword("TimesliceGroup")
@@ -134,9 +185,14 @@ MAX_WAIT_SAMPLES_KEEP = 2048
 # computed over, and jobs a group remembers them for (the least recently granted go first).
 WAIT_RECORDS_KEEP = 16
 WAIT_SHARE_JOBS_KEEP = 32
+# A group's grant policy and its bounds when its config names none: GroupConfig's defaults,
+# and the planner's, the simulator's and the CLI's (one place, so they cannot drift apart).
+DEFAULT_GRANT_POLICY = GrantPolicy.PHASE_AWARE
 DEFAULT_MAX_CARRIES = 1
 DEFAULT_CARRY_LIMIT_S = 60.0
 DEFAULT_SHARE_SLACK = 0.05
+# Seconds of waiting that raise a waiter by one priority level (the waiter order's ageing).
+DEFAULT_AGING_S = 60.0
 # The most one entry takes, encoded with its separator: ids are ASCII (ID_RULE), times at most
 # "2999-12-31T23:59:59.999999-23:59", integers 20 characters, floats 24.
 _ID_BYTES = 103
@@ -380,7 +436,7 @@ class GroupConfig(_Model):
     group_id: str
     default_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
     aging_s: float = Field(
-        60.0,
+        DEFAULT_AGING_S,
         gt=0,
         le=366 * 86_400.0,
         description="seconds of waiting that raise a waiter by one priority level",
@@ -408,7 +464,7 @@ class GroupConfig(_Model):
         "next job's declared state both fit, eviction and restore run at the same time",
     )
     grant_policy: GrantPolicy = Field(
-        GrantPolicy.PHASE_AWARE,
+        DEFAULT_GRANT_POLICY,
         description="phase_aware: a holder whose next GPU phase here follows at once keeps "
         "the lease into it even when others wait, within max_carries, carry_limit_s and the "
         "waiting-share rule; fifo: only when nobody waits",

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import (
@@ -24,14 +25,21 @@ from timeslice.protocol.group import (
     AcquireRequest,
     GroupConfig,
     GroupInput,
+    GroupQuery,
+    GroupSignal,
+    GroupUpdate,
     LeaseOutcome,
+    QueueTarget,
     ReleaseRequest,
     RenewRequest,
     RenewResult,
+    SnapshotJobInput,
+    SnapshotTarget,
     group_workflow_id,
     lease_key_hash,
 )
 from timeslice.snapshot import NoopBackend, SimulatedBackend
+from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 from .helpers import (
     assert_no_overlap,
@@ -298,6 +306,50 @@ def test_sticky_residency_and_eviction_calls(address, group, make_client):
     status = a.group_status(group)
     assert (status.stats.evictions, status.stats.restores, status.stats.switches) == (2, 1, 2)
     assert status.resident_job == "ja"
+
+
+def test_the_group_and_a_standalone_eviction_explain_themselves(address, group, make_client):
+    """What the Web UI and ``temporal workflow metadata`` show: every group handler's
+    description and the group's details; a SnapshotJobWorkflow's details."""
+    job = make_client(job_id="explained", snapshot_backends=[NoopBackend()])
+    lease = job.acquire(group)
+    standalone = f"snapshot-explained-{uuid.uuid4().hex[:8]}"
+
+    async def metadata() -> tuple[WorkflowMetadata, WorkflowMetadata]:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        group_md = await client.get_workflow_handle(group_workflow_id(group)).query(
+            "__temporal_workflow_metadata", result_type=WorkflowMetadata
+        )
+        target = SnapshotTarget(queues=[QueueTarget(task_queue=job.task_queue, backends=["noop"])])
+        await client.execute_workflow(
+            SNAPSHOT_JOB_WORKFLOW_TYPE,
+            SnapshotJobInput(job_id="explained", action="snapshot", target=target),
+            id=standalone,
+            task_queue=CONTROL_TASK_QUEUE,
+        )
+        snapshot_md = await client.get_workflow_handle(standalone).query(
+            "__temporal_workflow_metadata", result_type=WorkflowMetadata
+        )
+        return group_md, snapshot_md
+
+    group_md, snapshot_md = asyncio.run(metadata())
+    job.release(lease)
+    definition = group_md.definition
+    handlers = [  # the SDK's own queries (stack traces, this metadata) aside
+        h
+        for h in (
+            *definition.signal_definitions,
+            *definition.update_definitions,
+            *definition.query_definitions,
+        )
+        if not h.name.startswith("__")
+    ]
+    assert {h.name for h in handlers} == {
+        m.value for kind in (GroupSignal, GroupUpdate, GroupQuery) for m in kind
+    }
+    assert all(h.description for h in handlers), [h.name for h in handlers if not h.description]
+    assert "**holder**: explained" in group_md.current_details
+    assert snapshot_md.current_details == f"**snapshot** job explained on {job.task_queue}"
 
 
 def test_job_without_backend_is_never_evicted(address, group, make_client):

@@ -13,7 +13,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 from timeslice.workers.control import WORKFLOWS
 from timeslice.workers.sandbox import workflow_runner
-from timeslice.workflows.gpu_group import (
+from timeslice.workflows.group_patches import (
     BOUNDED_EVICTION_REPORT_WAIT,
     FORGET_GONE_EVICTOR,
     ONE_DEADLINE_TIMER,

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from enum import Enum
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -34,8 +32,6 @@ from timeslice.protocol.group import (
     DELIVER_GRANT_ACTIVITY,
     GRANT_SIGNAL,
     GROUP_WORKFLOW_TYPE,
-    RESTORE_ACTIVITY,
-    SNAPSHOT_ACTIVITY,
     AcquireAnswer,
     AcquireCall,
     AcquireOutcome,
@@ -60,72 +56,26 @@ from timeslice.protocol.group import (
     ReleaseRequest,
     RenewRequest,
     RenewResult,
-    ResidentJob,
     ReturnAnswer,
-    SnapshotTarget,
-    SwitchRecord,
     parse_message,
 )
-from timeslice.workflows.group_book import GroupBook, SwitchPlan
-from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
+from timeslice.protocol.group import GROUP_MESSAGE_ABOUT as ABOUT
+from timeslice.workflows.deadline_timer import DeadlineTimer
+from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_patches import (
+    AUTHENTICATED_GRANT_ANSWERS,
+    CONFIRMED_GRANT_OUTLIVES_DELIVERY,
+    FAULT_ONLY_ASKED_EVICTION,
+    ONE_DEADLINE_TIMER,
+    PHASE_AWARE_GRANTS,
+)
+from timeslice.workflows.group_switch import GroupSwitch
+from timeslice.workflows.inputs import fail_on_bad_input, parse_input, parses
 
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
-# workflow.patched id: groups that started before it replay with the old, unbounded wait.
-BOUNDED_EVICTION_REPORT_WAIT = "bounded-eviction-report-wait"
-# workflow.patched ids: a holder that never reported its eviction and whose processes are gone
-# is forgotten; a failed-eviction report faults the job only from the lease answered `evict`.
-FORGET_GONE_EVICTOR = "forget-gone-evictor"
-FAULT_ONLY_ASKED_EVICTION = "fault-only-asked-eviction"
-# workflow.patched id: a grant's delivery outcome is obeyed only when it presents the lease key.
-AUTHENTICATED_GRANT_ANSWERS = "authenticated-grant-answers"
-# workflow.patched id: a delivery activity that fails after its holder confirmed the grant by a
-# renewal no longer ends the lease (groups that started before end it, as they did).
-CONFIRMED_GRANT_OUTLIVES_DELIVERY = "confirmed-grant-outlives-delivery"
-# workflow.patched id: a lease may be carried past waiters into its holder's next phase (the
-# phase_aware grant policy); groups that started before it replay releasing as FIFO did.
-PHASE_AWARE_GRANTS = "phase-aware-grants"
-# workflow.patched id: one durable timer for the earliest of the group's deadlines (lease
-# expiry, grant confirmation, waiter and park time-outs, an eviction report) instead of a timer
-# started and cancelled by every wait; groups that started before it replay as they ran.
-ONE_DEADLINE_TIMER = "one-deadline-timer"
 _PARK_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
-
-
-class _Moved(Enum):
-    OK = "ok"
-    GONE = "gone"  # no process picked the task up: the job's processes are gone
-    FAILED = "failed"
-
-
-class _DeadlineTimer:
-    """One pending durable timer, set for the earliest deadline the group knows of.
-
-    ``workflow.wait_condition(timeout=...)`` starts a timer on every call and cancels it when
-    the condition wins first: on a busy group, three timers started and cancelled per lease.
-    This timer is replaced only when a deadline earlier than it appears; a later deadline waits
-    for it to fire (one early wake, which sets the timer for what is then the earliest)."""
-
-    def __init__(self, fired: Callable[[], None]) -> None:
-        self._fired = fired
-        self._handle: asyncio.TimerHandle | None = None
-        self._at: datetime | None = None
-
-    def set_for(self, deadline: datetime | None) -> None:
-        if deadline is None or (self._at is not None and self._at <= deadline):
-            return
-        now = workflow.now()
-        if deadline <= now:
-            return  # overdue: whoever waits for it acts on it now
-        if self._handle is not None:
-            self._handle.cancel()
-        self._at = deadline
-        delay = (deadline - now).total_seconds()
-        self._handle = asyncio.get_running_loop().call_later(delay, self._ring)
-
-    def _ring(self) -> None:
-        self._handle = self._at = None
-        self._fired()
+R = TypeVar("R")
 
 
 class _GroupMetrics:
@@ -195,15 +145,12 @@ class _GroupMetrics:
 class GpuGroupWorkflow:
     @workflow.init
     def __init__(self, *raw: Any) -> None:
-        # Taken raw and validated here rather than by the data converter: a decoding error (or
-        # a missing or extra argument) would fail the workflow *task* and retry forever; bad
-        # input must fail the workflow, once, clearly.
-        self._input_error: str | None = None
-        try:
-            inp = parse_message(GroupInput, raw, "GpuGroupWorkflow")
-        except MalformedMessage as err:
-            self._input_error = str(err)
-            inp = GroupInput(config=GroupConfig(group_id="invalid-input"))
+        inp, self._input_error = parse_input(
+            GroupInput,
+            raw,
+            "GpuGroupWorkflow",
+            lambda: GroupInput(config=GroupConfig(group_id="invalid-input")),
+        )
         self._config = inp.config
         self._metrics = _GroupMetrics(self._config.group_id)
         self._book = GroupBook(
@@ -217,31 +164,31 @@ class GpuGroupWorkflow:
         # delivery activity (its completion arriving during continue-as-new would fail it).
         self._fault_notices_in_flight = 0
         self._delivery_tasks: set[asyncio.Task[None]] = set()
-        # Evictions running beside the holder's lease (both states fit).
-        self._evictions: set[asyncio.Task[None]] = set()
         # request id -> the answer for its parked `acquire` update (None while undecided)
         self._parked: dict[str, AcquireAnswer | None] = {}
         self._closing = False
-        # A switch waiting for the previous holder's report of its own eviction: the report's
-        # bytes belong to that switch's mark on the timeline.
-        self._awaiting_eviction_of: str | None = None
         self._unfit_logged = False
         # With ONE_DEADLINE_TIMER: the deadlines that are not the book's, by what waits on them.
         self._park_deadlines: dict[str, datetime] = {}
-        self._report_deadline: datetime | None = None
-        self._timer = _DeadlineTimer(self._deadline_passed)
+        self._timer = DeadlineTimer(self._deadline_passed)
+        self._switch = GroupSwitch(
+            self._book,
+            self._config,
+            wake=self._wake_up,
+            one_timer=self._one_timer,
+            set_timer=self._set_timer,
+        )
 
     # ---------------------------------------------------------------- main loop
 
     @workflow.run
     async def run(self, *raw: Any) -> None:
-        if self._input_error is not None:
-            raise ApplicationError(self._input_error, type="InvalidInput", non_retryable=True)
+        fail_on_bad_input(self._input_error)
         holder = self._book.state.holder
         if holder is not None and not holder.delivered and holder.confirm_by is None:
             # Granted by activity or signal in the last run, not yet confirmed: deliver again
             # (the process's inbox answers a duplicate grant as accepted).
-            notice = self._book.holder_notice()
+            notice = self._book.leases.holder_notice()
             assert notice is not None
             self._start_delivery(notice)
         self._publish_details()
@@ -267,12 +214,15 @@ class GpuGroupWorkflow:
     def _one_timer(self) -> bool:
         return workflow.patched(ONE_DEADLINE_TIMER)
 
+    def _wake_up(self) -> None:
+        self._wake = True
+
     def _set_timer(self) -> None:
         """Keep the one timer set for the earliest deadline still ahead."""
         now = workflow.now()
         ahead = [
             d
-            for d in (self._book.next_deadline(), self._report_deadline)
+            for d in (self._book.next_deadline(), self._switch.report_deadline)
             if d is not None and d > now
         ]
         ahead.extend(d for d in self._park_deadlines.values() if d > now)
@@ -291,7 +241,7 @@ class GpuGroupWorkflow:
             self._fault_notices_in_flight == 0
             and self._book.switching_for is None
             and not self._delivery_tasks
-            and not self._evictions
+            and not self._switch.evictions
         )
 
     async def _continue_as_new(self) -> None:
@@ -306,9 +256,7 @@ class GpuGroupWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         self._closing = False
         if self._quiescent() and self._carriable():
-            self._book.state.stats.runs += 1
-            carried, _, _ = self._book.carried_input()
-            workflow.continue_as_new(carried)
+            workflow.continue_as_new(self._book.accounts.next_run_input())
 
     def _carriable(self) -> bool:
         """Whether the next run's input fits Temporal's payload limit (shedding the oldest
@@ -316,7 +264,7 @@ class GpuGroupWorkflow:
         bounds can be). If not even that does, the group keeps serving in this run rather than
         send an input the server refuses: a continue-as-new task failing forever."""
         book = self._book
-        _, size, shed = book.carried_input()
+        _, size, shed = book.accounts.carried_input()
         if shed:
             workflow.logger.warning(
                 "group %s shed its %d oldest lease and switch records so that its "
@@ -347,7 +295,7 @@ class GpuGroupWorkflow:
             assert waiter is not None
             request = waiter.request
             try:
-                fault = await self._switch_to(request)
+                fault = await self._switch.switch_to(request)
             finally:
                 if book.switch_cancelled:
                     book.switching_for = book.switching_key_hash = None
@@ -427,16 +375,16 @@ class GpuGroupWorkflow:
         if (
             notice.reply_task_queue is not None
             and workflow.patched(AUTHENTICATED_GRANT_ANSWERS)
-            and not self._book.answer_is_proven(notice.token, answer_key)
+            and not self._book.leases.answer_is_proven(notice.token, answer_key)
         ):
             # Anyone in the namespace can complete or fail an activity by its id: an outcome
             # without the key may hide a grant the process took, so it ends nothing. The
             # holder's renewal or release confirms the lease, or it ends as dead.
             if answered:
-                self._book.forged_answer()
-            self._book.unconfirmed(notice.token, now)
+                self._book.leases.forged_answer()
+            self._book.leases.unconfirmed(notice.token, now)
         elif outcome is None:
-            self._book.confirm(notice.token, now)
+            self._book.leases.confirm(notice.token, now)
         elif holder.delivered and workflow.patched(CONFIRMED_GRANT_OUTLIVES_DELIVERY):
             # The holder confirmed the grant by a renewal while this activity was on its way
             # (it took the grant by asking again): it holds it, whatever became of the activity.
@@ -449,176 +397,14 @@ class GpuGroupWorkflow:
         else:
             self._book.end_lease(outcome, now)
 
-    # ---------------------------------------------------------------- switching
-
-    async def _switch_to(self, request: AcquireRequest) -> str | None:
-        """Evict the resident job if another job takes the group, then restore the new one
-        (both at once when the group's memory holds both). Returns a fault message if the new
-        holder's state could not be restored."""
-        book = self._book
-        started = workflow.now()
-        bytes_before = book.state.stats.bytes_moved
-        waited_for = await self._await_own_eviction(request)
-        plan = book.plan_switch(request)
-        if plan.fault is not None:
-            return plan.fault
-        fault: str | None = None
-        if plan.overlapped:
-            self._evict_beside(plan)
-        elif plan.evict is not None:
-            await self._evict(plan)
-        if plan.restore:
-            fault = await self._restore(request)
-        book.finish_switch(
-            dataclasses.replace(plan, fault=fault),
-            request,
-            started=started,
-            ended=workflow.now(),
-            moved_bytes=book.state.stats.bytes_moved - bytes_before,
-            waited_for=waited_for,
-        )
-        return fault
-
-    async def _await_own_eviction(self, request: AcquireRequest) -> ResidentJob | None:
-        """A previous holder still moving its state out: wait for its report unless both fit.
-
-        If the report does not come in time, the group evicts it through its own snapshot
-        activity. Returns the job waited for, if any."""
-        book = self._book
-        evicting = book.eviction_to_await(request)
-        if evicting is None:
-            return None
-        self._awaiting_eviction_of = evicting.job_id
-        # Its process may have died right after releasing (the soak found a group idle for its
-        # whole 300-s snapshot time-out so): past the time a live process has to answer a grant,
-        # the group's own snapshot activity takes over. On a live process it waits for the
-        # eviction under way and finds nothing left to move; on a dead one it is not picked up.
-        report_wait = self._config.snapshot_timeout_s
-        if workflow.patched(BOUNDED_EVICTION_REPORT_WAIT):
-            report_wait = min(report_wait, self._config.grant_ack_timeout_s)
-        try:
-            if self._one_timer():
-                give_up_at = workflow.now() + timedelta(seconds=report_wait)
-                self._report_deadline = give_up_at
-                self._set_timer()
-                await workflow.wait_condition(
-                    lambda: book.state.evicting is None or workflow.now() >= give_up_at
-                )
-            else:
-                with contextlib.suppress(TimeoutError):
-                    await workflow.wait_condition(
-                        lambda: book.state.evicting is None, timeout=report_wait
-                    )
-        finally:
-            self._awaiting_eviction_of = None
-            self._report_deadline = None
-        late = book.state.evicting
-        if late is not None:
-            book.clear_evicting()
-            if late.snapshot is not None:
-                workflow.logger.warning(
-                    "job %s did not report its own eviction; evicting it", late.job_id
-                )
-                result = await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
-                if result is _Moved.GONE and workflow.patched(FORGET_GONE_EVICTOR):
-                    # No process picked the task up: the job's processes are gone, and its
-                    # state with them (as in _evict), so nothing is left to restore.
-                    book.evictor_gone(late.job_id)
-        return evicting
-
-    def _evict_beside(self, plan: SwitchPlan) -> None:
-        """Evict the previous resident while the next holder is granted and works: both
-        states fit in the group's declared memory. The copy's bytes get a mark of no width
-        (it overlapped the holder's lease, which is not switching time)."""
-        resident = plan.evict
-        assert resident is not None and resident.snapshot is not None
-        target = resident.snapshot
-
-        async def evict() -> None:
-            bytes_before = self._book.state.stats.bytes_moved
-            result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, target)
-            now = workflow.now()
-            self._book.eviction_done(
-                resident.job_id,
-                gone=result is _Moved.GONE,
-                ok=result is _Moved.OK,
-                now=now,
-                preempted=resident.lease_expired,
-            )
-            moved = self._book.state.stats.bytes_moved - bytes_before
-            if moved:
-                self._book.record_switch(
-                    SwitchRecord(
-                        from_job=resident.job_id,
-                        to_job=None,
-                        start=now,
-                        end=now,
-                        bytes=moved,
-                        overlapped=True,
-                    )
-                )
-            self._wake = True
-
-        task = asyncio.create_task(evict())
-        self._evictions.add(task)
-        task.add_done_callback(self._evictions.discard)
-
-    async def _evict(self, plan: SwitchPlan) -> None:
-        resident = plan.evict
-        assert resident is not None and resident.snapshot is not None
-        result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
-        if result is _Moved.OK:
-            self._book.evicted(resident.job_id, preempted=resident.lease_expired)
-        elif result is _Moved.GONE:
-            # Its process is gone, and its device memory with it: nothing to evict.
-            self._book.forget(resident.job_id)
-
-    async def _restore(self, request: AcquireRequest) -> str | None:
-        """Restore the request's job; a fault message if that failed."""
-        assert request.snapshot is not None
-        result = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
-        if result is _Moved.OK:
-            self._book.restored(request.job_id)
-            return None
-        return self._book.fault(request.job_id, "restore found no process on a rank queue")
-
-    async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
-        verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
-        results = await run_on_queues(
-            activity,
-            job_id,
-            target,
-            context=self._config.group_id,
-            pickup_timeout_s=self._config.grant_ack_timeout_s,
-            run_timeout_s=self._config.snapshot_timeout_s,
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for reports in results:
-            if isinstance(reports, list):
-                self._book.count_moved(verb, reports)
-        if not failures:
-            return _Moved.OK
-        if all(process_gone(f) for f in failures):
-            workflow.logger.warning("%s of job %s: no process serves its queue", verb, job_id)
-            return _Moved.GONE
-        cause = next(f for f in failures if not process_gone(f))
-        message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
-        workflow.logger.error("job %s: %s; marking the job faulted", job_id, message)
-        self._book.fault(job_id, message)
-        self._book.state.stats.snapshot_failures += 1
-        if job_id in self._book.state.evicted_jobs:
-            self._book.state.evicted_jobs.remove(job_id)
-        return _Moved.FAILED
-
     # ---------------------------------------------------------------- updates (processes)
 
     # Every handler takes its argument raw (``*raw``) and parses it itself: a missing, extra,
     # undecodable or invalid argument must not fail the workflow task. Updates are refused by
     # their validator (the sender gets the reason); signals are dropped and counted.
 
-    @workflow.update(name=GroupUpdate.ACQUIRE)
+    @workflow.update(name=GroupUpdate.ACQUIRE, description=ABOUT[GroupUpdate.ACQUIRE])
     async def acquire(self, *raw: Any) -> AcquireAnswer:
-        """Queue a request (idempotent by request id) and park until it is granted or gone."""
         book = self._book
         call = parse_message(AcquireCall, raw, "the acquire update")
         request = call.request
@@ -626,9 +412,9 @@ class GpuGroupWorkflow:
         if refusal is not None:  # the validator refuses it first; a replay finds the same
             raise ApplicationError(refusal, type="QueueFull", non_retryable=True)
         rid = request.request_id
-        if book.holds(rid):
-            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.holder_notice())
-        if book.done(rid):
+        if book.leases.holds(rid):
+            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.leases.holder_notice())
+        if book.leases.done(rid):
             return AcquireAnswer(outcome=AcquireOutcome.GONE)
         busy = book.state.holder is not None or book.state.queue or book.switching_for
         if call.only_if_free and busy and not book.known(rid):
@@ -668,8 +454,8 @@ class GpuGroupWorkflow:
         answer = self._parked.pop(rid, None)
         if answer is not None:
             return answer
-        if book.holds(rid):  # granted by another path while parked
-            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.holder_notice())
+        if book.leases.holds(rid):  # granted by another path while parked
+            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.leases.holder_notice())
         if book.settled(rid):
             return AcquireAnswer(outcome=AcquireOutcome.GONE)
         return AcquireAnswer(outcome=AcquireOutcome.RETRY)
@@ -681,23 +467,22 @@ class GpuGroupWorkflow:
         if refusal is not None:
             raise ValueError(refusal)
 
-    @workflow.update(name=GroupUpdate.RELEASE)
-    def release_lease(self, *raw: Any) -> ReturnAnswer:
-        ret = parse_message(LeaseReturn, raw, "the release_lease update")
-        answer = self._book.release(ret, workflow.now())
-        self._wake = True
-        return answer
-
-    @release_lease.validator
-    def _validate_release_lease(self, *raw: Any) -> None:
-        parse_message(LeaseReturn, raw, "the release_lease update")
-
-    @workflow.update(name=GroupUpdate.RENEW)
-    def renew(self, *raw: Any) -> RenewResult:
-        renew = parse_message(RenewRequest, raw, "the renew update")
-        result = self._book.renew(renew, workflow.now())
+    def _obey(self, message: M, act: Callable[[M, datetime], R]) -> R:
+        """Have the book act on a valid message now, and wake the main loop to follow up."""
+        result = act(message, workflow.now())
         self._wake = True
         return result
+
+    @workflow.update(name=GroupUpdate.RELEASE, description=ABOUT[GroupUpdate.RELEASE])
+    def release_lease(self, *raw: Any) -> ReturnAnswer:
+        ret = parse_message(LeaseReturn, raw, "the release_lease update")
+        return self._obey(ret, self._book.release)
+
+    release_lease.validator(parses(LeaseReturn, "the release_lease update"))
+
+    @workflow.update(name=GroupUpdate.RENEW, description=ABOUT[GroupUpdate.RENEW])
+    def renew(self, *raw: Any) -> RenewResult:
+        return self._obey(parse_message(RenewRequest, raw, "the renew update"), self._book.renew)
 
     @renew.validator
     def _validate_renew(self, *raw: Any) -> None:
@@ -705,41 +490,34 @@ class GpuGroupWorkflow:
         if renew.token <= 0:
             raise ValueError(f"invalid fencing token {renew.token}")
 
-    @workflow.update(name=GroupUpdate.CANCEL)
+    @workflow.update(name=GroupUpdate.CANCEL, description=ABOUT[GroupUpdate.CANCEL])
     def cancel_request(self, *raw: Any) -> None:
         cancel = parse_message(CancelRequest, raw, "the cancel_request update")
-        self._book.cancel(cancel.request_id, cancel.key, workflow.now())
-        self._wake = True
+        self._obey(cancel, self._cancel)
 
-    @cancel_request.validator
-    def _validate_cancel_request(self, *raw: Any) -> None:
-        parse_message(CancelRequest, raw, "the cancel_request update")
+    def _cancel(self, cancel: CancelRequest, now: datetime) -> None:
+        self._book.cancel(cancel.request_id, cancel.key, now)
 
-    @workflow.update(name=GroupUpdate.MOVED)
+    cancel_request.validator(parses(CancelRequest, "the cancel_request update"))
+
+    @workflow.update(name=GroupUpdate.MOVED, description=ABOUT[GroupUpdate.MOVED])
     def report_moved(self, *raw: Any) -> None:
         report = parse_message(MovedReport, raw, "the report_moved update")
-        awaited = report.job_id == self._awaiting_eviction_of
+        awaited = report.job_id == self._switch.awaiting_eviction_of
         asked_only = report.error is None or workflow.patched(FAULT_ONLY_ASKED_EVICTION)
         self._book.moved(
             report, workflow.now(), marked=not awaited, faults_only_if_asked=asked_only
         )
         self._wake = True
 
-    @report_moved.validator
-    def _validate_report_moved(self, *raw: Any) -> None:
-        parse_message(MovedReport, raw, "the report_moved update")
+    report_moved.validator(parses(MovedReport, "the report_moved update"))
 
-    @workflow.update(name=GroupUpdate.DEPART)
+    @workflow.update(name=GroupUpdate.DEPART, description=ABOUT[GroupUpdate.DEPART])
     def depart_job(self, *raw: Any) -> bool:
-        """A job's processes closed: its state left the device with them."""
         depart = parse_message(DepartRequest, raw, "the depart_job update")
-        known = self._book.depart(depart.job_id, depart.key)
-        self._wake = True
-        return known
+        return self._obey(depart, lambda d, _: self._book.depart(d.job_id, d.key))
 
-    @depart_job.validator
-    def _validate_depart_job(self, *raw: Any) -> None:
-        parse_message(DepartRequest, raw, "the depart_job update")
+    depart_job.validator(parses(DepartRequest, "the depart_job update"))
 
     # ---------------------------------------------------------------- signals (workflows)
 
@@ -748,51 +526,47 @@ class GpuGroupWorkflow:
         try:
             return parse_message(model, raw, f"the {name} signal")
         except MalformedMessage as err:
-            self._book.state.stats.malformed_messages += 1
+            self._book.accounts.dropped("malformed")
             workflow.logger.warning("group %s dropped %s", self._config.group_id, err)
             return None
 
-    @workflow.signal(name=GroupSignal.REQUEST)
+    @workflow.signal(name=GroupSignal.REQUEST, description=ABOUT[GroupSignal.REQUEST])
     def request(self, *raw: Any) -> None:
         request = self._signal_arg(AcquireRequest, raw, GroupSignal.REQUEST)
         if request is None:
             return
         refusal = self._book.refusal(request)
         if refusal is not None:
-            self._book.state.stats.refused_requests += 1
+            self._book.accounts.dropped("refused")
             workflow.logger.warning("dropped request %s: %s", request.request_id, refusal)
         elif self._book.enqueue(request, workflow.now()):
             self._wake = True
 
-    @workflow.signal(name=GroupSignal.RELEASE)
+    @workflow.signal(name=GroupSignal.RELEASE, description=ABOUT[GroupSignal.RELEASE])
     def release(self, *raw: Any) -> None:
         release = self._signal_arg(ReleaseRequest, raw, GroupSignal.RELEASE)
         if release is not None:
-            self._book.release_by_signal(release, workflow.now())
-            self._wake = True
+            self._obey(release, self._book.release_by_signal)
 
-    @workflow.signal(name=GroupSignal.RENEW)
+    @workflow.signal(name=GroupSignal.RENEW, description=ABOUT[GroupSignal.RENEW])
     def renew_lease(self, *raw: Any) -> None:
         renew = self._signal_arg(RenewRequest, raw, GroupSignal.RENEW)
         if renew is not None:
-            self._book.renew(renew, workflow.now())
-            self._wake = True
+            self._obey(renew, self._book.renew)
 
-    @workflow.signal(name=GroupSignal.CANCEL)
+    @workflow.signal(name=GroupSignal.CANCEL, description=ABOUT[GroupSignal.CANCEL])
     def cancel(self, *raw: Any) -> None:
         cancel = self._signal_arg(CancelRequest, raw, GroupSignal.CANCEL)
         if cancel is not None:
-            self._book.cancel(cancel.request_id, cancel.key, workflow.now())
-            self._wake = True
+            self._obey(cancel, self._cancel)
 
     # ---------------------------------------------------------------- queries and the UI
 
-    @workflow.query(name=GroupQuery.HOLDER)
+    @workflow.query(name=GroupQuery.HOLDER, description=ABOUT[GroupQuery.HOLDER])
     def holder(self) -> HolderView | None:
-        """The current lease only: what a running phase checks its fencing token against."""
         return self._book.holder_view(workflow.now())
 
-    @workflow.query(name=GroupQuery.STATUS)
+    @workflow.query(name=GroupQuery.STATUS, description=ABOUT[GroupQuery.STATUS])
     def status(self) -> GroupStatus:
         return self._book.status(workflow.now())
 

@@ -1,4 +1,5 @@
-"""Who gets a GPU group when: the grant policies, as pure decisions over plain numbers.
+"""Who gets a GPU group when: the waiter order and the grant policies, as pure decisions over
+plain numbers.
 
 The group workflow (through :class:`~timeslice.workflows.group_book.GroupBook`) and the planner's
 simulator (:mod:`timeslice.plan.simulator`) both decide with this module, so a prediction and
@@ -34,19 +35,21 @@ The bounds a carry must pass (every one is enforced here, and tested):
   job whose off-GPU time is shortest (which is what an unconditional carry does: it slowed a
   heavy job 1.16x -> 1.30x beside a light one, in the simulator).
 
-Ordering of waiters is unchanged under both policies: the highest ``priority + waited /
-aging_s``, first come first served among equals. Ordering by the off-GPU time that follows a
-request (longest first) was tried in the simulator on the benchmark mixes and changed no
-figure, so it is not built.
+The **waiter order** (:func:`next_waiter`) is the same under both policies: the highest
+``priority + waited / aging_s``, first come first served among equals. Ordering by the off-GPU
+time that follows a request (longest first) was tried in the simulator on the benchmark mixes
+and changed no figure, so it is not built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from timeslice.protocol.group import (
     DEFAULT_CARRY_LIMIT_S,
+    DEFAULT_GRANT_POLICY,
     DEFAULT_MAX_CARRIES,
     DEFAULT_SHARE_SLACK,
     WAIT_RECORDS_KEEP,
@@ -54,12 +57,14 @@ from timeslice.protocol.group import (
     GrantPolicy,
 )
 
+W = TypeVar("W")
+
 
 @dataclass(frozen=True)
 class CarryLimits:
     """A group's bounds on carrying a lease past waiters (from its ``GroupConfig``)."""
 
-    policy: GrantPolicy = GrantPolicy.PHASE_AWARE
+    policy: GrantPolicy = DEFAULT_GRANT_POLICY
     max_carries: int = DEFAULT_MAX_CARRIES
     carry_limit_s: float = DEFAULT_CARRY_LIMIT_S
     share_slack: float = DEFAULT_SHARE_SLACK
@@ -74,6 +79,38 @@ class Carry:
     reason: str
     # The lease is kept past at least one waiter: it counts towards ``max_carries``.
     contended: bool = False
+
+
+def waiter_score(priority: int, waited_s: float, seq: int, aging_s: float) -> tuple[float, int]:
+    """A waiter's place in the order: the highest score is served next.
+
+    Args:
+        priority: the priority its request asked with.
+        waited_s: seconds since its request reached the group.
+        seq: its arrival number on the group (the earlier, the smaller).
+        aging_s: the group's seconds of waiting worth one priority level.
+
+    Returns:
+        ``(priority + waited_s / aging_s, -seq)``: ageing lifts a waiter one level per
+        ``aging_s`` of waiting, and between equal levels the earlier arrival comes first.
+    """
+    return (priority + waited_s / aging_s, -seq)
+
+
+def next_waiter(
+    waiters: Iterable[W], facts: Callable[[W], tuple[int, float, int]], aging_s: float
+) -> W | None:
+    """The waiter a free group serves next: ``GroupBook``'s and the simulator's one rule.
+
+    Args:
+        waiters: the group's waiters, in whatever form the caller keeps them.
+        facts: a waiter's ``(priority, waited_s, seq)`` now (see :func:`waiter_score`).
+        aging_s: the group's ``aging_s``.
+
+    Returns:
+        The waiter with the highest :func:`waiter_score`, or None when nobody waits.
+    """
+    return max(waiters, key=lambda w: waiter_score(*facts(w), aging_s), default=None)
 
 
 def waiting_share(records: Sequence[float], now: float) -> float:

@@ -25,8 +25,23 @@ SNAPSHOT_JOB_WORKFLOW_TYPE = "SnapshotJobWorkflow"
 
 @workflow.defn(name=SNAPSHOT_JOB_WORKFLOW_TYPE)
 class SnapshotJobWorkflow:
+    """Evict or restore one job's state on all its queues, and wait. It takes no messages: what
+    it does shows as its current details (the Web UI, ``temporal workflow metadata``)."""
+
     @workflow.run
     async def run(self, *raw: Any) -> SnapshotJobResult:
+        """Run the snapshot or restore activity on every queue of the job's target.
+
+        Args:
+            raw: one ``SnapshotJobInput`` (validated here).
+
+        Returns:
+            Every backend's report.
+
+        Raises:
+            ApplicationError: ``InvalidInput`` for bad input, ``SnapshotFailed`` if any queue's
+                activity failed (both non-retryable).
+        """
         # Taken raw and validated here, so a missing, extra or invalid argument fails the
         # workflow once with the reason instead of failing its task forever.
         try:
@@ -34,6 +49,8 @@ class SnapshotJobWorkflow:
         except MalformedMessage as err:
             raise ApplicationError(str(err), type="InvalidInput", non_retryable=True) from None
         activity = SNAPSHOT_ACTIVITY if inp.action == "snapshot" else RESTORE_ACTIVITY
+        queues = ", ".join(q.task_queue for q in inp.target.queues)
+        workflow.set_current_details(f"**{inp.action}** job {inp.job_id} on {queues}")
         outcomes = await run_on_queues(
             activity,
             inp.job_id,

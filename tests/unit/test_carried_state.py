@@ -29,7 +29,7 @@ from timeslice.protocol.rl_job import (
     RLJobInput,
     RLJobState,
 )
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, SwitchDone
 
 LIMIT = 256 * 1024
 
@@ -128,10 +128,11 @@ def _serve_one(book: GroupBook, now: datetime) -> datetime:
     """Grant the best waiter and release it: one lease; returns the time after."""
     waiter = book.take_next(now)
     assert waiter is not None
-    plan = book.plan_switch(waiter.request)
+    plan = book.residency.plan_switch(waiter.request)
     later = now + timedelta(seconds=1)
-    book.finish_switch(plan, waiter.request, started=now, ended=later, moved_bytes=1,
-                       waited_for=None)  # fmt: skip
+    book.finish_switch(
+        SwitchDone(plan, waiter.request, started=now, ended=later, moved_bytes=1, waited_for=None)
+    )
     notice = book.grant(waiter, later, parked=False)
     now = later + timedelta(seconds=1)
     rid = waiter.request.request_id

@@ -14,7 +14,13 @@ from timeslice.activities import async_job, group_requests, job_runtime
 from timeslice.protocol import async_rl_job as async_protocol
 from timeslice.protocol import group as protocol
 from timeslice.protocol import rl_job as rl_protocol
-from timeslice.protocol.group import GRANT_SIGNAL, GroupQuery, GroupSignal, GroupUpdate
+from timeslice.protocol.group import (
+    GRANT_SIGNAL,
+    GROUP_MESSAGE_ABOUT,
+    GroupQuery,
+    GroupSignal,
+    GroupUpdate,
+)
 from timeslice.protocol.rl_job import JobQuery, JobSignal
 from timeslice.workflows.async_rl_job import AsyncRLJobWorkflow
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
@@ -31,6 +37,18 @@ def test_group_workflow_handles_exactly_the_group_messages() -> None:
     assert _names(defn.signals) == {m.value for m in GroupSignal}
     assert _names(defn.updates) == {m.value for m in GroupUpdate}
     assert _names(defn.queries) == {m.value for m in GroupQuery}
+
+
+def test_every_group_handler_says_what_it_does() -> None:
+    """The Web UI and ``temporal workflow metadata`` show each handler's description: the
+    contract's (``GROUP_MESSAGE_ABOUT``), for every message it declares."""
+    defn = workflow._Definition.must_from_class(GpuGroupWorkflow)
+    handlers = {**defn.signals, **defn.updates, **defn.queries}
+    assert len(handlers) == 12
+    assert set(GROUP_MESSAGE_ABOUT) == {str(name) for name in handlers}
+    undescribed = sorted(str(name) for name, h in handlers.items() if not h.description)
+    assert not undescribed, f"GpuGroupWorkflow handlers without a description: {undescribed}"
+    assert all(h.description == GROUP_MESSAGE_ABOUT[name] for name, h in handlers.items())
 
 
 @pytest.mark.parametrize("job_workflow", [RLJobWorkflow, AsyncRLJobWorkflow])

@@ -1,14 +1,20 @@
 """The grant policy: carrying a lease into its holder's next phase, and each of its bounds.
 
-``decide_carry`` alone, then through ``GroupBook.release`` (a hand-set clock, no Temporal)."""
+``decide_carry`` alone, then through ``GroupBook.release`` (a hand-set clock, no Temporal);
+and the default policy, written once."""
 
 from __future__ import annotations
 
+import ast
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from timeslice.plan.simulator import GroupSpec
 from timeslice.protocol.group import (
+    DEFAULT_AGING_S,
+    DEFAULT_GRANT_POLICY,
     WAIT_RECORDS_KEEP,
     WAIT_SHARE_JOBS_KEEP,
     AcquireRequest,
@@ -135,7 +141,7 @@ def grant_next(b: GroupBook, now: datetime) -> int:
     waiter = b.take_next(now)
     assert waiter is not None
     notice = b.grant(waiter, now, parked=False)
-    b.confirm(notice.token, now)
+    b.leases.confirm(notice.token, now)
     return notice.token
 
 
@@ -161,7 +167,7 @@ def test_a_contended_carry_keeps_the_lease_once_and_status_says_why():
     # The carried phase ends with another carry ask: the bound says no, b is next.
     answer = release(b, "a:1", token, at(2.2))
     assert answer.released and "carried 1 phase(s) past waiters already" in answer.reason
-    assert b.state.holder is None and b.peek_next(at(2.2)).request.job_id == "b"
+    assert b.state.holder is None and b.waiters.peek_next(at(2.2)).request.job_id == "b"
 
 
 def test_fifo_groups_and_unpatched_groups_release_to_a_waiter():
@@ -201,13 +207,13 @@ def test_a_job_that_waited_less_cannot_hold_off_one_that_waited_more():
         b.enqueue(request(holder, f"{holder}:1"), at(10))
         token = grant_next(b, at(10))
         b.enqueue(request(waiter, f"{waiter}:1"), at(10))
-        assert b.waiting_share("a", at(10)) == 0.0  # its 0-s wait for this grant recorded
-        assert b.waiting_share("b", at(10)) == pytest.approx(0.3)
+        assert b.accounts.waiting_share("a", at(10)) == 0.0  # its 0-s wait for this grant recorded
+        assert b.accounts.waiting_share("b", at(10)) == pytest.approx(0.3)
         answer = release(b, f"{holder}:1", token, at(10))
         assert answer.released is not kept
         if not kept:
             assert "b waited more" in answer.reason
-            assert b.peek_next(at(10)).request.job_id == "b"
+            assert b.waiters.peek_next(at(10)).request.job_id == "b"
 
 
 def test_next_phase_is_validated():
@@ -224,3 +230,64 @@ def test_next_phase_is_validated():
         GroupConfig(group_id="g", grant_policy="lifo")  # type: ignore[arg-type]
     with pytest.raises(ValidationError):
         GroupConfig(group_id="g", max_carries=5)
+
+
+# ------------------------------------------------------------------ the default, named once
+
+REPO = Path(__file__).resolve().parents[2]
+# Every folder whose code may name a grant policy (the package, the benchmarks, the examples).
+CODE = ("activities", "bench", "cli", "client", "examples", "integrations", "plan", "protocol",
+        "report", "snapshot", "transport", "workers", "workflows", "workloads")  # fmt: skip
+DEFAULT_MEMBER = DEFAULT_GRANT_POLICY.name
+
+
+def _default_spelt_again(path: Path) -> list[str]:
+    """Where ``path`` writes the default grant policy itself: its member
+    (``GrantPolicy.PHASE_AWARE``) or any policy's value as a string, instead of naming
+    ``DEFAULT_GRANT_POLICY`` (protocol/group.py defines both, once)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    values = {p.value for p in GrantPolicy}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == DEFAULT_MEMBER:
+            found.append(f"{node.lineno}: GrantPolicy.{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in values and id(node) not in docstrings:
+            found.append(f"{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_the_default_policy_is_written_once() -> None:
+    offenders = [
+        f"{path.relative_to(REPO)}:{where}"
+        for folder in CODE
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for where in _default_spelt_again(path)
+        if path != REPO / "protocol" / "group.py"
+    ]
+    assert not offenders, f"name DEFAULT_GRANT_POLICY (protocol/group.py) instead: {offenders}"
+    assert GroupConfig(group_id="g").grant_policy is DEFAULT_GRANT_POLICY
+    assert CarryLimits().policy is DEFAULT_GRANT_POLICY
+    assert GroupSpec().grant_policy is DEFAULT_GRANT_POLICY
+    assert GroupConfig(group_id="g").aging_s == GroupSpec().aging_s == DEFAULT_AGING_S
+
+
+def test_the_checker_sees_the_default_spelt_again(tmp_path: Path) -> None:
+    module = tmp_path / "elsewhere.py"
+    module.write_text(
+        '"""phase_aware is the default."""\n'
+        "policy = GrantPolicy.PHASE_AWARE\n"
+        'choices = ("phase_aware", "fifo")\n'
+        "other = GrantPolicy.FIFO\n"
+    )
+    assert _default_spelt_again(module) == [
+        "2: GrantPolicy.PHASE_AWARE",
+        "3: 'phase_aware'",
+        "3: 'fifo'",
+    ]

@@ -76,7 +76,7 @@ def test_every_notice_the_group_makes_is_proven_under_its_requests_key_hash() ->
     b = new_book()
     grant = granted(b, request("a"), at(0), parked=True)
     assert grant.proof is not None and notice_is_proven(grant, lease_key_hash(KEY))
-    again = b.holder_notice()
+    again = b.leases.holder_notice()
     assert again is not None and notice_is_proven(again, lease_key_hash(KEY))
     b.enqueue(request("b", OTHER_KEY), at(1))
     waiter = b.take_next(at(2))
@@ -249,11 +249,11 @@ def test_a_grant_answered_without_its_key_waits_for_the_holders_renewal() -> Non
     b = new_book()
     grant = granted(b, request("a"), at(0))
     assert grant.confirm_within_s == b.config.grant_ack_timeout_s  # the process renews soon
-    assert not b.answer_is_proven(grant.token, None)
-    assert not b.answer_is_proven(grant.token, OTHER_KEY)
-    assert not b.answer_is_proven(grant.token + 1, KEY)
-    assert b.answer_is_proven(grant.token, KEY)
-    b.unconfirmed(grant.token, at(1))
+    assert not b.leases.answer_is_proven(grant.token, None)
+    assert not b.leases.answer_is_proven(grant.token, OTHER_KEY)
+    assert not b.leases.answer_is_proven(grant.token + 1, KEY)
+    assert b.leases.answer_is_proven(grant.token, KEY)
+    b.leases.unconfirmed(grant.token, at(1))
     holder = b.state.holder
     assert holder is not None and not holder.delivered
     assert b.next_deadline() == at(1 + b.config.grant_ack_timeout_s)

@@ -23,7 +23,7 @@ from timeslice.protocol.group import (
     SnapshotTarget,
     lease_key_hash,
 )
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, SwitchDone
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -66,11 +66,11 @@ def report(job: str, nbytes: int = 100, seconds: float = 0.5) -> SnapshotReport:
 def grant_next(b: GroupBook, now: datetime, *, parked: bool = False) -> str:
     waiter = b.take_next(now)
     assert waiter is not None
-    plan = b.plan_switch(waiter.request)
-    b.finish_switch(plan, waiter.request, started=now, ended=now, moved_bytes=0, waited_for=None)
+    plan = b.residency.plan_switch(waiter.request)
+    b.finish_switch(SwitchDone(plan, waiter.request, now, now, moved_bytes=0, waited_for=None))
     notice = b.grant(waiter, now, parked=parked)
     if not parked:
-        b.confirm(notice.token, now)
+        b.leases.confirm(notice.token, now)
     return waiter.request.job_id
 
 
@@ -244,12 +244,12 @@ def test_holder_evicts_itself_only_for_another_job_and_the_next_waits_unless_bot
         LeaseReturn(request_id="a:2", key=key("a:2"), token=2, evicts_itself=True), at(3)
     )
     assert answer.evict and b.state.evicting is not None and b.state.resident is None
-    assert b.eviction_to_await(big) is not None  # 200 + 200 > 300: wait for the report
-    assert b.eviction_to_await(small) is None  # 200 + 100 fit: restore alongside
+    assert b.residency.eviction_to_await(big) is not None  # 200 + 200 > 300: wait for the report
+    assert b.residency.eviction_to_await(small) is None  # 200 + 100 fit: restore alongside
     # The evicting job itself asking again waits for its own state to be out first.
-    assert b.eviction_to_await(request("a", "a:3", snapshot=target("a"), state_bytes=200))
+    assert b.residency.eviction_to_await(request("a", "a:3", snapshot=target("a"), state_bytes=200))
     b.moved(MovedReport(job_id="a", key=key("a:2"), evicted=[report("a", 200)]), at(3.2))
-    assert b.state.evicting is None and b.eviction_to_await(big) is None
+    assert b.state.evicting is None and b.residency.eviction_to_await(big) is None
     assert b.state.stats.bytes_moved == 200 and "a" in b.state.evicted_jobs
 
 
@@ -300,14 +300,14 @@ def test_switch_plans(resident, evicted, restores_itself, memory, expect):
     req = request(
         "b", "b:2", snapshot=target("b"), state_bytes=400, restores_itself=restores_itself
     )
-    plan = b.plan_switch(req)
+    plan = b.residency.plan_switch(req)
     assert (plan.evict.job_id if plan.evict else None) == expect["evict"]
     assert (plan.restore, plan.overlapped) == (expect["restore"], expect["overlapped"])
     assert plan.restores_itself == (restores_itself and "b" in evicted)
     if plan.overlapped:  # the evicting job is tracked until its eviction is done
         assert b.state.evicting is not None and b.state.resident is None
         bigger = request("c", "c:1", snapshot=target("c"), state_bytes=700)
-        assert b.eviction_to_await(bigger) is not None
+        assert b.residency.eviction_to_await(bigger) is not None
         b.eviction_done("a", gone=False, ok=True, now=at(2))
         assert b.state.evicting is None and "a" in b.state.evicted_jobs
 
@@ -323,18 +323,18 @@ def test_one_eviction_beside_a_grant_at_a_time():
         )
     # b's grant evicted a beside it; a is still moving out when c takes the group from b
     assert b.state.evicting is not None and b.state.evicting.job_id == "a"
-    plan = b.plan_switch(request("c", snapshot=target("c"), state_bytes=300))
+    plan = b.residency.plan_switch(request("c", snapshot=target("c"), state_bytes=300))
     assert plan.evict is not None and plan.evict.job_id == "b" and not plan.overlapped
 
 
 def test_a_faulted_job_is_refused_and_others_served():
     b = book()
-    b.fault("bad", "snapshot failed")
+    b.residency.fault("bad", "snapshot failed")
     b.enqueue(request("bad"), at(0))
     b.enqueue(request("good"), at(0))
     waiter = b.take_next(at(1))
     assert waiter is not None
-    plan = b.plan_switch(waiter.request)
+    plan = b.residency.plan_switch(waiter.request)
     assert plan.fault is not None and "snapshot failed" in plan.fault
     notice = b.refuse(waiter, plan.fault, at(1))
     assert notice.fault is not None and b.state.holder is None
@@ -410,7 +410,7 @@ def test_only_the_lease_answered_evict_reports_its_failure():
     c.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(1))
     c.enqueue(request("b", snapshot=target("b"), state_bytes=300), at(1))
     waiter = c.take_next(at(1))
-    assert waiter is not None and c.plan_switch(waiter.request).overlapped
+    assert waiter is not None and c.residency.plan_switch(waiter.request).overlapped
     c.moved(MovedReport(job_id="a", key=key("a:r"), evicted=[], error="no"), at(2))
     assert c.state.faulted_jobs == {} and c.state.stats.stale_messages == 1
 
@@ -421,11 +421,11 @@ def test_a_gone_evictor_is_forgotten():
     b = book()
     _answered_evict(b)
     assert "a" in b.state.evicted_jobs
-    b.clear_evicting()
+    b.residency.clear_evicting()
     b.evictor_gone("a")
     assert "a" not in b.state.evicted_jobs and b.state.evicting is None
     assert b.state.stats.departed == 1
-    plan = b.plan_switch(request("a", "a:2", snapshot=target("a")))
+    plan = b.residency.plan_switch(request("a", "a:2", snapshot=target("a")))
     assert not plan.restore and plan.fault is None
 
 
@@ -528,16 +528,16 @@ def switch_as_the_group_does(b: GroupBook, now: datetime) -> str:
     resident's eviction (beside the grant when both fit) reports whether it preempted."""
     waiter = b.take_next(now)
     assert waiter is not None
-    plan = b.plan_switch(waiter.request)
+    plan = b.residency.plan_switch(waiter.request)
     if plan.evict is not None:
         if plan.overlapped:
             b.eviction_done(
                 plan.evict.job_id, gone=False, ok=True, now=now, preempted=plan.evict.lease_expired
             )
         else:
-            b.evicted(plan.evict.job_id, preempted=plan.evict.lease_expired)
-    b.finish_switch(plan, waiter.request, started=now, ended=now, moved_bytes=0, waited_for=None)
-    b.confirm(b.grant(waiter, now, parked=False).token, now)
+            b.residency.evicted(plan.evict.job_id, preempted=plan.evict.lease_expired)
+    b.finish_switch(SwitchDone(plan, waiter.request, now, now, moved_bytes=0, waited_for=None))
+    b.leases.confirm(b.grant(waiter, now, parked=False).token, now)
     return waiter.request.job_id
 
 

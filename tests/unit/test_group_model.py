@@ -35,7 +35,7 @@ from timeslice.protocol.group import (
     RenewRequest,
     lease_key_hash,
 )
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, SwitchDone
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -80,11 +80,10 @@ class GroupModel(RuleBasedStateMachine):
             score = self._score(rid)
             for other in book.state.queue:
                 assert self._score(other.request.request_id) <= score
-            plan = book.plan_switch(waiter.request)
+            plan = book.residency.plan_switch(waiter.request)
             book.finish_switch(
-                plan, waiter.request, started=self.now, ended=self.now, moved_bytes=0,
-                waited_for=None,
-            )  # fmt: skip
+                SwitchDone(plan, waiter.request, self.now, self.now, 0, waited_for=None)
+            )
             notice = book.grant(waiter, self.now, parked=True)
             assert rid not in self.withdrawn, "granted a request that was withdrawn"
             grants, carries = self.queued_after.pop(rid)
@@ -184,7 +183,7 @@ class GroupModel(RuleBasedStateMachine):
     def cancel(self, rid: str) -> None:
         self.withdrawn.add(rid)
         self.book.cancel(rid, key(rid), self.now)
-        assert not self.book.holds(rid)
+        assert not self.book.leases.holds(rid)
         assert all(w.request.request_id != rid for w in self.book.state.queue)
         self._grant_while_free()
 

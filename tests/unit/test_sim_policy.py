@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +31,7 @@ from timeslice.protocol.group import (
     GroupStats,
     LeaseReturn,
     NextPhase,
+    Waiter,
     lease_key_hash,
 )
 from timeslice.workflows.group_book import GroupBook
@@ -77,10 +79,16 @@ def four_phases(job: str, epochs: int, scale: float) -> JobProfile:
     )
 
 
-def replay_through_group_book(events: list[GroupEvent], config: GroupConfig) -> list[str]:
+def replay_through_group_book(
+    events: list[GroupEvent],
+    config: GroupConfig,
+    priorities: Mapping[str, int] | None = None,
+    picks: list[tuple[str, list[Waiter]]] | None = None,
+) -> list[str]:
     """Feed a simulated group's events to a GroupBook: each grant must go to the job the
     simulator granted, each carry be answered as the simulator answered it. Returns the
-    reasons of the carry answers."""
+    reasons of the carry answers. ``priorities``: each job's (as its profile has it);
+    ``picks`` gets each grant's job and who waited then (it among them), in arrival order."""
     book = GroupBook(config, GroupState(stats=GroupStats(created_at=T0)))
     asks: dict[str, int] = {}
     leases: dict[str, tuple[str, int]] = {}  # job -> (request id, token)
@@ -96,16 +104,20 @@ def replay_through_group_book(events: list[GroupEvent], config: GroupConfig) -> 
                     key_hash=lease_key_hash(f"key-of-{rid}-0123456789abcdef"),
                     job_id=e.job_id,
                     reply_task_queue=f"timeslice-job-{e.job_id}-0",
+                    priority=(priorities or {}).get(e.job_id, 0),
                 ),
                 now,
             )
         elif e.event == "grant":
+            queued = list(book.state.queue)
             waiter = book.take_next(now)
             assert waiter is not None, f"{e}: the book has nobody to grant"
             assert waiter.request.job_id == e.job_id, f"{e}: the book grants {waiter.request}"
             notice = book.grant(waiter, now, parked=False)
-            book.confirm(notice.token, now)
+            book.leases.confirm(notice.token, now)
             leases[e.job_id] = (waiter.request.request_id, notice.token)
+            if picks is not None:
+                picks.append((e.job_id, queued))
         else:
             rid, token = leases[e.job_id]
             carry = (

@@ -50,7 +50,7 @@ from timeslice.protocol.rl_job import (
 )
 from timeslice.transport.codec import PayloadEncryptionCodec
 from timeslice.workflows.grant_policy import record_wait, remember_job
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, SwitchDone
 
 # A control character: six bytes as JSON ("\u0001"), the most any character takes. Task queue
 # names must be printable: for them, a character of four bytes in UTF-8.
@@ -204,13 +204,13 @@ def worst_group_input() -> GroupInput:
     state.evicting_key_hash = "f" * 64
     state.next_token = state.next_seq = BIG
     for i in range(g.EVICTED_JOBS_KEEP + 10):
-        book.evicted(job(i))
+        book.residency.evicted(job(i))
     for i in range(g.FAULTED_JOBS_KEEP + 10):
-        book.fault(job(i), WORST * 5000)
+        book.residency.fault(job(i), WORST * 5000)
     for i in range(g.JOB_KEYS_KEEP + 10):
-        book._remember_key(job(i), "f" * 64)
+        book.leases.remember_key(job(i), "f" * 64, book._tracked_jobs)
     for i in range(g.RECENT_DONE_KEEP + 10):
-        book.remember_done(f"request-{i}")
+        book.leases.remember_done(f"request-{i}")
     for i in range(g.WAIT_SHARE_JOBS_KEEP + 10):  # the grant policy's waiting shares
         for _ in range(g.WAIT_RECORDS_KEEP + 10):
             record_wait(remember_job(state.wait_shares, job(i)), HUGE, -HUGE)
@@ -268,7 +268,7 @@ def test_each_group_entry_takes_at_most_what_the_budget_counts():
     assert encoded_size(job(0)) + 1 <= g._ID_BYTES
     assert encoded_size(HUGE) + 1 <= g._FLOAT_BYTES
     book = GroupBook(GroupConfig(group_id="g"), GroupState(stats=GroupStats(created_at=T0)))
-    text = book.fault(job(0), WORST * 2000)
+    text = book.residency.fault(job(0), WORST * 2000)
     assert encoded_size(text) <= g.MAX_FAULT_BYTES and text.endswith("(cut)")
     assert text.startswith(f"job {job(0)}: ")
 
@@ -295,7 +295,7 @@ def test_a_group_at_every_bound_fits_its_budget(capsys):
     assert encrypted(dumped) <= g.CARRY_CEILING_BYTES < g.PAYLOAD_LIMIT_BYTES
     # The group would send it as it is, and the next run reads it back.
     book = GroupBook(carried.config, state)
-    again, measured, shed = book.carried_input()
+    again, measured, shed = book.accounts.carried_input()
     assert shed == 0 and measured == encoded_size(dumped) and again == dumped
     assert GroupInput.model_validate(again).state == state
 
@@ -331,7 +331,7 @@ def test_a_state_over_the_budget_sheds_its_oldest_history():
     book = GroupBook(config, state)
     before = encoded_size(GroupInput(config=config, state=state))
     assert before > g.CARRY_CEILING_BYTES
-    carried, size, shed = book.carried_input()
+    carried, size, shed = book.accounts.carried_input()
     assert size <= g.CARRIED_STATE_BUDGET_BYTES and converted(carried) < g.CARRY_CEILING_BYTES
     assert shed > 0 and state.stats.shed_records == shed
     assert carried["state"]["stats"]["shed_records"] == shed
@@ -353,11 +353,9 @@ def test_the_testers_flood_leaves_the_group_within_its_bounds():
         nonlocal now
         waiter = book.take_next(now)
         assert waiter is not None and waiter.request.job_id == job(i)
-        plan = book.plan_switch(waiter.request)
-        book.finish_switch(
-            plan, waiter.request, started=now, ended=now, moved_bytes=1, waited_for=None
-        )
-        book.confirm(book.grant(waiter, now, parked=False).token, now)
+        plan = book.residency.plan_switch(waiter.request)
+        book.finish_switch(SwitchDone(plan, waiter.request, now, now, 1, waited_for=None))
+        book.leases.confirm(book.grant(waiter, now, parked=False).token, now)
         now += timedelta(seconds=1)
 
     for i in range(650):
@@ -582,6 +580,6 @@ def test_a_state_that_shedding_cannot_save_is_reported_over_the_ceiling():
     ]
     for i in range(1000):
         state.queue.append(Waiter(request=request(i, pad=330), seq=i, enqueued_at=T0))
-    _, size, shed = GroupBook(config, state).carried_input()
+    _, size, shed = GroupBook(config, state).accounts.carried_input()
     assert shed == 50 and state.history == [] and state.stats.shed_records == 50
     assert size > g.CARRY_CEILING_BYTES and len(state.queue) == 1000

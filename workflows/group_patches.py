@@ -1,0 +1,27 @@
+"""The ``workflow.patched`` ids of the group workflow, in one place.
+
+Each names a change to the commands ``GpuGroupWorkflow`` emits: groups that started before it
+replay the way they ran (docs/upgrading.md; ``tests/test_replay.py`` replays stored histories
+down both branches). An id, once released, is never renamed or reused.
+"""
+
+from __future__ import annotations
+
+# workflow.patched id: groups that started before it replay with the old, unbounded wait.
+BOUNDED_EVICTION_REPORT_WAIT = "bounded-eviction-report-wait"
+# workflow.patched ids: a holder that never reported its eviction and whose processes are gone
+# is forgotten; a failed-eviction report faults the job only from the lease answered `evict`.
+FORGET_GONE_EVICTOR = "forget-gone-evictor"
+FAULT_ONLY_ASKED_EVICTION = "fault-only-asked-eviction"
+# workflow.patched id: a grant's delivery outcome is obeyed only when it presents the lease key.
+AUTHENTICATED_GRANT_ANSWERS = "authenticated-grant-answers"
+# workflow.patched id: a delivery activity that fails after its holder confirmed the grant by a
+# renewal no longer ends the lease (groups that started before end it, as they did).
+CONFIRMED_GRANT_OUTLIVES_DELIVERY = "confirmed-grant-outlives-delivery"
+# workflow.patched id: a lease may be carried past waiters into its holder's next phase (the
+# phase_aware grant policy); groups that started before it replay releasing as FIFO did.
+PHASE_AWARE_GRANTS = "phase-aware-grants"
+# workflow.patched id: one durable timer for the earliest of the group's deadlines (lease
+# expiry, grant confirmation, waiter and park time-outs, an eviction report) instead of a timer
+# started and cancelled by every wait; groups that started before it replay as they ran.
+ONE_DEADLINE_TIMER = "one-deadline-timer"

@@ -1,0 +1,225 @@
+"""A GPU group's switch: the moves its book's switch plan asks for, run on the jobs' queues.
+
+``GpuGroupWorkflow`` calls :meth:`GroupSwitch.switch_to` before each grant. It waits for a
+previous holder's report of its own eviction (or evicts it with the group's own activity when
+the report does not come), evicts the resident job (beside the grant when both states fit),
+restores the next one, and tells the book what happened (``workflows/group_book.py``): the book
+decides, this runs the activities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from enum import Enum
+
+from temporalio import workflow
+from timeslice.protocol.group import (
+    RESTORE_ACTIVITY,
+    SNAPSHOT_ACTIVITY,
+    AcquireRequest,
+    GroupConfig,
+    ResidentJob,
+    SnapshotTarget,
+)
+from timeslice.workflows.group_book import GroupBook, SwitchDone, SwitchPlan
+from timeslice.workflows.group_patches import BOUNDED_EVICTION_REPORT_WAIT, FORGET_GONE_EVICTOR
+from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
+
+__all__ = ["GroupSwitch"]
+
+
+class _Moved(Enum):
+    OK = "ok"
+    GONE = "gone"  # no process picked the task up: the job's processes are gone
+    FAILED = "failed"
+
+
+class GroupSwitch:
+    """Runs one group's switches (one at a time, from the workflow's main loop); evictions that
+    overlap a grant run on as tasks of their own (``evictions``)."""
+
+    def __init__(
+        self,
+        book: GroupBook,
+        config: GroupConfig,
+        *,
+        wake: Callable[[], None],
+        one_timer: Callable[[], bool],
+        set_timer: Callable[[], None],
+    ) -> None:
+        """``wake``: wakes the workflow's main loop; ``one_timer``: whether the run keeps one
+        deadline timer (``ONE_DEADLINE_TIMER``); ``set_timer``: sets it for the earliest
+        deadline (this one's ``report_deadline`` among them)."""
+        self._book = book
+        self._config = config
+        self._wake = wake
+        self._one_timer = one_timer
+        self._set_timer = set_timer
+        # Evictions running beside the holder's lease (both states fit).
+        self.evictions: set[asyncio.Task[None]] = set()
+        # A switch waiting for the previous holder's report of its own eviction: the report's
+        # bytes belong to that switch's mark on the timeline.
+        self.awaiting_eviction_of: str | None = None
+        # With ONE_DEADLINE_TIMER: when that wait gives up.
+        self.report_deadline: datetime | None = None
+
+    async def switch_to(self, request: AcquireRequest) -> str | None:
+        """Evict the resident job if another job takes the group, then restore the new one
+        (both at once when the group's memory holds both), and count the switch.
+
+        Args:
+            request: the request about to be granted (taken off the queue).
+
+        Returns:
+            A fault message if the new holder's state could not be restored (or its job is
+            faulted); None if it may be granted.
+        """
+        book = self._book
+        started = workflow.now()
+        bytes_before = book.state.stats.bytes_moved
+        waited_for = await self._await_own_eviction(request)
+        plan = book.residency.plan_switch(request)
+        if plan.fault is not None:
+            return plan.fault
+        fault: str | None = None
+        if plan.overlapped:
+            self._evict_beside(plan)
+        elif plan.evict is not None:
+            await self._evict(plan)
+        if plan.restore:
+            fault = await self._restore(request)
+        book.finish_switch(
+            SwitchDone(
+                dataclasses.replace(plan, fault=fault),
+                request,
+                started=started,
+                ended=workflow.now(),
+                moved_bytes=book.state.stats.bytes_moved - bytes_before,
+                waited_for=waited_for,
+            )
+        )
+        return fault
+
+    async def _await_own_eviction(self, request: AcquireRequest) -> ResidentJob | None:
+        """A previous holder still moving its state out: wait for its report unless both fit.
+
+        If the report does not come in time, the group evicts it through its own snapshot
+        activity. Returns the job waited for, if any."""
+        book = self._book
+        evicting = book.residency.eviction_to_await(request)
+        if evicting is None:
+            return None
+        self.awaiting_eviction_of = evicting.job_id
+        # Its process may have died right after releasing (the soak found a group idle for its
+        # whole 300-s snapshot time-out so): past the time a live process has to answer a grant,
+        # the group's own snapshot activity takes over. On a live process it waits for the
+        # eviction under way and finds nothing left to move; on a dead one it is not picked up.
+        report_wait = self._config.snapshot_timeout_s
+        if workflow.patched(BOUNDED_EVICTION_REPORT_WAIT):
+            report_wait = min(report_wait, self._config.grant_ack_timeout_s)
+        try:
+            if self._one_timer():
+                give_up_at = workflow.now() + timedelta(seconds=report_wait)
+                self.report_deadline = give_up_at
+                self._set_timer()
+                await workflow.wait_condition(
+                    lambda: book.state.evicting is None or workflow.now() >= give_up_at
+                )
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await workflow.wait_condition(
+                        lambda: book.state.evicting is None, timeout=report_wait
+                    )
+        finally:
+            self.awaiting_eviction_of = None
+            self.report_deadline = None
+        late = book.state.evicting
+        if late is not None:
+            book.residency.clear_evicting()
+            if late.snapshot is not None:
+                workflow.logger.warning(
+                    "job %s did not report its own eviction; evicting it", late.job_id
+                )
+                result = await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
+                if result is _Moved.GONE and workflow.patched(FORGET_GONE_EVICTOR):
+                    # No process picked the task up: the job's processes are gone, and its
+                    # state with them (as in _evict), so nothing is left to restore.
+                    book.evictor_gone(late.job_id)
+        return evicting
+
+    def _evict_beside(self, plan: SwitchPlan) -> None:
+        """Evict the previous resident while the next holder is granted and works: both
+        states fit in the group's declared memory. The copy's bytes get a mark of no width
+        (it overlapped the holder's lease, which is not switching time)."""
+        resident = plan.evict
+        assert resident is not None and resident.snapshot is not None
+        target = resident.snapshot
+
+        async def evict() -> None:
+            bytes_before = self._book.state.stats.bytes_moved
+            result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, target)
+            now = workflow.now()
+            self._book.eviction_done(
+                resident.job_id,
+                gone=result is _Moved.GONE,
+                ok=result is _Moved.OK,
+                now=now,
+                preempted=resident.lease_expired,
+            )
+            moved = self._book.state.stats.bytes_moved - bytes_before
+            if moved:
+                self._book.accounts.mark_overlapped(resident.job_id, now, moved)
+            self._wake()
+
+        task = asyncio.create_task(evict())
+        self.evictions.add(task)
+        task.add_done_callback(self.evictions.discard)
+
+    async def _evict(self, plan: SwitchPlan) -> None:
+        resident = plan.evict
+        assert resident is not None and resident.snapshot is not None
+        result = await self._run_snapshot(SNAPSHOT_ACTIVITY, resident.job_id, resident.snapshot)
+        if result is _Moved.OK:
+            self._book.residency.evicted(resident.job_id, preempted=resident.lease_expired)
+        elif result is _Moved.GONE:
+            # Its process is gone, and its device memory with it: nothing to evict.
+            self._book.forget(resident.job_id)
+
+    async def _restore(self, request: AcquireRequest) -> str | None:
+        """Restore the request's job; a fault message if that failed."""
+        assert request.snapshot is not None
+        result = await self._run_snapshot(RESTORE_ACTIVITY, request.job_id, request.snapshot)
+        if result is _Moved.OK:
+            self._book.residency.restored(request.job_id)
+            return None
+        fault = "restore found no process on a rank queue"
+        return self._book.residency.fault(request.job_id, fault)
+
+    async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
+        verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
+        results = await run_on_queues(
+            activity,
+            job_id,
+            target,
+            context=self._config.group_id,
+            pickup_timeout_s=self._config.grant_ack_timeout_s,
+            run_timeout_s=self._config.snapshot_timeout_s,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for reports in results:
+            if isinstance(reports, list):
+                self._book.accounts.count_moved(verb, reports)
+        if not failures:
+            return _Moved.OK
+        if all(process_gone(f) for f in failures):
+            workflow.logger.warning("%s of job %s: no process serves its queue", verb, job_id)
+            return _Moved.GONE
+        cause = next(f for f in failures if not process_gone(f))
+        message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
+        workflow.logger.error("job %s: %s; marking the job faulted", job_id, message)
+        self._book.residency.move_failed(job_id, message)
+        return _Moved.FAILED

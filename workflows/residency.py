@@ -1,0 +1,350 @@
+"""Whose state is on the GPU group's device, whose was evicted, and what a switch must move.
+
+One of :class:`~timeslice.workflows.group_book.GroupBook`'s pieces: it keeps the residency part
+of the group's ``GroupState`` (``resident``, ``evicting``, ``evicted_jobs``, ``faulted_jobs``).
+Residency is sticky: a job's state stays on the device after its lease until another job
+needs the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from timeslice.protocol.group import (
+    EVICTED_JOBS_KEEP,
+    FAULTED_JOBS_KEEP,
+    MAX_FAULT_BYTES,
+    AcquireRequest,
+    ResidentJob,
+    cut_to_encoded,
+    lease_key_hash,
+)
+from timeslice.workflows.book_piece import BookPiece
+
+__all__ = ["Residency", "SwitchDone", "SwitchPlan"]
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    """What granting ``request`` moves: the resident job out, the new holder's state in."""
+
+    fault: str | None = None
+    evict: ResidentJob | None = None
+    restore: bool = False
+    restores_itself: bool = False
+    # The resident's eviction runs beside the grant (both states fit in the group's declared
+    # memory): nobody waits for it, and a later request that does not fit beside it does.
+    overlapped: bool = False
+
+    @property
+    def moves(self) -> bool:
+        """Something moves before the grant (an overlapped eviction does not hold it up)."""
+        return (self.evict is not None and not self.overlapped) or self.restore
+
+
+@dataclass(frozen=True)
+class SwitchDone:
+    """A switch that ran, for the book to count: its plan (with its ``fault`` if the restore
+    failed), the request it was for, when it started and ended, the bytes moved meanwhile, and
+    a previous holder whose own eviction it waited for."""
+
+    plan: SwitchPlan
+    request: AcquireRequest
+    started: datetime
+    ended: datetime
+    moved_bytes: int
+    waited_for: ResidentJob | None
+
+
+class Residency(BookPiece):
+    """The group's device: the resident job, an eviction under way, saved and faulted jobs."""
+
+    def is_resident(self, job_id: str) -> bool:
+        """Whether the job's state is on the device (and no eviction of it is under way).
+
+        Args:
+            job_id: the job.
+
+        Returns:
+            True if it is the resident job.
+        """
+        resident = self.state.resident
+        return resident is not None and resident.job_id == job_id
+
+    def knows(self, job_id: str) -> bool:
+        """Whether the group keeps track of the job's state: resident, evicting, evicted or
+        faulted.
+
+        Args:
+            job_id: the job.
+
+        Returns:
+            True if it does.
+        """
+        state = self.state
+        return (
+            job_id in state.evicted_jobs
+            or job_id in state.faulted_jobs
+            or self.is_resident(job_id)
+            or (state.evicting is not None and state.evicting.job_id == job_id)
+        )
+
+    def tracked_jobs(self) -> set[str]:
+        """The jobs whose state the group keeps track of (the holder's aside).
+
+        Returns:
+            Resident, evicting, evicted and faulted jobs.
+        """
+        state = self.state
+        jobs = set(state.evicted_jobs) | set(state.faulted_jobs)
+        for resident in (state.resident, state.evicting):
+            if resident is not None:
+                jobs.add(resident.job_id)
+        return jobs
+
+    # ------------------------------------------------------------------ planning a switch
+
+    def both_fit(self, resident: ResidentJob | None, request: AcquireRequest) -> bool:
+        """Whether ``resident``'s and ``request``'s declared states fit in the group's declared
+        memory together (then an eviction and a restore may overlap).
+
+        Args:
+            resident: the job on the device (or on its way out).
+            request: the request to be granted.
+
+        Returns:
+            True only if the group, the resident and the request all declared their bytes and
+            they fit.
+        """
+        memory = self.config.memory_bytes
+        return (
+            memory is not None
+            and resident is not None
+            and resident.state_bytes is not None
+            and request.state_bytes is not None
+            and resident.state_bytes + request.state_bytes <= memory
+        )
+
+    def eviction_to_await(self, request: AcquireRequest) -> ResidentJob | None:
+        """A previous holder still moving its state out, that ``request`` must wait for.
+
+        Args:
+            request: the request about to be granted.
+
+        Returns:
+            The job whose eviction report to wait for, or None (none under way, or both fit).
+        """
+        evicting = self.state.evicting
+        if evicting is None:
+            return None
+        if evicting.job_id == request.job_id:
+            return evicting  # its own state is still on its way out: restore after
+        if self.both_fit(evicting, request):
+            return None
+        return evicting
+
+    def plan_switch(self, request: AcquireRequest) -> SwitchPlan:
+        """What granting ``request`` moves (sticky residency: nothing if it is resident). An
+        eviction that may overlap the grant is counted as under way from here.
+
+        Args:
+            request: the request about to be granted.
+
+        Returns:
+            The plan; its ``fault`` is set if the request's job is faulted (no grant).
+        """
+        state = self.state
+        resident = state.resident
+        if resident is not None and resident.job_id == request.job_id:
+            if request.snapshot is not None:
+                resident.snapshot = request.snapshot
+            return SwitchPlan()
+        if request.job_id in state.faulted_jobs:
+            return SwitchPlan(fault=state.faulted_jobs[request.job_id])
+        evict = resident if resident is not None and resident.snapshot is not None else None
+        restore = request.snapshot is not None and request.job_id in state.evicted_jobs
+        restores_itself = restore and request.restores_itself
+        if restores_itself:
+            # Granted at once; the holder restores its own state before it uses the group.
+            state.evicted_jobs.remove(request.job_id)
+            restore = False
+        overlapped = evict is not None and state.evicting is None and self.both_fit(evict, request)
+        if overlapped:
+            assert evict is not None
+            state.evicting = evict
+            state.evicting_key_hash = None  # the group's own activity evicts it
+            state.resident = None
+            self.note_evicted(evict.job_id)
+        return SwitchPlan(
+            evict=evict, restore=restore, restores_itself=restores_itself, overlapped=overlapped
+        )
+
+    def settle(self, request: AcquireRequest, fault: str | None) -> None:
+        """The switch for ``request`` is over: its job is resident, unless its restore failed.
+
+        Args:
+            request: the request granted.
+            fault: why its restore failed, or None.
+        """
+        if fault is None:
+            self.state.resident = ResidentJob(
+                job_id=request.job_id, snapshot=request.snapshot, state_bytes=request.state_bytes
+            )
+        else:
+            self.state.resident = None
+
+    # ------------------------------------------------------------------ moves
+
+    def evicts_itself(self, job_id: str, key_hash: str) -> None:
+        """The resident holder, released, moves its own state out from now on; until its report
+        comes, only a job whose state fits beside it may be restored.
+
+        Args:
+            job_id: the releasing holder's job (the resident).
+            key_hash: its lease's key hash: only that lease's report of a failure counts.
+        """
+        state = self.state
+        state.stats.evictions += 1
+        state.evicting = state.resident
+        state.evicting_key_hash = key_hash
+        state.resident = None
+        self.note_evicted(job_id)
+
+    def left_device(self, job_id: str) -> None:
+        """The job's state left the device by the job's own doing: if it was resident, it is
+        evicted now.
+
+        Args:
+            job_id: the job.
+        """
+        if self.is_resident(job_id):
+            self.evicted(job_id)
+            self.state.resident = None
+
+    def evicted(self, job_id: str, *, preempted: bool = False) -> None:
+        """The job's state left the device.
+
+        Args:
+            job_id: the job.
+            preempted: the group evicted a job whose lease ran out without it yielding
+                (``ResidentJob.lease_expired``).
+        """
+        self.state.stats.evictions += 1
+        if preempted:
+            self.state.stats.preemptions += 1
+        self.note_evicted(job_id)
+
+    def note_evicted(self, job_id: str) -> None:
+        """The job's state is saved off the device: restore it when the job is granted next.
+        Past ``EVICTED_JOBS_KEEP`` the oldest is forgotten: its next grant restores nothing (a
+        job process restores in-process state itself before using it).
+
+        Args:
+            job_id: the job.
+        """
+        evicted = self.state.evicted_jobs
+        if job_id not in evicted:
+            evicted.append(job_id)
+        while len(evicted) > EVICTED_JOBS_KEEP:
+            del evicted[0]
+            self.state.stats.forgotten_jobs += 1
+
+    def clear_evicting(self, job_id: str | None = None) -> None:
+        """No eviction (of ``job_id``, if given) is under way any more.
+
+        Args:
+            job_id: the job whose eviction ended; None for whichever.
+        """
+        state = self.state
+        if state.evicting is not None and (job_id is None or state.evicting.job_id == job_id):
+            state.evicting = None
+            state.evicting_key_hash = None
+
+    def asked_to_evict(self, job_id: str, key: str) -> bool:
+        """Whether the lease under ``key`` was answered ``evict`` and its eviction is still
+        awaited.
+
+        Args:
+            job_id: the job reporting.
+            key: the lease key its report presents.
+
+        Returns:
+            True if so: only then does its report of a failure fault the job.
+        """
+        state = self.state
+        return (
+            state.evicting is not None
+            and state.evicting.job_id == job_id
+            and state.evicting_key_hash is not None
+            and state.evicting_key_hash == lease_key_hash(key)
+        )
+
+    def restored(self, job_id: str) -> None:
+        """The group restored the job's state onto the device.
+
+        Args:
+            job_id: the job.
+        """
+        self.state.stats.restores += 1
+        if job_id in self.state.evicted_jobs:
+            self.state.evicted_jobs.remove(job_id)
+
+    def unsaved(self, job_id: str) -> None:
+        """The job's saved state is not to be restored (its move failed: it is unknown).
+
+        Args:
+            job_id: the job.
+        """
+        if job_id in self.state.evicted_jobs:
+            self.state.evicted_jobs.remove(job_id)
+
+    # ------------------------------------------------------------------ faults and departures
+
+    def fault(self, job_id: str, message: str) -> str:
+        """Mark the job faulted (its state is unknown): its requests are refused with this text.
+        The text quotes others' errors, so it is cut to ``MAX_FAULT_BYTES``; past
+        ``FAULTED_JOBS_KEEP`` faults the oldest is forgotten.
+
+        Args:
+            job_id: the job.
+            message: what went wrong.
+
+        Returns:
+            The fault's text (the first one's, if the job was faulted already).
+        """
+        faults = self.state.faulted_jobs
+        text = faults.setdefault(
+            job_id, cut_to_encoded(f"job {job_id}: {message}", MAX_FAULT_BYTES)
+        )
+        while len(faults) > FAULTED_JOBS_KEEP:
+            del faults[next(iter(faults))]
+            self.state.stats.forgotten_jobs += 1
+        return text
+
+    def move_failed(self, job_id: str, message: str) -> None:
+        """An eviction or restore the group ran failed: the job is faulted, its state unknown.
+
+        Args:
+            job_id: the job.
+            message: what failed, and why.
+        """
+        self.fault(job_id, message)
+        self.state.stats.snapshot_failures += 1
+        self.unsaved(job_id)
+
+    def forget(self, job_id: str) -> None:
+        """The job's processes are gone: drop its residency, saved state and faults (its key
+        is the lease ledger's to drop).
+
+        Args:
+            job_id: the job.
+        """
+        state = self.state
+        if self.is_resident(job_id):
+            state.resident = None
+        if job_id in state.evicted_jobs:
+            state.evicted_jobs.remove(job_id)
+        self.clear_evicting(job_id)
+        state.faulted_jobs.pop(job_id, None)
+        state.stats.departed += 1
