@@ -10,7 +10,7 @@ import json
 import math
 import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import (
     Field,
@@ -386,7 +386,26 @@ class PrepareInput(_Model):
     )
 
 
-class PhaseInput(_Model):
+class _OmitsWhenNone(_Model):
+    """A message some of whose fields came with a later job protocol: each of them is left out
+    of the encoding while None, so a message that does not use them encodes as an older
+    release's did (and an older reader, which refuses unknown fields, still takes it)."""
+
+    _omitted_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self._omitted_when_none:
+                if getattr(self, name) is None:
+                    data.pop(name, None)
+        return data
+
+
+class PhaseInput(_OmitsWhenNone):
+    _omitted_when_none = ("carry_into",)
+
     job_id: str
     epoch: int = Field(ge=0)
     phase: Phase
@@ -419,19 +438,14 @@ class PhaseInput(_Model):
         "input when None, so a job of an older protocol sends what it always did)",
     )
 
-    @model_serializer(mode="wrap")
-    def _omit_no_carry(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if self.carry_into is None and isinstance(data, dict):
-            data.pop("carry_into", None)
-        return data
-
     @property
     def group_id(self) -> str | None:
         return None if self.lease is None else self.lease.group_id
 
 
-class PhaseResult(_Model):
+class PhaseResult(_OmitsWhenNone):
+    _omitted_when_none = ("asked_ahead",)
+
     epoch: int
     phase: Phase
     metrics: dict[str, float]
@@ -473,13 +487,6 @@ class PhaseResult(_Model):
         "group and needs no cancel); None: no prefetch, or a process before protocol v5 (absent "
         "from the encoded result when None)",
     )
-
-    @model_serializer(mode="wrap")
-    def _omit_no_answer(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if self.asked_ahead is None and isinstance(data, dict):
-            data.pop("asked_ahead", None)
-        return data
 
 
 class CheckpointInput(_Model):
@@ -712,19 +719,34 @@ class RLJobState(_Model):
 
 
 class RLJobInput(_Model):
+    """A job workflow's input: its config, and from its second run on what it carries across
+    continue-as-new (an async job's is ``AsyncRLJobInput``, which narrows both)."""
+
     config: RLJobConfig
     state: RLJobState | None = None
 
 
-def carried_rl_job_input(config: RLJobConfig, state: RLJobState) -> tuple[dict[str, Any], int, int]:
-    """The next run's input (``RLJobInput`` as JSON), its encoded size, and how many records and
+def carried_job_input(
+    input_type: type[RLJobInput], config: RLJobConfig, state: RLJobState
+) -> tuple[dict[str, Any], int, int]:
+    """The next run's input (``input_type`` as JSON), its encoded size, and how many records and
     rewards were shed (oldest first: records folded into the totals, which lose nothing; then
     rewards) to bring it within CARRIED_STATE_BUDGET_BYTES. A state within its bounds never needs
-    it; a continue-as-new input over Temporal's payload limit would fail its task forever."""
+    it; a continue-as-new input over Temporal's payload limit would fail its task forever.
+
+    Args:
+        input_type: ``RLJobInput``, or ``AsyncRLJobInput`` for an async job.
+        config: The job's config, carried as it is.
+        state: The job's state: bounded, and shed from, in place (``shed_records`` counts it).
+
+    Returns:
+        The input as JSON, its encoded size in bytes, and how many records and rewards were
+        shed for it (0 for a state within its bounds).
+    """
     state.bound()
     shed = 0
     while True:
-        carried = RLJobInput(config=config, state=state).model_dump(mode="json")
+        carried = input_type(config=config, state=state).model_dump(mode="json")
         size = encoded_size(carried)
         if size <= CARRIED_STATE_BUDGET_BYTES or not (state.records or state.rewards):
             break
@@ -737,12 +759,20 @@ def carried_rl_job_input(config: RLJobConfig, state: RLJobState) -> tuple[dict[s
         shed += 1
     if shed:
         state.shed_records += shed
-        carried = RLJobInput(config=config, state=state).model_dump(mode="json")
+        carried = input_type(config=config, state=state).model_dump(mode="json")
         size = encoded_size(carried)
     return carried, size, shed
 
 
+def carried_rl_job_input(config: RLJobConfig, state: RLJobState) -> tuple[dict[str, Any], int, int]:
+    """``carried_job_input`` for a sync job (``RLJobInput``)."""
+    return carried_job_input(RLJobInput, config, state)
+
+
 class RLJobProgress(_Model):
+    """What the ``progress`` query answers: where the job stands, as of the workflow's last
+    task (an async job answers ``AsyncRLJobProgress``, which extends it)."""
+
     job_id: str
     status: Literal["starting", "running", "stopping", "completed", "stopped", "failed"]
     epoch: int
@@ -751,8 +781,9 @@ class RLJobProgress(_Model):
     reward_mean: float | None
     rewards: list[float | None]
     rewards_from: int = Field(0, description="the epoch of rewards[0]")
-    phase_s: dict[str, float]
-    wait_s: dict[str, float]
+    # Defaults: an async job's progress had neither before it extended this model.
+    phase_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
+    wait_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
     rewinds: int
     last_checkpoint: CheckpointRef | None
     shed_records: int = Field(
@@ -764,8 +795,41 @@ class RLJobProgress(_Model):
         "wrong, so no group made them (docs/security.md)",
     )
 
+    @classmethod
+    def of(cls, config: RLJobConfig, state: RLJobState, **now: Any) -> Self:
+        """The progress of a job run with ``config`` whose carried state is ``state``.
+
+        Args:
+            config: The job's config.
+            state: The job's carried state: epochs, rewards, totals, what was shed.
+            **now: What only the running workflow knows: ``status``, ``phase``,
+                ``forged_notices`` (and an async job's pipeline, ``AsyncRLJobProgress.of``).
+
+        Returns:
+            The progress, as the ``progress`` query answers it.
+        """
+        phase_s, wait_s = state.totals()
+        rewards = list(state.rewards)
+        return cls(
+            job_id=config.job_id,
+            epoch=state.epochs_done,
+            epochs=config.epochs,
+            reward_mean=rewards[-1] if rewards else None,
+            rewards=rewards,
+            rewards_from=state.rewards_from,
+            phase_s=phase_s,
+            wait_s=wait_s,
+            rewinds=state.rewinds,
+            last_checkpoint=state.last_checkpoint,
+            shed_records=state.shed_records,
+            **now,
+        )
+
 
 class RLJobResult(_Model):
+    """What a job workflow returns when it completes or stops (an async job returns
+    ``AsyncRLJobResult``, which extends it)."""
+
     job_id: str
     epochs_done: int
     stopped: bool
@@ -777,3 +841,31 @@ class RLJobResult(_Model):
     rewards_from: int = Field(0, description="the epoch of rewards[0]")
     phase_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
     wait_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
+
+    @classmethod
+    def of(cls, config: RLJobConfig, state: RLJobState, **extra: Any) -> Self:
+        """The result of a job run with ``config`` that ended with ``state``.
+
+        Args:
+            config: The job's config.
+            state: The job's carried state as the job ended.
+            **extra: Fields of a subclass (``AsyncRLJobResult.of`` passes its own).
+
+        Returns:
+            The result, as the workflow returns it.
+        """
+        phase_s, wait_s = state.totals()
+        return cls(
+            job_id=config.job_id,
+            epochs_done=state.epochs_done,
+            stopped=state.epochs_done < config.epochs,
+            last_checkpoint=state.last_checkpoint,
+            rewinds=state.rewinds,
+            redone_epochs=state.redone_epochs,
+            records=state.records,
+            rewards=state.rewards,
+            rewards_from=state.rewards_from,
+            phase_s=phase_s,
+            wait_s=wait_s,
+            **extra,
+        )
