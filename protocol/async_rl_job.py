@@ -21,7 +21,6 @@ from timeslice.protocol.rl_job import (
     RLJobProgress,
     RLJobResult,
     RLJobState,
-    carried_job_input,
 )
 from timeslice.protocol.staleness import sync_every_problem
 
@@ -120,6 +119,7 @@ class AsyncRLJobState(RLJobState):
     load_s: float = 0.0
 
     def count_staleness(self, staleness: int) -> None:
+        """Count one step trained at ``staleness``."""
         while len(self.staleness_counts) <= staleness:
             self.staleness_counts.append(0)
         self.staleness_counts[staleness] += 1
@@ -135,8 +135,8 @@ class AsyncRLJobInput(RLJobInput):
 def carried_async_input(
     config: AsyncRLJobConfig, state: AsyncRLJobState
 ) -> tuple[dict[str, Any], int, int]:
-    """``carried_job_input`` for an async job (``AsyncRLJobInput``)."""
-    return carried_job_input(AsyncRLJobInput, config, state)
+    """``AsyncRLJobInput.carried``: an async job's next input, its size, and what was shed."""
+    return AsyncRLJobInput.carried(config, state)
 
 
 class AsyncPhaseInput(_Model):
@@ -154,6 +154,8 @@ class AsyncPhaseInput(_Model):
 
 
 class AsyncPhaseResult(_Model):
+    """An async phase's result: the sync phase's and the pipeline's part (weights moved)."""
+
     phase: PhaseResult
     batch: int
     weights_version: int | None = Field(
@@ -183,6 +185,12 @@ PIPELINE_COUNTERS = frozenset(
 )
 
 
+# What an async job's progress shows of its carried state, as it is.
+_PROGRESS_FROM_STATE = frozenset(
+    {"published", "next_batch", "dropped_batches", "stale_dropped", "staleness_counts"}
+)
+
+
 class AsyncRLJobProgress(RLJobProgress):
     """An async job's ``progress``: the sync job's (``epoch`` counts training steps, ``phase``
     is the trainer loop's; ``phase_s``, ``wait_s`` and ``shed_records`` as a sync job's) and
@@ -203,16 +211,7 @@ class AsyncRLJobProgress(RLJobProgress):
         ``AsyncRLJobState``); ``now`` adds ``sampler_phase`` and ``queued``, which only the
         running workflow knows."""
         assert isinstance(state, AsyncRLJobState)
-        return super().of(
-            config,
-            state,
-            published=state.published,
-            next_batch=state.next_batch,
-            dropped_batches=state.dropped_batches,
-            stale_dropped=state.stale_dropped,
-            staleness_counts=list(state.staleness_counts),
-            **now,
-        )
+        return super().of(config, state, **state.model_dump(include=_PROGRESS_FROM_STATE), **now)
 
 
 class AsyncRLJobResult(RLJobResult):
