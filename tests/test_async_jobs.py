@@ -178,6 +178,14 @@ def test_async_job_never_exceeds_its_staleness_and_overlaps_sampler_and_trainer(
     # The sampler loaded newer weights (each through host memory, under its own lease) at
     # most once per publication, each load moving the declared bytes.
     assert 1 <= done.loads <= done.syncs and done.load_bytes == done.loads * SIZE
+    # Its progress says what its phases took and waited, as a sync job's does (it said
+    # nothing of either, nor of records shed, before the async progress extended the sync one).
+    shown = progress(address, job)
+    assert (shown.status, shown.epoch, shown.sampler_phase) == ("completed", 12, "completed")
+    assert shown.phase_s == done.phase_s and shown.wait_s == done.wait_s
+    # Every step sampled, scored and trained; the weights were published (sync) and loaded.
+    assert shown.phase_s.keys() == {"sample", "rewards", "train", "load", "sync"}
+    assert shown.wait_s.keys() == {"sample", "train"} and shown.shed_records == 0
 
 
 def test_max_staleness_zero_is_the_sync_schedule(
