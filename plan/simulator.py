@@ -273,12 +273,8 @@ class _Gate:
         self.waiting: list[_Job] = []
 
     def may_start(self, job: _Job) -> bool:
-        return self.trainer_may_start() if job.role == "trainer" else self.sampler_may_start()
-
-    def trainer_may_start(self) -> bool:
-        return self.queued > 0
-
-    def sampler_may_start(self) -> bool:
+        if job.role == "trainer":
+            return self.queued > 0
         # The one sampler samples one batch at a time: none is in flight when it asks.
         step = trained_by(self.trained, training=self.training, queued=self.queued, in_flight=0)
         return may_sample(
