@@ -59,13 +59,9 @@ class AsyncJobRuntime(JobRuntime):
         self._sampler_version: int | None = None
 
     def activities(self) -> list[Callable[..., Any]]:
-        return [
-            *super().activities(),
-            self.async_describe,
-            self.async_sample,
-            self.async_score,
-            self.async_train,
-        ]
+        """The sync job's activities and the async phases, for the job worker to register."""
+        async_phases = [self.async_describe, self.async_sample, self.async_score, self.async_train]
+        return super().activities() + async_phases
 
     def _async_workload(self) -> AsyncWorkload:
         workload = self.workload
@@ -82,15 +78,16 @@ class AsyncJobRuntime(JobRuntime):
 
     @activity.defn(name=ASYNC_DESCRIBE_ACTIVITY)
     async def async_describe(self, inp: DescribeInput) -> DescribeResult:
+        """``describe`` for an async job: refused (``InvalidConfig``) by a sync-only workload."""
         self._check_job(inp.job_id)
         self._async_workload()
         return await self.describe(inp)
 
     @activity.defn(name=PREPARE_ACTIVITY)
     async def prepare(self, inp: PrepareInput) -> PrepareResult:
-        # The sync job's activity, and for an async job a reset of its pipeline too: a
-        # (re)preparation loads the checkpoint, which leaves the sampler with the trainer's
-        # weights and no batch.
+        """The sync job's ``prepare``, and for an async job a reset of its pipeline too: a
+        (re)preparation loads the checkpoint, which leaves the sampler with the trainer's
+        weights and no batch."""
         prepared = await super().prepare(inp)
         if isinstance(self.workload, AsyncWorkload):
             self.workload.drop_batches()
@@ -100,6 +97,8 @@ class AsyncJobRuntime(JobRuntime):
 
     @activity.defn(name=ASYNC_SAMPLE_ACTIVITY)
     async def async_sample(self, inp: AsyncPhaseInput) -> AsyncPhaseResult:
+        """Sample batch ``inp.batch`` under the sampler lease, loading newer published weights
+        first; ``JobStateLost`` if the process cannot have the weights asked for."""
         workload = self._async_workload()
         loaded: dict[str, float] = {}
 
@@ -145,6 +144,7 @@ class AsyncJobRuntime(JobRuntime):
 
     @activity.defn(name=ASYNC_SCORE_ACTIVITY)
     async def async_score(self, inp: AsyncPhaseInput) -> AsyncPhaseResult:
+        """Score a sampled batch (no lease); ``JobStateLost`` if it is not held sampled here."""
         workload = self._async_workload()
 
         def check() -> None:
@@ -160,6 +160,8 @@ class AsyncJobRuntime(JobRuntime):
 
     @activity.defn(name=ASYNC_TRAIN_ACTIVITY)
     async def async_train(self, inp: AsyncPhaseInput) -> AsyncPhaseResult:
+        """Train one step on a scored batch under the trainer lease (at most once per batch),
+        then publish the weights if asked; ``JobStateLost`` if the process is elsewhere."""
         workload = self._async_workload()
         step = inp.phase.epoch
         synced: dict[str, float] = {}

@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from timeslice.errors import InvalidArgumentError
+from timeslice.protocol.staleness import sync_every_problem
 
 PROFILE_VERSION = 1
 Pool = Literal["sampler", "trainer"]
@@ -316,12 +317,9 @@ class JobProfile(_Model):
             raise ValueError("an async job needs max_staleness (0 to 256)")
         if self.sync_every is None:
             self.sync_every = 1  # AsyncRLJobConfig's default
-        every = self.sync_every
-        if every > self.max_staleness + 1:
-            raise ValueError(
-                f"sync_every={every} with max_staleness={self.max_staleness}: the sampler would "
-                f"wait for good; use sync_every <= {self.max_staleness + 1}"
-            )
+        problem = sync_every_problem(self.max_staleness, self.sync_every)
+        if problem is not None:
+            raise ValueError(problem)
         if not any(p.gpu and p.pool == "trainer" for p in self.phases) or not any(
             p.gpu and p.pool == "sampler" for p in self.phases
         ):

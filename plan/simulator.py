@@ -72,6 +72,7 @@ from timeslice.protocol.group import (
     DEFAULT_SHARE_SLACK,
     GrantPolicy,
 )
+from timeslice.protocol.staleness import may_sample, publishes_after, sync_every_problem, trained_by
 from timeslice.protocol.utilization import WHILE_JOBS_RAN, Utilization
 from timeslice.workflows.grant_policy import (
     Carry,
@@ -262,8 +263,10 @@ class _Step:
 
 
 class _Gate:
-    """An async job's hand-over between its two loops (the workflow's queue and staleness
-    bound, ``AsyncRLJobWorkflow._may_sample``)."""
+    """An async job's hand-over between its two loops: the workflow's queue, its staleness
+    gate and its ``sync_every`` rule, decided by ``timeslice.protocol.staleness`` as the
+    workflow's pipeline decides them (``workflows/async_pipeline.py``;
+    tests/unit/test_staleness_rules.py checks that the two agree)."""
 
     def __init__(self, steps: int, max_staleness: int, sync_every: int) -> None:
         self.steps = steps
@@ -276,8 +279,11 @@ class _Gate:
     def may_start(self, job: _Job) -> bool:
         if job.role == "trainer":
             return self.queued > 0
-        ahead = self.trained + int(self.training) + self.queued
-        return ahead < self.steps and ahead - self.published <= self.max_staleness
+        # The one sampler samples one batch at a time: none is in flight when it asks.
+        step = trained_by(self.trained, training=self.training, queued=self.queued, in_flight=0)
+        return may_sample(
+            step, published=self.published, max_staleness=self.max_staleness, limit=self.steps
+        )
 
     def start(self, job: _Job) -> None:
         if job.role == "trainer":
@@ -290,7 +296,7 @@ class _Gate:
         if job.role == "trainer":
             self.training = False
             self.trained += 1
-            if self.trained % self.sync_every == 0:
+            if publishes_after(self.trained, sync_every=self.sync_every, steps=self.steps):
                 self.published = self.trained
         else:
             self.sampling = False
@@ -455,11 +461,13 @@ class Simulation:
                 continue
             if p.sampler_group == p.trainer_group:
                 raise ValueError(f"async job {p.profile.job_id}: its loops need two groups")
-            if p.max_staleness < 0 or not 1 <= p.steps_between_syncs <= p.max_staleness + 1:
-                raise ValueError(
-                    f"async job {p.profile.job_id}: max_staleness >= 0 and sync_every within "
-                    "1 .. max_staleness + 1 (the sampler would wait for good)"
-                )
+            problem = (
+                "max_staleness must be >= 0 and sync_every >= 1"
+                if p.max_staleness < 0 or p.steps_between_syncs < 1
+                else sync_every_problem(p.max_staleness, p.steps_between_syncs)
+            )
+            if problem is not None:
+                raise ValueError(f"async job {p.profile.job_id}: {problem}")
             gate = _Gate(p.epochs or p.profile.epochs, p.max_staleness, p.steps_between_syncs)
             actors = [_Job(p, move_bytes_per_s, role=r, gate=gate) for r in ("sampler", "trainer")]
             if not all(a.steps and any(s.gpu for s in a.steps) for a in actors):

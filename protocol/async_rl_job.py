@@ -8,18 +8,21 @@ sync job. Everything here crosses Temporal; this module imports nothing with I/O
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
-from timeslice.protocol.group import CARRIED_STATE_BUDGET_BYTES, _Model, encoded_size
+from timeslice.protocol.group import _Model
 from timeslice.protocol.rl_job import (
-    CheckpointRef,
     EpochRecord,
     PhaseInput,
     PhaseResult,
     RLJobConfig,
+    RLJobInput,
+    RLJobProgress,
+    RLJobResult,
     RLJobState,
 )
+from timeslice.protocol.staleness import sync_every_problem
 
 ASYNC_RL_JOB_WORKFLOW_TYPE = "AsyncRLJobWorkflow"
 
@@ -61,12 +64,9 @@ class AsyncRLJobConfig(RLJobConfig):
             )
         if self.ranks != 1:
             raise ValueError(f"async jobs run one rank (ranks=1), not {self.ranks}")
-        if self.sync_every > self.max_staleness + 1:
-            raise ValueError(
-                f"sync_every={self.sync_every} with max_staleness={self.max_staleness}: the "
-                f"sampler would wait for weights that come only every {self.sync_every} steps; "
-                f"use sync_every <= max_staleness + 1 ({self.max_staleness + 1})"
-            )
+        problem = sync_every_problem(self.max_staleness, self.sync_every)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
@@ -119,12 +119,15 @@ class AsyncRLJobState(RLJobState):
     load_s: float = 0.0
 
     def count_staleness(self, staleness: int) -> None:
+        """Count one step trained at ``staleness``."""
         while len(self.staleness_counts) <= staleness:
             self.staleness_counts.append(0)
         self.staleness_counts[staleness] += 1
 
 
-class AsyncRLJobInput(_Model):
+class AsyncRLJobInput(RLJobInput):
+    """An async job workflow's input: its config, and what it carries across continue-as-new."""
+
     config: AsyncRLJobConfig
     state: AsyncRLJobState | None = None
 
@@ -132,28 +135,8 @@ class AsyncRLJobInput(_Model):
 def carried_async_input(
     config: AsyncRLJobConfig, state: AsyncRLJobState
 ) -> tuple[dict[str, Any], int, int]:
-    """The next run's input as JSON, its encoded size, and how many records and rewards were
-    shed (oldest first) to bring it within CARRIED_STATE_BUDGET_BYTES (as
-    ``carried_rl_job_input`` does for sync jobs)."""
-    state.bound()
-    shed = 0
-    while True:
-        carried = AsyncRLJobInput(config=config, state=state).model_dump(mode="json")
-        size = encoded_size(carried)
-        if size <= CARRIED_STATE_BUDGET_BYTES or not (state.records or state.rewards):
-            break
-        if state.records:
-            state._fold_oldest()
-        else:
-            drop = max(1, len(state.rewards) // 4)
-            del state.rewards[:drop]
-            state.rewards_from += drop
-        shed += 1
-    if shed:
-        state.shed_records += shed
-        carried = AsyncRLJobInput(config=config, state=state).model_dump(mode="json")
-        size = encoded_size(carried)
-    return carried, size, shed
+    """``AsyncRLJobInput.carried``: an async job's next input, its size, and what was shed."""
+    return AsyncRLJobInput.carried(config, state)
 
 
 class AsyncPhaseInput(_Model):
@@ -171,6 +154,8 @@ class AsyncPhaseInput(_Model):
 
 
 class AsyncPhaseResult(_Model):
+    """An async phase's result: the sync phase's and the pipeline's part (weights moved)."""
+
     phase: PhaseResult
     batch: int
     weights_version: int | None = Field(
@@ -183,39 +168,58 @@ class AsyncPhaseResult(_Model):
     sync_bytes: int = 0
 
 
-class AsyncRLJobProgress(_Model):
-    job_id: str
+# The pipeline's counters an async job's state carries and its result reports, as they are.
+PIPELINE_COUNTERS = frozenset(
+    {
+        "next_batch",
+        "dropped_batches",
+        "stale_dropped",
+        "staleness_counts",
+        "syncs",
+        "sync_bytes",
+        "sync_s",
+        "loads",
+        "load_bytes",
+        "load_s",
+    }
+)
+
+
+# What an async job's progress shows of its carried state, as it is.
+_PROGRESS_FROM_STATE = frozenset(
+    {"published", "next_batch", "dropped_batches", "stale_dropped", "staleness_counts"}
+)
+
+
+class AsyncRLJobProgress(RLJobProgress):
+    """An async job's ``progress``: the sync job's (``epoch`` counts training steps, ``phase``
+    is the trainer loop's; ``phase_s``, ``wait_s`` and ``shed_records`` as a sync job's) and
+    the pipeline's: the sampler loop's phase, the weights published, the batches queued."""
+
     mode: Literal["async"] = "async"
-    status: Literal["starting", "running", "stopping", "completed", "stopped", "failed"]
-    epoch: int = Field(description="training steps done")
-    epochs: int
-    phase: str = Field(description="the trainer loop's phase")
     sampler_phase: str
-    reward_mean: float | None
-    rewards: list[float | None]
-    rewards_from: int = 0
     published: int
     queued: int
     next_batch: int
     dropped_batches: int
     stale_dropped: int
     staleness_counts: list[int]
-    rewinds: int
-    last_checkpoint: CheckpointRef | None
-    forged_notices: int = 0
+
+    @classmethod
+    def of(cls, config: RLJobConfig, state: RLJobState, **now: Any) -> Self:
+        """``RLJobProgress.of`` with the pipeline's carried counters from ``state`` (an
+        ``AsyncRLJobState``); ``now`` adds ``sampler_phase`` and ``queued``, which only the
+        running workflow knows."""
+        assert isinstance(state, AsyncRLJobState)
+        return super().of(config, state, **state.model_dump(include=_PROGRESS_FROM_STATE), **now)
 
 
-class AsyncRLJobResult(_Model):
-    job_id: str
+class AsyncRLJobResult(RLJobResult):
+    """What an async job workflow returns: the sync job's result (``epochs_done`` counts
+    training steps, its records are ``StepRecord``s) and the pipeline's counters."""
+
     mode: Literal["async"] = "async"
-    epochs_done: int = Field(description="training steps done")
-    stopped: bool
-    last_checkpoint: CheckpointRef | None
-    rewinds: int
-    redone_epochs: int
-    records: list[StepRecord] = Field(description="the most recent steps' records")
-    rewards: list[float | None] = Field(default_factory=list, description="per step")
-    rewards_from: int = 0
+    records: list[StepRecord] = Field(description="the most recent steps' records")  # type: ignore[assignment]
     next_batch: int
     dropped_batches: int
     stale_dropped: int
@@ -227,5 +231,11 @@ class AsyncRLJobResult(_Model):
     loads: int = 0
     load_bytes: int = 0
     load_s: float = 0.0
-    phase_s: dict[str, float] = Field(default_factory=dict)
-    wait_s: dict[str, float] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config: RLJobConfig, state: RLJobState, **extra: Any) -> Self:
+        """``RLJobResult.of`` with the pipeline's counters from ``state`` (an
+        ``AsyncRLJobState``) and ``config``'s ``max_staleness``."""
+        assert isinstance(config, AsyncRLJobConfig) and isinstance(state, AsyncRLJobState)
+        counters = state.model_dump(include=set(PIPELINE_COUNTERS))
+        return super().of(config, state, max_staleness=config.max_staleness, **counters, **extra)

@@ -10,7 +10,7 @@ import json
 import math
 import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import (
     Field,
@@ -95,6 +95,7 @@ _BACKEND_ENTRY_BYTES = 6 * 100 + 24  # a name of 100 characters, each escaped, a
 
 
 def rl_job_state_budget() -> int:
+    """The most bytes an RL job's continue-as-new input encodes to, by the bounds above."""
     return (
         _RL_FIXED_BYTES
         + MAX_OPTIONS_BYTES
@@ -153,6 +154,8 @@ def check_workload_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def rl_job_workflow_id(job_id: str) -> str:
+    """The workflow id of job ``job_id`` (sync or async): ``rl-job-<job_id>``; ValueError for
+    an id that is not one."""
     return f"rl-job-{check_id('job id', job_id)}"
 
 
@@ -284,6 +287,8 @@ class CheckpointRef(_Model):
 
 
 class DescribeInput(_Model):
+    """The ``describe`` activity's input: which job asks, in which protocol."""
+
     job_id: str
     protocol: int | None = Field(
         None, description="the workflow's JOB_PROTOCOL_VERSION (None: a release before it)"
@@ -306,6 +311,8 @@ _RETIRED_DESCRIBE_FIELDS = ("pid", "ready")
 
 
 class DescribeResult(_Model):
+    """A job process's answer to ``describe``: its workload, its states, its protocol."""
+
     workload: str
     sampler_backends: list[str]
     trainer_backends: list[str]
@@ -339,6 +346,8 @@ def protocol_mismatch(workflow_version: int | None, process_version: int | None)
 
 
 class PrepareResult(_Model):
+    """A rank's answer to ``prepare``: where it stands, and what its state occupies."""
+
     epochs_done: int
     state_bytes: int | None
     backend_bytes: dict[str, int | None] = Field(
@@ -367,6 +376,8 @@ class LeaseOrder(_Model):
 
 
 class PrepareInput(_Model):
+    """The ``prepare`` activity's input: the job's spec, the checkpoint to load, the leases."""
+
     spec: JobSpecModel
     checkpoint: CheckpointRef | None = None
     homes: dict[str, str] = Field(
@@ -386,7 +397,28 @@ class PrepareInput(_Model):
     )
 
 
-class PhaseInput(_Model):
+class _OmitsWhenNone(_Model):
+    """A message some of whose fields came with a later job protocol: each of them is left out
+    of the encoding while None, so a message that does not use them encodes as an older
+    release's did (and an older reader, which refuses unknown fields, still takes it)."""
+
+    _omitted_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self._omitted_when_none:
+                if getattr(self, name) is None:
+                    data.pop(name, None)
+        return data
+
+
+class PhaseInput(_OmitsWhenNone):
+    """A phase activity's input: the phase, its lease order, what to do with the lease."""
+
+    _omitted_when_none = ("carry_into",)
+
     job_id: str
     epoch: int = Field(ge=0)
     phase: Phase
@@ -419,19 +451,17 @@ class PhaseInput(_Model):
         "input when None, so a job of an older protocol sends what it always did)",
     )
 
-    @model_serializer(mode="wrap")
-    def _omit_no_carry(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if self.carry_into is None and isinstance(data, dict):
-            data.pop("carry_into", None)
-        return data
-
     @property
     def group_id(self) -> str | None:
+        """The leased group (None: the phase runs with no GPU)."""
         return None if self.lease is None else self.lease.group_id
 
 
-class PhaseResult(_Model):
+class PhaseResult(_OmitsWhenNone):
+    """A phase activity's result: its metrics, its interval, and what became of its lease."""
+
+    _omitted_when_none = ("asked_ahead",)
+
     epoch: int
     phase: Phase
     metrics: dict[str, float]
@@ -474,15 +504,10 @@ class PhaseResult(_Model):
         "from the encoded result when None)",
     )
 
-    @model_serializer(mode="wrap")
-    def _omit_no_answer(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if self.asked_ahead is None and isinstance(data, dict):
-            data.pop("asked_ahead", None)
-        return data
-
 
 class CheckpointInput(_Model):
+    """The ``save_checkpoint`` activity's input: after how many epochs, under which lease."""
+
     job_id: str
     epochs_done: int = Field(ge=0)
     backends: list[str] = Field(
@@ -497,6 +522,8 @@ class CheckpointInput(_Model):
 
 
 class EpochRecord(_Model):
+    """One epoch as the job keeps it: its metrics, times, lease waits and GPU holds."""
+
     epoch: int
     reward_mean: float | None
     metrics: dict[str, float] = Field(default_factory=dict)
@@ -594,6 +621,7 @@ class EpochTotals(_Model):
     wait_s: dict[str, float] = Field(default_factory=dict)
 
     def add(self, record: EpochRecord) -> None:
+        """Fold ``record``'s times into the totals."""
         self.epochs += 1
         for totals, times in ((self.phase_s, record.phase_s), (self.wait_s, record.wait_s)):
             for key, value in times.items():
@@ -601,6 +629,7 @@ class EpochTotals(_Model):
                     totals[key] = totals.get(key, 0.0) + value
 
     def merge(self, other: EpochTotals) -> None:
+        """Add ``other``'s totals to these."""
         self.epochs += other.epochs
         for totals, times in ((self.phase_s, other.phase_s), (self.wait_s, other.wait_s)):
             for key, value in times.items():
@@ -666,6 +695,7 @@ class RLJobState(_Model):
             self.unconfirmed, self.unconfirmed_until = EpochTotals(), 0
 
     def add_record(self, record: EpochRecord) -> None:
+        """Keep ``record`` (bounded) and its reward; fold the oldest beyond the recent ones."""
         self.records.append(bound_record(record))
         self.rewards.append(record.reward_mean)
         if len(self.rewards) > MAX_REWARDS:
@@ -712,37 +742,60 @@ class RLJobState(_Model):
 
 
 class RLJobInput(_Model):
+    """A job workflow's input: its config, and from its second run on what it carries across
+    continue-as-new (an async job's is ``AsyncRLJobInput``, which narrows both)."""
+
     config: RLJobConfig
     state: RLJobState | None = None
 
+    @classmethod
+    def carried(cls, config: RLJobConfig, state: RLJobState) -> tuple[dict[str, Any], int, int]:
+        """The next run's input as JSON, bounded and shed to fit.
+
+        Records and rewards are shed oldest first (records folded into the totals, which lose
+        nothing; then rewards) to bring the input within CARRIED_STATE_BUDGET_BYTES. A state
+        within its bounds never needs it; a continue-as-new input over Temporal's payload
+        limit would fail its task forever.
+
+        Args:
+            config: The job's config, carried as it is.
+            state: The job's state: bounded, and shed from, in place (``shed_records`` counts
+                it).
+
+        Returns:
+            The input as JSON, its encoded size in bytes, and how many records and rewards
+            were shed for it (0 for a state within its bounds).
+        """
+        state.bound()
+        shed = 0
+        while True:
+            carried = cls(config=config, state=state).model_dump(mode="json")
+            size = encoded_size(carried)
+            if size <= CARRIED_STATE_BUDGET_BYTES or not (state.records or state.rewards):
+                break
+            if state.records:
+                state._fold_oldest()
+            else:
+                drop = max(1, len(state.rewards) // 4)
+                del state.rewards[:drop]
+                state.rewards_from += drop
+            shed += 1
+        if shed:
+            state.shed_records += shed
+            carried = cls(config=config, state=state).model_dump(mode="json")
+            size = encoded_size(carried)
+        return carried, size, shed
+
 
 def carried_rl_job_input(config: RLJobConfig, state: RLJobState) -> tuple[dict[str, Any], int, int]:
-    """The next run's input (``RLJobInput`` as JSON), its encoded size, and how many records and
-    rewards were shed (oldest first: records folded into the totals, which lose nothing; then
-    rewards) to bring it within CARRIED_STATE_BUDGET_BYTES. A state within its bounds never needs
-    it; a continue-as-new input over Temporal's payload limit would fail its task forever."""
-    state.bound()
-    shed = 0
-    while True:
-        carried = RLJobInput(config=config, state=state).model_dump(mode="json")
-        size = encoded_size(carried)
-        if size <= CARRIED_STATE_BUDGET_BYTES or not (state.records or state.rewards):
-            break
-        if state.records:
-            state._fold_oldest()
-        else:
-            drop = max(1, len(state.rewards) // 4)
-            del state.rewards[:drop]
-            state.rewards_from += drop
-        shed += 1
-    if shed:
-        state.shed_records += shed
-        carried = RLJobInput(config=config, state=state).model_dump(mode="json")
-        size = encoded_size(carried)
-    return carried, size, shed
+    """``RLJobInput.carried``: a sync job's next input, its size, and what was shed for it."""
+    return RLJobInput.carried(config, state)
 
 
 class RLJobProgress(_Model):
+    """What the ``progress`` query answers: where the job stands, as of the workflow's last
+    task (an async job answers ``AsyncRLJobProgress``, which extends it)."""
+
     job_id: str
     status: Literal["starting", "running", "stopping", "completed", "stopped", "failed"]
     epoch: int
@@ -751,8 +804,9 @@ class RLJobProgress(_Model):
     reward_mean: float | None
     rewards: list[float | None]
     rewards_from: int = Field(0, description="the epoch of rewards[0]")
-    phase_s: dict[str, float]
-    wait_s: dict[str, float]
+    # Defaults: an async job's progress had neither before it extended this model.
+    phase_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
+    wait_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
     rewinds: int
     last_checkpoint: CheckpointRef | None
     shed_records: int = Field(
@@ -764,8 +818,55 @@ class RLJobProgress(_Model):
         "wrong, so no group made them (docs/security.md)",
     )
 
+    @classmethod
+    def of(cls, config: RLJobConfig, state: RLJobState, **now: Any) -> Self:
+        """The progress of a job run with ``config`` whose carried state is ``state``.
+
+        Args:
+            config: The job's config.
+            state: The job's carried state: epochs, rewards, totals, what was shed.
+            **now: What only the running workflow knows: ``status``, ``phase``,
+                ``forged_notices`` (and an async job's pipeline, ``AsyncRLJobProgress.of``).
+
+        Returns:
+            The progress, as the ``progress`` query answers it.
+        """
+        phase_s, wait_s = state.totals()
+        rewards = list(state.rewards)
+        return cls(
+            job_id=config.job_id,
+            epoch=state.epochs_done,
+            epochs=config.epochs,
+            reward_mean=rewards[-1] if rewards else None,
+            rewards=rewards,
+            rewards_from=state.rewards_from,
+            phase_s=phase_s,
+            wait_s=wait_s,
+            rewinds=state.rewinds,
+            last_checkpoint=state.last_checkpoint,
+            shed_records=state.shed_records,
+            **now,
+        )
+
+
+# What a job's result reports of its carried state, as it is.
+_RESULT_FROM_STATE = frozenset(
+    {
+        "epochs_done",
+        "last_checkpoint",
+        "rewinds",
+        "redone_epochs",
+        "records",
+        "rewards",
+        "rewards_from",
+    }
+)
+
 
 class RLJobResult(_Model):
+    """What a job workflow returns when it completes or stops (an async job returns
+    ``AsyncRLJobResult``, which extends it)."""
+
     job_id: str
     epochs_done: int
     stopped: bool
@@ -777,3 +878,21 @@ class RLJobResult(_Model):
     rewards_from: int = Field(0, description="the epoch of rewards[0]")
     phase_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
     wait_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
+
+    @classmethod
+    def of(cls, config: RLJobConfig, state: RLJobState, **extra: Any) -> Self:
+        """The result of a job run with ``config`` that ended with ``state``.
+
+        Args:
+            config: The job's config.
+            state: The job's carried state as the job ended.
+            **extra: Fields of a subclass (``AsyncRLJobResult.of`` passes its own).
+
+        Returns:
+            The result, as the workflow returns it.
+        """
+        phase_s, wait_s = state.totals()
+        stopped = state.epochs_done < config.epochs
+        carried = state.model_dump(include=_RESULT_FROM_STATE)
+        totals = {"phase_s": phase_s, "wait_s": wait_s}
+        return cls(job_id=config.job_id, stopped=stopped, **totals, **carried, **extra)

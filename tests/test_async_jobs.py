@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
@@ -31,7 +32,7 @@ from timeslice.cli.server import temporal_binary
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_any_job_config, start_any_rl_job
 from timeslice.protocol.async_rl_job import AsyncRLJobProgress, AsyncRLJobResult
-from timeslice.protocol.group import HolderView, group_workflow_id, job_task_queue
+from timeslice.protocol.group import GRANT_SIGNAL, HolderView, group_workflow_id, job_task_queue
 from timeslice.protocol.rl_job import (
     DESCRIBE_ACTIVITY,
     JOB_PROTOCOL_VERSION,
@@ -123,6 +124,19 @@ def progress(address: str, job: str) -> AsyncRLJobProgress:
     return run(go, address)
 
 
+def handler_descriptions(address: str, job: str) -> dict[str, str]:
+    """The job workflow's signals and queries, with their descriptions, as the server's
+    metadata query answers them (built-in queries left out)."""
+
+    async def go(client: Client) -> WorkflowMetadata:
+        handle = client.get_workflow_handle(rl_job_workflow_id(job))
+        return await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+
+    definition = run(go, address).definition
+    handlers = [*definition.signal_definitions, *definition.query_definitions]
+    return {h.name: h.description for h in handlers if not h.name.startswith("__")}
+
+
 def applied_steps(done: AsyncRLJobResult) -> list[list[int]]:
     """(step, batch, weights version) of every step the final model holds, from its checkpoint."""
     assert done.last_checkpoint is not None
@@ -178,6 +192,18 @@ def test_async_job_never_exceeds_its_staleness_and_overlaps_sampler_and_trainer(
     # The sampler loaded newer weights (each through host memory, under its own lease) at
     # most once per publication, each load moving the declared bytes.
     assert 1 <= done.loads <= done.syncs and done.load_bytes == done.loads * SIZE
+    # Its progress says what its phases took and waited, as a sync job's does (it said
+    # nothing of either, nor of records shed, before the async progress extended the sync one).
+    shown = progress(address, job)
+    assert (shown.status, shown.epoch, shown.sampler_phase) == ("completed", 12, "completed")
+    assert shown.phase_s == done.phase_s and shown.wait_s == done.wait_s
+    # Every step sampled, scored and trained; the weights were published (sync) and loaded.
+    assert shown.phase_s.keys() == {"sample", "rewards", "train", "load", "sync"}
+    assert shown.wait_s.keys() == {"sample", "train"} and shown.shed_records == 0
+    # What `temporal workflow metadata` and the Web UI show: every handler says what it does.
+    described = handler_descriptions(address, job)
+    assert described.keys() >= {"progress", "stop", GRANT_SIGNAL}
+    assert all(len(text) > 40 for text in described.values()), described
 
 
 def test_max_staleness_zero_is_the_sync_schedule(

@@ -79,7 +79,8 @@ async def end_order(order: LeaseOrder) -> None:
 
 class GroupLeases:
     """Create inside a workflow (``__init__`` or ``run``, before its first command); it
-    registers the grant signal."""
+    registers the grant signal, unless the workflow declares a handler of its own that calls
+    ``on_grant`` (the RL job workflows do, so that the handler has a description)."""
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class GroupLeases:
         ttl_s: float | None = None,
         snapshot: SnapshotTarget | None = None,
         state_bytes: int | None = None,
+        register_grant_signal: bool = True,
     ) -> None:
         self.job_id = job_id
         self.priority = priority
@@ -107,7 +109,8 @@ class GroupLeases:
         self.secret: str | None = None
         # Grant and fault notices dropped because their proof was missing or wrong.
         self.forged_notices = 0
-        workflow.set_signal_handler(GRANT_SIGNAL, self._on_grant)
+        if register_grant_signal:
+            workflow.set_signal_handler(GRANT_SIGNAL, self.on_grant)
         # Decided once, as the requester starts (before any other command of its run).
         self._answered_renewals = workflow.patched(ANSWERED_RENEWALS)
 
@@ -136,9 +139,11 @@ class GroupLeases:
     def key_of(self, lease: GrantNotice) -> str:
         return self._keys[lease.request_id]
 
-    def _on_grant(self, *raw: Any) -> None:
-        # Taken raw: a malformed grant signal is dropped, never raised into the workflow task;
-        # so is a grant for a request this workflow did not make.
+    def on_grant(self, *raw: Any) -> None:
+        """Take a group's grant (or fault) notice of a lease this workflow asked for: the
+        ``timeslice_grant`` signal's handler. Taken raw: a malformed notice is dropped, never
+        raised into the workflow task; so is one for a request this workflow did not make, and
+        one whose proof is missing or wrong (counted in ``forged_notices``)."""
         try:
             notice = parse_message(GrantNotice, raw, f"the {GRANT_SIGNAL} signal")
         except MalformedMessage as err:

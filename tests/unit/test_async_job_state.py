@@ -18,11 +18,13 @@ from timeslice.protocol.async_rl_job import (
     MAX_STALENESS,
     AsyncRLJobConfig,
     AsyncRLJobInput,
+    AsyncRLJobProgress,
+    AsyncRLJobResult,
     AsyncRLJobState,
     StepRecord,
     carried_async_input,
 )
-from timeslice.protocol.rl_job import CheckpointRef, EpochTotals, RLJobConfig
+from timeslice.protocol.rl_job import CheckpointRef, EpochTotals, RLJobConfig, RLJobResult
 
 from tests.unit.test_state_budget import BIG, HUGE, WORST, converted, encrypted, worst_record
 
@@ -151,6 +153,100 @@ def test_an_async_job_at_every_bound_fits_its_budget(capsys: pytest.CaptureFixtu
     assert size < size_converted <= g.CARRIED_STATE_BUDGET_BYTES
     assert encrypted(dumped) <= g.CARRY_CEILING_BYTES
     assert AsyncRLJobInput.model_validate(dumped).state == state
+
+
+def test_an_async_jobs_progress_says_what_it_shed_and_what_its_phases_took(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 35: an async job's progress dropped ``shed_records``, ``phase_s`` and ``wait_s``,
+    so a job that shed records to fit its continue-as-new input said nothing of it."""
+    monkeypatch.setattr(r, "CARRIED_STATE_BUDGET_BYTES", 10_000)
+    config = AsyncRLJobConfig.model_validate(GOOD | {"epochs": 100})
+    state = AsyncRLJobState()
+    for step in range(32):
+        state.add_record(
+            StepRecord(
+                epoch=step,
+                reward_mean=0.5,
+                metrics={f"train.metric_{i}": float(i) for i in range(20)},
+                phase_s={"sample": 1.0, "train": 2.0},
+                wait_s={"sample": 0.25},
+                batch=step,
+                weights_version=step,
+                staleness=0,
+            )
+        )
+    _, _, shed = carried_async_input(config, state)
+    assert shed > 0 and len(state.records) < 32  # folded into the totals, which lose nothing
+    shown = AsyncRLJobProgress.of(
+        config, state, status="running", phase="waiting for a batch", sampler_phase="idle", queued=0
+    )
+    assert shown.shed_records == shed
+    assert shown.phase_s == {"sample": 32.0, "train": 64.0} and shown.wait_s == {"sample": 8.0}
+    assert (shown.epoch, shown.sampler_phase, shown.mode) == (0, "idle", "async")
+    # What a client reads back is what the workflow answered.
+    assert AsyncRLJobProgress.model_validate(shown.model_dump(mode="json")) == shown
+
+
+def test_the_previous_releases_async_payloads_still_parse() -> None:
+    """A running workflow of the previous release answers a progress without the fields the
+    async progress now shares with the sync one; its result and continue-as-new input are
+    unchanged, and parse as they did."""
+    old_progress = {
+        "job_id": "j",
+        "mode": "async",
+        "status": "running",
+        "epoch": 3,
+        "epochs": 10,
+        "phase": "step 3 · train",
+        "sampler_phase": "batch 5 · sample",
+        "reward_mean": 0.5,
+        "rewards": [0.1, 0.3, 0.5],
+        "rewards_from": 0,
+        "published": 2,
+        "queued": 1,
+        "next_batch": 6,
+        "dropped_batches": 0,
+        "stale_dropped": 0,
+        "staleness_counts": [1, 2],
+        "rewinds": 0,
+        "last_checkpoint": None,
+        "forged_notices": 0,
+    }
+    progress = AsyncRLJobProgress.model_validate(old_progress)
+    assert (progress.phase_s, progress.wait_s, progress.shed_records) == ({}, {}, 0)
+    old_result = {
+        "job_id": "j",
+        "mode": "async",
+        "epochs_done": 10,
+        "stopped": False,
+        "last_checkpoint": {"epochs_done": 10, "path": "/c"},
+        "rewinds": 0,
+        "redone_epochs": 0,
+        "records": [
+            {"epoch": 9, "reward_mean": 0.5, "batch": 9, "weights_version": 8, "staleness": 1}
+        ],
+        "rewards": [0.5],
+        "rewards_from": 9,
+        "next_batch": 10,
+        "dropped_batches": 0,
+        "stale_dropped": 0,
+        "staleness_counts": [1, 9],
+        "max_staleness": 2,
+        "syncs": 4,
+        "sync_bytes": 4,
+        "sync_s": 0.5,
+        "loads": 4,
+        "load_bytes": 4,
+        "load_s": 0.5,
+        "phase_s": {"train": 1.0},
+        "wait_s": {},
+    }
+    result = AsyncRLJobResult.model_validate(old_result)
+    assert isinstance(result.records[0], StepRecord) and result.records[0].staleness == 1
+    assert isinstance(result, RLJobResult)  # what plan/collect.py reads of any job
+    carried = AsyncRLJobInput.model_validate({"config": GOOD, "state": {"next_batch": 4}})
+    assert isinstance(carried.state, AsyncRLJobState) and carried.state.next_batch == 4
 
 
 def test_staleness_is_counted_by_value() -> None:

@@ -54,11 +54,21 @@ def test_every_group_handler_says_what_it_does() -> None:
 @pytest.mark.parametrize("job_workflow", [RLJobWorkflow, AsyncRLJobWorkflow])
 def test_rl_job_workflow_handles_exactly_the_job_messages(job_workflow: type) -> None:
     defn = workflow._Definition.must_from_class(job_workflow)
-    # GRANT_SIGNAL is registered at run time by GroupLeases (workflow.set_signal_handler).
-    assert _names(defn.signals) == {m.value for m in JobSignal}
+    # Besides the job's own, the groups' grant signal (the same for every requester workflow).
+    assert _names(defn.signals) == {m.value for m in JobSignal} | {GRANT_SIGNAL}
     assert GRANT_SIGNAL not in {m.value for m in JobSignal}
     assert _names(defn.queries) == {m.value for m in JobQuery}
     assert _names(defn.updates) == set()
+
+
+@pytest.mark.parametrize("job_workflow", [RLJobWorkflow, AsyncRLJobWorkflow])
+def test_every_job_workflow_handler_says_what_it_does(job_workflow: type) -> None:
+    """The Web UI and `temporal workflow metadata` show each handler's description."""
+    defn = workflow._Definition.must_from_class(job_workflow)
+    handlers = [*defn.signals.values(), *defn.queries.values(), *defn.updates.values()]
+    assert handlers
+    for handler in handlers:
+        assert handler.description and len(handler.description) > 40, handler.name
 
 
 def test_snapshot_job_workflow_takes_no_messages() -> None:

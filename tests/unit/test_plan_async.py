@@ -86,7 +86,7 @@ def test_staleness_zero_takes_turns() -> None:
     [
         ({"mode": "sync"}, "max_staleness, sync_every, weight_sync: only for an async job"),
         ({"max_staleness": None}, "an async job needs max_staleness"),
-        ({"max_staleness": 1, "sync_every": 3}, "use sync_every <= 2"),
+        ({"max_staleness": 1, "sync_every": 3}, "use sync_every <= max_staleness + 1 (2)"),
         ({"max_staleness": 257}, "max_staleness"),
         ({"mode": "later"}, "mode"),
         (
