@@ -192,7 +192,12 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="show a GPU group's holder, queue and utilization")
     status.add_argument("group_id")
-    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print the status as JSON: the group's answer (its held_share) with the "
+        "utilization of its jobs' GPU phases",
+    )
     _add_connection_args(status)
 
     backends = sub.add_parser(
@@ -747,6 +752,7 @@ async def _run_backends(args: argparse.Namespace) -> int:
 
 async def _run_status(args: argparse.Namespace) -> int:
     from timeslice.orchestrator import AsyncTimeSliceOrchestratorClient
+    from timeslice.report.figures import status_with_utilization
     from timeslice.report.gather import status_figures
 
     client = AsyncTimeSliceOrchestratorClient(
@@ -756,13 +762,14 @@ async def _run_status(args: argparse.Namespace) -> int:
         status = await client.group_status(args.group_id)  # as of now (the reader's clock)
     finally:
         await client.close()
-    if args.json:
-        print(status.model_dump_json(indent=2))
-        return 0
     # Utilization counts GPU phases: the RL jobs among the holders are read for theirs, the
-    # report's way, so status and report print one figure.
+    # report's way, so status (its text and its JSON) and report say one figure.
     raw = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    print(format_status(status, await status_figures(raw, status)))
+    figures = await status_figures(raw, status)
+    if args.json:
+        print(status_with_utilization(status, figures).model_dump_json(indent=2))
+    else:
+        print(format_status(status, figures))
     return 0
 
 

@@ -1018,11 +1018,16 @@ class GroupStatus(_Model):
         resident_job: The job whose state is on the device now (held or not), or None.
         faulted_jobs: Jobs whose state could not be evicted or restored, with why; their
             next acquire raises ``JobFaultedError``.
-        utilization: The share of its life since creation the group was **held** (its
-            lease intervals over its wall time); the name stays for compatibility, read it as
-            :attr:`held_share`. Utilization proper counts GPU phases, which the group does not
-            see for RL jobs: ``timeslice status`` and ``timeslice report`` compute it
-            (``timeslice.protocol.utilization``; docs/report.md).
+        held_share: The share of its life since creation the group was **held** (its
+            lease intervals over ``wall_s``), 0-1: the upper bound of :attr:`utilization`.
+            Releases before this field's rename answered it as ``utilization``; such a
+            payload still reads (its ``utilization`` becomes ``held_share``).
+        utilization: The share of ``wall_s`` (since the group was created) its GPU phases
+            ran, 0-1 (``timeslice.protocol.utilization``; the report's ``utilization``).
+            The group sees leases, not the RL jobs' phases, so it answers None: a reader
+            that reads the jobs' phases fills it (``timeslice status --json``).
+        utilization_while_jobs_ran: The same phase time over the first phase's start to the
+            last phase's end; None as the group answers, like :attr:`utilization`.
         wall_s: Seconds since the group was created.
         idle_s: Seconds the group was held by nobody.
         wait_p50_s: The median of the recent acquire waits (None: none yet).
@@ -1041,7 +1046,7 @@ class GroupStatus(_Model):
     queue: list[WaiterView]
     resident_job: str | None
     faulted_jobs: dict[str, str]
-    utilization: float
+    held_share: float
     wall_s: float
     idle_s: float
     wait_p50_s: float | None
@@ -1059,11 +1064,26 @@ class GroupStatus(_Model):
         description="the nearest time the group acts on its own (a lease's expiry or "
         "confirmation, a waiter's time-out): these figures hold at most until then",
     )
+    utilization: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="GPU phase time over wall_s (timeslice.protocol.utilization), filled by "
+        "a reader of the jobs' phases; the group itself answers None",
+    )
+    utilization_while_jobs_ran: float | None = Field(
+        None, ge=0.0, le=1.0, description="GPU phase time over the first to the last phase"
+    )
 
-    @property
-    def held_share(self) -> float:
-        """Lease time over wall time since creation (the wire field ``utilization``)."""
-        return self.utilization
+    @model_validator(mode="before")
+    @classmethod
+    def _held_share_was_utilization(cls, data: Any) -> Any:
+        """A group of a release before the rename answers its held share as ``utilization``
+        (and has no ``held_share``): read it as the held share, never as utilization."""
+        if isinstance(data, dict) and "held_share" not in data and "utilization" in data:
+            data = dict(data)
+            data["held_share"] = data.pop("utilization")
+        return data
 
     def advanced_to(self, now: datetime) -> GroupStatus:
         """These figures as of ``now``: the holder (if any) kept holding, waiters kept
@@ -1079,7 +1099,7 @@ class GroupStatus(_Model):
             until = max(0.0, (self.next_deadline - self.as_of).total_seconds())
             dt = min(dt, until + STATUS_SLACK_S)
         wall = self.wall_s + dt
-        busy = self.utilization * self.wall_s + (dt if self.holder is not None else 0.0)
+        busy = self.held_share * self.wall_s + (dt if self.holder is not None else 0.0)
         holder = self.holder
         if holder is not None:
             holder = holder.model_copy(
@@ -1096,8 +1116,11 @@ class GroupStatus(_Model):
                 "holder": holder,
                 "queue": [w.model_copy(update={"waited_s": w.waited_s + dt}) for w in self.queue],
                 "wall_s": wall,
-                "utilization": min(1.0, busy / wall) if wall > 0 else self.utilization,
+                "held_share": min(1.0, busy / wall) if wall > 0 else self.held_share,
                 "idle_s": self.idle_s + (0.0 if self.holder is not None else dt),
+                # The phases since as_of are not known here: a reader computes them anew.
+                "utilization": None,
+                "utilization_while_jobs_ran": None,
             }
         )
 

@@ -263,6 +263,18 @@ def group_figures(
     return figures, spans
 
 
+def status_with_utilization(status: GroupStatus, figures: GroupFigures) -> GroupStatus:
+    """``status`` with its ``utilization`` (both windows) filled in from ``figures``, the
+    report's figures of this status (``gather.status_figures``): the group itself answers its
+    held share only, as it sees leases, not the RL jobs' phases."""
+    return status.model_copy(
+        update={
+            "utilization": figures.since_created.share,
+            "utilization_while_jobs_ran": figures.while_jobs_ran.share,
+        }
+    )
+
+
 def client_phases(status: GroupStatus, rl_jobs: set[str]) -> list[Span]:
     """The GPU phases of the group's embedded clients (jobs that are not RL jobs), in lanes of
     their own: those each reported with its release, placed from its lease's start; a lease

@@ -992,7 +992,7 @@ class GroupBook:
             ],
             resident_job=state.resident.job_id if state.resident else None,
             faulted_jobs=dict(state.faulted_jobs),
-            utilization=min(1.0, max(0.0, busy / wall)),
+            held_share=min(1.0, max(0.0, busy / wall)),
             wall_s=wall,
             idle_s=max(0.0, wall - busy - stats.switching_s),
             wait_p50_s=percentile(stats.wait_samples_s, 0.50),
