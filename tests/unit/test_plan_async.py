@@ -287,7 +287,7 @@ def test_async_jobs_need_pools_and_a_mix_plans() -> None:
     outcome = planner.timeline(best)
     assert {r["job"] for r in timeline_rows(outcome)} >= {"a · sampler", "a · trainer", "b"}
     report = to_report(outcome, best)
-    lanes = {lane.name for lane in report.lanes if lane.kind == "job"}  # type: ignore[attr-defined]
+    lanes = {lane.name for lane in report.lanes if lane.kind == "job"}
     assert lanes == {"a · sampler", "a · trainer", "b"}
 
 
