@@ -13,6 +13,7 @@ generator.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -33,7 +34,8 @@ def options_as(
     value whose type differs from the field's default, is refused with a message naming the
     option (an int is taken for a float field; a bool never for a number)."""
     values = dict(options or {})
-    fields = options_type.__dataclass_fields__  # type: ignore[attr-defined]
+    # The dataclass's fields proper: a ClassVar (the workload's name, say) is no option.
+    fields = {f.name: f for f in dataclasses.fields(options_type)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"{workload}: unknown option(s) {unknown}; allowed: {sorted(fields)}")
