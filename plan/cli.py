@@ -194,15 +194,15 @@ async def _profile(args: argparse.Namespace, jobs: list[str]) -> int:
     from timeslice.plan.collect import (
         NoSuchJobError,
         client_profile,
-        read_group,
         read_rl_job,
         rl_job_profile,
     )
     from timeslice.plan.profile import dump_profile
+    from timeslice.report.gather import read_group_status
     from timeslice.transport.connection import connect, connect_config
 
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    statuses = {g: await read_group(client, g) for g in args.group}
+    statuses = {g: await read_group_status(client, g) for g in args.group}
     args.out.mkdir(parents=True, exist_ok=True)
     written: list[tuple[JobProfile, Path]] = []
     for job in jobs:
