@@ -24,7 +24,6 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
-    field_validator,
     model_serializer,
     model_validator,
 )
@@ -358,6 +357,11 @@ def check_id(kind: str, value: object) -> str:
     return value
 
 
+# A group or job id a message may carry: checked as it is read (``check_id``).
+GroupId = Annotated[str, AfterValidator(lambda v: check_id("group id", v))]
+JobId = Annotated[str, AfterValidator(lambda v: check_id("job id", v))]
+
+
 def group_workflow_id(group_id: str) -> str:
     return f"gpu-group-{check_id('group id', group_id)}"
 
@@ -377,7 +381,7 @@ class _Model(BaseModel):
 class GroupConfig(_Model):
     """Settings of one GPU group, fixed for its lifetime (carried across continue-as-new)."""
 
-    group_id: str
+    group_id: GroupId
     default_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
     aging_s: float = Field(
         60.0,
@@ -441,11 +445,6 @@ class GroupConfig(_Model):
         "get an activity); Temporal admits 10 in-flight updates per workflow, renewals need some",
     )
 
-    @field_validator("group_id")
-    @classmethod
-    def _group_id(cls, v: str) -> str:
-        return check_id("group id", v)
-
 
 class ProcessRef(_Model):
     """A process by PID and start time (clock ticks since boot), so a reused PID never matches."""
@@ -474,7 +473,7 @@ class SnapshotTarget(_Model):
 
 class AcquireRequest(_Model):
     request_id: str = Field(min_length=1, max_length=200)
-    job_id: str
+    job_id: JobId
     reply_task_queue: TaskQueueName | None = None
     reply_workflow_id: str | None = Field(None, min_length=1, max_length=1000)
     key_hash: str = Field(
@@ -494,11 +493,6 @@ class AcquireRequest(_Model):
         description="the requester restores its own evicted state once granted (in-process "
         "backends), so the grant does not wait for a restore activity",
     )
-
-    @field_validator("job_id")
-    @classmethod
-    def _job_id(cls, v: str) -> str:
-        return check_id("job id", v)
 
     @model_validator(mode="after")
     def _one_reply_address(self) -> AcquireRequest:
@@ -536,16 +530,21 @@ RestoredReports = Annotated[
 ]
 
 
-class LeaseEnd(_Model):
+class LeaseRef(_Model):
+    """A lease as every message about it names it: the request it granted, its fencing
+    token, and the key only its holder knows."""
+
+    request_id: str = Field(min_length=1, max_length=200)
+    token: int = Field(ge=0, le=2**63)
+    key: LeaseKey
+
+
+class LeaseEnd(LeaseRef):
     """What every message that ends a lease names: the lease (request, token, key). The two
     such messages, :class:`ReleaseRequest` (the ``release`` signal) and :class:`LeaseReturn`
     (the ``release_lease`` update), also carry the holder's own moves (``EvictedReports``,
     ``RestoredReports``); each declares those itself only because the two encode them in a
     different order, and an encoding must not change (tests/unit/test_release_shape.py)."""
-
-    request_id: str = Field(min_length=1, max_length=200)
-    token: int = Field(ge=0, le=2**63)
-    key: LeaseKey
 
 
 class ReleaseRequest(LeaseEnd):
@@ -577,10 +576,8 @@ class DepartRequest(_Model):
     key: LeaseKey = Field(description="the key of the job's last lease on the group")
 
 
-class RenewRequest(_Model):
-    request_id: str = Field(min_length=1, max_length=200)
-    token: int = Field(ge=0, le=2**63)
-    key: LeaseKey
+class RenewRequest(LeaseRef):
+    """The ``renew`` update: the holder keeps its lease for another TTL."""
 
 
 class LeaseRenewal(_Model):
@@ -775,16 +772,11 @@ class SnapshotReport(_Model):
 
 
 class SnapshotJobInput(_Model):
-    job_id: str
+    job_id: JobId
     action: Literal["snapshot", "restore"]
     target: SnapshotTarget
     pickup_timeout_s: float = Field(15.0, gt=0, le=600)
     run_timeout_s: float = Field(300.0, gt=0, le=3600)
-
-    @field_validator("job_id")
-    @classmethod
-    def _job_id(cls, v: str) -> str:
-        return check_id("job id", v)
 
 
 class SnapshotJobResult(_Model):
@@ -873,10 +865,17 @@ class SwitchRecord(_Model):
 
 
 class GroupStats(_Model):
+    """The group's counters and times since it was created (carried across continue-as-new),
+    each described below: what ``timeslice status`` and the report count from."""
+
     created_at: Instant
-    leases: int = 0
-    released: int = 0
-    stale_messages: int = 0
+    leases: int = Field(0, description="leases granted")
+    released: int = Field(0, description="leases their holder released")
+    stale_messages: int = Field(
+        0,
+        description="messages naming a lease or request the group no longer holds (a stale "
+        "token, a late release or renewal, an eviction report nobody asked for): ignored",
+    )
     forged_messages: int = Field(
         0,
         description="messages whose lease key did not match, and grant deliveries answered "
@@ -888,29 +887,39 @@ class GroupStats(_Model):
     refused_requests: int = Field(
         0, description="requests refused because the queue was full (MAX_WAITERS, bytes)"
     )
-    expired: int = 0
-    cancelled: int = 0
-    timed_out: int = 0
-    rejected: int = 0
-    dead_waiters: int = 0
-    switches: int = 0
+    expired: int = Field(0, description="leases revoked because their holder stopped renewing")
+    cancelled: int = Field(
+        0, description="requests taken back by their requester: waiting, switched for, or held"
+    )
+    timed_out: int = Field(0, description="waiters dropped when their own time-out passed")
+    rejected: int = Field(0, description="grants whose requester had given up when they came")
+    dead_waiters: int = Field(
+        0, description="grants never picked up: the requesting process is taken for dead"
+    )
+    switches: int = Field(
+        0, description="hand-overs that moved state (an eviction, a restore, or both)"
+    )
     carried: int = Field(
         0, description="leases kept past waiters into their holder's next phase (grant policy)"
     )
-    overlapped_switches: int = 0
-    evictions: int = 0
+    overlapped_switches: int = Field(
+        0, description="switches whose eviction and restore ran at once (the memory allowed)"
+    )
+    evictions: int = Field(0, description="job states moved off the device")
     preemptions: int = Field(
         0,
         description="evictions by the group of a job whose lease ran out without it yielding "
         "(a hung holder taken off the device)",
     )
-    restores: int = 0
-    snapshot_failures: int = 0
-    departed: int = 0
-    bytes_moved: int = 0
-    busy_s: float = 0.0
-    switching_s: float = 0.0
-    runs: int = 1
+    restores: int = Field(0, description="job states brought back onto the device")
+    snapshot_failures: int = Field(
+        0, description="evictions or restores that failed (the job is marked faulted)"
+    )
+    departed: int = Field(0, description="jobs that told the group they left it for good")
+    bytes_moved: int = Field(0, description="bytes evicted and restored, both ways summed")
+    busy_s: float = Field(0.0, description="seconds leased (held by a holder), ended leases")
+    switching_s: float = Field(0.0, description="seconds spent moving state between holders")
+    runs: int = Field(1, description="workflow runs: continue-as-new counts one more")
     shed_records: int = Field(
         0,
         description="lease and switch records dropped, oldest first, so that a continue-as-new "
@@ -921,7 +930,9 @@ class GroupStats(_Model):
         description="evicted, faulted or key entries of jobs dropped, oldest first, past their "
         "bounds (EVICTED_JOBS_KEEP, FAULTED_JOBS_KEEP, JOB_KEYS_KEEP)",
     )
-    wait_samples_s: list[float] = Field(default_factory=list)
+    wait_samples_s: list[float] = Field(
+        default_factory=list, description="the recent acquire waits (GroupConfig.wait_samples_keep)"
+    )
 
 
 class GroupState(_Model):
