@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest, move_report
 from timeslice.snapshot.gpu_env import (
     MIN_CUDA_VERSION,
     checkpoint_blockers,
@@ -317,13 +317,8 @@ class CudaCheckpointBackend:
                     raise  # nothing was moved: nothing to roll back
                 raise self._rolled_back(err, [*done, *touched], checkpoint=checkpoint) from err
             done.append(identity)
-        return SnapshotReport(
-            job_id=job_id,
-            backend=self.name,
-            mode="checkpoint" if checkpoint else "restore",
-            bytes=moved,
-            seconds=time.perf_counter() - started,
-        )
+        mode = "checkpoint" if checkpoint else "restore"
+        return move_report(self.name, job_id, mode, moved, started)
 
     def _move(
         self,

@@ -37,7 +37,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import (
+    BlockingBackend,
+    Capability,
+    Health,
+    SnapshotError,
+    SnapshotRequest,
+    move_report,
+)
 
 if TYPE_CHECKING:
     import jax
@@ -126,7 +133,7 @@ class JaxState:
         return f"JaxState({self.name!r}, {'evicted' if self.evicted else 'resident'})"
 
 
-class JaxBackend:
+class JaxBackend(BlockingBackend):
     """Snapshot / restore registered JAX pytrees (parameters, optimizer state, anything).
 
     ``include`` / ``exclude`` are shell-style patterns over the leaves' dotted path names
@@ -285,16 +292,6 @@ class JaxBackend:
 
     # ------------------------------------------------------------ snapshot / restore
 
-    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
-        import asyncio
-
-        return await asyncio.to_thread(self.snapshot_sync, request)
-
-    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
-        import asyncio
-
-        return await asyncio.to_thread(self.restore_sync, request)
-
     def snapshot_sync(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.perf_counter()
         jax = _jax()
@@ -342,13 +339,7 @@ class JaxBackend:
                     state._out = (treedef, leaves)
                     state._out_names = [(name, leaves[i]) for i, name in gone]
                     state._tree = None
-        return SnapshotReport(
-            job_id=request.job_id,
-            backend=self.name,
-            mode="offload",
-            bytes=moved,
-            seconds=time.perf_counter() - started,
-        )
+        return move_report(self.name, request.job_id, "offload", moved, started)
 
     def restore_sync(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.perf_counter()
@@ -388,13 +379,7 @@ class JaxBackend:
                         continue
                     state._tree = jax.tree_util.tree_unflatten(treedef, leaves)
                     state._out, state._out_names = None, []
-        return SnapshotReport(
-            job_id=request.job_id,
-            backend=self.name,
-            mode="offload",
-            bytes=moved,
-            seconds=time.perf_counter() - started,
-        )
+        return move_report(self.name, request.job_id, "offload", moved, started)
 
     def _to_host(self, jax: Any, arrays: list[Any]) -> list[tuple[Any, int]]:
         """Copy ``arrays`` to host memory, all at once: (host copy, bytes it holds) each."""

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotRequest
+from timeslice.snapshot.base import Capability, Health, SnapshotRequest, move_report
 
 
 class SimulatedBackend:
@@ -59,13 +59,7 @@ class SimulatedBackend:
         started = time.perf_counter()
         if moves:
             await asyncio.sleep(seconds)  # stands in for the copy, by design
-        return SnapshotReport(
-            job_id=job_id,
-            backend=self.name,
-            mode="simulated",
-            bytes=self.nbytes if moves else 0,
-            seconds=time.perf_counter() - started,
-        )
+        return move_report(self.name, job_id, "simulated", self.nbytes if moves else 0, started)
 
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
         job_id = request.job_id

@@ -14,7 +14,6 @@ On a machine without CUDA the same code runs on CPU tensors, which is how the te
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
 import logging
 import threading
@@ -24,7 +23,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import (
+    BlockingBackend,
+    Capability,
+    Health,
+    SnapshotError,
+    SnapshotRequest,
+    move_report,
+)
 from timeslice.snapshot.hugepages import advise_huge_pages
 
 try:
@@ -62,7 +68,7 @@ class _Entry:
     evicted: bool = False
 
 
-class TorchBackend:
+class TorchBackend(BlockingBackend):
     """Snapshot / restore registered modules, optimizers and tensors.
 
     Args:
@@ -239,12 +245,6 @@ class TorchBackend:
 
     # ------------------------------------------------------------ snapshot / restore
 
-    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
-        return await asyncio.to_thread(self.snapshot_sync, request)
-
-    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
-        return await asyncio.to_thread(self.restore_sync, request)
-
     def snapshot_sync(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.perf_counter()
         with self._lock:
@@ -263,13 +263,8 @@ class TorchBackend:
             if any(e.device.type == "cuda" for e in entries):
                 torch.cuda.empty_cache()  # hand the memory back to the driver for the next job
             freed = sum(e.nbytes for e in entries)
-        return SnapshotReport(
-            job_id=request.job_id,
-            backend=self.name,
-            mode=self.mode,
-            bytes=moved if self.mode == "offload" else freed,
-            seconds=time.perf_counter() - started,
-        )
+        freed_or_moved = moved if self.mode == "offload" else freed
+        return move_report(self.name, request.job_id, self.mode, freed_or_moved, started)
 
     def restore_sync(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.perf_counter()
@@ -287,13 +282,8 @@ class TorchBackend:
                     e.evicted = False
                     if not self._keeps(e):
                         e.host = None  # CPU state needs no pool: give the memory back now
-        return SnapshotReport(
-            job_id=request.job_id,
-            backend=self.name,
-            mode=self.mode,
-            bytes=moved if self.mode == "offload" else sum(e.nbytes for e in entries),
-            seconds=time.perf_counter() - started,
-        )
+        back = moved if self.mode == "offload" else sum(e.nbytes for e in entries)
+        return move_report(self.name, request.job_id, self.mode, back, started)
 
     @property
     def evicted(self) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest, move_report
 from timeslice.snapshot.gpu_env import package_version, version_tuple
 
 # The vLLM releases whose sleep-mode API this backend was checked against (pyproject's `vllm`
@@ -188,10 +188,4 @@ class VllmSleepBackend:
         moved = 0
         if free_before is not None and free_after is not None:
             moved = max(0, free_after - free_before if released else free_before - free_after)
-        return SnapshotReport(
-            job_id=job_id,
-            backend=self.name,
-            mode=mode,
-            bytes=moved,
-            seconds=time.perf_counter() - started,
-        )
+        return move_report(self.name, job_id, mode, moved, started)
