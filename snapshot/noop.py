@@ -20,6 +20,11 @@ class NoopBackend:
         self.restores = 0
 
     def health(self) -> Health:
+        """Always able: there is nothing to move.
+
+        Returns:
+            ``Health(ok=True)``.
+        """
         return Health(self.name, True, "nothing to move")
 
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:

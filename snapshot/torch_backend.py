@@ -124,6 +124,16 @@ class TorchBackend(BlockingBackend):
     # ------------------------------------------------------------ registration
 
     def register_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Register one tensor to move (its storage, shared with any view or tied weight).
+
+        Args:
+            name: Its qualified name, which ``include`` / ``exclude`` patterns match.
+            tensor: The tensor; it stays the same object across every snapshot and restore.
+
+        Raises:
+            TypeError: ``tensor`` is not a ``torch.Tensor``.
+            SnapshotError: The state is evicted now (register before the first switch).
+        """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         with self._lock:
@@ -134,15 +144,33 @@ class TorchBackend(BlockingBackend):
             self._arena = None  # the next plan's storages get an arena of their own
 
     def register_module(self, name: str, module: torch.nn.Module) -> None:
+        """Register a module's parameters and buffers, named ``name.<their names>``.
+
+        Args:
+            name: The prefix of their names (``"policy"``: ``"policy.lm_head.weight"`` ...).
+            module: The module.
+
+        Raises:
+            SnapshotError: As :meth:`register_tensor` raises it.
+        """
         for pname, param in module.named_parameters(prefix=name):
             self.register_tensor(pname, param)
         for bname, buf in module.named_buffers(prefix=name):
             self.register_tensor(bname, buf)
 
     def register_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
-        """Register the optimizer's state tensors (Adam's moments, step counters ...).
+        """Register the optimizer's state tensors (Adam's moments, step counters ...), named
+        ``name.state.<parameter index>.<key>``.
 
-        Call after at least one step: optimizers create their state lazily.
+        Call after at least one step, or after creating the state by hand: optimizers create it
+        lazily.
+
+        Args:
+            name: The prefix of their names.
+            optimizer: The optimizer.
+
+        Raises:
+            SnapshotError: As :meth:`register_tensor` raises it.
         """
         index = {id(p): i for i, p in enumerate(_params(optimizer))}
         for param, state in optimizer.state.items():
@@ -151,6 +179,11 @@ class TorchBackend(BlockingBackend):
                     self.register_tensor(f"{name}.state.{index.get(id(param), '?')}.{key}", value)
 
     def selected_names(self) -> list[str]:
+        """The names of the registered tensors a snapshot moves (after ``include`` / ``exclude``).
+
+        Returns:
+            Names, in registration order.
+        """
         return [n for n in self._tensors if self._selected(n)]
 
     def _selected(self, name: str) -> bool:
@@ -174,6 +207,11 @@ class TorchBackend(BlockingBackend):
         return self._entries
 
     def health(self) -> Health:
+        """Whether anything is registered and selected; what, where, and whether it is out.
+
+        Returns:
+            Ok with the storages, bytes, devices and residency; not ok when nothing is selected.
+        """
         entries = self._plan()
         if not entries:
             return Health(self.name, False, "nothing registered (or nothing selected)")
@@ -246,6 +284,15 @@ class TorchBackend(BlockingBackend):
     # ------------------------------------------------------------ snapshot / restore
 
     def snapshot_sync(self, request: SnapshotRequest) -> SnapshotReport:
+        """Copy each selected storage to its host buffer (``offload``) and shrink it to zero
+        bytes, chunk by chunk, freeing device memory as it goes.
+
+        Args:
+            request: The job; only its id is reported.
+
+        Returns:
+            Mode ``offload`` (bytes copied) or ``discard`` (bytes freed).
+        """
         started = time.perf_counter()
         with self._lock:
             entries = [e for e in self._plan() if not e.evicted]
@@ -267,6 +314,15 @@ class TorchBackend(BlockingBackend):
         return move_report(self.name, request.job_id, self.mode, freed_or_moved, started)
 
     def restore_sync(self, request: SnapshotRequest) -> SnapshotReport:
+        """Grow each evicted storage back and copy its bytes home (``offload``; ``discard``
+        leaves them zero), into the same tensor objects.
+
+        Args:
+            request: The job; only its id is reported.
+
+        Returns:
+            The bytes copied back (``offload``) or re-allocated (``discard``).
+        """
         started = time.perf_counter()
         with self._lock:
             entries = [e for e in self._plan() if e.evicted]
@@ -287,6 +343,7 @@ class TorchBackend(BlockingBackend):
 
     @property
     def evicted(self) -> bool:
+        """Whether a snapshot has the state out now."""
         return any(e.evicted for e in self._entries or [])
 
     def _chunks(self, entries: list[_Entry]) -> Iterable[list[_Entry]]:

@@ -122,7 +122,14 @@ class PhaseContext:
         return self._why
 
     def run(self, work: Callable[[], T]) -> T:
-        """Run ``work`` in this thread as this context's work (see :func:`current_context`)."""
+        """Run ``work`` in this thread as this context's work (see :func:`current_context`).
+
+        Args:
+            work: The phase (or preparation, or checkpoint) to run.
+
+        Returns:
+            What ``work`` returned.
+        """
         _running.ctx = self
         try:
             return work()
@@ -157,13 +164,22 @@ class PhaseContext:
             raise PhaseStopped(self._why)
 
     def progress(self, **details: Any) -> None:
-        """Report progress (small JSON values: ``step=3, loss=0.4``); the job process sends
-        the latest with the activity's heartbeats, and the Web UI shows it."""
+        """Report progress; the job process sends the latest with the activity's heartbeats, and
+        the Web UI shows it.
+
+        Args:
+            **details: Small JSON values, say ``step=3, loss=0.4``; a later value of a key
+                replaces the earlier.
+        """
         with self._lock:
             self._progress.update(details)
 
     def latest_progress(self) -> dict[str, Any]:
-        """Everything reported by ``progress`` so far, latest value per key."""
+        """Everything reported by ``progress`` so far.
+
+        Returns:
+            The latest value of each key.
+        """
         with self._lock:
             return dict(self._progress)
 

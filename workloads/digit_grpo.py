@@ -141,11 +141,14 @@ class DigitGrpoWorkload(Workload):
             raise RuntimeError(f"{self.name}: snapshot_backends() called before setup()")
         return self._backends
 
-    def _check_sizes(self, spec: JobSpec) -> None:
+    def _configure(self, spec: JobSpec) -> Any:
+        """``setup``'s first step: check the sizes, parse the options, keep both; the options."""
         if spec.batch_size < 1:
             raise ValueError(f"{self.name}: batch_size must be >= 1, not {spec.batch_size}")
         if spec.group_size < 1:
             raise ValueError(f"{self.name}: group_size must be >= 1, not {spec.group_size}")
+        self.spec, self.opts = spec, self.options_type.parse(spec.options)
+        return self.opts
 
     def _spec(self) -> JobSpec:
         if self.spec is None:
@@ -177,6 +180,28 @@ class DigitGrpoWorkload(Workload):
                 f"process first (rollouts held: {have})"
             )
         return ro
+
+    def _score(self, ro: Any, ctx: Any) -> dict[str, float]:
+        """Score rollout ``ro``: each completion's reward is the share of its digits that match
+        the task's answer (after the stand-in verifier's ``reward_latency_s``)."""
+        ctx.check()
+        correct = ro.completions == self._targets(ro.prompts)
+        if self.opts.reward_latency_s:
+            ctx.wait(self.opts.reward_latency_s)
+        ro.rewards, metrics = self._reward_metrics(correct)
+        ctx.progress(step=1, of=1)
+        return metrics
+
+    def _targets(self, prompts: Any) -> Any:
+        """The task's answer to each prompt (sorted, reversed or copied), in the framework's
+        arrays."""
+        raise NotImplementedError
+
+    def _reward_metrics(self, correct: Any) -> tuple[Any, dict[str, float]]:
+        """From ``correct`` (completion x digit, true where right): the rewards (each row's
+        mean), and ``reward_mean``, ``reward_std``, ``group_std_mean`` (the spread within each
+        prompt's group), ``accuracy`` (whole answers right) and ``digit_accuracy``."""
+        raise NotImplementedError
 
     def _meta(self) -> dict[str, Any]:
         """What a checkpoint is of: the workload, the seed, the options, the last epoch."""

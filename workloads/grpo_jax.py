@@ -203,9 +203,17 @@ class GrpoJaxWorkload(DigitGrpoWorkload):
     opts: GrpoJaxOptions
 
     def setup(self, spec: JobSpec) -> None:
-        self._check_sizes(spec)
-        opts = GrpoJaxOptions.parse(spec.options)
-        self.spec, self.opts = spec, opts
+        """Draw the MLP from ``spec.seed`` (NumPy), put three copies on the device (policy,
+        reference, sampler) and Adam's state, and register them with two jax backends.
+
+        Args:
+            spec: The seed the parameters come from, the batch and group sizes, and the
+                options (:class:`GrpoJaxOptions`).
+
+        Raises:
+            ValueError: From the spec's checks: a size below 1, an option refused.
+        """
+        opts: GrpoJaxOptions = self._configure(spec)
         self.optimizer = _optimizer(opts.lr, opts.max_grad_norm)
         # Committed to one device from the start, as restored arrays are: jitted calls then
         # see the same kind of argument before and after a switch (one compilation, not two).
@@ -242,6 +250,19 @@ class GrpoJaxWorkload(DigitGrpoWorkload):
     # ------------------------------------------------------------ phases
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Load the pending weights onto the sampler, then write each completion digit by digit,
+        inverting the policy's CDF at uniforms drawn from (seed, epoch).
+
+        Args:
+            epoch: The epoch.
+            ctx: Checked before each digit.
+
+        Returns:
+            ``completions`` and ``tokens`` sampled.
+
+        Raises:
+            PhaseStopped: The lease was lost.
+        """
         spec, opts = self._spec(), self.opts
         ctx.check()
         # The trainer's last weights, through the host copy (never the trainer's arrays).
@@ -284,17 +305,26 @@ class GrpoJaxWorkload(DigitGrpoWorkload):
         return {"completions": float(n), "tokens": float(n * k)}
 
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Score each completion by the digits it gets right (NumPy), after the stand-in verifier's
+        ``reward_latency_s``.
+
+        Args:
+            epoch: The epoch sampled in this process.
+            ctx: The stop check and the latency's wait.
+
+        Returns:
+            ``reward_mean``, ``reward_std``, ``group_std_mean``, ``accuracy``, ``digit_accuracy``.
+
+        Raises:
+            RuntimeError: No rollout of ``epoch`` is held here.
+        """
+        return self._score(self._sampled(epoch), ctx)
+
+    def _reward_metrics(self, correct: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
         spec = self._spec()
-        ro = self._sampled(epoch)
-        ctx.check()
-        correct = ro.completions == self._targets(ro.prompts)
         rewards = correct.astype(np.float32).mean(axis=1)
-        if self.opts.reward_latency_s:
-            ctx.wait(self.opts.reward_latency_s)
-        ro.rewards = rewards
         grouped = rewards.reshape(spec.batch_size, spec.group_size)
-        ctx.progress(step=1, of=1)
-        return {
+        return rewards, {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "group_std_mean": float(grouped.std(axis=1).mean()),
@@ -303,6 +333,22 @@ class GrpoJaxWorkload(DigitGrpoWorkload):
         }
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """``ppo_steps`` jitted optax updates on the scored rollout; the new policy then goes to
+        the host copy for the next sample. Stopped part-way, the arrays the phase began with are put
+        back (JAX arrays are immutable: keeping them is the backup).
+
+        Args:
+            epoch: The epoch scored in this process.
+            ctx: Checked before each update.
+
+        Returns:
+            Mean ``loss``, ``grad_norm``, ``clip_frac`` over the steps, the last ``kl``, and
+            ``optimizer_steps``.
+
+        Raises:
+            RuntimeError: The rollout of ``epoch`` is not scored here.
+            PhaseStopped: The lease was lost (after the rollback).
+        """
         spec, opts = self._spec(), self.opts
         ro = self._scored(epoch)
         ctx.check()
@@ -353,6 +399,12 @@ class GrpoJaxWorkload(DigitGrpoWorkload):
         return [self.policy, self.reference, self.adam]
 
     def save(self, directory: Path) -> None:
+        """Write ``trainer.npz`` (policy, reference, Adam state by path name), ``pending.npz``
+        and ``meta.json``, each under a temporary name first.
+
+        Args:
+            directory: The checkpoint's folder (made if missing).
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         trainer = {}
@@ -370,6 +422,17 @@ class GrpoJaxWorkload(DigitGrpoWorkload):
         tmp.replace(directory / "meta.json")
 
     def load(self, directory: Path) -> None:
+        """Read a checkpoint back onto the holders' devices and shardings, checking every array
+        before changing anything.
+
+        Args:
+            directory: A folder :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: A file is missing.
+            ValueError: Written for another workload, seed or options, or an array that does
+                not fit.
+        """
         directory = Path(directory)
         self._check_checkpoint(directory, _FILES)
         meta = json.loads((directory / "meta.json").read_text())

@@ -113,6 +113,11 @@ class GrpoToyOptions(DigitGrpoOptions):
             )
 
     def torch_device(self) -> torch.device:
+        """The device the option names.
+
+        Returns:
+            ``cuda`` where ``auto`` finds CUDA, else ``cpu``; or ``device`` as given.
+        """
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -202,9 +207,17 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
     # ------------------------------------------------------------ setup
 
     def setup(self, spec: JobSpec) -> None:
-        self._check_sizes(spec)
-        opts = GrpoToyOptions.parse(spec.options)
-        self.spec, self.opts = spec, opts
+        """Build the transformer from ``spec.seed`` (a forked RNG), its frozen reference, Adam with
+        its state, the sampler's copy and the pending buffer, and both groups' torch backends (their
+        host buffers made now).
+
+        Args:
+            spec: The job: its seed, sizes and options (:class:`GrpoToyOptions`).
+
+        Raises:
+            ValueError: A batch or group size below 1, or a bad option.
+        """
+        opts: GrpoToyOptions = self._configure(spec)
         self.device = opts.torch_device()
         self.bos, self.sep = opts.digits, opts.digits + 1
         self.vocab = opts.digits + 2
@@ -293,6 +306,19 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
     # ------------------------------------------------------------ phases
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Copy the pending weights into the sampler, then sample ``seq_len`` digits for each of
+        ``batch_size`` prompts ``group_size`` times, with randomness from (seed, epoch).
+
+        Args:
+            epoch: The epoch.
+            ctx: Checked before each digit; ``step`` of ``seq_len`` reported.
+
+        Returns:
+            ``completions`` and ``tokens`` sampled.
+
+        Raises:
+            PhaseStopped: The lease was lost.
+        """
         self._spec()  # setup() first
         ctx.check()
         # The trainer's last weights, through the host buffer (never the trainer's tensors).
@@ -329,19 +355,27 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
         return rollout, {"completions": float(n), "tokens": float(n * k)}
 
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Score each completion: the share of its digits where the task's answer has them
+        (then wait ``reward_latency_s``, the stand-in verifier).
+
+        Args:
+            epoch: The epoch :meth:`sample` ran in this process.
+            ctx: The stop check, and the latency's wait.
+
+        Returns:
+            ``reward_mean``, ``reward_std``, ``group_std_mean``, ``accuracy`` (whole answers right)
+            and ``digit_accuracy``.
+
+        Raises:
+            RuntimeError: This process holds no rollout of ``epoch``.
+        """
         return self._score(self._sampled(epoch), ctx)
 
-    def _score(self, ro: _Rollout, ctx: PhaseContext) -> dict[str, float]:
+    def _reward_metrics(self, correct: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         spec = self._spec()
-        ctx.check()
-        correct = ro.completions == self._targets(ro.prompts)
         rewards = correct.float().mean(dim=1)
-        if self.opts.reward_latency_s:
-            ctx.wait(self.opts.reward_latency_s)
-        ro.rewards = rewards
         grouped = rewards.view(spec.batch_size, spec.group_size)
-        ctx.progress(step=1, of=1)
-        return {
+        return rewards, {
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.std(unbiased=False).item(),
             "group_std_mean": grouped.std(dim=1, unbiased=False).mean().item(),
@@ -350,6 +384,22 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
         }
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """``ppo_steps`` clipped GRPO steps on the scored rollout (group-normalised advantages,
+        KL to the reference), then the new weights into the pending buffer. Stopped part-way, the
+        trainer's tensors are rolled back to where the phase began.
+
+        Args:
+            epoch: The epoch scored in this process.
+            ctx: Checked before each optimizer step.
+
+        Returns:
+            The steps' mean ``loss``, ``grad_norm`` and ``clip_frac``, the last ``kl``, and
+            ``optimizer_steps``.
+
+        Raises:
+            RuntimeError: The epoch's rollout was not scored here.
+            PhaseStopped: The lease was lost.
+        """
         stats = self._train_on(self._scored(epoch), ctx)
         # Hand the new weights to the sampler through the host buffer.
         for name, param in self.policy.named_parameters():
@@ -392,6 +442,19 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
     # ------------------------------------------------------------ async mode
 
     def sample_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Sample batch ``batch`` with the sampler's weights as loaded (maybe stale), randomness
+        from (seed, batch); the batch remembers the policy version it saw.
+
+        Args:
+            batch: The batch's id.
+            ctx: As for :meth:`sample`.
+
+        Returns:
+            ``completions`` and ``tokens``.
+
+        Raises:
+            PhaseStopped: The sampler's lease was lost.
+        """
         self._spec()  # setup() first
         ctx.check()
         rollout, metrics = self._sample_rollout(batch, ctx)
@@ -400,12 +463,40 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
         return metrics
 
     def score_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Score batch ``batch`` as :meth:`compute_rewards` scores an epoch.
+
+        Args:
+            batch: A batch sampled in this process.
+            ctx: The stop check.
+
+        Returns:
+            The batch's reward metrics.
+
+        Raises:
+            RuntimeError: No such batch was sampled here.
+        """
         ro = self._batches.get(batch)
         if ro is None:
             raise RuntimeError(f"{self.name}: batch {batch} was not sampled in this process")
         return self._score(ro, ctx)
 
     def train_batch(self, step: int, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Train on batch ``batch``, then drop it: plain PPO when it is fresh, the decoupled
+        objective (``stale_objective``) when the policy moved on since it was sampled.
+
+        Args:
+            step: The step.
+            batch: A batch scored here.
+            ctx: As for :meth:`train`.
+
+        Returns:
+            :meth:`train`'s metrics, with ``policy_lag`` (steps since the batch's weights) and
+            ``decoupled`` (1 if that objective ran).
+
+        Raises:
+            RuntimeError: No scored batch ``batch`` is held.
+            PhaseStopped: The trainer's lease was lost.
+        """
         ro = self._batches.pop(batch, None)
         if ro is None or ro.rewards is None:
             raise RuntimeError(f"{self.name}: batch {batch} is not held scored in this process")
@@ -414,6 +505,15 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
         return stats
 
     def publish_weights(self, version: int, ctx: PhaseContext) -> int:
+        """Copy the trainer's weights into the pending buffer (host memory), under its lock.
+
+        Args:
+            version: The steps trained (the workload counts its own).
+            ctx: The training step's context.
+
+        Returns:
+            The pending buffer's bytes.
+        """
         with self._pending_lock:
             for name, param in self.policy.named_parameters():
                 self._copy_in(self.pending[name], param.detach())
@@ -421,6 +521,18 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
         return sum(t.numel() * t.element_size() for t in self.pending.values())
 
     def load_weights(self, version: int, ctx: PhaseContext) -> int:
+        """Copy the pending buffer into the sampler's weights.
+
+        Args:
+            version: The version published last.
+            ctx: Checked before the copy.
+
+        Returns:
+            The bytes copied.
+
+        Raises:
+            PhaseStopped: The sampler's lease was lost.
+        """
         ctx.check()
         with self._pending_lock:
             for name, param in self.sampler.named_parameters():
@@ -429,6 +541,7 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
         return sum(t.numel() * t.element_size() for t in self.pending.values())
 
     def drop_batches(self) -> None:
+        """Forget every batch held (the job rewound)."""
         self._batches.clear()
 
     def _optimize(
@@ -519,6 +632,12 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
     # ------------------------------------------------------------ checkpoints
 
     def save(self, directory: Path) -> None:
+        """Write ``trainer.pt`` (policy, reference, Adam state), ``pending.pt`` and ``meta.pt``,
+        each under a temporary name first.
+
+        Args:
+            directory: The checkpoint's folder (made if missing).
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         trainer = {
@@ -536,6 +655,16 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
             tmp.replace(directory / fname)
 
     def load(self, directory: Path) -> None:
+        """Copy a checkpoint into the existing tensors (the backends hold those very objects);
+        the sampler then runs the trained weights and no batch survives.
+
+        Args:
+            directory: A folder :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: A file is missing.
+            ValueError: It was written for another workload, seed, options or model.
+        """
         directory = Path(directory)
         self._check_checkpoint(directory, _FILES)
         meta = torch.load(directory / "meta.pt", weights_only=True)

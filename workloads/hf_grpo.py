@@ -76,6 +76,11 @@ class HfGrpoOptions(GrpoToyOptions):
             )
 
     def use_vllm(self) -> bool:
+        """Whether the sampler is a vLLM engine.
+
+        Returns:
+            True for ``vllm``, and for ``auto`` where vLLM imports and CUDA is present.
+        """
         return self.sampler == "vllm" or (self.sampler == "auto" and vllm_available())
 
 
@@ -110,9 +115,17 @@ class HfGrpoWorkload(GrpoToyWorkload):
         self._vllm_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def setup(self, spec: JobSpec) -> None:
-        self._check_sizes(spec)
-        opts = HfGrpoOptions.parse(spec.options)
-        self.spec, self.opts = spec, opts
+        """grpo-toy's trainer on the tiny Qwen2 policy (seeded from ``spec.seed``); the sampler is
+        its torch copy, or a vLLM engine (built from the policy saved in Hub format) moved by the
+        ``vllm`` backend.
+
+        Args:
+            spec: The job; options as :class:`HfGrpoOptions`.
+
+        Raises:
+            ValueError: A batch or group size below 1, or a bad option.
+        """
+        opts: HfGrpoOptions = self._configure(spec)
         self.device = opts.torch_device()
         vocab = vocabulary()
         self.bos, self.sep = vocab[BOS], vocab[SEP]  # 10 and 11: grpo-toy's numbering
@@ -143,6 +156,7 @@ class HfGrpoWorkload(GrpoToyWorkload):
 
     @property
     def sampler_kind(self) -> str:
+        """``vllm`` or ``torch``: the sampler ``setup`` built."""
         return "vllm" if self._llm is not None else "torch"
 
     # ------------------------------------------------------------ the vLLM sampler
@@ -172,6 +186,20 @@ class HfGrpoWorkload(GrpoToyWorkload):
         self._llm.reset_prefix_cache()
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """With vLLM: load the trainer's latest weights into the engine, then generate
+        ``group_size`` digit-only completions per prompt with the epoch's seeds (log-probs are left
+        to :meth:`train`); with torch, grpo-toy's sampling.
+
+        Args:
+            epoch: The epoch.
+            ctx: The stop check.
+
+        Returns:
+            ``completions`` and ``tokens``.
+
+        Raises:
+            PhaseStopped: The lease was lost.
+        """
         if self._llm is None:
             return super().sample(epoch, ctx)
         from vllm import SamplingParams
@@ -211,6 +239,20 @@ class HfGrpoWorkload(GrpoToyWorkload):
         return {"completions": float(n), "tokens": float(n * k)}
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """grpo-toy's training; a vLLM-sampled rollout first gets its old-policy log-probs from
+        the trainer's own weights, so the first step is exactly on-policy.
+
+        Args:
+            epoch: The epoch scored in this process.
+            ctx: The stop check.
+
+        Returns:
+            grpo-toy's training metrics.
+
+        Raises:
+            RuntimeError: The rollout of ``epoch`` is not scored here.
+            PhaseStopped: The lease was lost.
+        """
         ro = self._rollout
         if (
             self._llm is not None
