@@ -868,71 +868,67 @@ class GroupStats(_Model):
     """The group's counters and times since it was created (carried across continue-as-new),
     each described below: what ``timeslice status`` and the report count from."""
 
+    # The attribute docstrings below are the fields' descriptions (their JSON schema's too).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
     created_at: Instant
-    leases: int = Field(0, description="leases granted")
-    released: int = Field(0, description="leases their holder released")
-    stale_messages: int = Field(
-        0,
-        description="messages naming a lease or request the group no longer holds (a stale "
-        "token, a late release or renewal, an eviction report nobody asked for): ignored",
-    )
-    forged_messages: int = Field(
-        0,
-        description="messages whose lease key did not match, and grant deliveries answered "
-        "without the request's key",
-    )
-    malformed_messages: int = Field(
-        0, description="signals dropped because they were not a valid message"
-    )
-    refused_requests: int = Field(
-        0, description="requests refused because the queue was full (MAX_WAITERS, bytes)"
-    )
-    expired: int = Field(0, description="leases revoked because their holder stopped renewing")
-    cancelled: int = Field(
-        0, description="requests taken back by their requester: waiting, switched for, or held"
-    )
-    timed_out: int = Field(0, description="waiters dropped when their own time-out passed")
-    rejected: int = Field(0, description="grants whose requester had given up when they came")
-    dead_waiters: int = Field(
-        0, description="grants never picked up: the requesting process is taken for dead"
-    )
-    switches: int = Field(
-        0, description="hand-overs that moved state (an eviction, a restore, or both)"
-    )
-    carried: int = Field(
-        0, description="leases kept past waiters into their holder's next phase (grant policy)"
-    )
-    overlapped_switches: int = Field(
-        0, description="switches whose eviction and restore ran at once (the memory allowed)"
-    )
-    evictions: int = Field(0, description="job states moved off the device")
-    preemptions: int = Field(
-        0,
-        description="evictions by the group of a job whose lease ran out without it yielding "
-        "(a hung holder taken off the device)",
-    )
-    restores: int = Field(0, description="job states brought back onto the device")
-    snapshot_failures: int = Field(
-        0, description="evictions or restores that failed (the job is marked faulted)"
-    )
-    departed: int = Field(0, description="jobs that told the group they left it for good")
-    bytes_moved: int = Field(0, description="bytes evicted and restored, both ways summed")
-    busy_s: float = Field(0.0, description="seconds leased (held by a holder), ended leases")
-    switching_s: float = Field(0.0, description="seconds spent moving state between holders")
-    runs: int = Field(1, description="workflow runs: continue-as-new counts one more")
-    shed_records: int = Field(
-        0,
-        description="lease and switch records dropped, oldest first, so that a continue-as-new "
-        "input fits Temporal's payload limit",
-    )
-    forgotten_jobs: int = Field(
-        0,
-        description="evicted, faulted or key entries of jobs dropped, oldest first, past their "
-        "bounds (EVICTED_JOBS_KEEP, FAULTED_JOBS_KEEP, JOB_KEYS_KEEP)",
-    )
-    wait_samples_s: list[float] = Field(
-        default_factory=list, description="the recent acquire waits (GroupConfig.wait_samples_keep)"
-    )
+    leases: int = 0
+    """Leases granted."""
+    released: int = 0
+    """Leases their holder released."""
+    stale_messages: int = 0
+    """Messages naming a lease or request the group no longer holds (a stale token, a late release
+    or renewal, an eviction report nobody asked for): ignored."""
+    forged_messages: int = 0
+    """Messages whose lease key did not match, and grant deliveries answered without the request's
+    key."""
+    malformed_messages: int = 0
+    """Signals dropped because they were not a valid message."""
+    refused_requests: int = 0
+    """Requests refused because the queue was full (MAX_WAITERS, bytes)."""
+    expired: int = 0
+    """Leases revoked because their holder stopped renewing."""
+    cancelled: int = 0
+    """Requests taken back by their requester: waiting, switched for, or held."""
+    timed_out: int = 0
+    """Waiters dropped when their own time-out passed."""
+    rejected: int = 0
+    """Grants whose requester had given up when they came."""
+    dead_waiters: int = 0
+    """Grants never picked up: the requesting process is taken for dead."""
+    switches: int = 0
+    """Hand-overs that moved state (an eviction, a restore, or both)."""
+    carried: int = 0
+    """Leases kept past waiters into their holder's next phase (grant policy)."""
+    overlapped_switches: int = 0
+    """Switches whose eviction and restore ran at once (the memory allowed)."""
+    evictions: int = 0
+    """Job states moved off the device."""
+    preemptions: int = 0
+    """Evictions by the group of a job whose lease ran out without it yielding (a hung holder taken
+    off the device)."""
+    restores: int = 0
+    """Job states brought back onto the device."""
+    snapshot_failures: int = 0
+    """Evictions or restores that failed (the job is marked faulted)."""
+    departed: int = 0
+    """Jobs that told the group they left it for good."""
+    bytes_moved: int = 0
+    """Bytes evicted and restored, both ways summed."""
+    busy_s: float = 0.0
+    """Seconds leased (held by a holder), ended leases."""
+    switching_s: float = 0.0
+    """Seconds spent moving state between holders."""
+    runs: int = 1
+    """Workflow runs: continue-as-new counts one more."""
+    shed_records: int = 0
+    """Lease and switch records dropped, oldest first, so that a continue-as-new input fits
+    Temporal's payload limit."""
+    forgotten_jobs: int = 0
+    """Evicted, faulted or key entries of jobs dropped, oldest first, past their bounds
+    (EVICTED_JOBS_KEEP, FAULTED_JOBS_KEEP, JOB_KEYS_KEEP)."""
+    wait_samples_s: list[float] = Field(default_factory=list)
+    """The recent acquire waits (GroupConfig.wait_samples_keep)."""
 
 
 class GroupState(_Model):
