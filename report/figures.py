@@ -123,6 +123,8 @@ def _phase_label(phase: PhaseResult) -> str:
 
 
 def job_figures(job: JobRecord, spans: list[Span], dedicated_s: float | None = None) -> JobFigures:
+    """The job's figures from its record: its phases' own seconds, its waits for grants, the
+    restores of its state, its wall time, carries asked and kept, and (async) staleness."""
     phase_s: dict[str, float] = {}
     for phase in job.phases:
         phase_s[phase.phase] = phase_s.get(phase.phase, 0.0) + (phase.mono_end - phase.mono_start)
