@@ -284,8 +284,8 @@ class Workload(ABC):
         """Update the policy from this epoch's scored rollouts, under the trainer group's lease.
 
         Args:
-            epoch: The epoch.
-            ctx: As for ``sample``.
+            epoch: The epoch whose rollouts ``compute_rewards`` scored.
+            ctx: As for ``sample``: check it between optimizer steps.
 
         Returns:
             Metrics (a loss, say), recorded with the epoch.
