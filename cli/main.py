@@ -147,12 +147,8 @@ def _add_agent_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore
         default=0.0,
         help="duration of a simulated switch, s (default 0)",
     )
-    agent.add_argument(
-        "--key-file",
-        type=Path,
-        default=None,
-        help="the key job tokens are made with (default $TIMESLICE_AGENT_KEY_FILE, else "
-        "agent.key beside the socket, created if missing)",
+    _add_key_file_arg(
+        agent, "the key job tokens are made with", "agent.key beside the socket, created if missing"
     )
     _add_metrics_arg(agent)
     _add_connection_args(agent)
@@ -163,13 +159,7 @@ def _add_agent_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "TIMESLICE_JOB_TOKEN set to it",
     )
     token.add_argument("job_id", help="the job the token is for")
-    token.add_argument(
-        "--key-file",
-        type=Path,
-        default=None,
-        help="the agent's key (default $TIMESLICE_AGENT_KEY_FILE, else agent.key in the "
-        "agent's folder)",
-    )
+    _add_key_file_arg(token, "the agent's key", "agent.key in the agent's folder")
 
     setup = sub.add_parser(
         "setup",
@@ -177,6 +167,16 @@ def _add_agent_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "(exit 1 if any is still missing)",
     )
     _add_connection_args(setup)
+
+
+def _add_key_file_arg(parser: argparse.ArgumentParser, what: str, otherwise: str) -> None:
+    """``--key-file``: the node agent's key, which job tokens are made with."""
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        default=None,
+        help=f"{what} (default $TIMESLICE_AGENT_KEY_FILE, else {otherwise})",
+    )
 
 
 def _add_reading_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
