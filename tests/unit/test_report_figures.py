@@ -18,7 +18,15 @@ from timeslice.protocol.group import (
     SwitchRecord,
 )
 from timeslice.protocol.rl_job import PhaseResult
-from timeslice.report import Lane, Report, format_text, human_bytes, trace_events, write_report
+from timeslice.report import (
+    Lane,
+    Report,
+    Span,
+    format_text,
+    human_bytes,
+    trace_events,
+    write_report,
+)
 from timeslice.report.figures import (
     JobRecord,
     build_lanes,
@@ -150,14 +158,20 @@ def test_a_phase_without_a_wall_anchor_is_placed_by_its_activity_completion():
     assert (rewards.start, rewards.end) == (at(1.5), at(2.5))
 
 
-def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
-    job = job_a()
-    phases = [s for s in job_spans(job) if s.kind in ("sample", "train") and s.group_id == "g"]
+def a_sample_and_b_train() -> list[Span]:
+    """Two RL jobs' phases on g: a's sample (0.5-1.5 s) and b's train (3-4 s)."""
+    a_phases = [
+        s for s in job_spans(job_a()) if s.kind in ("sample", "train") and s.group_id == "g"
+    ]
     b_phase = job_spans(
         JobRecord(job_id="b", status="completed", phases=[phase(0, "train", 3.0, 1.0)],
                   completed_at=[None])
     )  # fmt: skip
-    g, spans = group_figures(status(), None, [phases[0], *b_phase], {"a", "b"})
+    return [a_phases[0], *b_phase]
+
+
+def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
+    g, spans = group_figures(status(), None, a_sample_and_b_train(), {"a", "b"})
     # a's sample (1 s) and b's train (1 s) ran inside leases of 4 s: 2 s of overhead.
     assert (g.phase_s, g.overhead_s, g.switching_s, g.idle_s) == (2.0, 2.0, 0.5, 5.5)
     assert g.fraction(g.phase_s) + g.fraction(g.overhead_s) + g.fraction(g.switching_s) + (
@@ -190,14 +204,8 @@ def test_the_group_reads_in_both_windows_by_the_one_definition():
 def test_the_status_json_says_the_reports_utilization_and_the_held_share_apart():
     """`timeslice status --json`: ``utilization`` is the report's (GPU phases, 2 of 10 s), not
     the share of the group's life it was held (4 of 10 s), which is ``held_share``."""
-    job = job_a()
-    phases = [s for s in job_spans(job) if s.kind in ("sample", "train") and s.group_id == "g"]
-    b_phase = job_spans(
-        JobRecord(job_id="b", status="completed", phases=[phase(0, "train", 3.0, 1.0)],
-                  completed_at=[None])
-    )  # fmt: skip
     read = status()
-    g, _ = group_figures(read, None, [phases[0], *b_phase], {"a", "b"})
+    g, _ = group_figures(read, None, a_sample_and_b_train(), {"a", "b"})
     said = json.loads(status_with_utilization(read, g).model_dump_json())
     assert said["utilization"] == g.utilization == 0.2
     assert said["utilization_while_jobs_ran"] == g.while_jobs_ran.share == pytest.approx(2 / 3.5)
