@@ -86,7 +86,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_server_parsers(sub)
+    _add_agent_parsers(sub)
+    _add_job_parsers(sub)
+    plan_cli.add_parser(sub)
+    _add_reading_parsers(sub)
+    return parser
 
+
+def _add_server_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``server`` (the embedded Temporal server) and ``worker`` (the control worker)."""
     server = sub.add_parser("server", help="run the embedded Temporal server (dev server + UI)")
     server.add_argument("--port", type=int, default=7233, help="gRPC port (default 7233)")
     server.add_argument("--ui-port", type=int, default=8233, help="Web UI port (default 8233)")
@@ -115,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_connection_args(worker)
 
+
+def _add_agent_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``agent`` (the node agent), ``agent-token`` and ``setup``."""
     agent = sub.add_parser("agent", help="run the node agent (evicts whole processes on a node)")
     agent.add_argument("--node", required=True, help="this node's name (task queue suffix)")
     agent.add_argument(
@@ -135,12 +147,8 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="duration of a simulated switch, s (default 0)",
     )
-    agent.add_argument(
-        "--key-file",
-        type=Path,
-        default=None,
-        help="the key job tokens are made with (default $TIMESLICE_AGENT_KEY_FILE, else "
-        "agent.key beside the socket, created if missing)",
+    _add_key_file_arg(
+        agent, "the key job tokens are made with", "agent.key beside the socket, created if missing"
     )
     _add_metrics_arg(agent)
     _add_connection_args(agent)
@@ -151,13 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         "TIMESLICE_JOB_TOKEN set to it",
     )
     token.add_argument("job_id", help="the job the token is for")
-    token.add_argument(
-        "--key-file",
-        type=Path,
-        default=None,
-        help="the agent's key (default $TIMESLICE_AGENT_KEY_FILE, else agent.key in the "
-        "agent's folder)",
-    )
+    _add_key_file_arg(token, "the agent's key", "agent.key in the agent's folder")
 
     setup = sub.add_parser(
         "setup",
@@ -166,9 +168,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_connection_args(setup)
 
-    _add_job_parsers(sub)
-    plan_cli.add_parser(sub)
 
+def _add_key_file_arg(parser: argparse.ArgumentParser, what: str, otherwise: str) -> None:
+    """``--key-file``: the node agent's key, which job tokens are made with."""
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        default=None,
+        help=f"{what} (default $TIMESLICE_AGENT_KEY_FILE, else {otherwise})",
+    )
+
+
+def _add_reading_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``report``, ``status`` and ``backends``: what reads the cluster and this host."""
     report = sub.add_parser(
         "report", help="utilization, switches and waits per group; phase times per job"
     )
@@ -192,7 +204,12 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="show a GPU group's holder, queue and utilization")
     status.add_argument("group_id")
-    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print the status as JSON: the group's answer (its held_share) with the "
+        "utilization of its jobs' GPU phases",
+    )
     _add_connection_args(status)
 
     backends = sub.add_parser(
@@ -201,7 +218,6 @@ def _parser() -> argparse.ArgumentParser:
         "installed here",
     )
     backends.add_argument("--json", action="store_true", help="one JSON object per backend")
-    return parser
 
 
 _WORKLOAD_HELP = "grpo-toy, hf-grpo, simulated, or MODULE:FACTORY (your own Workload subclass)"
@@ -210,7 +226,22 @@ _WORKLOAD_HELP = "grpo-toy, hf-grpo, simulated, or MODULE:FACTORY (your own Work
 def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     job = sub.add_parser("job", help="RL jobs: serve a job's phases, start, follow, stop")
     jobs = job.add_subparsers(dest="job_command", required=True)
+    _add_job_worker_parser(jobs)
+    _add_job_start_parser(jobs)
+    progress = jobs.add_parser(
+        "progress", help="show a job's epoch, phase and rewards (exit 1 if it failed)"
+    )
+    progress.add_argument("job_id")
+    progress.add_argument("--json", action="store_true", help="print the progress as JSON")
+    _add_connection_args(progress)
 
+    stop = jobs.add_parser("stop", help="finish the current epoch, checkpoint, and stop")
+    stop.add_argument("job_id")
+    _add_connection_args(stop)
+
+
+def _add_job_worker_parser(jobs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``job worker``: one rank of one job (or of several) in this process."""
     worker = jobs.add_parser("worker", help="serve one rank of an RL job (its model and phases)")
     worker.add_argument(
         "--job-id",
@@ -244,6 +275,9 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     _add_metrics_arg(worker)
     _add_connection_args(worker)
 
+
+def _add_job_start_parser(jobs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``job start``: the job's config, from a file and flags (``_START_FIELDS``)."""
     start = jobs.add_parser(
         "start",
         help="start an RLJobWorkflow",
@@ -299,17 +333,6 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     start.add_argument("--wait", action="store_true", help="show progress until the job ends")
     _add_connection_args(start)
-
-    progress = jobs.add_parser(
-        "progress", help="show a job's epoch, phase and rewards (exit 1 if it failed)"
-    )
-    progress.add_argument("job_id")
-    progress.add_argument("--json", action="store_true", help="print the progress as JSON")
-    _add_connection_args(progress)
-
-    stop = jobs.add_parser("stop", help="finish the current epoch, checkpoint, and stop")
-    stop.add_argument("job_id")
-    _add_connection_args(stop)
 
 
 _START_FIELDS = (
@@ -747,6 +770,7 @@ async def _run_backends(args: argparse.Namespace) -> int:
 
 async def _run_status(args: argparse.Namespace) -> int:
     from timeslice.orchestrator import AsyncTimeSliceOrchestratorClient
+    from timeslice.report.figures import status_with_utilization
     from timeslice.report.gather import status_figures
 
     client = AsyncTimeSliceOrchestratorClient(
@@ -756,13 +780,14 @@ async def _run_status(args: argparse.Namespace) -> int:
         status = await client.group_status(args.group_id)  # as of now (the reader's clock)
     finally:
         await client.close()
-    if args.json:
-        print(status.model_dump_json(indent=2))
-        return 0
     # Utilization counts GPU phases: the RL jobs among the holders are read for theirs, the
-    # report's way, so status and report print one figure.
+    # report's way, so status (its text and its JSON) and report say one figure.
     raw = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    print(format_status(status, await status_figures(raw, status)))
+    figures = await status_figures(raw, status)
+    if args.json:
+        print(status_with_utilization(status, figures).model_dump_json(indent=2))
+    else:
+        print(format_status(status, figures))
     return 0
 
 

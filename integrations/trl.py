@@ -297,18 +297,22 @@ class GRPOTimeSlicing:
 
     @property
     def snapshots(self) -> int:
+        """Evictions of this trainer's state so far."""
         return self._counting.snapshots
 
     @property
     def restores(self) -> int:
+        """Restores of its state so far."""
         return self._counting.restores
 
     @property
     def bytes_moved(self) -> int:
+        """Bytes its evictions and restores moved, both ways summed."""
         return self._counting.bytes_moved
 
     @property
     def job_id(self) -> str:
+        """The job id its leases carry (the client's)."""
         return self.client.job_id
 
     def finish(self) -> None:

@@ -62,6 +62,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         metavar="PROFILE",
         help="profile files (YAML / JSON) or folders of them; or `profile JOB...`; or `schema`",
     )
+    _add_placement_args(plan)
+    _add_model_args(plan)
+    _add_output_args(plan)
+    _add_profile_args(plan)
+
+
+def _add_placement_args(plan: argparse.ArgumentParser) -> None:
+    """Where the jobs may run: the groups, their memory and their grant policy."""
     where = plan.add_argument_group("where the jobs may run")
     where.add_argument("--groups", help="N groups, or their names comma-separated (colocated)")
     where.add_argument("--sampler-groups", help="N sampler groups, or their names")
@@ -93,6 +101,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         action="store_true",
         help="also predict the assignments shown under the other grant policy, side by side",
     )
+
+
+def _add_model_args(plan: argparse.ArgumentParser) -> None:
+    """The jobs' limits and priorities, and the cost model's inputs."""
     limits = plan.add_argument_group("limits and priorities")
     limits.add_argument(
         "--max-slowdown",
@@ -123,6 +135,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default=25.0,
         help="host <-> device copy rate for states with no measured move time (default 25)",
     )
+
+
+def _add_output_args(plan: argparse.ArgumentParser) -> None:
+    """How many assignments, the search's time and seed, and the files written."""
     out = plan.add_argument_group("output")
     out.add_argument("--top", type=int, default=3, help="how many assignments (default 3)")
     out.add_argument(
@@ -136,6 +152,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         metavar="FILE",
         help="draw the recommended assignment's simulated run as a timeline (and FILE.json)",
     )
+
+
+def _add_profile_args(plan: argparse.ArgumentParser) -> None:
+    """``plan profile``'s: which groups to read, where profiles go, and the connection."""
     prof = plan.add_argument_group("plan profile")
     prof.add_argument(
         "--group",
@@ -179,15 +199,15 @@ async def _profile(args: argparse.Namespace, jobs: list[str]) -> int:
     from timeslice.plan.collect import (
         NoSuchJobError,
         client_profile,
-        read_group,
         read_rl_job,
         rl_job_profile,
     )
     from timeslice.plan.profile import dump_profile
+    from timeslice.report.gather import read_group_status
     from timeslice.transport.connection import connect, connect_config
 
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
-    statuses = {g: await read_group(client, g) for g in args.group}
+    statuses = {g: await read_group_status(client, g) for g in args.group}
     args.out.mkdir(parents=True, exist_ok=True)
     written: list[tuple[JobProfile, Path]] = []
     for job in jobs:

@@ -14,7 +14,8 @@ with, and the weight publication's or load's seconds and bytes; ``async_describe
 ``describe``). A process using the embedded client leaves only its leases, in the group's
 ``status`` (its recent ``history``).
 
-Reading (:func:`read_rl_job`, :func:`read_group`) talks to Temporal; turning what was read into
+Reading (:func:`read_rl_job`; a group's status: ``report.gather.read_group_status``) talks to
+Temporal; turning what was read into
 a profile (:func:`rl_job_profile`, :func:`client_profile`) is pure and unit-tested.
 """
 
@@ -31,7 +32,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
-from timeslice.errors import InvalidArgumentError, TimesliceError, UnknownGroupError
+from timeslice.errors import InvalidArgumentError, TimesliceError
 from timeslice.plan.profile import (
     JobProfile,
     Overheads,
@@ -44,33 +45,24 @@ from timeslice.plan.profile import (
 from timeslice.protocol.async_rl_job import (
     ASYNC_DESCRIBE_ACTIVITY,
     ASYNC_RL_JOB_WORKFLOW_TYPE,
-    ASYNC_SAMPLE_ACTIVITY,
-    ASYNC_SCORE_ACTIVITY,
-    ASYNC_TRAIN_ACTIVITY,
     AsyncPhaseResult,
     AsyncRLJobConfig,
-    AsyncRLJobInput,
 )
-from timeslice.protocol.group import GroupQuery, GroupStatus, LeaseRecord, group_workflow_id
+from timeslice.protocol.group import LeaseRecord
 from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
     PREPARE_ACTIVITY,
-    REWARDS_ACTIVITY,
-    SAMPLE_ACTIVITY,
-    TRAIN_ACTIVITY,
     DescribeResult,
     PhaseResult,
     PrepareResult,
     RLJobConfig,
-    RLJobInput,
     RLJobResult,
     rl_job_workflow_id,
 )
+from timeslice.report.gather import ASYNC_PHASE_ACTIVITIES, PHASE_ACTIVITIES, started_config
 
 PHASE_ORDER = ("sample", "rewards", "train")
-_PHASE_ACTIVITIES = {SAMPLE_ACTIVITY, REWARDS_ACTIVITY, TRAIN_ACTIVITY}
-_ASYNC_PHASE_ACTIVITIES = {ASYNC_SAMPLE_ACTIVITY, ASYNC_SCORE_ACTIVITY, ASYNC_TRAIN_ACTIVITY}
 MAX_RUNS = 10_000  # continue-as-new chain guard
 
 
@@ -143,19 +135,6 @@ def _next_run(events: list[HistoryEvent]) -> str | None:
     return None
 
 
-def _parse_config(raw: Any, async_job: bool = False) -> RLJobConfig:
-    # As the job's workflow reads its input: the bare config, or {config, state} after
-    # continue-as-new.
-    wrapped = isinstance(raw, dict) and "config" in raw
-    if async_job:
-        if wrapped:
-            return AsyncRLJobInput.model_validate(raw).config
-        return AsyncRLJobConfig.model_validate(raw)
-    if wrapped:
-        return RLJobInput.model_validate(raw).config
-    return RLJobConfig.model_validate(raw)
-
-
 async def decode_runs(
     client: Client,
     workflow_id: str,
@@ -179,7 +158,7 @@ async def decode_runs(
             if kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and config is None:
                 payloads = event.workflow_execution_started_event_attributes.input.payloads
                 (raw,) = await converter.decode(list(payloads), [dict])
-                config = _parse_config(raw, async_job)
+                config = started_config(raw, async_job=async_job)
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 attrs = event.activity_task_scheduled_event_attributes
                 names[event.event_id] = attrs.activity_type.name
@@ -190,10 +169,10 @@ async def decode_runs(
                 done = event.activity_task_completed_event_attributes
                 name = names.get(done.scheduled_event_id)
                 payloads = list(done.result.payloads)
-                if name in _PHASE_ACTIVITIES:
+                if name in PHASE_ACTIVITIES:
                     (result,) = await converter.decode(payloads, [PhaseResult])
                     phases.append(result)
-                elif name in _ASYNC_PHASE_ACTIVITIES:
+                elif name in ASYNC_PHASE_ACTIVITIES:
                     (done_async,) = await converter.decode(payloads, [AsyncPhaseResult])
                     async_phases.append(done_async)
                     phases.append(done_async.phase)
@@ -217,18 +196,6 @@ async def decode_runs(
         prepare=prepare,
         runs=len(histories),
     )
-
-
-async def read_group(client: Client, group_id: str) -> GroupStatus:
-    handle = client.get_workflow_handle(group_workflow_id(group_id))
-    try:
-        return await handle.query(GroupQuery.STATUS, result_type=GroupStatus)
-    except RPCError as err:
-        if err.status == RPCStatusCode.NOT_FOUND:
-            raise UnknownGroupError(
-                f"no GPU group {group_id!r} (no workflow {group_workflow_id(group_id)})"
-            ) from None
-        raise
 
 
 # ---------------------------------------------------------------- a finished job's figures

@@ -44,7 +44,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from timeslice.errors import InvalidArgumentError
@@ -64,17 +64,21 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# Seconds of something measured or estimated: finite, never negative.
+Duration = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class Seconds(_Model):
     """A phase's duration: the mean the simulator uses, and the spread seen (when measured).
 
     A plain number is accepted for ``mean`` alone (``seconds: 40``)."""
 
-    mean: float = Field(ge=0, allow_inf_nan=False)
-    stdev: float | None = Field(None, ge=0, allow_inf_nan=False)
-    min: float | None = Field(None, ge=0, allow_inf_nan=False)
-    p50: float | None = Field(None, ge=0, allow_inf_nan=False)
-    p90: float | None = Field(None, ge=0, allow_inf_nan=False)
-    max: float | None = Field(None, ge=0, allow_inf_nan=False)
+    mean: Duration
+    stdev: Duration | None = None
+    min: Duration | None = None
+    p50: Duration | None = None
+    p90: Duration | None = None
+    max: Duration | None = None
     samples: int = Field(0, ge=0, description="how many measurements (0: written by hand)")
 
     @model_validator(mode="before")
@@ -154,8 +158,8 @@ class StateProfile(_Model):
     name: str = Field(min_length=1, max_length=128)
     pool: StatePool
     bytes: int = Field(ge=0)
-    snapshot_s: float | None = Field(None, ge=0, allow_inf_nan=False)
-    restore_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    snapshot_s: Duration | None = None
+    restore_s: Duration | None = None
 
     @field_validator("bytes", mode="before")
     @classmethod
@@ -177,35 +181,18 @@ class Overheads(_Model):
     The defaults are this project's measurements on the embedded server (BENCHMARKS.md);
     ``timeslice plan profile`` measures them on the jobs it reads."""
 
-    request_s: float = Field(
-        0.015,
-        ge=0,
-        allow_inf_nan=False,
-        description="a process's acquire or release reaches its group",
+    request_s: Duration = Field(
+        0.015, description="a process's acquire or release reaches its group"
     )
-    grant_s: float = Field(
-        0.015,
-        ge=0,
-        allow_inf_nan=False,
-        description="the group's answer (a grant) reaches the process",
+    grant_s: Duration = Field(0.015, description="the group's answer (a grant) reaches the process")
+    hop_s: Duration = Field(
+        0.035, description="one step of an RL job ends -> its next step's activity starts"
     )
-    hop_s: float = Field(
-        0.035,
-        ge=0,
-        allow_inf_nan=False,
-        description="one step of an RL job ends -> its next step's activity starts",
+    carry_s: Duration = Field(
+        0.075, description="a kept lease: train ends -> the next sampling starts (the group idles)"
     )
-    carry_s: float = Field(
-        0.075,
-        ge=0,
-        allow_inf_nan=False,
-        description="a kept lease: train ends -> the next sampling starts (the group idles)",
-    )
-    group_move_s: float = Field(
-        0.04,
-        ge=0,
-        allow_inf_nan=False,
-        description="dispatch of a snapshot / restore activity the group runs itself",
+    group_move_s: Duration = Field(
+        0.04, description="dispatch of a snapshot / restore activity the group runs itself"
     )
     samples: int = Field(0, ge=0, description="hand-offs and hops measured (0: defaults)")
 

@@ -50,6 +50,11 @@ DEFAULT_MAX_SLOWDOWN = 1.5
 COARSE_MARGIN = 0.05
 MAX_SWAPS = 160
 
+# Where each job runs: job id -> (its sampler group, its trainer group).
+PlacementMap = dict[str, tuple[str, str]]
+# A placement's score, lower is better (compared as tuples).
+Scorer = Callable[[PlacementMap], tuple[float, ...]]
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -290,7 +295,7 @@ class Planner:
             self._cache[key] = hit
         return hit
 
-    def evaluate(self, placement: dict[str, tuple[str, str]], cap: int) -> Assignment:
+    def evaluate(self, placement: PlacementMap, cap: int) -> Assignment:
         """Figures of one assignment (job -> (sampler group, trainer group))."""
         jobs: list[JobPlan] = []
         util: dict[str, tuple[float, int]] = {}
@@ -368,7 +373,7 @@ class Planner:
             self._cache.pop((cap, members), None)
         return hit
 
-    def _key(self, placement: dict[str, tuple[str, str]], cap: int) -> tuple[float, ...]:
+    def _key(self, placement: PlacementMap, cap: int) -> tuple[float, ...]:
         """Assignment.key() from cached per-component summaries (what the search compares)."""
         violations, excess, slowdowns, utils = 0, 0.0, 0.0, 0.0
         groups = 0
@@ -387,7 +392,7 @@ class Planner:
             -round(utils / groups, 6) if groups else 0.0,
         )
 
-    def _hopeless(self, placement: dict[str, tuple[str, str]], groups: Iterable[str]) -> bool:
+    def _hopeless(self, placement: PlacementMap, groups: Iterable[str]) -> bool:
         """Some group among ``groups`` surely breaks a limit: its jobs' GPU shares there add up
         to more than the loosest limit among them. (Sharing a group, each job gets through
         at most its share of it: sum of duty / slowdown <= 1.)"""
@@ -411,16 +416,12 @@ class Planner:
         started = time.perf_counter()
         deadline = started + time_limit_s
         coarse_until = started + 0.6 * time_limit_s
-        Seen = dict[
-            tuple[tuple[str, ...], ...], tuple[tuple[float, ...], dict[str, tuple[str, str]]]
-        ]
+        Seen = dict[tuple[tuple[str, ...], ...], tuple[tuple[float, ...], PlacementMap]]
         seen: Seen = {}
         evaluated = 0
 
-        def scorer(
-            cap: int, into: Seen
-        ) -> Callable[[dict[str, tuple[str, str]]], tuple[float, ...]]:
-            def score(placement: dict[str, tuple[str, str]]) -> tuple[float, ...]:
+        def scorer(cap: int, into: Seen) -> Scorer:
+            def score(placement: PlacementMap) -> tuple[float, ...]:
                 nonlocal evaluated
                 evaluated += 1
                 key = self._key(placement, cap)
@@ -479,8 +480,8 @@ class Planner:
 
     def _repair(
         self,
-        placement: dict[str, tuple[str, str]],
-        score: Callable[[dict[str, tuple[str, str]]], tuple[float, ...]],
+        placement: PlacementMap,
+        score: Scorer,
         deadline: float,
     ) -> None:
         """Move jobs out of groups where a limit breaks, one best move at a time."""
@@ -493,7 +494,7 @@ class Planner:
                 if s.violations
                 for job, _, _ in members
             }
-            best: tuple[tuple[float, ...], dict[str, tuple[str, str]]] | None = None
+            best: tuple[tuple[float, ...], PlacementMap] | None = None
             for candidate, _ in self._neighbours(placement, only=crowded):
                 key = score(candidate)
                 if key < current and (best is None or key < best[0]):
@@ -506,12 +507,10 @@ class Planner:
             placement.clear()
             placement.update(best[1])
 
-    def _greedy(
-        self, order: list[str], score: Callable[[dict[str, tuple[str, str]]], tuple[float, ...]]
-    ) -> dict[str, tuple[str, str]]:
+    def _greedy(self, order: list[str], score: Scorer) -> PlacementMap:
         """Each job in turn onto the slot (group, or sampler x trainer pair) scoring best;
         slots that surely break a limit only when nothing else is left."""
-        placement: dict[str, tuple[str, str]] = {}
+        placement: PlacementMap = {}
         for job in order:
             candidates = self._candidate_slots(placement, job)
             hopeful = [
@@ -528,8 +527,8 @@ class Planner:
 
     def _improve(
         self,
-        placement: dict[str, tuple[str, str]],
-        score: Callable[[dict[str, tuple[str, str]]], tuple[float, ...]],
+        placement: PlacementMap,
+        score: Scorer,
         deadline: float,
     ) -> bool:
         """First-improvement local search; False if the deadline stopped it."""
@@ -553,8 +552,8 @@ class Planner:
         return True
 
     def _neighbours(
-        self, placement: dict[str, tuple[str, str]], only: set[str] | None = None
-    ) -> Iterable[tuple[dict[str, tuple[str, str]], tuple[str, ...]]]:
+        self, placement: PlacementMap, only: set[str] | None = None
+    ) -> Iterable[tuple[PlacementMap, tuple[str, ...]]]:
         """Candidate assignments one step away, with the groups whose jobs changed.
         ``only``: just moves of these jobs."""
         jobs = list(placement)
@@ -597,8 +596,8 @@ class Planner:
                 yield {**placement, a: (pa[0], pb[1]), b: (pb[0], pa[1])}, changed
 
     def _moves(
-        self, placement: dict[str, tuple[str, str]], job: str
-    ) -> Iterable[tuple[dict[str, tuple[str, str]], tuple[str, ...]]]:
+        self, placement: PlacementMap, job: str
+    ) -> Iterable[tuple[PlacementMap, tuple[str, ...]]]:
         """``job`` to another group (of the unused ones, just one: they are alike); with
         pools, its sampler or its trainer group, one at a time."""
         s_now, t_now = placement[job]
@@ -615,9 +614,7 @@ class Planner:
             if g != t_now:
                 yield {**placement, job: (s_now, g)}, (g,)
 
-    def _candidate_slots(
-        self, placement: dict[str, tuple[str, str]], job: str
-    ) -> list[tuple[str, str]]:
+    def _candidate_slots(self, placement: PlacementMap, job: str) -> list[tuple[str, str]]:
         """Where the greedy tries ``job``: every used group and one unused; with pools, the
         three least loaded sampler and trainer groups in use and one unused of each."""
         layout = self.layout
@@ -658,7 +655,7 @@ def _pools_on(groups: tuple[str, str], group_id: str) -> set[str]:
     return {pool for pool, g in (("sampler", sampler), ("trainer", trainer)) if g == group_id}
 
 
-def _components(placement: dict[str, tuple[str, str]]) -> list[tuple[tuple[str, str, str], ...]]:
+def _components(placement: PlacementMap) -> list[tuple[tuple[str, str, str], ...]]:
     """Jobs linked through shared groups, each component sorted (a cache key)."""
     parent: dict[str, str] = {}
 
@@ -676,9 +673,7 @@ def _components(placement: dict[str, tuple[str, str]]) -> list[tuple[tuple[str, 
     return [tuple(sorted(c)) for c in comps.values()]
 
 
-def _canonical(
-    placement: dict[str, tuple[str, str]], layout: Layout
-) -> tuple[tuple[str, ...], ...]:
+def _canonical(placement: PlacementMap, layout: Layout) -> tuple[tuple[str, ...], ...]:
     """The assignment up to renaming groups of one pool (which group is which does not
     matter, only who shares with whom)."""
     if not layout.disaggregated:

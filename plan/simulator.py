@@ -61,7 +61,7 @@ import heapq
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 from timeslice.plan.profile import JobProfile, Overheads, Seconds, StateProfile
 from timeslice.protocol.group import (
@@ -874,26 +874,22 @@ class Simulation:
         self._at(t + self.ov.grant_s, self._granted, job, group)
 
 
-def simulate(
-    placements: Sequence[Placement],
-    *,
-    groups: dict[str, GroupSpec] | None = None,
-    overheads: Overheads | None = None,
-    move_bytes_per_s: float = DEFAULT_MOVE_BYTES_PER_S,
-    seed: int | None = None,
-    record: bool = False,
-) -> Outcome:
+class SimulationSettings(TypedDict, total=False):
+    """:func:`simulate`'s settings (those :class:`Simulation` takes), each optional."""
+
+    groups: dict[str, GroupSpec] | None
+    overheads: Overheads | None
+    move_bytes_per_s: float
+    seed: int | None
+    record: bool
+
+
+def simulate(placements: Sequence[Placement], **settings: Unpack[SimulationSettings]) -> Outcome:
     """Run every placed job to its last epoch. ``overheads`` default: the measured ones
     (:class:`Overheads`); :meth:`Overheads.zero` with no states gives the ideal. ``seed``
-    draws each phase's duration from its measured spread instead of using its mean."""
-    return Simulation(
-        placements,
-        groups=groups,
-        overheads=overheads,
-        move_bytes_per_s=move_bytes_per_s,
-        seed=seed,
-        record=record,
-    ).run()
+    draws each phase's duration from its measured spread instead of using its mean; ``groups``
+    declares groups' memory; ``record`` keeps every interval (``Outcome.segments``)."""
+    return Simulation(placements, **settings).run()
 
 
 def rl_profile(

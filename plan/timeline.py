@@ -15,6 +15,7 @@ from pathlib import Path
 
 from timeslice.plan.search import Assignment
 from timeslice.plan.simulator import Outcome, Segment
+from timeslice.report.model import GroupFigures, JobFigures, Lane, Report, Span
 
 
 def timeline_rows(outcome: Outcome) -> list[dict[str, object]]:
@@ -45,124 +46,134 @@ def _span_kind(s: Segment) -> str | None:
     return s.phase if s.phase in ("sample", "train") else "sample"
 
 
-def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None = None) -> object:
+def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None = None) -> Report:
     """The simulated run as a report (figures as ``docs/report.md`` defines them)."""
-    from timeslice.report import GroupFigures, JobFigures, Lane, Report, Span
+    drawing = _Drawing(outcome, assignment, origin or datetime.now(UTC))
+    for segment in outcome.segments:
+        drawing.add(segment)
+    return Report(
+        generated_at=drawing.at,
+        groups=drawing.group_figures(),
+        jobs=drawing.job_figures(),
+        lanes=[*drawing.job_lanes.values(), *drawing.group_lanes.values()],
+    )
 
-    at = origin or datetime.now(UTC)
 
-    def when(seconds: float) -> datetime:
-        return at + timedelta(seconds=seconds)
+class _Drawing:
+    """A simulated run's lanes and tallies, segment by segment, on a clock from ``at``."""
 
-    plans = {j.job_id: j for j in assignment.jobs}
+    def __init__(self, outcome: Outcome, assignment: Assignment, at: datetime) -> None:
+        self.outcome, self.at = outcome, at
+        self.plans = {j.job_id: j for j in assignment.jobs}
+        async_jobs = {j.job_id for j in assignment.jobs if j.mode == "async"}
+        lanes = {j for j in outcome.jobs if j not in async_jobs}
+        lanes |= {f"{j} · {loop}" for j in async_jobs for loop in ("sampler", "trainer")}
+        self.job_lanes = {j: Lane(name=j, kind="job") for j in sorted(lanes)}
+        self.group_lanes = {g: Lane(name=g, kind="group") for g in sorted(outcome.groups)}
+        self.phase_s: dict[str, dict[str, float]] = {j: {} for j in outcome.jobs}
+        self.waiting = dict.fromkeys(outcome.jobs, 0.0)
+        self.moving = dict.fromkeys(outcome.jobs, 0.0)
+        self.switching_on = dict.fromkeys(outcome.groups, 0.0)
+        self.leased_on = dict.fromkeys(outcome.groups, 0.0)
 
-    def job_of(actor: str) -> str:
+    def when(self, seconds: float) -> datetime:
+        return self.at + timedelta(seconds=seconds)
+
+    def job_of(self, actor: str) -> str:
         """An async job's loops are actors of their own (``JOB · sampler``, ``JOB · trainer``),
         drawn in a lane each as the report draws a real async job; figures are the job's."""
-        return actor if actor in outcome.jobs else actor.rpartition(" · ")[0]
+        return actor if actor in self.outcome.jobs else actor.rpartition(" · ")[0]
 
-    async_jobs = {j.job_id for j in assignment.jobs if j.mode == "async"}
-    lanes = {j for j in outcome.jobs if j not in async_jobs}
-    lanes |= {f"{j} · {loop}" for j in async_jobs for loop in ("sampler", "trainer")}
-    job_lanes: dict[str, Lane] = {j: Lane(name=j, kind="job") for j in sorted(lanes)}
-    group_lanes: dict[str, Lane] = {g: Lane(name=g, kind="group") for g in sorted(outcome.groups)}
-    phase_s: dict[str, dict[str, float]] = {j: {} for j in outcome.jobs}
-    waiting: dict[str, float] = dict.fromkeys(outcome.jobs, 0.0)
-    moving: dict[str, float] = dict.fromkeys(outcome.jobs, 0.0)
-    switching_on: dict[str, float] = dict.fromkeys(outcome.groups, 0.0)
-    leased_on: dict[str, float] = dict.fromkeys(outcome.groups, 0.0)
-    for s in outcome.segments:
-        label = f"epoch {s.epoch} · {s.phase}" + (f" · {s.group_id}" if s.group_id else "")
+    def add(self, s: Segment) -> None:
+        """One simulated interval: on its job's lane, its group's, and in the tallies."""
+        job = self.job_of(s.job_id)
         kind = _span_kind(s)
-        job = job_of(s.job_id)
         if kind is not None and not (s.kind == "evict" and s.group_id is not None):
-            job_lanes[s.job_id].spans.append(
-                Span(
-                    lane=s.job_id,
-                    kind=kind,  # type: ignore[arg-type]
-                    start=when(s.start),
-                    end=when(s.end),
-                    job_id=job,
-                    group_id=s.group_id,
-                    epoch=s.epoch,
-                    label=label if s.kind == "phase" else f"{label} ({s.kind})",
-                )
+            label = f"epoch {s.epoch} · {s.phase}" + (f" · {s.group_id}" if s.group_id else "")
+            self.job_lanes[s.job_id].spans.append(
+                self._span(s, s.job_id, kind, label if s.kind == "phase" else f"{label} ({s.kind})")
             )
+        seconds = s.end - s.start
         if s.kind == "phase":
             name = s.phase if s.group_id is not None else "rewards"
-            phase_s[job][name] = phase_s[job].get(name, 0.0) + (s.end - s.start)
+            self.phase_s[job][name] = self.phase_s[job].get(name, 0.0) + seconds
         elif s.kind == "wait":
-            waiting[job] += s.end - s.start
+            self.waiting[job] += seconds
         elif s.kind == "restore":
-            moving[job] += s.end - s.start
+            self.moving[job] += seconds
         if s.group_id is not None and s.kind in ("lease", "restore", "evict"):
-            group_lanes[s.group_id].spans.append(
-                Span(
-                    lane=s.group_id,
-                    kind="lease" if s.kind == "lease" else "switching",
-                    start=when(s.start),
-                    end=when(s.end),
-                    job_id=job,
-                    group_id=s.group_id,
-                    epoch=s.epoch,
-                    label=f"{s.job_id}" if s.kind == "lease" else f"{s.job_id} {s.kind}",
+            leased = s.kind == "lease"
+            self.group_lanes[s.group_id].spans.append(
+                self._span(
+                    s,
+                    s.group_id,
+                    "lease" if leased else "switching",
+                    s.job_id if leased else f"{s.job_id} {s.kind}",
                 )
             )
-            if s.kind == "lease":
-                leased_on[s.group_id] += s.end - s.start
-            else:
-                switching_on[s.group_id] += s.end - s.start
-    groups = []
-    for gid, g in sorted(outcome.groups.items()):
-        start = g.first_start or 0.0
-        wall = g.wall_s
-        switching = min(switching_on[gid], wall)
-        overhead = max(0.0, min(leased_on[gid], wall) - g.busy_s - switching)
-        groups.append(
-            GroupFigures(
-                group_id=gid,
-                start=when(start),
-                end=when(g.last_end),
-                wall_s=wall,
-                phase_s=g.busy_s,
-                overhead_s=overhead,
-                switching_s=switching,
-                idle_s=max(0.0, wall - g.busy_s - overhead - switching),
-                leases=g.leases,
-                switches=g.switches,
-                overlapped_switches=0,
-                bytes_moved=g.bytes_moved,
-                wait_p50_s=None,
-                wait_p99_s=None,
-                notes=["simulated by timeslice plan"],
-            )
+            (self.leased_on if leased else self.switching_on)[s.group_id] += seconds
+
+    def _span(self, s: Segment, lane: str, kind: str, label: str) -> Span:
+        return Span(
+            lane=lane,
+            kind=kind,  # type: ignore[arg-type]
+            start=self.when(s.start),
+            end=self.when(s.end),
+            job_id=self.job_of(s.job_id),
+            group_id=s.group_id,
+            epoch=s.epoch,
+            label=label,
         )
-    jobs = []
-    for jid, r in sorted(outcome.jobs.items()):
-        plan = plans.get(jid)
-        jobs.append(
-            JobFigures(
-                job_id=jid,
-                status="completed",
-                epochs_done=r.epochs_done,
-                epochs=r.epochs_done,
-                groups=sorted(
-                    {s.group_id for s in outcome.segments if job_of(s.job_id) == jid and s.group_id}
-                ),
-                phase_s=phase_s[jid],
-                waiting_s=waiting[jid],
-                switching_s=moving[jid],
-                wall_s=r.completion_s,
-                dedicated_s=plan.dedicated_s if plan is not None else None,
-                note="simulated",
+
+    def group_figures(self) -> list[GroupFigures]:
+        figures = []
+        for gid, g in sorted(self.outcome.groups.items()):
+            wall = g.wall_s
+            switching = min(self.switching_on[gid], wall)
+            overhead = max(0.0, min(self.leased_on[gid], wall) - g.busy_s - switching)
+            figures.append(
+                GroupFigures(
+                    group_id=gid,
+                    start=self.when(g.first_start or 0.0),
+                    end=self.when(g.last_end),
+                    wall_s=wall,
+                    phase_s=g.busy_s,
+                    overhead_s=overhead,
+                    switching_s=switching,
+                    idle_s=max(0.0, wall - g.busy_s - overhead - switching),
+                    leases=g.leases,
+                    switches=g.switches,
+                    overlapped_switches=0,
+                    bytes_moved=g.bytes_moved,
+                    wait_p50_s=None,
+                    wait_p99_s=None,
+                    notes=["simulated by timeslice plan"],
+                )
             )
-        )
-    return Report(
-        generated_at=at,
-        groups=groups,
-        jobs=jobs,
-        lanes=[*job_lanes.values(), *group_lanes.values()],
-    )
+        return figures
+
+    def job_figures(self) -> list[JobFigures]:
+        figures = []
+        segments = self.outcome.segments
+        for jid, r in sorted(self.outcome.jobs.items()):
+            plan = self.plans.get(jid)
+            groups = {s.group_id for s in segments if self.job_of(s.job_id) == jid and s.group_id}
+            figures.append(
+                JobFigures(
+                    job_id=jid,
+                    status="completed",
+                    epochs_done=r.epochs_done,
+                    epochs=r.epochs_done,
+                    groups=sorted(groups),
+                    phase_s=self.phase_s[jid],
+                    waiting_s=self.waiting[jid],
+                    switching_s=self.moving[jid],
+                    wall_s=r.completion_s,
+                    dedicated_s=plan.dedicated_s if plan is not None else None,
+                    note="simulated",
+                )
+            )
+        return figures
 
 
 def write_timeline(outcome: Outcome, assignment: Assignment, html_path: Path) -> list[Path]:
@@ -173,5 +184,4 @@ def write_timeline(outcome: Outcome, assignment: Assignment, html_path: Path) ->
     rows_path.write_text(json.dumps(timeline_rows(outcome), indent=1) + "\n")
     from timeslice.report import write_html
 
-    report = to_report(outcome, assignment)
-    return [rows_path, write_html(report, html_path)]  # type: ignore[arg-type]
+    return [rows_path, write_html(to_report(outcome, assignment), html_path)]

@@ -24,7 +24,6 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
-    field_validator,
     model_serializer,
     model_validator,
 )
@@ -414,6 +413,11 @@ def check_id(kind: str, value: object) -> str:
     return value
 
 
+# A group or job id a message may carry: checked as it is read (``check_id``).
+GroupId = Annotated[str, AfterValidator(lambda v: check_id("group id", v))]
+JobId = Annotated[str, AfterValidator(lambda v: check_id("job id", v))]
+
+
 def group_workflow_id(group_id: str) -> str:
     return f"gpu-group-{check_id('group id', group_id)}"
 
@@ -433,7 +437,7 @@ class _Model(BaseModel):
 class GroupConfig(_Model):
     """Settings of one GPU group, fixed for its lifetime (carried across continue-as-new)."""
 
-    group_id: str
+    group_id: GroupId
     default_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S)
     aging_s: float = Field(
         DEFAULT_AGING_S,
@@ -497,11 +501,6 @@ class GroupConfig(_Model):
         "get an activity); Temporal admits 10 in-flight updates per workflow, renewals need some",
     )
 
-    @field_validator("group_id")
-    @classmethod
-    def _group_id(cls, v: str) -> str:
-        return check_id("group id", v)
-
 
 class ProcessRef(_Model):
     """A process by PID and start time (clock ticks since boot), so a reused PID never matches."""
@@ -530,7 +529,7 @@ class SnapshotTarget(_Model):
 
 class AcquireRequest(_Model):
     request_id: str = Field(min_length=1, max_length=200)
-    job_id: str
+    job_id: JobId
     reply_task_queue: TaskQueueName | None = None
     reply_workflow_id: str | None = Field(None, min_length=1, max_length=1000)
     key_hash: str = Field(
@@ -550,11 +549,6 @@ class AcquireRequest(_Model):
         description="the requester restores its own evicted state once granted (in-process "
         "backends), so the grant does not wait for a restore activity",
     )
-
-    @field_validator("job_id")
-    @classmethod
-    def _job_id(cls, v: str) -> str:
-        return check_id("job id", v)
 
     @model_validator(mode="after")
     def _one_reply_address(self) -> AcquireRequest:
@@ -592,16 +586,21 @@ RestoredReports = Annotated[
 ]
 
 
-class LeaseEnd(_Model):
+class LeaseRef(_Model):
+    """A lease as every message about it names it: the request it granted, its fencing
+    token, and the key only its holder knows."""
+
+    request_id: str = Field(min_length=1, max_length=200)
+    token: int = Field(ge=0, le=2**63)
+    key: LeaseKey
+
+
+class LeaseEnd(LeaseRef):
     """What every message that ends a lease names: the lease (request, token, key). The two
     such messages, :class:`ReleaseRequest` (the ``release`` signal) and :class:`LeaseReturn`
     (the ``release_lease`` update), also carry the holder's own moves (``EvictedReports``,
     ``RestoredReports``); each declares those itself only because the two encode them in a
     different order, and an encoding must not change (tests/unit/test_release_shape.py)."""
-
-    request_id: str = Field(min_length=1, max_length=200)
-    token: int = Field(ge=0, le=2**63)
-    key: LeaseKey
 
 
 class ReleaseRequest(LeaseEnd):
@@ -633,10 +632,8 @@ class DepartRequest(_Model):
     key: LeaseKey = Field(description="the key of the job's last lease on the group")
 
 
-class RenewRequest(_Model):
-    request_id: str = Field(min_length=1, max_length=200)
-    token: int = Field(ge=0, le=2**63)
-    key: LeaseKey
+class RenewRequest(LeaseRef):
+    """The ``renew`` update: the holder keeps its lease for another TTL."""
 
 
 class LeaseRenewal(_Model):
@@ -831,16 +828,11 @@ class SnapshotReport(_Model):
 
 
 class SnapshotJobInput(_Model):
-    job_id: str
+    job_id: JobId
     action: Literal["snapshot", "restore"]
     target: SnapshotTarget
     pickup_timeout_s: float = Field(15.0, gt=0, le=600)
     run_timeout_s: float = Field(300.0, gt=0, le=3600)
-
-    @field_validator("job_id")
-    @classmethod
-    def _job_id(cls, v: str) -> str:
-        return check_id("job id", v)
 
 
 class SnapshotJobResult(_Model):
@@ -929,55 +921,70 @@ class SwitchRecord(_Model):
 
 
 class GroupStats(_Model):
+    """The group's counters and times since it was created (carried across continue-as-new),
+    each described below: what ``timeslice status`` and the report count from."""
+
+    # The attribute docstrings below are the fields' descriptions (their JSON schema's too).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
     created_at: Instant
     leases: int = 0
+    """Leases granted."""
     released: int = 0
+    """Leases their holder released."""
     stale_messages: int = 0
-    forged_messages: int = Field(
-        0,
-        description="messages whose lease key did not match, and grant deliveries answered "
-        "without the request's key",
-    )
-    malformed_messages: int = Field(
-        0, description="signals dropped because they were not a valid message"
-    )
-    refused_requests: int = Field(
-        0, description="requests refused because the queue was full (MAX_WAITERS, bytes)"
-    )
+    """Messages naming a lease or request the group no longer holds (a stale token, a late release
+    or renewal, an eviction report nobody asked for): ignored."""
+    forged_messages: int = 0
+    """Messages whose lease key did not match, and grant deliveries answered without the request's
+    key."""
+    malformed_messages: int = 0
+    """Signals dropped because they were not a valid message."""
+    refused_requests: int = 0
+    """Requests refused because the queue was full (MAX_WAITERS, bytes)."""
     expired: int = 0
+    """Leases revoked because their holder stopped renewing."""
     cancelled: int = 0
+    """Requests taken back by their requester: waiting, switched for, or held."""
     timed_out: int = 0
+    """Waiters dropped when their own time-out passed."""
     rejected: int = 0
+    """Grants whose requester had given up when they came."""
     dead_waiters: int = 0
+    """Grants never picked up: the requesting process is taken for dead."""
     switches: int = 0
-    carried: int = Field(
-        0, description="leases kept past waiters into their holder's next phase (grant policy)"
-    )
+    """Hand-overs that moved state (an eviction, a restore, or both)."""
+    carried: int = 0
+    """Leases kept past waiters into their holder's next phase (grant policy)."""
     overlapped_switches: int = 0
+    """Switches whose eviction and restore ran at once (the memory allowed)."""
     evictions: int = 0
-    preemptions: int = Field(
-        0,
-        description="evictions by the group of a job whose lease ran out without it yielding "
-        "(a hung holder taken off the device)",
-    )
+    """Job states moved off the device."""
+    preemptions: int = 0
+    """Evictions by the group of a job whose lease ran out without it yielding (a hung holder taken
+    off the device)."""
     restores: int = 0
+    """Job states brought back onto the device."""
     snapshot_failures: int = 0
+    """Evictions or restores that failed (the job is marked faulted)."""
     departed: int = 0
+    """Jobs that told the group they left it for good."""
     bytes_moved: int = 0
+    """Bytes evicted and restored, both ways summed."""
     busy_s: float = 0.0
+    """Seconds leased (held by a holder), ended leases."""
     switching_s: float = 0.0
+    """Seconds spent moving state between holders."""
     runs: int = 1
-    shed_records: int = Field(
-        0,
-        description="lease and switch records dropped, oldest first, so that a continue-as-new "
-        "input fits Temporal's payload limit",
-    )
-    forgotten_jobs: int = Field(
-        0,
-        description="evicted, faulted or key entries of jobs dropped, oldest first, past their "
-        "bounds (EVICTED_JOBS_KEEP, FAULTED_JOBS_KEEP, JOB_KEYS_KEEP)",
-    )
+    """Workflow runs: continue-as-new counts one more."""
+    shed_records: int = 0
+    """Lease and switch records dropped, oldest first, so that a continue-as-new input fits
+    Temporal's payload limit."""
+    forgotten_jobs: int = 0
+    """Evicted, faulted or key entries of jobs dropped, oldest first, past their bounds
+    (EVICTED_JOBS_KEEP, FAULTED_JOBS_KEEP, JOB_KEYS_KEEP)."""
     wait_samples_s: list[float] = Field(default_factory=list)
+    """The recent acquire waits (GroupConfig.wait_samples_keep)."""
 
 
 class GroupState(_Model):
@@ -1074,11 +1081,16 @@ class GroupStatus(_Model):
         resident_job: The job whose state is on the device now (held or not), or None.
         faulted_jobs: Jobs whose state could not be evicted or restored, with why; their
             next acquire raises ``JobFaultedError``.
-        utilization: The share of its life since creation the group was **held** (its
-            lease intervals over its wall time); the name stays for compatibility, read it as
-            :attr:`held_share`. Utilization proper counts GPU phases, which the group does not
-            see for RL jobs: ``timeslice status`` and ``timeslice report`` compute it
-            (``timeslice.protocol.utilization``; docs/report.md).
+        held_share: The share of its life since creation the group was **held** (its
+            lease intervals over ``wall_s``), 0-1: the upper bound of :attr:`utilization`.
+            Releases before this field's rename answered it as ``utilization``; such a
+            payload still reads (its ``utilization`` becomes ``held_share``).
+        utilization: The share of ``wall_s`` (since the group was created) its GPU phases
+            ran, 0-1 (``timeslice.protocol.utilization``; the report's ``utilization``).
+            The group sees leases, not the RL jobs' phases, so it answers None: a reader
+            that reads the jobs' phases fills it (``timeslice status --json``).
+        utilization_while_jobs_ran: The same phase time over the first phase's start to the
+            last phase's end; None as the group answers, like :attr:`utilization`.
         wall_s: Seconds since the group was created.
         idle_s: Seconds the group was held by nobody.
         wait_p50_s: The median of the recent acquire waits (None: none yet).
@@ -1097,7 +1109,7 @@ class GroupStatus(_Model):
     queue: list[WaiterView]
     resident_job: str | None
     faulted_jobs: dict[str, str]
-    utilization: float
+    held_share: float
     wall_s: float
     idle_s: float
     wait_p50_s: float | None
@@ -1115,11 +1127,26 @@ class GroupStatus(_Model):
         description="the nearest time the group acts on its own (a lease's expiry or "
         "confirmation, a waiter's time-out): these figures hold at most until then",
     )
+    utilization: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="GPU phase time over wall_s (timeslice.protocol.utilization), filled by "
+        "a reader of the jobs' phases; the group itself answers None",
+    )
+    utilization_while_jobs_ran: float | None = Field(
+        None, ge=0.0, le=1.0, description="GPU phase time over the first to the last phase"
+    )
 
-    @property
-    def held_share(self) -> float:
-        """Lease time over wall time since creation (the wire field ``utilization``)."""
-        return self.utilization
+    @model_validator(mode="before")
+    @classmethod
+    def _held_share_was_utilization(cls, data: Any) -> Any:
+        """A group of a release before the rename answers its held share as ``utilization``
+        (and has no ``held_share``): read it as the held share, never as utilization."""
+        if isinstance(data, dict) and "held_share" not in data and "utilization" in data:
+            data = dict(data)
+            data["held_share"] = data.pop("utilization")
+        return data
 
     def advanced_to(self, now: datetime) -> GroupStatus:
         """These figures as of ``now``: the holder (if any) kept holding, waiters kept
@@ -1135,7 +1162,7 @@ class GroupStatus(_Model):
             until = max(0.0, (self.next_deadline - self.as_of).total_seconds())
             dt = min(dt, until + STATUS_SLACK_S)
         wall = self.wall_s + dt
-        busy = self.utilization * self.wall_s + (dt if self.holder is not None else 0.0)
+        busy = self.held_share * self.wall_s + (dt if self.holder is not None else 0.0)
         holder = self.holder
         if holder is not None:
             holder = holder.model_copy(
@@ -1152,8 +1179,11 @@ class GroupStatus(_Model):
                 "holder": holder,
                 "queue": [w.model_copy(update={"waited_s": w.waited_s + dt}) for w in self.queue],
                 "wall_s": wall,
-                "utilization": min(1.0, busy / wall) if wall > 0 else self.utilization,
+                "held_share": min(1.0, busy / wall) if wall > 0 else self.held_share,
                 "idle_s": self.idle_s + (0.0 if self.holder is not None else dt),
+                # The phases since as_of are not known here: a reader computes them anew.
+                "utilization": None,
+                "utilization_while_jobs_ran": None,
             }
         )
 

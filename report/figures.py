@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from timeslice.protocol.group import GroupStatus
 from timeslice.protocol.rl_job import PhaseResult
 from timeslice.protocol.utilization import active_window, merged, phase_time
-from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Span
+from timeslice.report.model import GroupFigures, JobFigures, JobStatus, Lane, Span, SpanKind
 
 
 @dataclass
@@ -75,42 +75,41 @@ def job_spans(job: JobRecord) -> list[Span]:
         offset = _wall(phase, completed)
         if offset is None:
             continue
-        common = {"lane": job_lane(job, phase), "job_id": job.job_id, "epoch": phase.epoch}
         group = phase.group_id
         if phase.asked_mono is not None and phase.granted_mono is not None:
-            spans.append(
-                Span(
-                    kind="waiting",
-                    start=_at(phase.asked_mono, offset),
-                    end=_at(phase.granted_mono, offset),
-                    group_id=group,
-                    label=f"waiting for {group}",
-                    **common,
-                )
-            )
+            waited = (phase.asked_mono, phase.granted_mono)
+            spans.append(_job_span(job, phase, offset, "waiting", waited, f"waiting for {group}"))
         if phase.restored and phase.granted_mono is not None:
             moved = sum(r.bytes for r in phase.restored)
-            spans.append(
-                Span(
-                    kind="switching",
-                    start=_at(phase.granted_mono, offset),
-                    end=_at(phase.mono_start, offset),
-                    group_id=group,
-                    label=f"state back onto {group} ({moved} B)",
-                    **common,
-                )
-            )
-        spans.append(
-            Span(
-                kind=phase.phase,
-                start=_at(phase.mono_start, offset),
-                end=_at(phase.mono_end, offset),
-                group_id=group,
-                label=_phase_label(phase) + ("" if stale is None else f" · staleness {stale}"),
-                **common,
-            )
-        )
+            restoring = (phase.granted_mono, phase.mono_start)
+            label = f"state back onto {group} ({moved} B)"
+            spans.append(_job_span(job, phase, offset, "switching", restoring, label))
+        label = _phase_label(phase) + ("" if stale is None else f" · staleness {stale}")
+        ran = (phase.mono_start, phase.mono_end)
+        spans.append(_job_span(job, phase, offset, phase.phase, ran, label))
     return spans
+
+
+def _job_span(
+    job: JobRecord,
+    phase: PhaseResult,
+    offset: float,
+    kind: SpanKind,
+    mono: tuple[float, float],
+    label: str,
+) -> Span:
+    """A span of ``phase`` on the job's lane, over ``mono`` (the process's monotonic clock,
+    ``offset`` seconds behind POSIX time)."""
+    return Span(
+        lane=job_lane(job, phase),
+        kind=kind,
+        start=_at(mono[0], offset),
+        end=_at(mono[1], offset),
+        job_id=job.job_id,
+        group_id=phase.group_id,
+        epoch=phase.epoch,
+        label=label,
+    )
 
 
 def _phase_label(phase: PhaseResult) -> str:
@@ -124,6 +123,8 @@ def _phase_label(phase: PhaseResult) -> str:
 
 
 def job_figures(job: JobRecord, spans: list[Span], dedicated_s: float | None = None) -> JobFigures:
+    """The job's figures from its record: its phases' own seconds, its waits for grants, the
+    restores of its state, its wall time, carries asked and kept, and (async) staleness."""
     phase_s: dict[str, float] = {}
     for phase in job.phases:
         phase_s[phase.phase] = phase_s.get(phase.phase, 0.0) + (phase.mono_end - phase.mono_start)
@@ -175,67 +176,19 @@ def group_figures(
     wall = max(status.wall_s + since, 0.0)
     busy = min(wall, max(0.0, stats.busy_s + held_s))
     switching = min(wall - busy, stats.switching_s)
-    lane = status.group_id
-    spans = [
-        Span(
-            lane=lane,
-            kind="lease",
-            start=r.start,
-            end=r.end,
-            job_id=r.job_id,
-            group_id=status.group_id,
-            label=f"{r.job_id} · token {r.token} · {r.outcome}",
-        )
-        for r in status.history
-    ]
-    held_now = []
-    if status.holder is not None:
-        held_now.append(
-            Span(
-                lane=lane,
-                kind="lease",
-                start=end - timedelta(seconds=held_s),
-                end=end,
-                job_id=status.holder.job_id,
-                group_id=status.group_id,
-                label=f"{status.holder.job_id} · token {status.holder.token} · held now",
-            )
-        )
-        spans += held_now
-    spans += [
-        Span(
-            lane=lane,
-            kind="switching",
-            start=s.start,
-            end=s.end,
-            job_id=s.to_job or s.from_job,
-            group_id=status.group_id,
-            label=f"switch {s.from_job or '-'} → {s.to_job or '-'} · {s.bytes} B"
-            + (" · overlapped" if s.overlapped else "")
-            + (" · by the holder" if s.by_holder else ""),
-        )
-        for s in status.switch_history
-    ]
-    spans += idle_spans(status, spans, end)
-    notes: list[str] = []
-    client_leases = [s for s in spans if s.kind == "lease" and s.job_id not in rl_jobs]
+    spans, held_now = group_spans(status, end, held_s)
     # A client's lease held now counts whole: its phases come with its release.
     client = client_phases(status, rl_jobs) + [s for s in held_now if s.job_id not in rl_jobs]
-    intervals = [(s.start.timestamp(), s.end.timestamp()) for s in [*phases, *client]]
-    reported = sum(s.seconds for s in [*phases, *client])
-    phase = phase_time(intervals, (stats.created_at.timestamp(), end.timestamp()))
-    active = active_window(intervals)
-    if client_leases and stats.leases > len(status.history):
-        notes.append(
+    phase, active, notes = _phase_time(status, [*phases, *client], end, busy)
+    if stats.leases > len(status.history) and any(
+        s.kind == "lease" and s.job_id not in rl_jobs for s in spans
+    ):
+        notes.insert(
+            0,
             f"keeps its last {len(status.history)} of {stats.leases} leases: embedded clients' "
-            "earlier leases count as overhead"
+            "earlier leases count as overhead",
         )
-    if max(phase, reported) > busy + 1e-3:
-        notes.append(
-            f"phases reported {max(phase, reported) - busy:.3f} s more than the leases held "
-            "(clocks?)"
-        )
-    phase = min(phase, busy)
+    holder = status.holder
     figures = GroupFigures(
         group_id=status.group_id,
         start=stats.created_at,
@@ -251,16 +204,90 @@ def group_figures(
         bytes_moved=stats.bytes_moved,
         wait_p50_s=status.wait_p50_s,
         wait_p99_s=status.wait_p99_s,
-        holder=status.holder.job_id if status.holder is not None else None,
+        holder=holder.job_id if holder is not None else None,
         queued=len(status.queue),
         carried=stats.carried,
         preemptions=stats.preemptions,
-        carrying_into=status.holder.carrying_into if status.holder is not None else None,
+        carrying_into=holder.carrying_into if holder is not None else None,
         notes=notes,
         active_start=None if active is None else datetime.fromtimestamp(active[0], tz=UTC),
         active_end=None if active is None else datetime.fromtimestamp(active[1], tz=UTC),
     )
     return figures, spans
+
+
+def _phase_time(
+    status: GroupStatus, phases: list[Span], end: datetime, busy: float
+) -> tuple[float, tuple[float, float] | None, list[str]]:
+    """The seconds ``phases`` ran on the group (their union, within its life and at most its
+    leases' ``busy`` seconds), their first start to last end, and a note where the phases
+    reported more than the leases held."""
+    intervals = [(s.start.timestamp(), s.end.timestamp()) for s in phases]
+    reported = sum(s.seconds for s in phases)
+    phase = phase_time(intervals, (status.stats.created_at.timestamp(), end.timestamp()))
+    notes = []
+    if max(phase, reported) > busy + 1e-3:
+        notes.append(
+            f"phases reported {max(phase, reported) - busy:.3f} s more than the leases held "
+            "(clocks?)"
+        )
+    return min(phase, busy), active_window(intervals), notes
+
+
+def group_spans(status: GroupStatus, end: datetime, held_s: float) -> tuple[list[Span], list[Span]]:
+    """The group's lane up to ``end``: its leases (the holder's, ``held_s`` so far, too), its
+    switches and its idle time; and apart, the holder's lease span (empty without one)."""
+    lane = status.group_id
+
+    def lease(job_id: str, start: datetime, stop: datetime, label: str) -> Span:
+        return Span(
+            lane=lane,
+            kind="lease",
+            start=start,
+            end=stop,
+            job_id=job_id,
+            group_id=lane,
+            label=label,
+        )
+
+    spans = [
+        lease(r.job_id, r.start, r.end, f"{r.job_id} · token {r.token} · {r.outcome}")
+        for r in status.history
+    ]
+    holder = status.holder
+    held_now = []
+    if holder is not None:
+        label = f"{holder.job_id} · token {holder.token} · held now"
+        held_now.append(lease(holder.job_id, end - timedelta(seconds=held_s), end, label))
+        spans += held_now
+    spans += [
+        Span(
+            lane=lane,
+            kind="switching",
+            start=s.start,
+            end=s.end,
+            job_id=s.to_job or s.from_job,
+            group_id=lane,
+            label=f"switch {s.from_job or '-'} → {s.to_job or '-'} · {s.bytes} B"
+            + (" · overlapped" if s.overlapped else "")
+            + (" · by the holder" if s.by_holder else ""),
+        )
+        for s in status.switch_history
+    ]
+    spans += idle_spans(status, spans, end)
+    return spans, held_now
+
+
+def status_with_utilization(status: GroupStatus, figures: GroupFigures) -> GroupStatus:
+    """``status`` with its ``utilization`` (both windows) filled in from ``figures``, the
+    report's figures of this status (``gather.status_figures``): the group itself answers its
+    held share only, as it sees leases, not the RL jobs' phases."""
+    return status.model_copy(
+        update={
+            "utilization": figures.since_created.share,
+            "utilization_while_jobs_ran": figures.while_jobs_ran.share,
+        }
+    )
 
 
 def client_phases(status: GroupStatus, rl_jobs: set[str]) -> list[Span]:

@@ -104,7 +104,7 @@ async def collect_report(
         jobs = (await _discover(client, RL_JOB_WORKFLOW_TYPE, "rl-job-"))[:max_jobs]
     records = await asyncio.gather(*(_job(client, j, now) for j in jobs))
     answers = await asyncio.gather(
-        *(_group_status(client, g) for g in groups), return_exceptions=True
+        *(read_group_status(client, g) for g in groups), return_exceptions=True
     )
     queried = datetime.now(UTC)
     problems: list[str] = []
@@ -193,7 +193,12 @@ async def _discover(
     return sorted(seen, key=lambda k: seen[k], reverse=True)
 
 
-async def _group_status(client: Client, group_id: str) -> GroupStatus:
+async def read_group_status(client: Client, group_id: str) -> GroupStatus:
+    """The group's ``status`` query answer, as of its last workflow task.
+
+    Raises:
+        UnknownGroupError: No group workflow of that id.
+    """
     handle = client.get_workflow_handle(group_workflow_id(group_id))
     try:
         return await handle.query(
@@ -205,6 +210,34 @@ async def _group_status(client: Client, group_id: str) -> GroupStatus:
                 f"no GPU group {group_id!r} (no workflow {group_workflow_id(group_id)})"
             ) from err
         raise
+
+
+def started_config(raw: Any, *, async_job: bool | None = None) -> RLJobConfig:
+    """An RL job's config from its workflow's start input, read as the workflow reads it: the
+    bare config, or ``{config, state}`` after continue-as-new.
+
+    Args:
+        raw: The decoded input.
+        async_job: Whether the workflow is an ``AsyncRLJobWorkflow``; None: the config's
+            ``mode`` says.
+
+    Returns:
+        The config (an ``AsyncRLJobConfig`` for an async job).
+
+    Raises:
+        ValueError: The input is no such config (pydantic's ``ValidationError``).
+    """
+    carried = isinstance(raw, dict) and "config" in raw
+    if async_job is None:
+        body = raw["config"] if carried else raw
+        async_job = isinstance(body, dict) and body.get("mode") == "async"
+    if async_job:
+        return (
+            AsyncRLJobInput.model_validate(raw).config
+            if carried
+            else AsyncRLJobConfig.model_validate(raw)
+        )
+    return RLJobInput.model_validate(raw).config if carried else RLJobConfig.model_validate(raw)
 
 
 async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = True) -> JobRecord:
@@ -276,20 +309,7 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
             if payloads:
                 try:
                     (raw,) = await converter.decode(payloads, [Any])
-                    carried = isinstance(raw, dict) and "config" in raw
-                    body = raw["config"] if carried else raw
-                    if isinstance(body, dict) and body.get("mode") == "async":
-                        config: RLJobConfig = (
-                            AsyncRLJobInput.model_validate(raw).config
-                            if carried
-                            else AsyncRLJobConfig.model_validate(raw)
-                        )
-                    else:
-                        config = (
-                            RLJobInput.model_validate(raw).config
-                            if carried
-                            else RLJobConfig.model_validate(raw)
-                        )
+                    config = started_config(raw)
                 except (ValueError, KeyError, RuntimeError):
                     # A job started with input it refused (not one config, or undecodable; it
                     # failed at once): no groups or phases to report, and it must not stop the

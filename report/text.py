@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from timeslice.report.model import GroupFigures, JobFigures, Report
 
@@ -114,6 +114,41 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def _group_notes(g: GroupFigures) -> list[str]:
+    """What the group's row cannot say: who holds it, waits, carries, overlaps, preemptions."""
+    carrying = f": carrying into {g.carrying_into}" if g.carrying_into else ""
+    said = [
+        f"held by {g.holder}{carrying}" if g.holder is not None else None,
+        f"{g.queued} waiting" if g.queued else None,
+        f"{g.carried} leases carried past waiters into their next phase" if g.carried else None,
+        f"{g.overlapped_switches} overlapped switches" if g.overlapped_switches else None,
+        f"{g.preemptions} preempted (a lease ran out without yielding; the group evicted its "
+        "holder)"
+        if g.preemptions
+        else None,
+    ]
+    return [n for n in said if n is not None] + g.notes
+
+
+def _job_notes(j: JobFigures) -> list[str]:
+    """What the job's row cannot say: its time alone, rewinds, carries, staleness, a note."""
+    asked, kept = j.carries_asked, j.carries_kept
+    stale = j.staleness
+    said = [
+        f"alone: {j.dedicated_s:.1f} s measured" if j.dedicated_s else None,
+        f"{j.rewinds} rewinds" if j.rewinds else None,
+        f"lease kept into the next phase {kept} of {asked} times asked" if asked else None,
+        f"async: staleness max {max(stale)}, mean {sum(stale) / len(stale):.2f}" if stale else None,
+        j.note or None,
+    ]
+    return [n for n in said if n is not None]
+
+
+def _notes(rows: Iterable[tuple[str, list[str]]]) -> list[str]:
+    """A line for each name that has notes."""
+    return [f"  {name}: {', '.join(notes)}" for name, notes in rows if notes]
+
+
 def format_text(report: Report) -> str:
     out = [f"timeslice report · {report.generated_at:%Y-%m-%d %H:%M:%S} UTC", ""]
     out.append(
@@ -123,25 +158,7 @@ def format_text(report: Report) -> str:
     out += (
         table(GROUP_HEADERS, [group_row(g) for g in report.groups]) if report.groups else ["  none"]
     )
-    for g in report.groups:
-        extra = []
-        if g.holder is not None:
-            carrying = f": carrying into {g.carrying_into}" if g.carrying_into else ""
-            extra.append(f"held by {g.holder}{carrying}")
-        if g.queued:
-            extra.append(f"{g.queued} waiting")
-        if g.carried:
-            extra.append(f"{g.carried} leases carried past waiters into their next phase")
-        if g.overlapped_switches:
-            extra.append(f"{g.overlapped_switches} overlapped switches")
-        if g.preemptions:
-            extra.append(
-                f"{g.preemptions} preempted (a lease ran out without yielding; the group "
-                "evicted its holder)"
-            )
-        extra += g.notes
-        if extra:
-            out.append(f"  {g.group_id}: {', '.join(extra)}")
+    out += _notes((g.group_id, _group_notes(g)) for g in report.groups)
     if report.groups:
         out += ["", "Utilization: GPU phase time / the window named (docs/report.md)"]
         out += [f"  {g.group_id}: {utilization_line(g)}" for g in report.groups]
@@ -151,23 +168,7 @@ def format_text(report: Report) -> str:
         "wall time / the job's wall time alone (measured) or / its own phase time",
     ]
     out += table(JOB_HEADERS, [job_row(j) for j in report.jobs]) if report.jobs else ["  none"]
-    for j in report.jobs:
-        extra = []
-        if j.dedicated_s:
-            extra.append(f"alone: {j.dedicated_s:.1f} s measured")
-        if j.rewinds:
-            extra.append(f"{j.rewinds} rewinds")
-        if j.carries_asked:
-            extra.append(
-                f"lease kept into the next phase {j.carries_kept} of {j.carries_asked} times asked"
-            )
-        if j.staleness:
-            mean = sum(j.staleness) / len(j.staleness)
-            extra.append(f"async: staleness max {max(j.staleness)}, mean {mean:.2f}")
-        if j.note:
-            extra.append(j.note)
-        if extra:
-            out.append(f"  {j.job_id}: {', '.join(extra)}")
+    out += _notes((j.job_id, _job_notes(j)) for j in report.jobs)
     if report.problems:
         out += ["", "Problems", *(f"  {p}" for p in report.problems)]
     return "\n".join(out) + "\n"

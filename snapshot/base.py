@@ -7,6 +7,8 @@ and restores it. Add one by implementing :class:`SnapshotBackend` and giving it 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -137,6 +139,91 @@ class SizedSnapshotBackend(SnapshotBackend, Protocol):
     def registered_bytes(self) -> int:
         """The bytes of device state an eviction would move now (also while it is out)."""
         ...
+
+
+class BlockingBackend:
+    """A base for a backend whose moves block (device copies, driver calls): it implements
+    :meth:`snapshot_sync` and :meth:`restore_sync`, and the interface's async calls run them
+    in a worker thread, so the process's event loop (its Temporal worker, its heartbeats)
+    goes on meanwhile."""
+
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        """Evict the job's state: :meth:`snapshot_sync`, in a worker thread.
+
+        Args:
+            request: What to move, as :meth:`SnapshotBackend.snapshot` takes it.
+
+        Returns:
+            The report ``snapshot_sync`` made.
+
+        Raises:
+            SnapshotError: From ``snapshot_sync``: the state could not be evicted.
+        """
+        return await asyncio.to_thread(self.snapshot_sync, request)
+
+    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        """:meth:`restore_sync` in a worker thread (the state back onto the device).
+
+        Args:
+            request: As for :meth:`snapshot`.
+
+        Returns:
+            ``restore_sync``'s report.
+
+        Raises:
+            SnapshotError: Whatever ``restore_sync`` raised.
+        """
+        return await asyncio.to_thread(self.restore_sync, request)
+
+    def snapshot_sync(self, request: SnapshotRequest) -> SnapshotReport:
+        """Evict, blocking the calling thread (see :meth:`SnapshotBackend.snapshot`).
+
+        Args:
+            request: The job and the move's reason.
+
+        Returns:
+            What was moved.
+
+        Raises:
+            SnapshotError: The state could not be evicted.
+        """
+        raise NotImplementedError
+
+    def restore_sync(self, request: SnapshotRequest) -> SnapshotReport:
+        """Restore, blocking the calling thread (see :meth:`SnapshotBackend.restore`).
+
+        Args:
+            request: The job and the move's reason.
+
+        Returns:
+            What was moved back.
+
+        Raises:
+            SnapshotError: The state could not be restored.
+        """
+        raise NotImplementedError
+
+
+def move_report(backend: str, job_id: str, mode: str, moved: int, started: float) -> SnapshotReport:
+    """A move's report, timed from ``started``.
+
+    Args:
+        backend: The backend's name.
+        job_id: The job whose state moved.
+        mode: How (``offload``, ``discard``, ``none`` ...).
+        moved: The bytes moved (or freed).
+        started: A ``time.perf_counter()`` reading taken as the move began.
+
+    Returns:
+        The report, its seconds those since ``started``.
+    """
+    return SnapshotReport(
+        job_id=job_id,
+        backend=backend,
+        mode=mode,
+        bytes=moved,
+        seconds=time.perf_counter() - started,
+    )
 
 
 def registered_bytes(backend: SnapshotBackend) -> int | None:

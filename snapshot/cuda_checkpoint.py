@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest, move_report
 from timeslice.snapshot.gpu_env import (
     MIN_CUDA_VERSION,
     checkpoint_blockers,
@@ -271,11 +271,23 @@ class CudaCheckpointBackend:
 
     @property
     def driver(self) -> CheckpointDriver:
+        """The driver's checkpoint API: the one given, or the real one (cuda-python), loaded on
+        first use.
+
+        Raises:
+            CudaCheckpointUnavailable: The real driver cannot be loaded here (the message says
+                what to install).
+        """
         if self._driver is None:
             self._driver = CudaDriverApi()
         return self._driver
 
     def health(self) -> Health:
+        """Whether the driver's checkpoint API loads here.
+
+        Returns:
+            ``Health`` ok with the driver found, or not ok saying why it cannot load.
+        """
         try:
             driver = self.driver
         except Exception as err:  # a health check reports; it never stops the agent
@@ -292,9 +304,34 @@ class CudaCheckpointBackend:
             )
 
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        """Lock and checkpoint each of the request's processes (by PID), all or none.
+
+        Args:
+            request: The job and, filled by the node agent, its processes on this node.
+
+        Returns:
+            Mode ``checkpoint``: the device bytes the processes held.
+
+        Raises:
+            ProcessMismatchError: No process registered, or one is no longer the process that
+                registered.
+            SnapshotError: A process failed (those already checkpointed are restored first).
+        """
         return await asyncio.to_thread(self._run, request, checkpoint=True)
 
     async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        """Restore and unlock each process checkpointed, all or none.
+
+        Args:
+            request: As for :meth:`snapshot`.
+
+        Returns:
+            Mode ``restore``: the bytes brought back.
+
+        Raises:
+            ProcessMismatchError: As :meth:`snapshot` raises it.
+            SnapshotError: A process failed (those restored already are checkpointed again).
+        """
         return await asyncio.to_thread(self._run, request, checkpoint=False)
 
     def _run(self, request: SnapshotRequest, *, checkpoint: bool) -> SnapshotReport:
@@ -317,13 +354,8 @@ class CudaCheckpointBackend:
                     raise  # nothing was moved: nothing to roll back
                 raise self._rolled_back(err, [*done, *touched], checkpoint=checkpoint) from err
             done.append(identity)
-        return SnapshotReport(
-            job_id=job_id,
-            backend=self.name,
-            mode="checkpoint" if checkpoint else "restore",
-            bytes=moved,
-            seconds=time.perf_counter() - started,
-        )
+        mode = "checkpoint" if checkpoint else "restore"
+        return move_report(self.name, job_id, mode, moved, started)
 
     def _move(
         self,

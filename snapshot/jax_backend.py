@@ -37,7 +37,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import (
+    BlockingBackend,
+    Capability,
+    Health,
+    SnapshotError,
+    SnapshotRequest,
+    move_report,
+)
 
 if TYPE_CHECKING:
     import jax
@@ -126,7 +133,7 @@ class JaxState:
         return f"JaxState({self.name!r}, {'evicted' if self.evicted else 'resident'})"
 
 
-class JaxBackend:
+class JaxBackend(BlockingBackend):
     """Snapshot / restore registered JAX pytrees (parameters, optimizer state, anything).
 
     ``include`` / ``exclude`` are shell-style patterns over the leaves' dotted path names
@@ -164,7 +171,20 @@ class JaxBackend:
     # ------------------------------------------------------------ registration
 
     def register(self, name: str, tree: Any) -> JaxState:
-        """Register the pytree ``tree`` as ``name``; returns the holder the loop uses from now."""
+        """Register the pytree ``tree`` as ``name``.
+
+        Args:
+            name: A name without dots: the leaves are named ``name.<their path>``.
+            tree: A pytree holding JAX arrays (other leaves stay where they are).
+
+        Returns:
+            The holder the training loop reads its arrays from, and puts new ones in, from now.
+
+        Raises:
+            ValueError: An empty or dotted name, or one registered already.
+            TypeError: ``tree`` holds no JAX array.
+            SnapshotError: The state is evicted now.
+        """
         jax = _jax()
         if not name or "." in name:
             raise ValueError(f"a jax state's name must be non-empty and have no '.', not {name!r}")
@@ -181,10 +201,19 @@ class JaxBackend:
             return state
 
     def states(self) -> dict[str, JaxState]:
+        """The registered holders.
+
+        Returns:
+            Holders by name, in registration order (a copy of the table).
+        """
         return dict(self._states)
 
     def selected_names(self) -> list[str]:
-        """The dotted names of the arrays a snapshot moves (of resident and evicted states)."""
+        """The dotted names of the arrays a snapshot moves (of resident and evicted states).
+
+        Returns:
+            Names, in registration order.
+        """
         return [n for n, _ in self._selected_leaves()]
 
     def _selected(self, name: str) -> bool:
@@ -208,6 +237,7 @@ class JaxBackend:
 
     @property
     def evicted(self) -> bool:
+        """Whether any registered state is out now."""
         return any(s.evicted for s in self._states.values())
 
     @property
@@ -229,6 +259,12 @@ class JaxBackend:
     # ------------------------------------------------------------ health
 
     def health(self) -> Health:
+        """Whether JAX runs here and something is registered: the platform, its memory kinds,
+        where snapshots go, and what is registered.
+
+        Returns:
+            Ok with those; not ok when JAX is missing, finds no device, or nothing is selected.
+        """
         try:
             jax = _jax()
         except SnapshotError as err:
@@ -285,17 +321,20 @@ class JaxBackend:
 
     # ------------------------------------------------------------ snapshot / restore
 
-    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
-        import asyncio
-
-        return await asyncio.to_thread(self.snapshot_sync, request)
-
-    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
-        import asyncio
-
-        return await asyncio.to_thread(self.restore_sync, request)
-
     def snapshot_sync(self, request: SnapshotRequest) -> SnapshotReport:
+        """Copy each selected array to host memory and delete it from the device, chunk by chunk;
+        each holder then reads as evicted.
+
+        Args:
+            request: The job; only its id is reported.
+
+        Returns:
+            Mode ``offload``: the device bytes the copies freed.
+
+        Raises:
+            SnapshotError: An array was deleted before the eviction (donated to a jitted call):
+                assign each step's new arrays to the holder's ``value``.
+        """
         started = time.perf_counter()
         jax = _jax()
         moved = 0
@@ -342,15 +381,18 @@ class JaxBackend:
                     state._out = (treedef, leaves)
                     state._out_names = [(name, leaves[i]) for i, name in gone]
                     state._tree = None
-        return SnapshotReport(
-            job_id=request.job_id,
-            backend=self.name,
-            mode="offload",
-            bytes=moved,
-            seconds=time.perf_counter() - started,
-        )
+        return move_report(self.name, request.job_id, "offload", moved, started)
 
     def restore_sync(self, request: SnapshotRequest) -> SnapshotReport:
+        """Put each host copy back on its device, with its own sharding; after a failure part-way
+        a second call brings the rest.
+
+        Args:
+            request: The job; only its id is reported.
+
+        Returns:
+            Mode ``offload``: the device bytes restored.
+        """
         started = time.perf_counter()
         jax = _jax()
         moved = 0
@@ -388,13 +430,7 @@ class JaxBackend:
                         continue
                     state._tree = jax.tree_util.tree_unflatten(treedef, leaves)
                     state._out, state._out_names = None, []
-        return SnapshotReport(
-            job_id=request.job_id,
-            backend=self.name,
-            mode="offload",
-            bytes=moved,
-            seconds=time.perf_counter() - started,
-        )
+        return move_report(self.name, request.job_id, "offload", moved, started)
 
     def _to_host(self, jax: Any, arrays: list[Any]) -> list[tuple[Any, int]]:
         """Copy ``arrays`` to host memory, all at once: (host copy, bytes it holds) each."""

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotRequest
+from timeslice.snapshot.base import Capability, Health, SnapshotRequest, move_report
 
 
 class SimulatedBackend:
@@ -52,6 +52,11 @@ class SimulatedBackend:
         return bool(self._out)
 
     def health(self) -> Health:
+        """Always able; the detail says the size and time a switch pretends.
+
+        Returns:
+            ``Health(ok=True)`` with ``nbytes`` and ``snapshot_s`` in its detail.
+        """
         return Health(self.name, True, f"{self.nbytes} bytes in {self.snapshot_s} s per switch")
 
     async def _pretend(self, job_id: str, seconds: float, moves: bool) -> SnapshotReport:
@@ -59,21 +64,32 @@ class SimulatedBackend:
         started = time.perf_counter()
         if moves:
             await asyncio.sleep(seconds)  # stands in for the copy, by design
-        return SnapshotReport(
-            job_id=job_id,
-            backend=self.name,
-            mode="simulated",
-            bytes=self.nbytes if moves else 0,
-            seconds=time.perf_counter() - started,
-        )
+        return move_report(self.name, job_id, "simulated", self.nbytes if moves else 0, started)
 
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        """Sleep ``snapshot_s`` as if ``nbytes`` were copied out, and mark the job's state out.
+
+        Args:
+            request: The job whose (simulated) state leaves the device.
+
+        Returns:
+            Mode ``simulated``: ``nbytes`` in ``snapshot_s`` seconds, or 0 bytes at once when the
+            job's state was out already.
+        """
         job_id = request.job_id
         moves = job_id not in self._out
         self._out.add(job_id)
         return await self._pretend(job_id, self.snapshot_s, moves)
 
     async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        """Sleep ``restore_s`` as if the state came back, and mark it in.
+
+        Args:
+            request: The job whose state returns.
+
+        Returns:
+            ``nbytes`` in ``restore_s`` seconds; 0 bytes at once if nothing was out.
+        """
         job_id = request.job_id
         moves = job_id in self._out
         self._out.discard(job_id)

@@ -14,7 +14,6 @@ On a machine without CUDA the same code runs on CPU tensors, which is how the te
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
 import logging
 import threading
@@ -24,7 +23,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import (
+    BlockingBackend,
+    Capability,
+    Health,
+    SnapshotError,
+    SnapshotRequest,
+    move_report,
+)
 from timeslice.snapshot.hugepages import advise_huge_pages
 
 try:
@@ -62,7 +68,7 @@ class _Entry:
     evicted: bool = False
 
 
-class TorchBackend:
+class TorchBackend(BlockingBackend):
     """Snapshot / restore registered modules, optimizers and tensors.
 
     Args:
@@ -118,6 +124,16 @@ class TorchBackend:
     # ------------------------------------------------------------ registration
 
     def register_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Register one tensor to move (its storage, shared with any view or tied weight).
+
+        Args:
+            name: Its qualified name, which ``include`` / ``exclude`` patterns match.
+            tensor: The tensor; it stays the same object across every snapshot and restore.
+
+        Raises:
+            TypeError: ``tensor`` is not a ``torch.Tensor``.
+            SnapshotError: The state is evicted now (register before the first switch).
+        """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         with self._lock:
@@ -128,15 +144,33 @@ class TorchBackend:
             self._arena = None  # the next plan's storages get an arena of their own
 
     def register_module(self, name: str, module: torch.nn.Module) -> None:
+        """Register a module's parameters and buffers, named ``name.<their names>``.
+
+        Args:
+            name: The prefix of their names (``"policy"``: ``"policy.lm_head.weight"`` ...).
+            module: The module.
+
+        Raises:
+            SnapshotError: As :meth:`register_tensor` raises it.
+        """
         for pname, param in module.named_parameters(prefix=name):
             self.register_tensor(pname, param)
         for bname, buf in module.named_buffers(prefix=name):
             self.register_tensor(bname, buf)
 
     def register_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
-        """Register the optimizer's state tensors (Adam's moments, step counters ...).
+        """Register the optimizer's state tensors (Adam's moments, step counters ...), named
+        ``name.state.<parameter index>.<key>``.
 
-        Call after at least one step: optimizers create their state lazily.
+        Call after at least one step, or after creating the state by hand: optimizers create it
+        lazily.
+
+        Args:
+            name: The prefix of their names.
+            optimizer: The optimizer.
+
+        Raises:
+            SnapshotError: As :meth:`register_tensor` raises it.
         """
         index = {id(p): i for i, p in enumerate(_params(optimizer))}
         for param, state in optimizer.state.items():
@@ -145,6 +179,11 @@ class TorchBackend:
                     self.register_tensor(f"{name}.state.{index.get(id(param), '?')}.{key}", value)
 
     def selected_names(self) -> list[str]:
+        """The names of the registered tensors a snapshot moves (after ``include`` / ``exclude``).
+
+        Returns:
+            Names, in registration order.
+        """
         return [n for n in self._tensors if self._selected(n)]
 
     def _selected(self, name: str) -> bool:
@@ -168,6 +207,11 @@ class TorchBackend:
         return self._entries
 
     def health(self) -> Health:
+        """Whether anything is registered and selected; what, where, and whether it is out.
+
+        Returns:
+            Ok with the storages, bytes, devices and residency; not ok when nothing is selected.
+        """
         entries = self._plan()
         if not entries:
             return Health(self.name, False, "nothing registered (or nothing selected)")
@@ -239,13 +283,16 @@ class TorchBackend:
 
     # ------------------------------------------------------------ snapshot / restore
 
-    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
-        return await asyncio.to_thread(self.snapshot_sync, request)
-
-    async def restore(self, request: SnapshotRequest) -> SnapshotReport:
-        return await asyncio.to_thread(self.restore_sync, request)
-
     def snapshot_sync(self, request: SnapshotRequest) -> SnapshotReport:
+        """Copy each selected storage to its host buffer (``offload``) and shrink it to zero
+        bytes, chunk by chunk, freeing device memory as it goes.
+
+        Args:
+            request: The job; only its id is reported.
+
+        Returns:
+            Mode ``offload`` (bytes copied) or ``discard`` (bytes freed).
+        """
         started = time.perf_counter()
         with self._lock:
             entries = [e for e in self._plan() if not e.evicted]
@@ -263,15 +310,19 @@ class TorchBackend:
             if any(e.device.type == "cuda" for e in entries):
                 torch.cuda.empty_cache()  # hand the memory back to the driver for the next job
             freed = sum(e.nbytes for e in entries)
-        return SnapshotReport(
-            job_id=request.job_id,
-            backend=self.name,
-            mode=self.mode,
-            bytes=moved if self.mode == "offload" else freed,
-            seconds=time.perf_counter() - started,
-        )
+        freed_or_moved = moved if self.mode == "offload" else freed
+        return move_report(self.name, request.job_id, self.mode, freed_or_moved, started)
 
     def restore_sync(self, request: SnapshotRequest) -> SnapshotReport:
+        """Grow each evicted storage back and copy its bytes home (``offload``; ``discard``
+        leaves them zero), into the same tensor objects.
+
+        Args:
+            request: The job; only its id is reported.
+
+        Returns:
+            The bytes copied back (``offload``) or re-allocated (``discard``).
+        """
         started = time.perf_counter()
         with self._lock:
             entries = [e for e in self._plan() if e.evicted]
@@ -287,16 +338,12 @@ class TorchBackend:
                     e.evicted = False
                     if not self._keeps(e):
                         e.host = None  # CPU state needs no pool: give the memory back now
-        return SnapshotReport(
-            job_id=request.job_id,
-            backend=self.name,
-            mode=self.mode,
-            bytes=moved if self.mode == "offload" else sum(e.nbytes for e in entries),
-            seconds=time.perf_counter() - started,
-        )
+        back = moved if self.mode == "offload" else sum(e.nbytes for e in entries)
+        return move_report(self.name, request.job_id, self.mode, back, started)
 
     @property
     def evicted(self) -> bool:
+        """Whether a snapshot has the state out now."""
         return any(e.evicted for e in self._entries or [])
 
     def _chunks(self, entries: list[_Entry]) -> Iterable[list[_Entry]]:

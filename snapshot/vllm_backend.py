@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import Capability, Health, SnapshotError, SnapshotRequest, move_report
 from timeslice.snapshot.gpu_env import package_version, version_tuple
 
 # The vLLM releases whose sleep-mode API this backend was checked against (pyproject's `vllm`
@@ -92,6 +92,22 @@ def vllm_version_note(llm: Any) -> str:
 
 
 class VllmSleepBackend:
+    """Puts a ``vllm.LLM`` to sleep to evict its state, and wakes it to restore it.
+
+    Args:
+        llm: The engine, built with ``enable_sleep_mode=True``.
+        level: 1 offloads the weights to host memory and drops the KV cache; 2 drops both
+            (``reprovision`` then loads the weights).
+        wake_tags: Memory tags to wake first (say ``["weights"]``), before ``reprovision``
+            and the remaining tags; None wakes everything at once.
+        reprovision: Called with the engine after a level-2 wake-up, to load its weights.
+
+    Raises:
+        TypeError: ``llm`` has no sleep mode, or its calls lack the keywords this backend uses.
+        SnapshotError: The engine was built without sleep mode.
+        ValueError: An unknown level or tag, or level 2 without ``reprovision``.
+    """
+
     name = "vllm"
     capabilities: frozenset[Capability] = frozenset()
 
@@ -132,6 +148,12 @@ class VllmSleepBackend:
         self.reprovision = reprovision
 
     def health(self) -> Health:
+        """Able whenever built (the constructor checked the engine); says the sleep level, whether
+        the engine sleeps now, and vLLM's version.
+
+        Returns:
+            ``Health(ok=True)``; its detail warns when no CUDA device is visible (bytes read 0).
+        """
         # Where LLM itself has no is_sleeping(), its engine may.
         sleeping = getattr(self.llm, "is_sleeping", None) or getattr(
             getattr(self.llm, "llm_engine", None), "is_sleeping", None
@@ -154,9 +176,26 @@ class VllmSleepBackend:
         )
 
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        """Put the engine to sleep at ``level``, in a worker thread.
+
+        Args:
+            request: The job; only its id is reported.
+
+        Returns:
+            Mode ``sleep-1`` or ``sleep-2``: the device memory the sleep released, as the driver
+            reports free memory (0 without CUDA).
+        """
         return await asyncio.to_thread(self._sleep, request.job_id)
 
     async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        """Wake the engine (staged by ``wake_tags``, with ``reprovision`` after a level-2 sleep).
+
+        Args:
+            request: As for :meth:`snapshot`.
+
+        Returns:
+            Mode ``wake-up``: the device memory the engine took back.
+        """
         return await asyncio.to_thread(self._wake, request.job_id)
 
     def _sleep(self, job_id: str) -> SnapshotReport:
@@ -188,10 +227,4 @@ class VllmSleepBackend:
         moved = 0
         if free_before is not None and free_after is not None:
             moved = max(0, free_after - free_before if released else free_before - free_after)
-        return SnapshotReport(
-            job_id=job_id,
-            backend=self.name,
-            mode=mode,
-            bytes=moved,
-            seconds=time.perf_counter() - started,
-        )
+        return move_report(self.name, job_id, mode, moved, started)

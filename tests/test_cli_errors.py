@@ -82,7 +82,7 @@ def test_status_figures_are_as_of_the_query(address: str, group: str, make_clien
         return status if status.holder.held_s >= first.holder.held_s + 1.0 else None
 
     status = wait_for(later, timeout=60, what="the hold to grow by a second")
-    assert status.utilization > 0.5 and status.wall_s >= status.holder.held_s
+    assert status.held_share > 0.5 and status.wall_s >= status.holder.held_s
     out = timeslice("status", group, "--address", address)
     assert out.returncode == 0, out.stderr
     held = float(out.stdout.split("(token ")[1].split(", ")[1].split(" s)")[0])

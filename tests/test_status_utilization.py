@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -44,6 +45,7 @@ def test_status_report_and_plan_profile_agree(address, group, make_client, tmp_p
         first.release(first.acquire(group))
         second.release(second.acquire(group))
     status = timeslice("status", group, "--address", address)
+    said = json.loads(timeslice("status", group, "--address", address, "--json"))
     report = timeslice(
         "report", "--address", address, "--group", group, "--job", "util-a", "--job", "util-b",
         "--text-only",
@@ -72,6 +74,22 @@ def test_status_report_and_plan_profile_agree(address, group, make_client, tmp_p
     share, seconds = read["status"][WINDOWS[1]]
     assert float(held.group(2)) == seconds, status
     assert abs(float(held.group(1)) - share) <= 0.1 + 1e-9, status  # two roundings to 0.1 %
+    assert_json_says_the_report(said, read["report"])
+
+
+def assert_json_says_the_report(said: dict, report: dict[str, tuple[float, float]]) -> None:
+    """`status --json`'s ``utilization`` is the report's (GPU phases, not the held share): the
+    same share while jobs ran, and the same phase time since the group was created (that
+    window grows between the two readings; the report rounds to 0.1 % and 0.1 s)."""
+    ran, _ = report[WINDOWS[0]]
+    assert abs(100 * said["utilization_while_jobs_ran"] - ran) <= 0.5, (said, report)
+    share, window = report[WINDOWS[1]]
+    assert said["wall_s"] <= window + 0.05, (said, report)
+    rounding = 0.0005 * window + share / 100 * 0.05
+    phase_s = said["utilization"] * said["wall_s"]
+    assert abs(phase_s - share / 100 * window) <= rounding + 1e-6, (said, report)
+    assert abs(100 * phase_s / window - share) <= 0.5, (said, report)
+    assert said["utilization"] <= said["held_share"] + 1e-9, said
 
 
 def status_figures(text: str) -> tuple[float, float, float]:

@@ -55,7 +55,7 @@ GROUP_METRICS = (
     "timeslice_hold_seconds_count",
     "timeslice_switch_seconds_count",
     "timeslice_moved_bytes_total",
-    "timeslice_group_utilization",
+    "timeslice_group_held_share",
     "timeslice_leases_revoked_total",
     "timeslice_stale_releases_total",
 )
@@ -188,7 +188,9 @@ def test_worker_serves_group_and_sdk_metrics(own_server: EmbeddedServer, tmp_pat
     assert got("timeslice_moved_bytes_total", direction="evict") == 3 * MiB
     assert got("timeslice_moved_bytes_total", direction="restore") == 1 * MiB
     assert got("timeslice_moved_bytes_total") == status.stats.bytes_moved
-    assert 0 < got("timeslice_group_utilization") <= 1
+    assert 0 < got("timeslice_group_held_share") <= 1
+    # Held time is held share; "utilization" names GPU-phase time only (docs/report.md).
+    assert got("timeslice_group_utilization") is None
     assert got("timeslice_queue_depth") == 0
     assert got("timeslice_stale_releases_total") == 1
     assert got("timeslice_stale_renewals_total") >= 1

@@ -90,8 +90,8 @@ class _GroupMetrics:
         self.queue_depth = meter.create_gauge(
             "timeslice_queue_depth", "requests waiting for the group"
         )
-        self.utilization = meter.create_gauge_float(
-            "timeslice_group_utilization", "share of the group's life spent held (0-1)", "1"
+        self.held_share = meter.create_gauge_float(
+            "timeslice_group_held_share", "share of the group's life spent held (0-1)", "1"
         )
         self._acquire_wait = meter.create_histogram_float(
             "timeslice_acquire_wait_seconds", "from request to grant", "s"
@@ -573,7 +573,7 @@ class GpuGroupWorkflow:
     def _publish_details(self) -> None:
         now = workflow.now()
         self._metrics.queue_depth.set(len(self._book.state.queue))
-        self._metrics.utilization.set(self._book.utilization(now))
+        self._metrics.held_share.set(self._book.held_share(now))
         workflow.set_current_details(self._book.details(now))
 
 

@@ -554,7 +554,7 @@ class GroupBook:
         busy = stats.busy_s + ((now - holder.granted_at).total_seconds() if holder else 0.0)
         return busy, max((now - stats.created_at).total_seconds(), 1e-9)
 
-    def utilization(self, now: datetime) -> float:
+    def held_share(self, now: datetime) -> float:
         """The share of its life the group was held (GroupStatus.held_share).
 
         Args:
@@ -618,7 +618,7 @@ class GroupBook:
             ],
             resident_job=state.resident.job_id if state.resident else None,
             faulted_jobs=dict(state.faulted_jobs),
-            utilization=min(1.0, max(0.0, busy / wall)),
+            held_share=min(1.0, max(0.0, busy / wall)),
             wall_s=wall,
             idle_s=max(0.0, wall - busy - stats.switching_s),
             wait_p50_s=percentile(stats.wait_samples_s, 0.50),
@@ -650,6 +650,6 @@ class GroupBook:
             f"**queue**: {queue or 'empty'}",
             f"**leases**: {state.stats.leases} · switches {state.stats.switches}",
             # The group sees leases, not phases: its utilization proper is `timeslice status`'s.
-            f"**held so far**: {self.utilization(now):.0%} (utilization: `timeslice status`)",
+            f"**held so far**: {self.held_share(now):.0%} (utilization: `timeslice status`)",
         ]
         return "\n\n".join(lines)

@@ -13,6 +13,7 @@ generator.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -33,7 +34,8 @@ def options_as(
     value whose type differs from the field's default, is refused with a message naming the
     option (an int is taken for a float field; a bool never for a number)."""
     values = dict(options or {})
-    fields = options_type.__dataclass_fields__  # type: ignore[attr-defined]
+    # The dataclass's fields proper: a ClassVar (the workload's name, say) is no option.
+    fields = {f.name: f for f in dataclasses.fields(options_type)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"{workload}: unknown option(s) {unknown}; allowed: {sorted(fields)}")
@@ -120,7 +122,14 @@ class PhaseContext:
         return self._why
 
     def run(self, work: Callable[[], T]) -> T:
-        """Run ``work`` in this thread as this context's work (see :func:`current_context`)."""
+        """Run ``work`` in this thread as this context's work (see :func:`current_context`).
+
+        Args:
+            work: The phase (or preparation, or checkpoint) to run.
+
+        Returns:
+            What ``work`` returned.
+        """
         _running.ctx = self
         try:
             return work()
@@ -155,13 +164,22 @@ class PhaseContext:
             raise PhaseStopped(self._why)
 
     def progress(self, **details: Any) -> None:
-        """Report progress (small JSON values: ``step=3, loss=0.4``); the job process sends
-        the latest with the activity's heartbeats, and the Web UI shows it."""
+        """Report progress; the job process sends the latest with the activity's heartbeats, and
+        the Web UI shows it.
+
+        Args:
+            **details: Small JSON values, say ``step=3, loss=0.4``; a later value of a key
+                replaces the earlier.
+        """
         with self._lock:
             self._progress.update(details)
 
     def latest_progress(self) -> dict[str, Any]:
-        """Everything reported by ``progress`` so far, latest value per key."""
+        """Everything reported by ``progress`` so far.
+
+        Returns:
+            The latest value of each key.
+        """
         with self._lock:
             return dict(self._progress)
 
@@ -266,8 +284,8 @@ class Workload(ABC):
         """Update the policy from this epoch's scored rollouts, under the trainer group's lease.
 
         Args:
-            epoch: The epoch.
-            ctx: As for ``sample``.
+            epoch: The epoch whose rollouts ``compute_rewards`` scored.
+            ctx: As for ``sample``: check it between optimizer steps.
 
         Returns:
             Metrics (a loss, say), recorded with the epoch.

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 try:
     import jax
@@ -45,70 +45,25 @@ except ImportError as err:  # a clean message instead of a bare ImportError deep
     ) from err
 
 from timeslice.snapshot.jax_backend import JaxBackend, JaxState, path_name
-from timeslice.workloads.base import (
-    JobSpec,
-    PhaseContext,
-    PhaseStopped,
-    Workload,
-    options_as,
-)
+from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped
+from timeslice.workloads.digit_grpo import DigitGrpoOptions, DigitGrpoWorkload, steps_summary
 
-TASKS = ("sort", "reverse", "copy")
 _FILES = ("trainer.npz", "pending.npz", "meta.json")
 
 
 @dataclass(frozen=True)
-class GrpoJaxOptions:
-    """The knobs in ``JobSpec.options`` (all optional)."""
+class GrpoJaxOptions(DigitGrpoOptions):
+    """The knobs in ``JobSpec.options`` (all optional): grpo-toy's task and GRPO ones
+    (:class:`~timeslice.workloads.digit_grpo.DigitGrpoOptions`) and the MLP's width."""
 
-    task: str = "sort"
-    seq_len: int = 4
-    digits: int = 10
+    workload: ClassVar[str] = "grpo-jax"
+
     hidden: int = 128
-    layers: int = 2
     lr: float = 1e-2
-    kl_coef: float = 0.0
-    clip_eps: float = 0.2
-    ppo_steps: int = 4
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0
-    # As in grpo-toy: seconds the rewards phase also waits, standing in for an external verifier.
-    reward_latency_s: float = 0.0
-
-    @classmethod
-    def parse(cls, options: dict[str, Any] | None) -> GrpoJaxOptions:
-        opts = options_as(cls, "grpo-jax", options)
-        opts._check()
-        return opts
 
     def _check(self) -> None:
-        def need(ok: bool, key: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(
-                    f"grpo-jax: option {key!r} = {getattr(self, key)!r} is invalid; "
-                    f"allowed: {allowed}"
-                )
-
-        def finite_in(key: str, low: float, high: float) -> bool:
-            value = getattr(self, key)
-            return math.isfinite(value) and low <= value <= high
-
-        need(self.task in TASKS, "task", f"one of {list(TASKS)}")
-        need(1 <= self.seq_len <= 32, "seq_len", "an int in 1..32")
-        need(2 <= self.digits <= 64, "digits", "an int in 2..64")
-        need(8 <= self.hidden <= 4096, "hidden", "an int in 8..4096")
-        need(1 <= self.layers <= 12, "layers", "an int in 1..12")
-        need(finite_in("lr", 0.0, 1.0) and self.lr > 0.0, "lr", "a float in (0, 1]")
-        need(finite_in("kl_coef", 0.0, 100.0), "kl_coef", "a float in [0, 100]")
-        need(0.0 < self.clip_eps < 1.0, "clip_eps", "a float in (0, 1)")
-        need(1 <= self.ppo_steps <= 64, "ppo_steps", "an int in 1..64")
-        need(
-            math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0.0,
-            "max_grad_norm",
-            "a finite float > 0",
-        )
-        need(finite_in("temperature", 0.05, 10.0), "temperature", "a float in [0.05, 10]")
-        need(finite_in("reward_latency_s", 0.0, 3600.0), "reward_latency_s", "a float in [0, 3600]")
+        super()._check()
+        self._need(8 <= self.hidden <= 4096, "hidden", "an int in 8..4096")
 
 
 # ---------------------------------------------------------------------------- the policy
@@ -242,29 +197,23 @@ class _Rollout:
 # ---------------------------------------------------------------------------- the workload
 
 
-class GrpoJaxWorkload(Workload):
+class GrpoJaxWorkload(DigitGrpoWorkload):
     name = "grpo-jax"
-    sampler_backends = ("sampler",)
-    trainer_backends = ("trainer",)
-
-    def __init__(self) -> None:
-        self.spec: JobSpec | None = None
-        self.opts = GrpoJaxOptions()
-        self._backends: dict[str, JaxBackend] | None = None
-        self._rollout: _Rollout | None = None
-        self._last_trained: int | None = None
-
-    def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        GrpoJaxOptions.parse(options)  # a bad option ends the job when it first meets its process
-        return super().state_names(options)
+    options_type = GrpoJaxOptions
+    opts: GrpoJaxOptions
 
     def setup(self, spec: JobSpec) -> None:
-        if spec.batch_size < 1:
-            raise ValueError(f"grpo-jax: batch_size must be >= 1, not {spec.batch_size}")
-        if spec.group_size < 1:
-            raise ValueError(f"grpo-jax: group_size must be >= 1, not {spec.group_size}")
-        opts = GrpoJaxOptions.parse(spec.options)
-        self.spec, self.opts = spec, opts
+        """Draw the MLP from ``spec.seed`` (NumPy), put three copies on the device (policy,
+        reference, sampler) and Adam's state, and register them with two jax backends.
+
+        Args:
+            spec: The seed the parameters come from, the batch and group sizes, and the
+                options (:class:`GrpoJaxOptions`).
+
+        Raises:
+            ValueError: From the spec's checks: a size below 1, an option refused.
+        """
+        opts: GrpoJaxOptions = self._configure(spec)
         self.optimizer = _optimizer(opts.lr, opts.max_grad_norm)
         # Committed to one device from the start, as restored arrays are: jitted calls then
         # see the same kind of argument before and after a switch (one compilation, not two).
@@ -285,17 +234,7 @@ class GrpoJaxWorkload(Workload):
         self.adam = trainer_backend.register("adam", adam)
         self._backends = {"sampler": sampler_backend, "trainer": trainer_backend}
 
-    def snapshot_backends(self) -> dict[str, JaxBackend]:  # type: ignore[override]
-        if self._backends is None:
-            raise RuntimeError("grpo-jax: snapshot_backends() called before setup()")
-        return self._backends
-
     # ------------------------------------------------------------ helpers
-
-    def _spec(self) -> JobSpec:
-        if self.spec is None:
-            raise RuntimeError("grpo-jax: setup() has not run")
-        return self.spec
 
     def _generator(self, epoch: int) -> np.random.Generator:
         """Epoch ``epoch``'s only source of randomness: a fresh generator from (seed, epoch)."""
@@ -311,6 +250,19 @@ class GrpoJaxWorkload(Workload):
     # ------------------------------------------------------------ phases
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Load the pending weights onto the sampler, then write each completion digit by digit,
+        inverting the policy's CDF at uniforms drawn from (seed, epoch).
+
+        Args:
+            epoch: The epoch.
+            ctx: Checked before each digit.
+
+        Returns:
+            ``completions`` and ``tokens`` sampled.
+
+        Raises:
+            PhaseStopped: The lease was lost.
+        """
         spec, opts = self._spec(), self.opts
         ctx.check()
         # The trainer's last weights, through the host copy (never the trainer's arrays).
@@ -353,23 +305,26 @@ class GrpoJaxWorkload(Workload):
         return {"completions": float(n), "tokens": float(n * k)}
 
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Score each completion by the digits it gets right (NumPy), after the stand-in verifier's
+        ``reward_latency_s``.
+
+        Args:
+            epoch: The epoch sampled in this process.
+            ctx: The stop check and the latency's wait.
+
+        Returns:
+            ``reward_mean``, ``reward_std``, ``group_std_mean``, ``accuracy``, ``digit_accuracy``.
+
+        Raises:
+            RuntimeError: No rollout of ``epoch`` is held here.
+        """
+        return self._score(self._sampled(epoch), ctx)
+
+    def _reward_metrics(self, correct: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
         spec = self._spec()
-        ro = self._rollout
-        if ro is None or ro.epoch != epoch:
-            have = "none" if ro is None else f"epoch {ro.epoch}"
-            raise RuntimeError(
-                f"grpo-jax: compute_rewards({epoch}) needs sample({epoch}) to have run in this "
-                f"process first (sampled rollouts held: {have})"
-            )
-        ctx.check()
-        correct = ro.completions == self._targets(ro.prompts)
         rewards = correct.astype(np.float32).mean(axis=1)
-        if self.opts.reward_latency_s:
-            ctx.wait(self.opts.reward_latency_s)
-        ro.rewards = rewards
         grouped = rewards.reshape(spec.batch_size, spec.group_size)
-        ctx.progress(step=1, of=1)
-        return {
+        return rewards, {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "group_std_mean": float(grouped.std(axis=1).mean()),
@@ -378,18 +333,24 @@ class GrpoJaxWorkload(Workload):
         }
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """``ppo_steps`` jitted optax updates on the scored rollout; the new policy then goes to
+        the host copy for the next sample. Stopped part-way, the arrays the phase began with are put
+        back (JAX arrays are immutable: keeping them is the backup).
+
+        Args:
+            epoch: The epoch scored in this process.
+            ctx: Checked before each update.
+
+        Returns:
+            Mean ``loss``, ``grad_norm``, ``clip_frac`` over the steps, the last ``kl``, and
+            ``optimizer_steps``.
+
+        Raises:
+            RuntimeError: The rollout of ``epoch`` is not scored here.
+            PhaseStopped: The lease was lost (after the rollback).
+        """
         spec, opts = self._spec(), self.opts
-        ro = self._rollout
-        if ro is None or ro.epoch != epoch or ro.rewards is None:
-            have = (
-                "none"
-                if ro is None
-                else f"epoch {ro.epoch}, {'scored' if ro.rewards is not None else 'unscored'}"
-            )
-            raise RuntimeError(
-                f"grpo-jax: train({epoch}) needs compute_rewards({epoch}) to have run in this "
-                f"process first (rollouts held: {have})"
-            )
+        ro = self._scored(epoch)
         ctx.check()
         grouped = ro.rewards.reshape(spec.batch_size, spec.group_size)
         mean = grouped.mean(axis=1, keepdims=True)
@@ -430,29 +391,20 @@ class GrpoJaxWorkload(Workload):
         # Hand the new weights to the sampler through the host copy (its own memory).
         self.pending = jax.tree.map(lambda x: np.array(x, copy=True), self.policy.value)
         self._last_trained = epoch
-        return {
-            "loss": sum(s["loss"] for s in stats) / len(stats),
-            "kl": stats[-1]["kl"],
-            "grad_norm": sum(s["grad_norm"] for s in stats) / len(stats),
-            "clip_frac": sum(s["clip_frac"] for s in stats) / len(stats),
-            "optimizer_steps": float(opts.ppo_steps),
-        }
+        return steps_summary(stats)
 
     # ------------------------------------------------------------ checkpoints
-
-    def _meta(self) -> dict[str, Any]:
-        spec = self._spec()
-        return {
-            "workload": self.name,
-            "seed": spec.seed,
-            "options": dict(spec.options),
-            "last_trained_epoch": self._last_trained,
-        }
 
     def _trainer_states(self) -> list[JaxState]:
         return [self.policy, self.reference, self.adam]
 
     def save(self, directory: Path) -> None:
+        """Write ``trainer.npz`` (policy, reference, Adam state by path name), ``pending.npz``
+        and ``meta.json``, each under a temporary name first.
+
+        Args:
+            directory: The checkpoint's folder (made if missing).
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         trainer = {}
@@ -470,22 +422,21 @@ class GrpoJaxWorkload(Workload):
         tmp.replace(directory / "meta.json")
 
     def load(self, directory: Path) -> None:
+        """Read a checkpoint back onto the holders' devices and shardings, checking every array
+        before changing anything.
+
+        Args:
+            directory: A folder :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: A file is missing.
+            ValueError: Written for another workload, seed or options, or an array that does
+                not fit.
+        """
         directory = Path(directory)
-        missing = [f for f in _FILES if not (directory / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"grpo-jax: checkpoint {directory} lacks {missing}")
+        self._check_checkpoint(directory, _FILES)
         meta = json.loads((directory / "meta.json").read_text())
-        mine = self._meta()
-        if meta.get("workload") != self.name or meta.get("seed") != mine["seed"]:
-            raise ValueError(
-                f"grpo-jax: checkpoint {directory} is for {meta.get('workload')!r} with seed "
-                f"{meta.get('seed')!r}, this job is {self.name!r} with seed {mine['seed']!r}"
-            )
-        if meta.get("options") != mine["options"]:
-            raise ValueError(
-                f"grpo-jax: checkpoint {directory} was written with options "
-                f"{meta.get('options')!r}, this job has {mine['options']!r}"
-            )
+        self._check_meta(directory, meta)
         with np.load(directory / "trainer.npz") as saved:
             trainer = {name: saved[name] for name in saved.files}
         with np.load(directory / "pending.npz") as saved:

@@ -43,25 +43,22 @@ A fresh batch, and every sync phase, keeps plain PPO (bit for bit the sync job).
 from __future__ import annotations
 
 import copy
-import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from timeslice.snapshot.torch_backend import TorchBackend
-from timeslice.workloads.base import (
-    AsyncWorkload,
-    JobSpec,
-    PhaseContext,
-    PhaseStopped,
-    options_as,
+from timeslice.workloads.base import AsyncWorkload, JobSpec, PhaseContext, PhaseStopped
+from timeslice.workloads.digit_grpo import (
+    DigitGrpoOptions,
+    DigitGrpoWorkload,
+    steps_summary,
 )
 from torch import nn
 
-TASKS = ("sort", "reverse", "copy")
 STALE_OBJECTIVES = ("decoupled", "ppo")
 DEVICES = ("cpu", "cuda", "auto")
 _FILES = ("trainer.pt", "pending.pt", "meta.pt")
@@ -71,18 +68,15 @@ _FILES = ("trainer.pt", "pending.pt", "meta.pt")
 
 
 @dataclass(frozen=True)
-class GrpoToyOptions:
-    """The knobs in ``JobSpec.options`` (all optional)."""
+class GrpoToyOptions(DigitGrpoOptions):
+    """The knobs in ``JobSpec.options`` (all optional): the digit task's and GRPO's
+    (:class:`~timeslice.workloads.digit_grpo.DigitGrpoOptions`), the transformer's, async
+    mode's and the device."""
 
-    task: str = "sort"  # what the completion must be: the prompt sorted, reversed or copied
-    seq_len: int = 4  # digits in a prompt (and in its completion)
-    digits: int = 10  # the digit alphabet: 0 .. digits-1
+    workload: ClassVar[str] = "grpo-toy"
+
     d_model: int = 64
-    layers: int = 2
     heads: int = 4
-    lr: float = 3e-3
-    kl_coef: float = 0.0  # weight of the KL penalty to the frozen reference policy
-    clip_eps: float = 0.2  # PPO-style clip of the policy ratio
     # Async mode, a batch sampled with older weights than the trainer's: the most its
     # behaviour importance weight (proximal / behaviour policy, per token) may count.
     behaviour_weight_cap: float = 2.0
@@ -90,44 +84,18 @@ class GrpoToyOptions:
     # begins (the proximal policy) and weighted by proximal / behaviour; "ppo": clipped against
     # the behaviour policy, as a fresh batch's is.
     stale_objective: str = "decoupled"
-    ppo_steps: int = 4  # optimizer steps per train call, each over the whole batch
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0
     device: str = "cpu"  # "cpu", "cuda" or "auto" (cuda where available)
-    # Seconds the rewards phase also waits, standing in for an external verifier (a code
-    # sandbox, a judge model, a tool) whose latency leaves the GPU idle; the toy's own check
-    # takes microseconds, which would make every job GPU-bound.
-    reward_latency_s: float = 0.0
-
-    @classmethod
-    def parse(cls, options: dict[str, Any] | None) -> GrpoToyOptions:
-        opts = options_as(cls, "grpo-toy", options)
-        opts._check()
-        return opts
 
     def _check(self) -> None:
-        def need(ok: bool, key: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(
-                    f"grpo-toy: option {key!r} = {getattr(self, key)!r} is invalid; "
-                    f"allowed: {allowed}"
-                )
-
-        need(self.task in TASKS, "task", f"one of {list(TASKS)}")
+        super()._check()
+        need = self._need
         need(self.device in DEVICES, "device", f"one of {list(DEVICES)}")
-        need(1 <= self.seq_len <= 32, "seq_len", "an int in 1..32")
-        need(2 <= self.digits <= 64, "digits", "an int in 2..64")
         need(8 <= self.d_model <= 1024, "d_model", "an int in 8..1024")
-        need(1 <= self.layers <= 12, "layers", "an int in 1..12")
         need(
             self.heads >= 1 and self.d_model % self.heads == 0,
             "heads",
             f"an int >= 1 that divides d_model ({self.d_model})",
         )
-        need(0.0 < self.lr <= 1.0 and math.isfinite(self.lr), "lr", "a float in (0, 1]")
-        need(0.0 <= self.kl_coef <= 100.0, "kl_coef", "a float in [0, 100]")
-        need(0.0 < self.clip_eps < 1.0, "clip_eps", "a float in (0, 1)")
-        need(1 <= self.ppo_steps <= 64, "ppo_steps", "an int in 1..64")
         need(
             1.0 <= self.behaviour_weight_cap <= 100.0,
             "behaviour_weight_cap",
@@ -138,24 +106,18 @@ class GrpoToyOptions:
             "stale_objective",
             f"one of {list(STALE_OBJECTIVES)}",
         )
-        need(
-            self.max_grad_norm > 0.0 and math.isfinite(self.max_grad_norm),
-            "max_grad_norm",
-            "a finite float > 0",
-        )
-        need(0.05 <= self.temperature <= 10.0, "temperature", "a float in [0.05, 10]")
-        need(
-            0.0 <= self.reward_latency_s <= 3600.0 and math.isfinite(self.reward_latency_s),
-            "reward_latency_s",
-            "a float in [0, 3600]",
-        )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
-                "grpo-toy: option 'device' = 'cuda' but CUDA is not available here; "
+                f"{self.workload}: option 'device' = 'cuda' but CUDA is not available here; "
                 "use 'cpu' or 'auto'"
             )
 
     def torch_device(self) -> torch.device:
+        """The device the option names.
+
+        Returns:
+            ``cuda`` where ``auto`` finds CUDA, else ``cpu``; or ``device`` as given.
+        """
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -224,19 +186,15 @@ class _Rollout:
     behaviour_version: int | None = None
 
 
-class GrpoToyWorkload(AsyncWorkload):
+class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
     """GRPO with a tiny transformer on a digit task; split sampler / trainer state."""
 
     name = "grpo-toy"
-    sampler_backends = ("sampler",)
-    trainer_backends = ("trainer",)
+    options_type = GrpoToyOptions
+    opts: GrpoToyOptions
 
     def __init__(self) -> None:
-        self.spec: JobSpec | None = None
-        self.opts = GrpoToyOptions()
-        self._backends: dict[str, TorchBackend] | None = None
-        self._rollout: _Rollout | None = None
-        self._last_trained: int | None = None
+        super().__init__()
         # Async mode: the batches held by id; the pending buffer is shared by the sampler's
         # thread (loading) and the trainer's (publishing).
         self._batches: dict[int, _Rollout] = {}
@@ -248,18 +206,18 @@ class GrpoToyWorkload(AsyncWorkload):
 
     # ------------------------------------------------------------ setup
 
-    def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        # Checked when the job first meets its process: a bad option ends the job at once.
-        type(self.opts).parse(options)
-        return super().state_names(options)
-
     def setup(self, spec: JobSpec) -> None:
-        if spec.batch_size < 1:
-            raise ValueError(f"grpo-toy: batch_size must be >= 1, not {spec.batch_size}")
-        if spec.group_size < 1:
-            raise ValueError(f"grpo-toy: group_size must be >= 1, not {spec.group_size}")
-        opts = GrpoToyOptions.parse(spec.options)
-        self.spec, self.opts = spec, opts
+        """Build the transformer from ``spec.seed`` (a forked RNG), its frozen reference, Adam with
+        its state, the sampler's copy and the pending buffer, and both groups' torch backends (their
+        host buffers made now).
+
+        Args:
+            spec: The job: its seed, sizes and options (:class:`GrpoToyOptions`).
+
+        Raises:
+            ValueError: A batch or group size below 1, or a bad option.
+        """
+        opts: GrpoToyOptions = self._configure(spec)
         self.device = opts.torch_device()
         self.bos, self.sep = opts.digits, opts.digits + 1
         self.vocab = opts.digits + 2
@@ -270,46 +228,45 @@ class GrpoToyWorkload(AsyncWorkload):
             policy = _Policy(
                 self.vocab, self.prompt_len + opts.seq_len, opts.d_model, opts.layers, opts.heads
             )
-        # Trainer: the policy, a frozen reference, Adam with its state created now.
+        trainer_backend = self._build_trainer(policy)
+        # Sampler: its own copy of the weights.
+        self.sampler = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        sampler_backend = TorchBackend()
+        sampler_backend.register_module("policy", self.sampler)
+        self._backends = {"sampler": sampler_backend, "trainer": trainer_backend}
+        for backend in self._backends.values():  # host buffers made now, not at a switch
+            backend.reserve_host_buffers()
+
+    def _build_trainer(self, policy: nn.Module) -> TorchBackend:
+        """The trainer's state from ``policy``: the policy on the device, a frozen reference,
+        Adam with its state created now (so the backend covers it from the start), and the
+        host-side hand-over buffer (pending); no rollout held, no step trained.
+
+        Returns:
+            The trainer's backend, with the policy, the reference and Adam registered.
+        """
         self.policy = policy.to(self.device)
         self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=opts.lr)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.opts.lr)
         for p in self.policy.parameters():
             self.optimizer.state[p] = {
                 "step": torch.tensor(0.0, dtype=torch.float32),
                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
             }
-        # Sampler: its own copy of the weights; pending: the host-side hand-over buffer.
-        self.sampler = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.pending = {
             n: p.detach().to("cpu", copy=True) for n, p in self.policy.named_parameters()
         }
         self._rollout = None
         self._last_trained = None
         self._policy_version = self._pending_version = self._sampler_version = 0
-
-        sampler_backend = TorchBackend()
-        sampler_backend.register_module("policy", self.sampler)
-        trainer_backend = TorchBackend()
-        trainer_backend.register_module("policy", self.policy)
-        trainer_backend.register_module("reference", self.reference)
-        trainer_backend.register_optimizer("adam", self.optimizer)
-        self._backends = {"sampler": sampler_backend, "trainer": trainer_backend}
-        for backend in self._backends.values():  # host buffers made now, not at a switch
-            backend.reserve_host_buffers()
-
-    def snapshot_backends(self) -> dict[str, TorchBackend]:  # type: ignore[override]
-        if self._backends is None:
-            raise RuntimeError("grpo-toy: snapshot_backends() called before setup()")
-        return self._backends
+        backend = TorchBackend()
+        backend.register_module("policy", self.policy)
+        backend.register_module("reference", self.reference)
+        backend.register_optimizer("adam", self.optimizer)
+        return backend
 
     # ------------------------------------------------------------ helpers
-
-    def _spec(self) -> JobSpec:
-        if self.spec is None:
-            raise RuntimeError("grpo-toy: setup() has not run")
-        return self.spec
 
     def _generator(self, epoch: int) -> torch.Generator:
         """Epoch ``epoch``'s only source of randomness: a fresh generator from (seed, epoch)."""
@@ -349,6 +306,19 @@ class GrpoToyWorkload(AsyncWorkload):
     # ------------------------------------------------------------ phases
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Copy the pending weights into the sampler, then sample ``seq_len`` digits for each of
+        ``batch_size`` prompts ``group_size`` times, with randomness from (seed, epoch).
+
+        Args:
+            epoch: The epoch.
+            ctx: Checked before each digit; ``step`` of ``seq_len`` reported.
+
+        Returns:
+            ``completions`` and ``tokens`` sampled.
+
+        Raises:
+            PhaseStopped: The lease was lost.
+        """
         self._spec()  # setup() first
         ctx.check()
         # The trainer's last weights, through the host buffer (never the trainer's tensors).
@@ -385,26 +355,27 @@ class GrpoToyWorkload(AsyncWorkload):
         return rollout, {"completions": float(n), "tokens": float(n * k)}
 
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
-        ro = self._rollout
-        if ro is None or ro.epoch != epoch:
-            have = "none" if ro is None else f"epoch {ro.epoch}"
-            raise RuntimeError(
-                f"grpo-toy: compute_rewards({epoch}) needs sample({epoch}) to have run in this "
-                f"process first (sampled rollouts held: {have})"
-            )
-        return self._score(ro, ctx)
+        """Score each completion: the share of its digits where the task's answer has them
+        (then wait ``reward_latency_s``, the stand-in verifier).
 
-    def _score(self, ro: _Rollout, ctx: PhaseContext) -> dict[str, float]:
+        Args:
+            epoch: The epoch :meth:`sample` ran in this process.
+            ctx: The stop check, and the latency's wait.
+
+        Returns:
+            ``reward_mean``, ``reward_std``, ``group_std_mean``, ``accuracy`` (whole answers right)
+            and ``digit_accuracy``.
+
+        Raises:
+            RuntimeError: This process holds no rollout of ``epoch``.
+        """
+        return self._score(self._sampled(epoch), ctx)
+
+    def _reward_metrics(self, correct: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         spec = self._spec()
-        ctx.check()
-        correct = ro.completions == self._targets(ro.prompts)
         rewards = correct.float().mean(dim=1)
-        if self.opts.reward_latency_s:
-            ctx.wait(self.opts.reward_latency_s)
-        ro.rewards = rewards
         grouped = rewards.view(spec.batch_size, spec.group_size)
-        ctx.progress(step=1, of=1)
-        return {
+        return rewards, {
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.std(unbiased=False).item(),
             "group_std_mean": grouped.std(dim=1, unbiased=False).mean().item(),
@@ -413,18 +384,23 @@ class GrpoToyWorkload(AsyncWorkload):
         }
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
-        ro = self._rollout
-        if ro is None or ro.epoch != epoch or ro.rewards is None:
-            have = (
-                "none"
-                if ro is None
-                else f"epoch {ro.epoch}, {'scored' if ro.rewards is not None else 'unscored'}"
-            )
-            raise RuntimeError(
-                f"grpo-toy: train({epoch}) needs compute_rewards({epoch}) to have run in this "
-                f"process first (rollouts held: {have})"
-            )
-        stats = self._train_on(ro, ctx)
+        """``ppo_steps`` clipped GRPO steps on the scored rollout (group-normalised advantages,
+        KL to the reference), then the new weights into the pending buffer. Stopped part-way, the
+        trainer's tensors are rolled back to where the phase began.
+
+        Args:
+            epoch: The epoch scored in this process.
+            ctx: Checked before each optimizer step.
+
+        Returns:
+            The steps' mean ``loss``, ``grad_norm`` and ``clip_frac``, the last ``kl``, and
+            ``optimizer_steps``.
+
+        Raises:
+            RuntimeError: The epoch's rollout was not scored here.
+            PhaseStopped: The lease was lost.
+        """
+        stats = self._train_on(self._scored(epoch), ctx)
         # Hand the new weights to the sampler through the host buffer.
         for name, param in self.policy.named_parameters():
             self._copy_in(self.pending[name], param.detach())
@@ -466,6 +442,19 @@ class GrpoToyWorkload(AsyncWorkload):
     # ------------------------------------------------------------ async mode
 
     def sample_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Sample batch ``batch`` with the sampler's weights as loaded (maybe stale), randomness
+        from (seed, batch); the batch remembers the policy version it saw.
+
+        Args:
+            batch: The batch's id.
+            ctx: As for :meth:`sample`.
+
+        Returns:
+            ``completions`` and ``tokens``.
+
+        Raises:
+            PhaseStopped: The sampler's lease was lost.
+        """
         self._spec()  # setup() first
         ctx.check()
         rollout, metrics = self._sample_rollout(batch, ctx)
@@ -474,20 +463,57 @@ class GrpoToyWorkload(AsyncWorkload):
         return metrics
 
     def score_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Score batch ``batch`` as :meth:`compute_rewards` scores an epoch.
+
+        Args:
+            batch: A batch sampled in this process.
+            ctx: The stop check.
+
+        Returns:
+            The batch's reward metrics.
+
+        Raises:
+            RuntimeError: No such batch was sampled here.
+        """
         ro = self._batches.get(batch)
         if ro is None:
-            raise RuntimeError(f"grpo-toy: batch {batch} was not sampled in this process")
+            raise RuntimeError(f"{self.name}: batch {batch} was not sampled in this process")
         return self._score(ro, ctx)
 
     def train_batch(self, step: int, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Train on batch ``batch``, then drop it: plain PPO when it is fresh, the decoupled
+        objective (``stale_objective``) when the policy moved on since it was sampled.
+
+        Args:
+            step: The step.
+            batch: A batch scored here.
+            ctx: As for :meth:`train`.
+
+        Returns:
+            :meth:`train`'s metrics, with ``policy_lag`` (steps since the batch's weights) and
+            ``decoupled`` (1 if that objective ran).
+
+        Raises:
+            RuntimeError: No scored batch ``batch`` is held.
+            PhaseStopped: The trainer's lease was lost.
+        """
         ro = self._batches.pop(batch, None)
         if ro is None or ro.rewards is None:
-            raise RuntimeError(f"grpo-toy: batch {batch} is not held scored in this process")
+            raise RuntimeError(f"{self.name}: batch {batch} is not held scored in this process")
         stats = self._train_on(ro, ctx)
         self._last_trained = step
         return stats
 
     def publish_weights(self, version: int, ctx: PhaseContext) -> int:
+        """Copy the trainer's weights into the pending buffer (host memory), under its lock.
+
+        Args:
+            version: The steps trained (the workload counts its own).
+            ctx: The training step's context.
+
+        Returns:
+            The pending buffer's bytes.
+        """
         with self._pending_lock:
             for name, param in self.policy.named_parameters():
                 self._copy_in(self.pending[name], param.detach())
@@ -495,6 +521,18 @@ class GrpoToyWorkload(AsyncWorkload):
         return sum(t.numel() * t.element_size() for t in self.pending.values())
 
     def load_weights(self, version: int, ctx: PhaseContext) -> int:
+        """Copy the pending buffer into the sampler's weights.
+
+        Args:
+            version: The version published last.
+            ctx: Checked before the copy.
+
+        Returns:
+            The bytes copied.
+
+        Raises:
+            PhaseStopped: The sampler's lease was lost.
+        """
         ctx.check()
         with self._pending_lock:
             for name, param in self.sampler.named_parameters():
@@ -503,6 +541,7 @@ class GrpoToyWorkload(AsyncWorkload):
         return sum(t.numel() * t.element_size() for t in self.pending.values())
 
     def drop_batches(self) -> None:
+        """Forget every batch held (the job rewound)."""
         self._batches.clear()
 
     def _optimize(
@@ -517,7 +556,7 @@ class GrpoToyWorkload(AsyncWorkload):
         """``ppo_steps`` clipped-objective steps, the trust region centred on ``centre_logp``
         (plain PPO: the behaviour policy's), each token's objective times ``weight`` if given."""
         opts = self.opts
-        losses, kls, norms, clipped = [], [], [], []
+        steps = []
         for step in range(opts.ppo_steps):
             ctx.check()
             logp = self._completion_logp(self.policy, tokens)
@@ -533,18 +572,16 @@ class GrpoToyWorkload(AsyncWorkload):
             loss.backward()
             norm = nn.utils.clip_grad_norm_(self.policy.parameters(), opts.max_grad_norm)
             self.optimizer.step()
-            losses.append(loss.item())
-            kls.append(kl.item())
-            norms.append(norm.item())
-            clipped.append(((ratio - 1).abs() > opts.clip_eps).float().mean().item())
+            steps.append(
+                {
+                    "loss": loss.item(),
+                    "kl": kl.item(),
+                    "grad_norm": norm.item(),
+                    "clip_frac": ((ratio - 1).abs() > opts.clip_eps).float().mean().item(),
+                }
+            )
             ctx.progress(step=step + 1, of=opts.ppo_steps)
-        return {
-            "loss": sum(losses) / len(losses),
-            "kl": kls[-1],
-            "grad_norm": sum(norms) / len(norms),
-            "clip_frac": sum(clipped) / len(clipped),
-            "optimizer_steps": float(opts.ppo_steps),
-        }
+        return steps_summary(steps)
 
     def _optimize_decoupled(
         self,
@@ -594,16 +631,13 @@ class GrpoToyWorkload(AsyncWorkload):
 
     # ------------------------------------------------------------ checkpoints
 
-    def _meta(self) -> dict[str, Any]:
-        spec = self._spec()
-        return {
-            "workload": self.name,
-            "seed": spec.seed,
-            "options": dict(spec.options),
-            "last_trained_epoch": self._last_trained,
-        }
-
     def save(self, directory: Path) -> None:
+        """Write ``trainer.pt`` (policy, reference, Adam state), ``pending.pt`` and ``meta.pt``,
+        each under a temporary name first.
+
+        Args:
+            directory: The checkpoint's folder (made if missing).
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         trainer = {
@@ -621,22 +655,20 @@ class GrpoToyWorkload(AsyncWorkload):
             tmp.replace(directory / fname)
 
     def load(self, directory: Path) -> None:
+        """Copy a checkpoint into the existing tensors (the backends hold those very objects);
+        the sampler then runs the trained weights and no batch survives.
+
+        Args:
+            directory: A folder :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: A file is missing.
+            ValueError: It was written for another workload, seed, options or model.
+        """
         directory = Path(directory)
-        missing = [f for f in _FILES if not (directory / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"grpo-toy: checkpoint {directory} lacks {missing}")
+        self._check_checkpoint(directory, _FILES)
         meta = torch.load(directory / "meta.pt", weights_only=True)
-        mine = self._meta()
-        if meta.get("workload") != self.name or meta.get("seed") != mine["seed"]:
-            raise ValueError(
-                f"grpo-toy: checkpoint {directory} is for {meta.get('workload')!r} with seed "
-                f"{meta.get('seed')!r}, this job is {self.name!r} with seed {mine['seed']!r}"
-            )
-        if meta.get("options") != mine["options"]:
-            raise ValueError(
-                f"grpo-toy: checkpoint {directory} was written with options "
-                f"{meta.get('options')!r}, this job has {mine['options']!r}"
-            )
+        self._check_meta(directory, meta)
         trainer = torch.load(directory / "trainer.pt", weights_only=True)
         pending = torch.load(directory / "pending.pt", weights_only=True)
         # Copy into the existing tensors: the backends hold these very objects.
@@ -646,12 +678,12 @@ class GrpoToyWorkload(AsyncWorkload):
         ):
             current = module.state_dict()
             if set(saved) != set(current):
-                raise ValueError(f"grpo-toy: checkpoint {directory} does not fit this model")
+                raise ValueError(f"{self.name}: checkpoint {directory} does not fit this model")
             for key, tensor in current.items():
                 self._copy_in(tensor, saved[key])
         params = list(self.policy.parameters())
         if len(trainer["optimizer"]) != len(params):
-            raise ValueError(f"grpo-toy: checkpoint {directory} optimizer state does not fit")
+            raise ValueError(f"{self.name}: checkpoint {directory} optimizer state does not fit")
         for p, saved in zip(params, trainer["optimizer"], strict=True):
             for key, tensor in self.optimizer.state[p].items():
                 self._copy_in(tensor, saved[key])

@@ -27,7 +27,7 @@ import importlib.util
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from timeslice.snapshot.base import SnapshotBackend
@@ -54,41 +54,33 @@ class HfGrpoOptions(GrpoToyOptions):
     """grpo-toy's options (``d_model`` is the hidden size, ``heads`` the attention heads),
     with a head size of 64 by default, and the sampler's."""
 
+    workload: ClassVar[str] = "hf-grpo"
+
     d_model: int = 128
     heads: int = 2
     sampler: str = "auto"
     vllm_memory: float = 0.2  # the engine's share of the device memory (gpu_memory_utilization)
 
-    @classmethod
-    def parse(cls, options: dict[str, Any] | None) -> HfGrpoOptions:
-        try:
-            parsed = super().parse(options)
-        except ValueError as err:  # the parent's checks name grpo-toy
-            raise ValueError(str(err).replace("grpo-toy:", "hf-grpo:", 1)) from None
-        assert isinstance(parsed, HfGrpoOptions)
-        return parsed
-
     def _check(self) -> None:
         super()._check()
         if self.digits != 10:
-            raise ValueError("grpo-toy: option 'digits' must be 10 (the tokenizer's alphabet)")
-        if self.sampler not in SAMPLERS:
             raise ValueError(
-                f"grpo-toy: option 'sampler' = {self.sampler!r} is invalid; "
-                f"allowed: one of {list(SAMPLERS)}"
+                f"{self.workload}: option 'digits' must be 10 (the tokenizer's alphabet)"
             )
-        if not 0.01 <= self.vllm_memory <= 0.95:
-            raise ValueError(
-                f"grpo-toy: option 'vllm_memory' = {self.vllm_memory!r} is invalid; "
-                "allowed: a float in [0.01, 0.95]"
-            )
+        self._need(self.sampler in SAMPLERS, "sampler", f"one of {list(SAMPLERS)}")
+        self._need(0.01 <= self.vllm_memory <= 0.95, "vllm_memory", "a float in [0.01, 0.95]")
         if self.sampler == "vllm" and not vllm_available():
             raise ValueError(
-                "grpo-toy: option 'sampler' = 'vllm' needs vLLM and a CUDA device "
+                f"{self.workload}: option 'sampler' = 'vllm' needs vLLM and a CUDA device "
                 "(pip install 'timeslice[vllm]'); use 'torch' or 'auto'"
             )
 
     def use_vllm(self) -> bool:
+        """Whether the sampler is a vLLM engine.
+
+        Returns:
+            True for ``vllm``, and for ``auto`` where vLLM imports and CUDA is present.
+        """
         return self.sampler == "vllm" or (self.sampler == "auto" and vllm_available())
 
 
@@ -114,20 +106,26 @@ class HfGrpoWorkload(GrpoToyWorkload):
     """GRPO on a transformers causal LM; torch or vLLM sampler (see the module's doc)."""
 
     name = "hf-grpo"
+    options_type = HfGrpoOptions
+    opts: HfGrpoOptions
 
     def __init__(self) -> None:
         super().__init__()
-        self.opts: HfGrpoOptions = HfGrpoOptions()
         self._llm: Any = None
         self._vllm_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def setup(self, spec: JobSpec) -> None:
-        if spec.batch_size < 1:
-            raise ValueError(f"hf-grpo: batch_size must be >= 1, not {spec.batch_size}")
-        if spec.group_size < 1:
-            raise ValueError(f"hf-grpo: group_size must be >= 1, not {spec.group_size}")
-        opts = HfGrpoOptions.parse(spec.options)
-        self.spec, self.opts = spec, opts
+        """grpo-toy's trainer on the tiny Qwen2 policy (seeded from ``spec.seed``); the sampler is
+        its torch copy, or a vLLM engine (built from the policy saved in Hub format) moved by the
+        ``vllm`` backend.
+
+        Args:
+            spec: The job; options as :class:`HfGrpoOptions`.
+
+        Raises:
+            ValueError: A batch or group size below 1, or a bad option.
+        """
+        opts: HfGrpoOptions = self._configure(spec)
         self.device = opts.torch_device()
         vocab = vocabulary()
         self.bos, self.sep = vocab[BOS], vocab[SEP]  # 10 and 11: grpo-toy's numbering
@@ -142,26 +140,7 @@ class HfGrpoWorkload(GrpoToyWorkload):
             max_positions=max(64, self.prompt_len + opts.seq_len),
         )
         lm = build_model(spec.seed, model_spec)
-        # Trainer: the policy, a frozen reference, Adam with its state created now (as grpo-toy).
-        self.policy = _Logits(lm).to(self.device)
-        self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=opts.lr)
-        for p in self.policy.parameters():
-            self.optimizer.state[p] = {
-                "step": torch.tensor(0.0, dtype=torch.float32),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
-        self.pending = {
-            n: p.detach().to("cpu", copy=True) for n, p in self.policy.named_parameters()
-        }
-        self._rollout = None
-        self._last_trained = None
-
-        trainer_backend = TorchBackend()
-        trainer_backend.register_module("policy", self.policy)
-        trainer_backend.register_module("reference", self.reference)
-        trainer_backend.register_optimizer("adam", self.optimizer)
+        trainer_backend = self._build_trainer(_Logits(lm))  # as grpo-toy's
         sampler_backend: SnapshotBackend
         if opts.use_vllm():
             self._llm = self._build_engine(lm, spec.seed)
@@ -177,6 +156,7 @@ class HfGrpoWorkload(GrpoToyWorkload):
 
     @property
     def sampler_kind(self) -> str:
+        """``vllm`` or ``torch``: the sampler ``setup`` built."""
         return "vllm" if self._llm is not None else "torch"
 
     # ------------------------------------------------------------ the vLLM sampler
@@ -206,6 +186,20 @@ class HfGrpoWorkload(GrpoToyWorkload):
         self._llm.reset_prefix_cache()
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """With vLLM: load the trainer's latest weights into the engine, then generate
+        ``group_size`` digit-only completions per prompt with the epoch's seeds (log-probs are left
+        to :meth:`train`); with torch, grpo-toy's sampling.
+
+        Args:
+            epoch: The epoch.
+            ctx: The stop check.
+
+        Returns:
+            ``completions`` and ``tokens``.
+
+        Raises:
+            PhaseStopped: The lease was lost.
+        """
         if self._llm is None:
             return super().sample(epoch, ctx)
         from vllm import SamplingParams
@@ -245,6 +239,20 @@ class HfGrpoWorkload(GrpoToyWorkload):
         return {"completions": float(n), "tokens": float(n * k)}
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """grpo-toy's training; a vLLM-sampled rollout first gets its old-policy log-probs from
+        the trainer's own weights, so the first step is exactly on-policy.
+
+        Args:
+            epoch: The epoch scored in this process.
+            ctx: The stop check.
+
+        Returns:
+            grpo-toy's training metrics.
+
+        Raises:
+            RuntimeError: The rollout of ``epoch`` is not scored here.
+            PhaseStopped: The lease was lost.
+        """
         ro = self._rollout
         if (
             self._llm is not None

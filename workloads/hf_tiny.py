@@ -31,7 +31,8 @@ except ImportError as err:  # a clean message instead of a bare ImportError deep
         "pip install 'timeslice[trl]'"
     ) from err
 
-TASKS = ("sort", "reverse", "copy")
+from timeslice.workloads.digit_grpo import TASKS
+
 BOS, SEP = "^", "="
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 

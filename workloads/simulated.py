@@ -43,6 +43,8 @@ SHARED_STATE = "shared_state"
 
 
 def parse_options(options: dict[str, Any]) -> dict[str, float]:
+    """The options with their defaults (the module's doc lists them); ValueError naming an
+    unknown option or a value that is not a number >= 0."""
     known = {*DEFAULTS, "restore_s", "sync_bytes", SHARED_STATE}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -67,6 +69,9 @@ def parse_options(options: dict[str, Any]) -> dict[str, float]:
 
 
 class SimulatedWorkload(AsyncWorkload):
+    """Phases that wait their configured seconds under their lease; states of configured size
+    that switches move by :class:`~timeslice.snapshot.simulated.SimulatedBackend`."""
+
     name = "simulated"
     sampler_backends = ("sampler",)
     trainer_backends = ("trainer",)
@@ -86,12 +91,28 @@ class SimulatedWorkload(AsyncWorkload):
         self._lock = threading.Lock()  # the sampler's thread and the trainer's
 
     def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The sampler's state and the trainer's, or one shared by both groups.
+
+        Args:
+            options: The job's options (``shared_state`` decides).
+
+        Returns:
+            ``(("sampler",), ("trainer",))``, or ``(("simulated",), ("simulated",))`` shared.
+
+        Raises:
+            ValueError: An unknown option or a bad value (from :func:`parse_options`).
+        """
         parse_options(options)
         if options.get(SHARED_STATE, False):
             return ("simulated",), ("simulated",)
         return self.sampler_backends, self.trainer_backends
 
     def setup(self, spec: JobSpec) -> None:
+        """One simulated backend per state, of ``state_bytes`` and the configured move times.
+
+        Args:
+            spec: The job; its options as :func:`parse_options` reads them.
+        """
         self._options = parse_options(spec.options)
         self._spec = spec
         sampler, trainer = self.state_names(spec.options)
@@ -109,16 +130,43 @@ class SimulatedWorkload(AsyncWorkload):
         ctx.wait(self._options[key])
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Hold the sampler's lease ``sample_s`` seconds.
+
+        Args:
+            epoch: The epoch (unused: nothing is drawn).
+            ctx: Its stop check ends the wait early.
+
+        Returns:
+            ``completions``: batch size times group size.
+        """
         self._hold(ctx, "sample_s")
         assert self._spec is not None
         return {"completions": float(self._spec.batch_size * self._spec.group_size)}
 
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Wait ``reward_s`` seconds, holding no lease.
+
+        Args:
+            epoch: The epoch, which the stand-in reward curve follows.
+            ctx: The stop check.
+
+        Returns:
+            ``reward_mean``: 1 - 0.5 * 0.9 ** epoch.
+        """
         self._hold(ctx, "reward_s")
         # A stand-in learning curve, so progress displays have something to show.
         return {"reward_mean": 1.0 - 0.5 * 0.9**epoch}
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Hold the trainer's lease ``train_s`` seconds; the model counts the epoch trained.
+
+        Args:
+            epoch: The epoch trained.
+            ctx: The stop check.
+
+        Returns:
+            ``loss``: 0.5 * 0.9 ** epoch.
+        """
         self._hold(ctx, "train_s")
         self.epochs_trained = epoch + 1
         return {"loss": 0.5 * 0.9**epoch}
@@ -126,6 +174,15 @@ class SimulatedWorkload(AsyncWorkload):
     # ---------------------------------------------------------------- async mode
 
     def sample_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Hold the sampler's lease ``sample_s``; remember the weights version the batch saw.
+
+        Args:
+            batch: The batch's id.
+            ctx: The stop check.
+
+        Returns:
+            ``completions``, as :meth:`sample`'s.
+        """
         self._hold(ctx, "sample_s")
         with self._lock:
             self.batches[batch] = self.sampler_version
@@ -133,6 +190,15 @@ class SimulatedWorkload(AsyncWorkload):
         return {"completions": float(self._spec.batch_size * self._spec.group_size)}
 
     def score_batch(self, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Wait ``reward_s``; the reward follows the weights that sampled the batch.
+
+        Args:
+            batch: A batch :meth:`sample_batch` made.
+            ctx: The stop check.
+
+        Returns:
+            ``reward_mean`` of the batch's weights version.
+        """
         with self._lock:
             version = self.batches[batch]
         self._hold(ctx, "reward_s")
@@ -140,6 +206,19 @@ class SimulatedWorkload(AsyncWorkload):
         return {"reward_mean": 1.0 - 0.5 * 0.9**version}
 
     def train_batch(self, step: int, batch: int, ctx: PhaseContext) -> dict[str, float]:
+        """Hold the trainer's lease ``train_s``; record (step, batch, version) as applied.
+
+        Args:
+            step: The step; it must be the next one the model lacks.
+            batch: A batch sampled and scored, dropped once trained.
+            ctx: The stop check.
+
+        Returns:
+            ``loss``: 0.5 * 0.9 ** step.
+
+        Raises:
+            RuntimeError: ``step`` is not the model's next step.
+        """
         with self._lock:
             if step != self.epochs_trained:
                 raise RuntimeError(f"step {step} asked of a model after {self.epochs_trained}")
@@ -151,12 +230,33 @@ class SimulatedWorkload(AsyncWorkload):
         return {"loss": 0.5 * 0.9**step}
 
     def publish_weights(self, version: int, ctx: PhaseContext) -> int:
+        """Wait ``sync_s`` and mark ``version`` published.
+
+        Args:
+            version: The steps trained.
+            ctx: The training step's context.
+
+        Returns:
+            ``sync_bytes``.
+        """
         ctx.wait(self._options["sync_s"])
         with self._lock:
             self.published = version
         return int(self._options["sync_bytes"])
 
     def load_weights(self, version: int, ctx: PhaseContext) -> int:
+        """Wait ``load_s`` and give the sampler ``version``.
+
+        Args:
+            version: The version published last.
+            ctx: The sampling's context.
+
+        Returns:
+            ``sync_bytes``.
+
+        Raises:
+            RuntimeError: ``version`` is not the one published.
+        """
         ctx.wait(self._options["load_s"])
         with self._lock:
             if version != self.published:
@@ -165,17 +265,28 @@ class SimulatedWorkload(AsyncWorkload):
         return int(self._options["sync_bytes"])
 
     def drop_batches(self) -> None:
+        """Forget the batches held (the job rewound)."""
         with self._lock:
             self.batches.clear()
 
     # ---------------------------------------------------------------- checkpoints
 
     def save(self, directory: Path) -> None:
+        """Write ``simulated.json``: the epochs trained and every async step applied.
+
+        Args:
+            directory: The checkpoint's folder.
+        """
         with self._lock:
             saved = {"epochs": self.epochs_trained, "applied": list(self.applied)}
         (directory / "simulated.json").write_text(json.dumps(saved))
 
     def load(self, directory: Path) -> None:
+        """Read ``simulated.json`` back; the sampler runs the trainer's weights, no batch held.
+
+        Args:
+            directory: A folder :meth:`save` wrote.
+        """
         saved = json.loads((directory / "simulated.json").read_text())
         with self._lock:
             self.epochs_trained = saved["epochs"]
@@ -185,8 +296,14 @@ class SimulatedWorkload(AsyncWorkload):
             self.batches.clear()
 
     def snapshot_backends(self) -> dict[str, SnapshotBackend]:
+        """The simulated states' backends.
+
+        Returns:
+            Backends by state name (empty before :meth:`setup`).
+        """
         return self._backends
 
 
 def create() -> SimulatedWorkload:
+    """The factory a job process calls to build this workload."""
     return SimulatedWorkload()

@@ -107,7 +107,7 @@ def status(history: list[LeaseRecord]) -> GroupStatus:
     busy = sum((r.end - r.start).total_seconds() for r in history)
     return GroupStatus(
         group_id="g", holder=None, queue=[], resident_job=None, faulted_jobs={},
-        utilization=busy / 10, wall_s=10.0, idle_s=10 - busy, wait_p50_s=None, wait_p99_s=None,
+        held_share=busy / 10, wall_s=10.0, idle_s=10 - busy, wait_p50_s=None, wait_p99_s=None,
         stats=GroupStats(created_at=T0, leases=len(history), busy_s=busy), history=history,
     )  # fmt: skip
 

@@ -1,18 +1,27 @@
 """The public API documents itself: every name `timeslice`, `timeslice.snapshot` and
 `timeslice.workloads` export has a docstring of its own, and so does every public method of the
-clients and of the interfaces users implement (SnapshotBackend, Workload)."""
+clients and of the interfaces users implement (SnapshotBackend, Workload). The extension points
+go further: every public method of the snapshot interface, of every backend Timeslice ships, of
+the workload interface and of every built-in workload (and its options) says what it takes, what
+it gives back and what it raises (Google style: Args / Returns / Raises)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
+import textwrap
 
 import pytest
 import timeslice
 from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
 from timeslice.snapshot import SizedSnapshotBackend, SnapshotBackend
+from timeslice.snapshot.base import BlockingBackend
+from timeslice.snapshot.registry import BACKENDS
 from timeslice.workloads import PhaseContext, Workload
+from timeslice.workloads.base import AsyncWorkload
+from timeslice.workloads.registry import BUILTIN
 
 PACKAGES = ("timeslice", "timeslice.snapshot", "timeslice.workloads")
 DOCUMENTED_METHODS = (
@@ -127,3 +136,107 @@ def test_the_checker_finds_what_is_missing() -> None:
     assert not _own_docstring(Bare) and not _own_docstring(Plain)
     assert _undocumented_methods(Bare) == ["Bare.call", "Bare.size"]
     assert _undocumented_methods(Base) == []
+
+
+# ------------------------------------------------------------ the extension points, sectioned
+
+
+def _extension_classes() -> list[type]:
+    """The snapshot interface and every shipped backend (the registry's table), the workload
+    interface and every built-in workload (the registry's), with the options each parses."""
+    classes: list[type] = [SnapshotBackend, SizedSnapshotBackend, BlockingBackend]
+    classes += [entry.load() for entry in BACKENDS.values()]
+    classes += [Workload, AsyncWorkload, PhaseContext]
+    for target in BUILTIN.values():
+        module_name, _, factory = target.partition(":")
+        workload = type(getattr(importlib.import_module(module_name), factory)())
+        classes += [c for c in workload.__mro__ if c.__module__.startswith("timeslice.")]
+        options = getattr(workload, "options_type", None)
+        if options is not None:
+            classes += [c for c in options.__mro__ if c.__module__.startswith("timeslice.")]
+    return list(dict.fromkeys(classes))
+
+
+def _raises(function: object) -> bool:
+    """Whether the function's own body has a ``raise`` (not one in a function it defines)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(function))  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
+    (definition,) = ast.parse(source).body
+    stack = list(ast.iter_child_nodes(definition))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Raise):
+            return True
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def _missing_sections(cls: type) -> list[str]:
+    """Each public method ``cls`` itself defines that lacks a section it needs: ``Args:`` when
+    it takes arguments, ``Returns:`` when it returns a value (a property's docstring is what it
+    is), ``Raises:`` when its body raises."""
+    missing = []
+    for name, member in sorted(vars(cls).items()):
+        if name.startswith("_"):
+            continue
+        if isinstance(member, staticmethod | classmethod):
+            member = member.__func__
+        if isinstance(member, property):
+            if not _own_docstring(member):
+                missing.append(f"{cls.__name__}.{name}: a docstring")
+            continue
+        if not inspect.isfunction(member):
+            continue
+        doc = _own_docstring(member)
+        signature = inspect.signature(member)
+        params = [p for p in signature.parameters if p not in ("self", "cls")]
+        needs = {
+            "Args:": bool(params),
+            "Returns:": signature.return_annotation not in ("None", None),
+            "Raises:": _raises(member),
+        }
+        missing += [
+            f"{cls.__name__}.{name}: {s}" for s, needed in needs.items() if needed and s not in doc
+        ]
+    return missing
+
+
+@pytest.mark.parametrize("cls", _extension_classes(), ids=lambda c: f"{c.__module__}.{c.__name__}")
+def test_every_extension_point_method_says_what_it_takes_returns_and_raises(cls: type) -> None:
+    missing = _missing_sections(cls)
+    assert not missing, f"docstrings lacking sections: {missing}"
+
+
+def test_the_extension_points_are_all_checked() -> None:
+    """Every shipped backend and built-in workload is among the classes checked."""
+    names = {c.__name__ for c in _extension_classes()}
+    assert {"TorchBackend", "JaxBackend", "NoopBackend", "CudaCheckpointBackend"} <= names
+    assert {"GrpoToyWorkload", "GrpoJaxWorkload", "HfGrpoWorkload", "GrpoToyOptions"} <= names
+    assert len(names) >= len(BACKENDS) + len(BUILTIN) + 6
+
+
+def test_the_section_checker_finds_what_is_missing() -> None:
+    class Backend:
+        def snapshot(self, request: object) -> int:
+            """Moves it.
+
+            Args:
+                request: What.
+            """
+            if request is None:
+                raise ValueError("no request")
+            return 0
+
+        def health(self) -> None:
+            """Fine."""
+
+        def close(self) -> None:
+            """Closes, raising only in what it defines."""
+
+            def inner() -> None:
+                raise ValueError
+
+    assert _missing_sections(Backend) == ["Backend.snapshot: Returns:", "Backend.snapshot: Raises:"]

@@ -454,11 +454,11 @@ def test_busy_switching_and_idle_add_up_to_the_wall():
     assert status.stats.busy_s == pytest.approx(3.5)
     assert status.stats.switching_s == pytest.approx(0.5)
     assert status.idle_s == pytest.approx(6.0)
-    assert status.utilization == pytest.approx(0.35)
+    assert status.held_share == pytest.approx(0.35)
     # A lease held now counts up to the query.
     b.enqueue(request("b"), at(10))
     grant_next(b, at(10))
-    assert b.status(at(12)).utilization == pytest.approx(5.5 / 12)
+    assert b.status(at(12)).held_share == pytest.approx(5.5 / 12)
 
 
 def test_wait_samples_are_bounded_and_give_percentiles():
@@ -489,7 +489,7 @@ def test_status_read_on_a_clock_ahead_never_runs_past_the_next_deadline():
     assert ahead.holder.expires_in_s == 0.0
     assert ahead.holder.held_s == pytest.approx(20 + STATUS_SLACK_S)
     assert ahead.wall_s == pytest.approx(status.wall_s + 20 + STATUS_SLACK_S)
-    assert 0.0 <= ahead.utilization <= 1.0
+    assert 0.0 <= ahead.held_share <= 1.0
     # Within the deadline the figures advance exactly.
     soon = status.advanced_to(at(8))
     assert soon.holder is not None

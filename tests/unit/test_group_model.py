@@ -233,7 +233,7 @@ class GroupModel(RuleBasedStateMachine):
     @invariant()
     def accounting_adds_up_to_the_wall(self) -> None:
         status = self.book.status(self.now)
-        busy = status.utilization * status.wall_s
+        busy = status.held_share * status.wall_s
         assert busy + status.stats.switching_s + status.idle_s == status.wall_s or (
             abs(busy + status.stats.switching_s + status.idle_s - status.wall_s) < 1e-6
         )

@@ -287,21 +287,22 @@ def test_async_jobs_need_pools_and_a_mix_plans() -> None:
     outcome = planner.timeline(best)
     assert {r["job"] for r in timeline_rows(outcome)} >= {"a · sampler", "a · trainer", "b"}
     report = to_report(outcome, best)
-    lanes = {lane.name for lane in report.lanes if lane.kind == "job"}  # type: ignore[attr-defined]
+    lanes = {lane.name for lane in report.lanes if lane.kind == "job"}
     assert lanes == {"a · sampler", "a · trainer", "b"}
 
 
 def test_an_async_jobs_input_reads_bare_and_after_continue_as_new() -> None:
-    from timeslice.plan.collect import _parse_config
     from timeslice.protocol.async_rl_job import AsyncRLJobInput, AsyncRLJobState
+    from timeslice.report.gather import started_config
 
     cfg = async_run().config
     assert isinstance(cfg, AsyncRLJobConfig)
     bare = cfg.model_dump(mode="json")
     carried = AsyncRLJobInput(config=cfg, state=AsyncRLJobState()).model_dump(mode="json")
     for raw in (bare, carried):
-        read = _parse_config(raw, async_job=True)
-        assert isinstance(read, AsyncRLJobConfig) and read.max_staleness == 2
+        for async_job in (True, None):  # the workflow's type says, or the config's mode
+            read = started_config(raw, async_job=async_job)
+            assert isinstance(read, AsyncRLJobConfig) and read.max_staleness == 2
     # Read as a sync job's, the async config is refused (its mode is no sync field).
     with pytest.raises(ValueError, match="mode"):
-        _parse_config(bare)
+        started_config(bare, async_job=False)

@@ -30,10 +30,10 @@ def test_simulated_run_becomes_a_report() -> None:
     )
     best = plan([a, b], Layout(groups=("g",), memory_bytes=20), overheads=Overheads.zero())
     report = to_report(outcome, best.assignments[0])
-    group = report.groups[0]  # type: ignore[attr-defined]
+    group = report.groups[0]
     assert group.phase_s == pytest.approx(outcome.groups["g"].busy_s)
     assert group.utilization == pytest.approx(outcome.groups["g"].utilization)
-    lanes = {lane.name: lane for lane in report.lanes}  # type: ignore[attr-defined]
+    lanes = {lane.name: lane for lane in report.lanes}
     assert set(lanes) == {"a", "b", "g"}
     # Job lanes: 3 epochs of sample, rewards and train each, plus waits and restores.
     kinds = [s.kind for s in lanes["b"].spans]
@@ -42,7 +42,7 @@ def test_simulated_run_becomes_a_report() -> None:
     # Group lane: one lease per grant.
     leases = [s for s in lanes["g"].spans if s.kind == "lease"]
     assert len(leases) == outcome.groups["g"].leases
-    job_b = next(j for j in report.jobs if j.job_id == "b")  # type: ignore[attr-defined]
+    job_b = next(j for j in report.jobs if j.job_id == "b")
     assert job_b.wall_s == pytest.approx(outcome.jobs["b"].completion_s)
 
 

@@ -18,13 +18,22 @@ from timeslice.protocol.group import (
     SwitchRecord,
 )
 from timeslice.protocol.rl_job import PhaseResult
-from timeslice.report import Lane, Report, format_text, human_bytes, trace_events, write_report
+from timeslice.report import (
+    Lane,
+    Report,
+    Span,
+    format_text,
+    human_bytes,
+    trace_events,
+    write_report,
+)
 from timeslice.report.figures import (
     JobRecord,
     build_lanes,
     group_figures,
     job_figures,
     job_spans,
+    status_with_utilization,
 )
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -52,7 +61,7 @@ def status(holder: HolderView | None = None, *, client_lease: bool = False) -> G
         queue=[],
         resident_job="b",
         faulted_jobs={},
-        utilization=0.4,
+        held_share=0.4,
         wall_s=10.0,
         idle_s=5.5,
         wait_p50_s=0.25,
@@ -149,14 +158,20 @@ def test_a_phase_without_a_wall_anchor_is_placed_by_its_activity_completion():
     assert (rewards.start, rewards.end) == (at(1.5), at(2.5))
 
 
-def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
-    job = job_a()
-    phases = [s for s in job_spans(job) if s.kind in ("sample", "train") and s.group_id == "g"]
+def a_sample_and_b_train() -> list[Span]:
+    """Two RL jobs' phases on g: a's sample (0.5-1.5 s) and b's train (3-4 s)."""
+    a_phases = [
+        s for s in job_spans(job_a()) if s.kind in ("sample", "train") and s.group_id == "g"
+    ]
     b_phase = job_spans(
         JobRecord(job_id="b", status="completed", phases=[phase(0, "train", 3.0, 1.0)],
                   completed_at=[None])
     )  # fmt: skip
-    g, spans = group_figures(status(), None, [phases[0], *b_phase], {"a", "b"})
+    return [a_phases[0], *b_phase]
+
+
+def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
+    g, spans = group_figures(status(), None, a_sample_and_b_train(), {"a", "b"})
     # a's sample (1 s) and b's train (1 s) ran inside leases of 4 s: 2 s of overhead.
     assert (g.phase_s, g.overhead_s, g.switching_s, g.idle_s) == (2.0, 2.0, 0.5, 5.5)
     assert g.fraction(g.phase_s) + g.fraction(g.overhead_s) + g.fraction(g.switching_s) + (
@@ -186,12 +201,40 @@ def test_the_group_reads_in_both_windows_by_the_one_definition():
     assert "  g: 40.0% of 10.0 s since the group was created; 61.5% of 6.5 s while jobs ran" in text
 
 
+def test_the_status_json_says_the_reports_utilization_and_the_held_share_apart():
+    """`timeslice status --json`: ``utilization`` is the report's (GPU phases, 2 of 10 s), not
+    the share of the group's life it was held (4 of 10 s), which is ``held_share``."""
+    read = status()
+    g, _ = group_figures(read, None, a_sample_and_b_train(), {"a", "b"})
+    said = json.loads(status_with_utilization(read, g).model_dump_json())
+    assert said["utilization"] == g.utilization == 0.2
+    assert said["utilization_while_jobs_ran"] == g.while_jobs_ran.share == pytest.approx(2 / 3.5)
+    assert said["held_share"] == 0.4
+    assert GroupStatus.model_validate(said).utilization == 0.2  # what it prints reads back
+    # The group itself answers no utilization (it sees leases), and advancing a status to a
+    # later reading drops one filled in: the phases since are not known.
+    assert read.utilization is None
+    advanced = GroupStatus.model_validate({**said, "as_of": at(10.0)}).advanced_to(at(20.0))
+    assert advanced.utilization is None and advanced.utilization_while_jobs_ran is None
+
+
+def test_a_status_from_a_group_before_the_rename_reads_its_utilization_as_held_share():
+    """A running group of the previous release answers its held share as ``utilization`` (and
+    sends no ``held_share``): it parses, as the held share, never as GPU-phase utilization."""
+    old = status().model_dump(mode="json", exclude={"utilization", "utilization_while_jobs_ran"})
+    old["utilization"] = old.pop("held_share")
+    for read in (GroupStatus.model_validate(old), GroupStatus.model_validate_json(json.dumps(old))):
+        assert read.held_share == 0.4 and read.utilization is None
+    with pytest.raises(ValueError, match="held_share"):
+        GroupStatus.model_validate({k: v for k, v in old.items() if k != "utilization"})
+
+
 def test_a_status_with_a_clock_is_advanced_the_clients_way():
     """The report brings a status to its reading by ``GroupStatus.advanced_to``, as the
     clients and `timeslice status` do: one figure for the same moment."""
     holder = HolderView(job_id="a", token=3, held_s=1.0, expires_in_s=None)
     # Held 4 s before, and 1 s by the holder now: the group's own share is 5 of 10 s.
-    read = status(holder).model_copy(update={"as_of": at(10.0), "utilization": 0.5})
+    read = status(holder).model_copy(update={"as_of": at(10.0), "held_share": 0.5})
     g, _ = group_figures(read, at(12.0), [], set())
     advanced = read.advanced_to(at(12.0))
     assert (g.wall_s, g.end) == (advanced.wall_s, at(12.0))
