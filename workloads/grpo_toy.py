@@ -258,7 +258,7 @@ class GrpoToyWorkload(AsyncWorkload):
             raise ValueError(f"grpo-toy: batch_size must be >= 1, not {spec.batch_size}")
         if spec.group_size < 1:
             raise ValueError(f"grpo-toy: group_size must be >= 1, not {spec.group_size}")
-        opts = GrpoToyOptions.parse(spec.options)
+        opts = type(self.opts).parse(spec.options)
         self.spec, self.opts = spec, opts
         self.device = opts.torch_device()
         self.bos, self.sep = opts.digits, opts.digits + 1
@@ -360,9 +360,8 @@ class GrpoToyWorkload(AsyncWorkload):
     def _sample_rollout(self, epoch: int, ctx: PhaseContext) -> tuple[_Rollout, dict[str, float]]:
         """Rollouts with the sampler's weights as they are, randomness from (seed, epoch)."""
         spec = self._spec()
-        gen = self._generator(epoch)
         k, n = self.opts.seq_len, spec.batch_size * spec.group_size
-        prompts = torch.randint(0, self.opts.digits, (spec.batch_size, k), generator=gen)
+        prompts, gen = self._draw_prompts(epoch)
         prompts = prompts.repeat_interleave(spec.group_size, dim=0)
         tokens = self._prefix(prompts).to(self.device)
         logps = []
@@ -383,6 +382,13 @@ class GrpoToyWorkload(AsyncWorkload):
             old_logp=torch.cat(logps, dim=1),
         )
         return rollout, {"completions": float(n), "tokens": float(n * k)}
+
+    def _draw_prompts(self, epoch: int) -> tuple[torch.Tensor, torch.Generator]:
+        """Epoch ``epoch``'s prompts (``batch_size`` rows of digits), and the generator the
+        completions are then sampled with."""
+        gen = self._generator(epoch)
+        shape = (self._spec().batch_size, self.opts.seq_len)
+        return torch.randint(0, self.opts.digits, shape, generator=gen), gen
 
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
         ro = self._rollout
@@ -531,6 +537,7 @@ class GrpoToyWorkload(AsyncWorkload):
             loss = policy_loss + opts.kl_coef * kl
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            self._reduce_gradients()
             norm = nn.utils.clip_grad_norm_(self.policy.parameters(), opts.max_grad_norm)
             self.optimizer.step()
             losses.append(loss.item())
@@ -545,6 +552,10 @@ class GrpoToyWorkload(AsyncWorkload):
             "clip_frac": sum(clipped) / len(clipped),
             "optimizer_steps": float(opts.ppo_steps),
         }
+
+    def _reduce_gradients(self) -> None:
+        """Between backward and the optimizer step: where data-parallel ranks average their
+        gradients (grpo-dp); one rank has nothing to do."""
 
     def _optimize_decoupled(
         self,
