@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,report,trl,crypto,jax]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,report,trl,crypto,jax,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)
