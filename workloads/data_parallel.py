@@ -6,15 +6,27 @@ find each other the way ``torchrun`` and Ray's trainers tell them: the environme
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (``timeslice.integrations.ray``
 sets them in each rank's actor; set them yourself for ``timeslice job worker`` processes).
 
-The process group is this process's default ``torch.distributed`` group, built at the first
-collective and torn down by :meth:`DataParallelGroup.collectives_backend`'s evictions, so a
-switch never leaves a communicator on the device (docs/ray.md says what NCCL needs). A build
-reads ``MASTER_ADDR`` / ``MASTER_PORT`` again, so a rank whose peers moved (a replaced rank 0)
-finds them at the next one.
+The process group (:class:`DataParallelGroup`) is built at the first collective of a phase and
+torn down by :meth:`DataParallelGroup.collectives_backend`'s evictions, so a switch never
+leaves a communicator on the device (docs/ray.md says what NCCL needs). Three choices make a
+rebuild robust to ranks that died and were replaced:
+
+* the group is a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object of this workload's, not
+  the process's default group: ``init_process_group`` names each group from a per-process
+  counter that a failed build advances and only a successful ``destroy_process_group`` resets,
+  so a survivor of a lost rank and that rank's fresh replacement would meet under different
+  keys (seen: a rewound job whose every rebuild timed out);
+* each build meets under a key every rank of the phase shares and no other build uses: the
+  fencing token of the lease the phase runs under (the RL job workflow hands every rank the
+  same one), with the epoch and phase;
+* rank 0 keeps one store for its process's life (the keys never repeat), and the others
+  connect to ``MASTER_ADDR`` / ``MASTER_PORT`` afresh at each build, so a replaced rank 0
+  (a new address) is found at the next one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -47,13 +59,18 @@ def _env_int(name: str, workload: str) -> int:
         raise ValueError(f"{workload}: {name}={raw!r} is not an integer") from None
 
 
+class CollectiveError(RuntimeError):
+    """A collective or a build of the process group failed (a rank is gone, or late); the
+    group is torn down, and the next collective builds it again."""
+
+
 class DataParallelGroup:
     """This process's rank, and its process group, built lazily and torn down on eviction.
 
     Args:
         workload: The workload's name, for messages.
         backend: ``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL for a CUDA device, else gloo).
-        timeout_s: How long a collective (and the build's rendezvous) waits for the others.
+        timeout_s: How long a collective (and a build's rendezvous) waits for the others.
         keep: Keep the group across switches (gloo on the CPU holds no device memory);
             False tears it down at every eviction, as NCCL needs.
     """
@@ -70,19 +87,26 @@ class DataParallelGroup:
         self.rank = 0
         self.world_size = 1
         self.device = torch.device("cpu")
-        #: Process groups built in this process, for tests and logs.
+        #: Process groups built, for tests and logs.
         self.builds = 0
-        self._lock = threading.Lock()
-        self._built = False
+        self._lock = threading.RLock()
+        self._group: Any = None
+        self._server: Any = None  # rank 0's store, for the process's life
+        self._server_at: tuple[str, int] | None = None
         self._collectives: CollectivesBackend | None = None
 
-    def configure(self, device: torch.device) -> None:
-        """Read this rank's place from the environment (``RANK``, ``WORLD_SIZE``).
+    def configure(
+        self, device: torch.device, *, rank: int | None = None, world_size: int | None = None
+    ) -> None:
+        """Set this rank's place: ``rank`` and ``world_size``, or from the environment
+        (``RANK``, ``WORLD_SIZE``); the rendezvous is read from it at each build.
 
         Raises:
             ValueError: A variable is missing or out of range (saying which).
         """
-        rank, world = _env_int("RANK", self.workload), _env_int("WORLD_SIZE", self.workload)
+        if rank is None:
+            rank = _env_int("RANK", self.workload)
+        world = _env_int("WORLD_SIZE", self.workload) if world_size is None else world_size
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"{self.workload}: RANK={rank} must be in 0..WORLD_SIZE-1={world - 1}")
         for name in RENDEZVOUS_ENV:
@@ -98,62 +122,88 @@ class DataParallelGroup:
 
     def built(self) -> bool:
         """Whether the process group exists now."""
-        return self._built
+        return self._group is not None
 
-    def ensure(self) -> None:
-        """Build the process group if it is not built: a rendezvous with every other rank, so
-        call it where every rank is (the first collective of a phase)."""
+    def _store(self) -> Any:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.rank != 0:
+            return dist.TCPStore(addr, port, self.world_size, False, timeout)
+        if self._server is None or self._server_at != (addr, port):
+            self._server = dist.TCPStore(addr, port, self.world_size, True, timeout, False)
+            self._server_at = (addr, port)
+        return self._server
+
+    def ensure(self, key: str) -> None:
+        """Build the process group if it is not built: a rendezvous with every other rank
+        under ``key``, which they all share and no other build uses (see the module)."""
         with self._lock:
-            if self._built or self.world_size == 1:
+            if self._group is not None or self.world_size == 1:
                 return
-            if dist.is_initialized():
-                raise RuntimeError(
-                    f"{self.workload}: this process already has a default process group that "
-                    "this workload did not build; a data-parallel rank owns its process's group"
-                )
-            addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-            extra: dict[str, Any] = {}
-            if self.dist_backend == "nccl":
-                extra["device_id"] = self.device
-            dist.init_process_group(
-                self.dist_backend,
-                init_method=f"tcp://{addr}:{port}",
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=self.timeout_s),
-                **extra,
-            )
-            self._built = True
+            failure = None
+            try:
+                store = dist.PrefixStore(f"timeslice/{key}/", self._store())
+                timeout = timedelta(seconds=self.timeout_s)
+                if self.dist_backend == "nccl":
+                    options = dist.ProcessGroupNCCL.Options()
+                    options._timeout = timeout
+                    group = dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
+                else:
+                    group = dist.ProcessGroupGloo(store, self.rank, self.world_size, timeout)
+            except Exception as err:  # raised below, without this frame's references
+                failure = f"building the process group under {key!r} failed: {err}"
+            if failure is not None:
+                raise CollectiveError(f"{self.workload} rank {self.rank}: {failure}")
+            self._group = group
             self.builds += 1
 
     def teardown(self) -> None:
         """Destroy the process group (its communicators and their device memory), if built."""
         with self._lock:
-            if self._built:
-                self._built = False
-                dist.destroy_process_group()
+            group, self._group = self._group, None
+            if group is not None:
+                with contextlib.suppress(Exception):  # a broken group goes all the same
+                    group.shutdown()
 
-    def all_reduce_mean_(self, tensors: list[torch.Tensor]) -> None:
+    def close(self) -> None:
+        """Tear down, and let rank 0's store go (the workload is done)."""
+        with self._lock:
+            self.teardown()
+            self._server = self._server_at = None
+
+    def _run(self, tensor: torch.Tensor, key: str) -> None:
+        """All-reduce (sum) ``tensor`` in place; a failure tears the group down."""
+        self.ensure(key)
+        failure = None
+        try:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            self._group.allreduce([tensor], options).wait()
+        except Exception as err:  # raised below, without the broken group's references
+            failure = f"an all-reduce under {key!r} failed: {err}"
+        if failure is not None:
+            self.teardown()
+            raise CollectiveError(f"{self.workload} rank {self.rank}: {failure}")
+
+    def all_reduce_mean_(self, tensors: list[torch.Tensor], key: str) -> None:
         """Average ``tensors`` over the ranks, in place, in one collective (every rank ends
-        with the same bytes)."""
+        with the same bytes); ``key`` as for :meth:`ensure`."""
         if self.world_size == 1 or not tensors:
             return
-        self.ensure()
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        self._run(flat, key)
         flat.div_(self.world_size)
         offset = 0
         for t in tensors:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
+    def all_reduce_sum(self, values: list[float], key: str) -> list[float]:
         """The sums of ``values`` over the ranks (small metrics)."""
         if self.world_size == 1:
             return list(values)
-        self.ensure()
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        self._run(t, key)
         return [float(v) for v in t.cpu()]
 
     def collectives_backend(self) -> CollectivesBackend:

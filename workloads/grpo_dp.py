@@ -85,6 +85,7 @@ class GrpoDpWorkload(GrpoToyWorkload):
         self._batch_size = 0  # every rank's prompts together
         self._moves: list[Move] = []
         self._recorded: dict[str, SnapshotBackend] | None = None
+        self._meeting = ""  # the key the ranks build their group under in this phase
 
     def setup(self, spec: JobSpec) -> None:
         opts = GrpoDpOptions.parse(spec.options)
@@ -137,13 +138,18 @@ class GrpoDpWorkload(GrpoToyWorkload):
         for p in params:
             if p.grad is None:  # no path from this share's loss: it still takes part
                 p.grad = torch.zeros_like(p)
-        self._dp().all_reduce_mean_([p.grad for p in params if p.grad is not None])
+        grads = [p.grad for p in params if p.grad is not None]
+        self._dp().all_reduce_mean_(grads, self._meeting)
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        # Where the ranks meet if the group must be built: the same for every rank of this
+        # phase (the lease's fencing token), and for no other phase.
+        self._meeting = f"{ctx.lease_token}/{epoch}/{ctx.phase}"
         stats = super().train(epoch, ctx)
         ro = self._rollout
         assert ro is not None and ro.rewards is not None
-        total, count = self._dp().all_reduce_sum([float(ro.rewards.sum()), ro.rewards.numel()])
+        sums = [float(ro.rewards.sum()), float(ro.rewards.numel())]
+        total, count = self._dp().all_reduce_sum(sums, self._meeting)
         return {**stats, "batch_reward_mean": total / count}
 
     def _meta(self) -> dict[str, Any]:
@@ -184,9 +190,9 @@ class GrpoDpWorkload(GrpoToyWorkload):
         return self._dp().builds
 
     def close(self) -> None:
-        """Destroy the process group (the process goes on serving something else)."""
+        """Destroy the process group and rank 0's store (the process may serve another job)."""
         if self.dp is not None:
-            self.dp.teardown()
+            self.dp.close()
 
 
 def policy_digest(state: dict[str, torch.Tensor]) -> str:
@@ -195,7 +201,9 @@ def policy_digest(state: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name, tensor in state.items():
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        # A copy: .numpy() would mark the tensor's own storage not resizable, which the torch
+        # backend's eviction needs.
+        digest.update(tensor.detach().cpu().clone().numpy().tobytes())
     return digest.hexdigest()
 
 
