@@ -28,6 +28,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from timeslice.jobs import parse_job_config, start_rl_job  # noqa: E402
 from timeslice.protocol.rl_job import RLJobResult  # noqa: E402
 from timeslice.transport.connection import connect, connect_config  # noqa: E402
 
+from bench.residency import overlaps, residencies, union  # noqa: E402
+
 #: The custom resource that places an actor on node ``i`` (its "GPU slots").
 NODE_RESOURCE = "timeslice-node-{}"
 #: A tiny policy: the figures are about switches and collectives, not the model.
@@ -55,8 +58,10 @@ TINY = {"d_model": 16, "layers": 1, "heads": 2}
 class LocalCluster:
     """Several Ray nodes on this machine, each with ``slots`` of its own custom resource.
 
-    Lean on purpose (a shared two-core machine): no CPUs (actors ask for none), no dashboard,
-    a small object store, and node failures found within about two seconds."""
+    Lean on purpose (a shared two-core machine): actors ask for no CPU, no worker is started
+    ahead of need, no dashboard, a small object store, node failures found within about two
+    seconds. Each node declares two CPUs only because a raylet starts at most that many
+    worker processes at once (one with none)."""
 
     def __init__(self, nodes: int = 2, slots: int = 8) -> None:
         self.slots = slots
@@ -66,7 +71,7 @@ class LocalCluster:
 
     def _node_args(self, i: int) -> dict[str, Any]:
         return {
-            "num_cpus": 0,
+            "num_cpus": 2,
             "resources": {NODE_RESOURCE.format(i): self.slots},
             "object_store_memory": 80 * 1024 * 1024,
         }
@@ -83,6 +88,8 @@ class LocalCluster:
                 "health_check_initial_delay_ms": 1000,
                 "health_check_period_ms": 500,
                 "health_check_failure_threshold": 4,
+                "prestart_worker_first_driver": False,
+                "enable_worker_prestart": False,
             },
         }
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
@@ -215,51 +222,6 @@ def checkpoint_digests(result: RLJobResult, world: int) -> list[str]:
 # ---------------------------------------------------------------------------- residency
 
 
-def residencies(moves: list[dict[str, Any]], states: Sequence[str]) -> list[tuple[float, float]]:
-    """When any of a rank's states was on its device: from its setup or a restore's start
-    to the end of the eviction that took the last one off (its monotonic clock)."""
-    on: set[str] = set()
-    start = 0.0
-    out: list[tuple[float, float]] = []
-    for m in sorted(moves, key=lambda m: m["start"]):
-        if m["action"] in ("setup", "restore"):
-            if not on:
-                start = m["start"]
-            on |= set(states) if m["action"] == "setup" else {m["state"]}
-        elif m["action"] == "evict" and m["state"] in on:
-            on.discard(m["state"])
-            if not on:
-                out.append((start, m["end"]))
-    if on:
-        out.append((start, float("inf")))
-    return out
-
-
-def overlaps(by_place: dict[Any, dict[str, list[tuple[float, float]]]]) -> int:
-    """Pairs of different jobs' residencies that overlap on one place (a device, a node).
-
-    ``by_place``: place -> job -> that job's residency intervals there."""
-    found = 0
-    for jobs in by_place.values():
-        spans = sorted((s, e, job) for job, intervals in jobs.items() for s, e in intervals)
-        for i, (_, end, job) in enumerate(spans):
-            for s2, _, job2 in spans[i + 1 :]:
-                if s2 >= end:
-                    break
-                found += job2 != job
-    return found
-
-
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    return merged
-
-
 def residency_overlaps(
     ranks: dict[str, RayRanks], nodes: dict[str, Sequence[int]]
 ) -> dict[str, int]:
@@ -299,6 +261,85 @@ def handoffs(results: list[RLJobResult], group: str) -> list[float]:
     ]
 
 
+# ---------------------------------------------------------------------------- where it goes
+
+# The steps of a hand-off, in order, as the group's and the incoming job's histories show them.
+STEPS = ("released", "evicting", "evicted", "granted", "grant taken", "phase scheduled")
+
+
+async def _events(client: Client, workflow_id: str) -> list[tuple[float, str]]:
+    """(server time, step) of a workflow's events that mark a hand-off's steps."""
+    from temporalio.api.enums.v1 import EventType as E
+    from timeslice.protocol.group import GRANT_SIGNAL, SNAPSHOT_ACTIVITY, GroupSignal, GroupUpdate
+    from timeslice.protocol.rl_job import SAMPLE_ACTIVITY, TRAIN_ACTIVITY
+
+    history = await client.get_workflow_handle(workflow_id).fetch_history()
+    types: dict[int, str] = {}
+    updates: dict[str, str] = {}
+    out: list[tuple[float, str]] = []
+    for e in history.events:
+        at = e.event_time.ToDatetime().replace(tzinfo=UTC).timestamp()
+        if e.event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+            name = e.workflow_execution_signaled_event_attributes.signal_name
+            step = {GroupSignal.RELEASE.value: "released", GRANT_SIGNAL: "grant taken"}.get(name)
+        elif e.event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
+            request = e.workflow_execution_update_accepted_event_attributes.accepted_request
+            updates[request.meta.update_id] = request.input.name
+            step = "released" if request.input.name == GroupUpdate.RELEASE else None
+        elif e.event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED:
+            update_id = e.workflow_execution_update_completed_event_attributes.meta.update_id
+            step = "granted" if updates.get(update_id) == GroupUpdate.ACQUIRE else None
+        elif e.event_type == E.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED:
+            name = e.signal_external_workflow_execution_initiated_event_attributes.signal_name
+            step = "granted" if name == GRANT_SIGNAL else None
+        elif e.event_type == E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            kind = e.activity_task_scheduled_event_attributes.activity_type.name
+            types[e.event_id] = kind
+            step = {SNAPSHOT_ACTIVITY: "evicting", SAMPLE_ACTIVITY: "phase scheduled",
+                    TRAIN_ACTIVITY: "phase scheduled"}.get(kind)  # fmt: skip
+        elif e.event_type == E.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            done = types.get(e.activity_task_completed_event_attributes.scheduled_event_id)
+            step = "evicted" if done == SNAPSHOT_ACTIVITY else None
+        else:
+            step = None
+        if step is not None:
+            out.append((at, step))
+    return out
+
+
+async def handoff_steps(address: str, results: list[RLJobResult], group: str) -> dict[str, float]:
+    """The median seconds of each step of the hand-offs between ``results``' jobs on
+    ``group``: from the outgoing phase's end to the first of each step after it (the last
+    eviction's completion for "evicted"), then to the incoming phase's start."""
+    from timeslice.protocol.group import group_workflow_id
+    from timeslice.protocol.rl_job import rl_job_workflow_id
+
+    client = await connect(connect_config(address))
+    events = {r.job_id: await _events(client, rl_job_workflow_id(r.job_id)) for r in results}
+    events["group"] = await _events(client, group_workflow_id(group))
+    holds = sorted(
+        (h.mono_start + h.wall_offset_s, h.mono_end + h.wall_offset_s, r.job_id)
+        for r in results
+        for rec in r.records
+        for h in rec.holds
+        if h.group_id == group and h.wall_offset_s is not None
+    )
+    segments: dict[str, list[float]] = {}
+    for (_, ended, before), (started, _, after) in itertools.pairwise(holds):
+        if before == after or started < ended:
+            continue
+        marks = [("phase ended", ended)]
+        seen = sorted(events["group"] + events[after])
+        for step in STEPS:
+            at = [t for t, s in seen if s == step and marks[-1][1] - 0.05 <= t <= started]
+            if at:
+                marks.append((step, max(at) if step == "evicted" else min(at)))
+        marks.append(("phase started", started))
+        for (_, t0), (step, t1) in itertools.pairwise(marks):
+            segments.setdefault(f"to {step}", []).append(t1 - t0)
+    return {k: round(1000 * statistics.median(v), 1) for k, v in segments.items()}
+
+
 @contextlib.contextmanager
 def stack(tmp: Path) -> Iterator[str]:
     """A Temporal dev server and a control worker; yields the server's address."""
@@ -321,37 +362,50 @@ def stack(tmp: Path) -> Iterator[str]:
 # ---------------------------------------------------------------------------- the bench
 
 
-def two_dp_jobs(cluster: LocalCluster, address: str, tmp: Path, epochs: int) -> dict[str, Any]:
-    """Figure 1: two 4-rank grpo-dp jobs over 2 nodes on one group."""
-    group = f"g-{uuid.uuid4().hex[:8]}"
+def two_dp_jobs(
+    cluster: LocalCluster,
+    address: str,
+    tmp: Path,
+    epochs: int,
+    actors: list[list[Any]] | None = None,
+    group: str | None = None,
+) -> dict[str, Any]:
+    """Figure 1: two 4-rank grpo-dp jobs over 2 nodes on one group (``actors``: each job's
+    ranks, 0 and 1 on node 0, 2 and 3 on node 1; default: new ones)."""
+    group = group or f"g-{uuid.uuid4().hex[:8]}"
     nodes = [0, 0, 1, 1]
     jobs = {f"dp{i}-{uuid.uuid4().hex[:6]}": i + 1 for i in range(2)}
     configs = {j: job_config(j, group, 4, seed=seed, epochs=epochs) for j, seed in jobs.items()}
-    actors = {j: rank_actors(cluster, nodes) for j in jobs}
-    alone = {j: references(actors[j], configs[j]) for j in jobs}
+    given = actors or [rank_actors(cluster, nodes) for _ in jobs]
+    actors_of = dict(zip(jobs, given, strict=True))
+    alone = {j: references(actors_of[j], configs[j]) for j in jobs}
     ranks = {
-        j: RayRanks(
-            actors[j], job_id=j, address=address, workload="grpo-dp", checkpoint_dir=tmp, threads=1
-        )
+        j: RayRanks(actors_of[j], job_id=j, address=address, workload="grpo-dp", checkpoint_dir=tmp)
         for j in jobs
     }
-    for rr in ranks.values():
-        rr.serve()
+    places = {j: [p.node_id for p in rr.serve()] for j, rr in ranks.items()}
     started = time.monotonic()
     results = asyncio.run(run_jobs(address, list(configs.values())))
     wall = time.monotonic() - started
     found = residency_overlaps(ranks, {j: nodes for j in jobs})
-    out: dict[str, Any] = {"wall_s": round(wall, 1), "overlaps": found, "jobs": {}}
+    out: dict[str, Any] = {
+        "group": group,
+        "wall_s": round(wall, 1),
+        "overlaps": found,
+        "jobs": {},
+    }
     for result in results:
         digests = checkpoint_digests(result, 4)
         rewards = [r.reward_mean for r in result.records]
         out["jobs"][result.job_id] = {
+            "nodes": places[result.job_id],
             "epochs": [r.epoch for r in result.records],
+            "rewinds": result.rewinds,
             "ranks_agree": len(set(digests)) == 1,
             "identical_to_alone": digests[0] == alone[result.job_id]["digest"]
             and rewards == alone[result.job_id]["rewards"],
             "rebuilds": ray.get(
-                [a.timeslice_workload.remote("collective_builds") for a in actors[result.job_id]]
+                [a.timeslice_workload.remote("collective_builds") for a in actors_of[result.job_id]]
             ),
         }
     for rr in ranks.values():
@@ -360,22 +414,16 @@ def two_dp_jobs(cluster: LocalCluster, address: str, tmp: Path, epochs: int) -> 
 
 
 def switch_pairs(
-    cluster: LocalCluster, address: str, tmp: Path, ranks: int, options: dict[str, Any], epochs: int
-) -> list[float]:
-    """Two simulated jobs of ``ranks`` ranks (half on each node) alternating on one group:
-    their hand-offs (seconds)."""
+    actors: list[list[Any]], address: str, tmp: Path, options: dict[str, Any], epochs: int
+) -> tuple[list[float], dict[str, float]]:
+    """Two simulated jobs (``actors``: each job's ranks; rank r of both on one device)
+    alternating on one group: their hand-offs (seconds), and where they went."""
     group = f"g-{uuid.uuid4().hex[:8]}"
-    nodes = [r * 2 // ranks for r in range(ranks)] if ranks > 1 else [0]
+    ranks = len(actors[0])
     made = {}
-    for i in range(2):  # both jobs' rank r on one device
+    for i, mine in enumerate(actors):
         job = f"sw{ranks}-{i}-{uuid.uuid4().hex[:6]}"
-        rr = RayRanks(
-            rank_actors(cluster, nodes),
-            job_id=job,
-            address=address,
-            workload="simulated",
-            checkpoint_dir=tmp,
-        )
+        rr = RayRanks(mine, job_id=job, address=address, workload="simulated", checkpoint_dir=tmp)
         rr.serve()
         made[job] = rr
     configs = [
@@ -393,7 +441,7 @@ def switch_pairs(
     results = asyncio.run(run_jobs(address, configs))
     for rr in made.values():
         rr.close()
-    return handoffs(results, group)
+    return handoffs(results, group), asyncio.run(handoff_steps(address, results, group))
 
 
 def summary(gaps: list[float]) -> dict[str, float]:
@@ -417,7 +465,14 @@ def main() -> None:
     out: dict[str, Any] = {}
     try:
         with stack(tmp) as address:
-            out["two_dp_jobs"] = two_dp_jobs(cluster, address, tmp / "ckpt", args.epochs)
+            # Eight actors, four a node: each 4-rank job has two ranks on each node; the
+            # 1-rank jobs are two of them, on one node.
+            pool = rank_actors(cluster, [0, 0, 0, 0, 1, 1, 1, 1])
+            four = [[pool[0], pool[1], pool[4], pool[5]], [pool[2], pool[3], pool[6], pool[7]]]
+            one = [[pool[0]], [pool[2]]]
+            out["two_dp_jobs"] = two_dp_jobs(
+                cluster, address, tmp / "ckpt", args.epochs, actors=four
+            )
             print(json.dumps(out["two_dp_jobs"], indent=1), flush=True)
             moving = {
                 "sample_s": 0.3,
@@ -429,9 +484,9 @@ def main() -> None:
             still = {"sample_s": 0.3, "reward_s": 0.0, "train_s": 0.3}
             for name, options in (("switch", moving), ("handoff", still)):
                 row = {}
-                for ranks in (1, 4):
-                    gaps = switch_pairs(cluster, address, tmp, ranks, options, args.switch_epochs)
-                    row[f"{ranks}_rank"] = summary(gaps)
+                for ranks, actors in ((1, one), (4, four)):
+                    gaps, steps = switch_pairs(actors, address, tmp, options, args.switch_epochs)
+                    row[f"{ranks}_rank"] = {**summary(gaps), "steps_ms": steps}
                 row["ratio_p50"] = round(row["4_rank"]["p50_ms"] / row["1_rank"]["p50_ms"], 2)
                 out[name] = row
                 print(name, json.dumps(row), flush=True)

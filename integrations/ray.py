@@ -403,7 +403,8 @@ class RayRanks:
             directory.
         keep_checkpoints: Checkpoints a workload keeps.
         threads: torch's intra-op threads in each actor (None: as it is).
-        rendezvous: Give a workload's ranks rank 0's address for their process group.
+        rendezvous: Give the ranks rank 0's address for a process group of theirs
+            (``MASTER_ADDR`` / ``MASTER_PORT``, beside ``RANK`` and ``WORLD_SIZE``).
 
     Raises:
         ImportError: Ray is not installed (the message names the extra).
@@ -437,7 +438,7 @@ class RayRanks:
         self.checkpoint_dir = str(checkpoint_dir)
         self.keep_checkpoints = keep_checkpoints
         self.threads = threads
-        self._wants_rendezvous = rendezvous and workload is not None and len(self.actors) > 1
+        self._wants_rendezvous = rendezvous and len(self.actors) > 1
         self.rendezvous: Rendezvous | None = None
         self.places: list[RankPlace | None] = [None] * len(self.actors)
         self._lock = threading.Lock()

@@ -32,12 +32,11 @@ from bench.ray_ranks import (  # noqa: E402
     LocalCluster,
     checkpoint_digests,
     job_config,
-    overlaps,
     rank_actors,
     references,
-    residencies,
     two_dp_jobs,
 )
+from bench.residency import overlaps, residencies  # noqa: E402
 from examples import ray_driver  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 
@@ -54,22 +53,9 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def pool(cluster: LocalCluster) -> dict[int, list[Any]]:
-    """Rank actors by node, started once (their processes import torch and Temporal): four
-    that serve jobs, and a spare, a fresh process for a rank that dies (``fresh_rank``)."""
-    return {node: rank_actors(cluster, [node] * 5) for node in (0, 1)}
-
-
-def fresh_rank(cluster: LocalCluster, pool: dict[int, list[Any]]) -> Any:
-    """A supervisor's actor factory: rank r's replacement on node r, the node's spare while
-    it has one (a process that never served the job), else a new actor."""
-
-    def make(rank: int) -> Any:
-        spare = pool[rank][4:]
-        if spare:
-            return pool[rank].pop()
-        return rank_actors(cluster, [rank])[0]
-
-    return make
+    """Rank actors by node, four each, started once (their processes import torch and
+    Temporal); each test's jobs are served by some of them, one job at a time."""
+    return {node: rank_actors(cluster, [node] * 4) for node in (0, 1)}
 
 
 def run(address: str, work: Any) -> Any:
@@ -237,7 +223,7 @@ def lost_and_rewound(
         served(v_actors, victim, address, SLOW, tmp),
         served(o_actors, other, address, "grpo-dp", tmp),
     )
-    v.supervise(fresh_rank(cluster, pool))  # fresh actors, rank r on node r
+    v.supervise(lambda rank: rank_actors(cluster, [rank])[0])  # fresh: rank r on node r
     try:
         start(address, v_cfg)
         start(address, o_cfg)
