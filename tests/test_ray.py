@@ -20,6 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.ray
 
 from temporalio.client import Client, WorkflowFailureError  # noqa: E402
 from timeslice.integrations.ray import RayRanks  # noqa: E402
