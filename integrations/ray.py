@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -435,9 +436,18 @@ class RayRanks:
         self.address = address
         self.namespace = namespace
         self.workload = workload
-        self.checkpoint_dir = str(checkpoint_dir)
-        self.keep_checkpoints = keep_checkpoints
-        self.threads = threads
+        # What every rank serves but its rank and the rendezvous of the moment.
+        self._serving_of_rank_0 = RankServing(
+            address=address,
+            job_id=job_id,
+            rank=0,
+            world_size=len(self.actors),
+            namespace=namespace,
+            workload=workload,
+            checkpoint_dir=str(checkpoint_dir),
+            keep_checkpoints=keep_checkpoints,
+            threads=threads,
+        )
         self._wants_rendezvous = rendezvous and len(self.actors) > 1
         self.rendezvous: Rendezvous | None = None
         self.places: list[RankPlace | None] = [None] * len(self.actors)
@@ -458,18 +468,7 @@ class RayRanks:
         return self.world_size
 
     def _serving(self, rank: int) -> RankServing:
-        return RankServing(
-            address=self.address,
-            namespace=self.namespace,
-            job_id=self.job_id,
-            rank=rank,
-            world_size=self.world_size,
-            workload=self.workload,
-            checkpoint_dir=self.checkpoint_dir,
-            keep_checkpoints=self.keep_checkpoints,
-            rendezvous=self.rendezvous,
-            threads=self.threads,
-        )
+        return dataclasses.replace(self._serving_of_rank_0, rank=rank, rendezvous=self.rendezvous)
 
     def serve(self, timeout_s: float = SERVE_TIMEOUT_S) -> list[RankPlace]:
         """Start every rank's serving, all at once; returns where each landed.

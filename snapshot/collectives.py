@@ -55,14 +55,11 @@ class CollectivesBackend:
     ) -> None:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, not {nbytes}")
-        self._teardown = teardown
-        self._is_built = is_built
-        self.keep = keep
-        self.nbytes = nbytes
+        self._teardown, self._is_built = teardown, is_built
+        self.keep, self.nbytes = keep, nbytes
         #: Communicators torn down by an eviction, and restores after which they are rebuilt
         #: at their next use (the job's own count of rebuilds is its owner's).
-        self.teardowns = 0
-        self.restores = 0
+        self.teardowns = self.restores = 0
         self._lock = threading.Lock()
 
     @property
