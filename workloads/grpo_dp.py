@@ -77,6 +77,8 @@ class GrpoDpWorkload(GrpoToyWorkload):
     name = NAME
     sampler_backends = ("sampler",)
     trainer_backends = ("trainer", "collectives")
+    #: The options a job's ``workload_options`` parse as.
+    options_type = GrpoDpOptions
 
     def __init__(self) -> None:
         super().__init__()
