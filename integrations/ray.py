@@ -208,7 +208,11 @@ class _Served:
         return tuple(self.backends or {})
 
     def start(self) -> None:
-        self.thread.submit(self._start()).result(timeout=SERVE_TIMEOUT_S)
+        try:
+            self.thread.submit(self._start()).result(timeout=SERVE_TIMEOUT_S)
+        except BaseException:
+            self.stop(timeout_s=5.0)  # no loop thread left behind by a serving that failed
+            raise
 
     async def _start(self) -> None:
         client: Client = await connect(connect_config(self.serving.address, self.serving.namespace))
@@ -247,8 +251,8 @@ class _Served:
                 await self.runtime.depart()
             except (TimeoutError, TimesliceError) as err:  # the groups fall back on time-outs
                 log.warning("job %s: could not tell its groups: %s", self.serving.job_id, err)
-            # A workload may hold what is the process's, not the job's (grpo-dp: the default
-            # process group); the actor may serve another job next.
+            # A workload may hold what outlives the job in this process (grpo-dp: its process
+            # group, rank 0's store and its port); the actor may serve another job next.
             close = getattr(self.runtime.workload, "close", None)
             if callable(close):
                 await asyncio.to_thread(close)
