@@ -398,7 +398,7 @@ class JobRuntime:
                 # the group, and a switch that evicts this job must not wait for it.
                 names = inp.group_backends if order is not None else []
                 async with self.homes.using(names, inp.group_id) as restored:
-                    ctx = PhaseContext(inp.epoch, inp.phase)
+                    ctx = PhaseContext(inp.epoch, inp.phase, lease_token=token)
                     started = time.monotonic()
                     try:
                         metrics = await self._supervise(

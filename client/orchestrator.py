@@ -82,6 +82,20 @@ def _checked_node_queue(node: str) -> str:
         raise InvalidArgumentError(str(err)) from None
 
 
+def _elsewhere(target: SnapshotTarget | None, own_queue: str) -> list[QueueTarget]:
+    """The queues of a ``snapshot_target`` given to a client (other processes' state)."""
+    if target is None:
+        return []
+    if not isinstance(target, SnapshotTarget):
+        raise InvalidArgumentError(f"snapshot_target must be a SnapshotTarget, not {target!r}")
+    if any(q.task_queue == own_queue for q in target.queues):
+        raise InvalidArgumentError(
+            f"snapshot_target names {own_queue!r}, this client's own task queue (its grants): "
+            "give the client a rank none of those processes has"
+        )
+    return list(target.queues)
+
+
 def _backends(spec: list[str | SnapshotBackend] | None) -> dict[str, SnapshotBackend]:
     backends: dict[str, SnapshotBackend] = {}
     for item in spec or []:
@@ -133,6 +147,7 @@ class _ClientBase:
         snapshot_backends: list[str | SnapshotBackend] | None = None,
         node: str | None = None,
         node_backends: list[str] | None = None,
+        snapshot_target: SnapshotTarget | None = None,
         state_bytes: int | None = None,
         profile: str | None = None,
         api_key: str | None = None,
@@ -160,7 +175,7 @@ class _ClientBase:
             priority=self.priority,
             lease_ttl_s=ttl,
             backends=backends,
-            snapshot_target=self._snapshot_target(backends, node, node_backends),
+            snapshot_target=self._snapshot_target(backends, node, node_backends, snapshot_target),
             state_bytes=state_bytes,
             rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
             # The node agent checkpoints this process only once it registered itself there.
@@ -175,9 +190,11 @@ class _ClientBase:
         backends: dict[str, SnapshotBackend],
         node: str | None,
         node_backends: list[str] | None,
+        elsewhere: SnapshotTarget | None = None,
     ) -> SnapshotTarget | None:
-        """This process's queue for in-process backends, plus its node agent's if asked."""
-        queues = []
+        """This process's queue for in-process backends, plus its node agent's if asked, plus
+        the queues of other processes that hold the job's state (``elsewhere``)."""
+        queues = _elsewhere(elsewhere, self.task_queue)
         if backends:
             queues.append(QueueTarget(task_queue=self.task_queue, backends=list(backends)))
         if node is not None:
@@ -304,6 +321,9 @@ class TimeSliceOrchestratorClient(_ClientBase):
             through it as well (whole-process backends such as ``cuda-checkpoint``).
         node_backends: The agent's backends to use (needs ``node``). None: every backend
             the agent may run.
+        snapshot_target: Queues of other processes that hold this job's state and serve its
+            evictions and restores (the job's Ray actors: ``timeslice.integrations.ray``);
+            the group moves their state as well as this process's.
         state_bytes: The job's declared device footprint in bytes, which lets a group whose
             ``memory_bytes`` holds two states overlap an eviction with the next restore.
         profile: The Temporal client-configuration profile to read defaults from.
@@ -314,7 +334,8 @@ class TimeSliceOrchestratorClient(_ClientBase):
     Raises:
         InvalidArgumentError: An argument is malformed (an id, the rank, the priority, a TTL,
             a backend this process cannot run, ``node_backends`` without ``node``, a process
-            not launched for its job with ``node=`` and a whole-process backend). Nothing is
+            not launched for its job with ``node=`` and a whole-process backend, a
+            ``snapshot_target`` naming this client's own queue). Nothing is
             sent: the constructor connects to nothing; the first call (or ``connect``) does.
     """
 
@@ -548,6 +569,9 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
             through it as well (whole-process backends such as ``cuda-checkpoint``).
         node_backends: The agent's backends to use (needs ``node``). None: every backend
             the agent may run.
+        snapshot_target: Queues of other processes that hold this job's state and serve its
+            evictions and restores (the job's Ray actors: ``timeslice.integrations.ray``);
+            the group moves their state as well as this process's.
         state_bytes: The job's declared device footprint in bytes, which lets a group whose
             ``memory_bytes`` holds two states overlap an eviction with the next restore.
         profile: The Temporal client-configuration profile to read defaults from.
@@ -558,7 +582,8 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
     Raises:
         InvalidArgumentError: An argument is malformed (an id, the rank, the priority, a TTL,
             a backend this process cannot run, ``node_backends`` without ``node``, a process
-            not launched for its job with ``node=`` and a whole-process backend). Nothing is
+            not launched for its job with ``node=`` and a whole-process backend, a
+            ``snapshot_target`` naming this client's own queue). Nothing is
             sent: the constructor connects to nothing; the first call (or ``connect``) does.
     """
 
