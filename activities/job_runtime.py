@@ -29,11 +29,8 @@ from typing import Any, TypeVar
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
-from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.activities.state_homes import StateHomes
 from timeslice.errors import TimesliceError
-from timeslice.lease import Lease
-from timeslice.lease_session import LeaseSession
 from timeslice.protocol.group import (
     DEFAULT_LEASE_TTL_S,
     GroupQuery,
@@ -72,6 +69,9 @@ from timeslice.protocol.rl_job import (
     PrepareResult,
     protocol_mismatch,
 )
+from timeslice.session.lease import Lease
+from timeslice.session.lease_session import LeaseSession
+from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import registered_bytes
 from timeslice.transport.telemetry import meter, span
 from timeslice.transport.updates import send_update

@@ -18,10 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from timeslice.engine import Engine
 from timeslice.errors import InvalidArgumentError, LeaseRevokedError
-from timeslice.lease import Lease
-from timeslice.lease_session import check_timeout
 from timeslice.protocol.group import (
     MAX_ACQUIRE_TIMEOUT_S,
     MAX_LEASE_TTL_S,
@@ -38,6 +35,9 @@ from timeslice.protocol.group import (
     job_task_queue,
     node_task_queue,
 )
+from timeslice.session.engine import Engine
+from timeslice.session.lease import Lease
+from timeslice.session.lease_session import check_timeout
 from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.snapshot.registration import JOB_TOKEN_ENV, AgentRegistration

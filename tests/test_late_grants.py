@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from timeslice import GrantLostError
-from timeslice.lease_session import REASK_QUEUED_S, LeaseSession
 from timeslice.protocol.group import LeaseOutcome, job_task_queue
+from timeslice.session.lease_session import REASK_QUEUED_S, LeaseSession
 from timeslice.transport.connection import connect, connect_config
 
 from tests.helpers import (

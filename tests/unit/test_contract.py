@@ -9,13 +9,13 @@ from types import ModuleType
 
 import pytest
 from temporalio import activity, workflow
-from timeslice import grants, snapshot_activities
 from timeslice.activities import async_job, group_requests, job_runtime
 from timeslice.protocol import async_rl_job as async_protocol
 from timeslice.protocol import group as protocol
 from timeslice.protocol import rl_job as rl_protocol
 from timeslice.protocol.group import GRANT_SIGNAL, GroupQuery, GroupSignal, GroupUpdate
 from timeslice.protocol.rl_job import JobQuery, JobSignal
+from timeslice.session import grants, snapshot_activities
 from timeslice.workflows.async_rl_job import AsyncRLJobWorkflow
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.rl_job import RLJobWorkflow

@@ -10,7 +10,7 @@ import time
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.errors import GroupNotAnsweringError, NoControlWorkerError, ServerUnreachableError
-from timeslice.lease_session import TASK_FAILING_RETRY_S, LeaseSession, _Retrying
+from timeslice.session.lease_session import TASK_FAILING_RETRY_S, LeaseSession, _Retrying
 
 TASK_FAILED = RPCError(
     "Update rejected due to unexpected workflow task failure.",

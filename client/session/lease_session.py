@@ -4,8 +4,8 @@ Acquire (the parked ask, the grant taken from the inbox or confirmed late), rene
 heartbeats), release, withdraw, the reports of its own evictions, departure, and a group's
 status: async code with no loop of its own, run on whichever event loop hosts it. The embedded
 client hosts it on a loop thread of its own, whose worker serves the job's queue
-(``timeslice.engine.Engine``); a job process hosts it on its job worker's loop, and that worker
-serves the queue (``activities/job_runtime.py``).
+(``timeslice.session.engine.Engine``); a job process hosts it on its job worker's loop, and that
+worker serves the queue (``activities/job_runtime.py``).
 """
 
 from __future__ import annotations
@@ -53,16 +53,6 @@ from timeslice.errors import (
     TimesliceError,
     UnknownGroupError,
 )
-from timeslice.grants import (
-    Delivery,
-    Grant,
-    GrantInbox,
-    grant_from_update,
-    validity_if_fresh,
-    with_ask_bound,
-)
-from timeslice.group_start import start_group
-from timeslice.lease import Lease, phases_since_grant
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     GROUP_KEY,
@@ -92,6 +82,16 @@ from timeslice.protocol.group import (
     group_workflow_id,
     lease_key_hash,
 )
+from timeslice.session.grants import (
+    Delivery,
+    Grant,
+    GrantInbox,
+    grant_from_update,
+    validity_if_fresh,
+    with_ask_bound,
+)
+from timeslice.session.group_start import start_group
+from timeslice.session.lease import Lease, phases_since_grant
 from timeslice.transport.connection import connect, control_workers_polling
 from timeslice.transport.telemetry import end_span, tracer
 from timeslice.transport.updates import UNPROCESSED_UPDATE, send_update

@@ -3,8 +3,8 @@
 It runs on its own event-loop thread, so that grants are taken and leases renewed even while the
 training loop keeps its own thread (or event loop) busy with GPU work; and it serves the job's
 task queue with a worker of its own (the grant inbox, the snapshot activities of the client's
-backends). What the leases do is the session's (``timeslice.lease_session``), the same session
-a job process hosts on its job worker's loop.
+backends). What the leases do is the session's (``timeslice.session.lease_session``), the same
+session a job process hosts on its job worker's loop.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.errors import ClientClosedError, TimesliceError
-from timeslice.lease_session import CLOSED, LeaseSession
 from timeslice.protocol.group import SnapshotTarget
+from timeslice.session.lease_session import CLOSED, LeaseSession
+from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
-from timeslice.snapshot_activities import SnapshotActivities
 from timeslice.transport.telemetry import detached
 
 log = logging.getLogger("timeslice.client")
