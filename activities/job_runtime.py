@@ -70,7 +70,7 @@ from timeslice.protocol.rl_job import (
     protocol_mismatch,
 )
 from timeslice.session.lease import Lease
-from timeslice.session.lease_session import LeaseSession
+from timeslice.session.lease_session import LeaseSession, SessionSettings
 from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import registered_bytes
 from timeslice.transport.telemetry import meter, span
@@ -128,14 +128,11 @@ class JobRuntime:
         # it asks groups for leases, renews them and releases them; its inbox takes grants that
         # come as activities on this rank's queue, which this worker serves.
         self.session = LeaseSession(
-            connect_config={"target_host": "(the job worker's Temporal client)"},
-            job_id=job_id,
-            task_queue=job_task_queue(job_id, rank),
-            priority=0,
-            lease_ttl_s=None,
-            snapshot_target=None,
-            state_bytes=None,
-            rpc_retry_s=60.0,
+            SessionSettings(
+                connect_config={"target_host": "(the job worker's Temporal client)"},
+                job_id=job_id,
+                task_queue=job_task_queue(job_id, rank),
+            )
         )
         self.homes = StateHomes(job_id, self.session.report_moved)
         self.snapshots = SnapshotActivities(None, self.homes, job_id=job_id)
@@ -149,7 +146,9 @@ class JobRuntime:
 
     def attach(self, client: Client) -> None:
         """Use the job worker's client (call from its event loop, before serving)."""
-        self.session.connect_config = {"target_host": client.service_client.config.target_host}
+        self.session.settings.connect_config = {
+            "target_host": client.service_client.config.target_host
+        }
         self.session.attach(client)
 
     def activities(self) -> list[Callable[..., Any]]:

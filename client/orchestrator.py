@@ -35,9 +35,10 @@ from timeslice.protocol.group import (
     job_task_queue,
     node_task_queue,
 )
+from timeslice.session.arguments import check_timeout
 from timeslice.session.engine import Engine
 from timeslice.session.lease import Lease
-from timeslice.session.lease_session import check_timeout
+from timeslice.session.lease_session import SessionSettings
 from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.snapshot.registration import JOB_TOKEN_ENV, AgentRegistration
@@ -153,16 +154,19 @@ class _ClientBase:
         ):
             raise InvalidArgumentError(f"state_bytes must be an integer >= 0, not {state_bytes!r}")
         self._job_token = ""  # what proves the job to the node agent; set by _snapshot_target
-        self._engine = Engine(
+        settings = SessionSettings(
             connect_config=connect_config(target, namespace, profile=profile, api_key=api_key),
             job_id=self.job_id,
             task_queue=self.task_queue,
             priority=self.priority,
             lease_ttl_s=ttl,
-            backends=backends,
             snapshot_target=self._snapshot_target(backends, node, node_backends),
             state_bytes=state_bytes,
             rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
+        )
+        self._engine = Engine(
+            settings,
+            backends=backends,
             # The node agent checkpoints this process only once it registered itself there.
             agent=AgentRegistration(node, self.job_id, self._job_token)
             if node is not None and _whole_process(node_backends or node_agent_backends())
@@ -245,7 +249,7 @@ class _ClientBase:
     @property
     def address(self) -> str:
         """The Temporal server's ``HOST:PORT`` this client talks to."""
-        return str(self._session.connect_config["target_host"])
+        return str(self._session.settings.connect_config["target_host"])
 
     def on_accelerators(
         self, group_id: str | None = None, timeout: float | None = None, priority: int | None = None

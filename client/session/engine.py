@@ -21,8 +21,7 @@ from typing import Any, TypeVar
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.errors import ClientClosedError, TimesliceError
-from timeslice.protocol.group import SnapshotTarget
-from timeslice.session.lease_session import CLOSED, LeaseSession
+from timeslice.session.lease_session import CLOSED, LeaseSession, SessionSettings
 from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
@@ -66,36 +65,19 @@ class Engine:
 
     def __init__(
         self,
+        settings: SessionSettings,
         *,
-        connect_config: dict[str, Any],
-        job_id: str,
-        task_queue: str,
-        priority: int,
-        lease_ttl_s: float | None,
         backends: dict[str, SnapshotBackend],
-        snapshot_target: SnapshotTarget | None,
-        state_bytes: int | None,
-        rpc_retry_s: float,
         agent: AgentRegistration | None = None,
     ) -> None:
-        """``backends``: what the worker's snapshot activities evict and restore.
-        ``agent``: this process's registration with its node agent, made before any lease.
-        The rest is the session's (``LeaseSession``)."""
-        self.session = LeaseSession(
-            connect_config=connect_config,
-            job_id=job_id,
-            task_queue=task_queue,
-            priority=priority,
-            lease_ttl_s=lease_ttl_s,
-            snapshot_target=snapshot_target,
-            state_bytes=state_bytes,
-            rpc_retry_s=rpc_retry_s,
-            serve=self._serve,
-        )
+        """``settings``: the session's. ``backends``: what the worker's snapshot activities
+        evict and restore. ``agent``: this process's registration with its node agent, made
+        before any lease."""
+        self.session = LeaseSession(settings, serve=self._serve)
         self.backends = backends
         self.agent = agent
         self._agent_registered = False
-        self.thread = LoopThread(f"timeslice-{job_id}")
+        self.thread = LoopThread(f"timeslice-{settings.job_id}")
         self._worker: Worker | None = None
         self._worker_task: asyncio.Task[None] | None = None
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from timeslice.errors import InvalidArgumentError
 from timeslice.protocol.group import MAX_PHASE_OFFSET_S, bounded_phases
+from timeslice.session.arguments import finite_number
 
 
 @dataclass
@@ -74,13 +74,7 @@ def phases_since_grant(
             raise InvalidArgumentError(
                 f"phases must be (start, end) pairs of time.monotonic() seconds, not {phase!r}"
             ) from None
-        if (
-            not all(
-                isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)
-                for t in (start, end)
-            )
-            or end < start
-        ):
+        if not (finite_number(start) and finite_number(end)) or end < start:
             raise InvalidArgumentError(
                 f"a phase must be (start, end) in time.monotonic() seconds with end >= start, "
                 f"not {phase!r}"
