@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -314,27 +315,21 @@ class JobRuntime:
 
     @activity.defn(name=SAMPLE_ACTIVITY)
     async def sample(self, inp: PhaseInput) -> PhaseResult:
-        def check() -> None:
-            self._expect(inp.epoch)
-
+        check = functools.partial(self._expect, inp.epoch)
         result = await self._phase(inp, check, self.workload.sample)
         self._sampled = inp.epoch
         return result
 
     @activity.defn(name=REWARDS_ACTIVITY)
     async def compute_rewards(self, inp: PhaseInput) -> PhaseResult:
-        def check() -> None:
-            self._expect(inp.epoch, sampled=True)
-
+        check = functools.partial(self._expect, inp.epoch, sampled=True)
         result = await self._phase(inp, check, self.workload.compute_rewards)
         self._rewarded = inp.epoch
         return result
 
     @activity.defn(name=TRAIN_ACTIVITY)
     async def train(self, inp: PhaseInput) -> PhaseResult:
-        def check() -> None:
-            self._expect(inp.epoch, sampled=True, rewarded=True)
-
+        check = functools.partial(self._expect, inp.epoch, sampled=True, rewarded=True)
         result = await self._phase(inp, check, self.workload.train)
         self._epochs_done = inp.epoch + 1
         self._sampled = self._rewarded = None
@@ -383,6 +378,9 @@ class JobRuntime:
         check: Callable[[], None],
         step: Callable[[int, PhaseContext], dict[str, float]],
     ) -> PhaseResult:
+        """One phase of an epoch: ``check`` that this process is where the workflow believes,
+        take the phase's lease (unless the workflow holds it), run ``step`` under it, hand it
+        back as the workflow ordered, and ask ahead for the next phase's lease."""
         self._check_job(inp.job_id)
         async with _keep_alive():
             check()
@@ -397,45 +395,11 @@ class JobRuntime:
                 # the group, and a switch that evicts this job must not wait for it.
                 names = inp.group_backends if order is not None else []
                 async with self.homes.using(names, inp.group_id) as restored:
-                    ctx = PhaseContext(inp.epoch, inp.phase)
                     started = time.monotonic()
-                    try:
-                        metrics = await self._supervise(
-                            lambda: step(inp.epoch, ctx),
-                            ctx,
-                            fences,
-                            inp.lease_check_s,
-                            inp.timeout_s,
-                        )
-                    except BaseException:
-                        # Whatever ran may have changed the state halfway: only a checkpoint
-                        # fixes that.
-                        self._sampled = self._rewarded = None
-                        if inp.phase == "train":
-                            self._epochs_done = None
-                        raise
+                    metrics = await self._run_step(inp, step, fences)
                     ended = time.monotonic()
                     released_at = time.monotonic()
-                    released = kept = False
-                    carry = ""
-                    if lease is not None and inp.release == "always":
-                        # Sent now, answered after this activity returns: the job's next step
-                        # does not wait for the group's answer (nor for an eviction it asks).
-                        self._yield_in_background(lease, names, restored)
-                        released = True
-                    elif lease is not None and inp.release == "if_contended":
-                        # keep_if_uncontended says what a group of any release understands;
-                        # carry_into lets the group's grant policy keep it past waiters too.
-                        released, kept, carry = await self._yield(
-                            lease,
-                            names,
-                            restored=restored,
-                            keep_if_uncontended=True,
-                            carry_into=inp.carry_into,
-                        )
-                    elif lease is not None:
-                        kept = True
-                        self._unreported.setdefault(lease.request_id, []).extend(restored)
+                    released, kept, carry = await self._hand_back(lease, inp, names, restored)
                     lease = None
             finally:
                 if lease is not None:  # the phase failed: hand the group on now, not at its TTL
@@ -471,6 +435,55 @@ class JobRuntime:
             restored=restored,
             asked_ahead=asked_ahead,
         )
+
+    async def _run_step(
+        self,
+        inp: PhaseInput,
+        step: Callable[[int, PhaseContext], dict[str, float]],
+        fences: list[LeaseFence],
+    ) -> dict[str, float]:
+        """Run the phase's work, supervised under ``fences``; work that failed may have left
+        the state halfway, and then only a checkpoint fixes it."""
+        ctx = PhaseContext(inp.epoch, inp.phase)
+        try:
+            return await self._supervise(
+                lambda: step(inp.epoch, ctx), ctx, fences, inp.lease_check_s, inp.timeout_s
+            )
+        except BaseException:
+            self._sampled = self._rewarded = None
+            if inp.phase == "train":
+                self._epochs_done = None
+            raise
+
+    async def _hand_back(
+        self,
+        lease: Lease | None,
+        inp: PhaseInput,
+        names: list[str],
+        restored: list[SnapshotReport],
+    ) -> tuple[bool, bool, str]:
+        """What becomes of the phase's own lease, as the workflow ordered (``inp.release``):
+        released in the background ("always"), released unless the group keeps it for the next
+        phase ("if_contended"), or kept. Returns (released, kept, the group's carry reason)."""
+        if lease is None:
+            return False, False, ""
+        if inp.release == "always":
+            # Sent now, answered after this activity returns: the job's next step does not
+            # wait for the group's answer (nor for an eviction it asks).
+            self._yield_in_background(lease, names, restored)
+            return True, False, ""
+        if inp.release == "if_contended":
+            # keep_if_uncontended says what a group of any release understands; carry_into
+            # lets the group's grant policy keep it past waiters too.
+            return await self._yield(
+                lease,
+                names,
+                restored=restored,
+                keep_if_uncontended=True,
+                carry_into=inp.carry_into,
+            )
+        self._unreported.setdefault(lease.request_id, []).extend(restored)
+        return False, True, ""
 
     # ---------------------------------------------------------------- leases
 
