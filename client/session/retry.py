@@ -25,9 +25,6 @@ from timeslice.errors import (
 )
 from timeslice.protocol.group import CONTROL_TASK_QUEUE
 
-log = logging.getLogger("timeslice.client")
-T = TypeVar("T")
-
 # How long one update is sent again while the server does not take it.
 UPDATE_GIVE_UP_S = 60.0
 # How long an update whose workflow task failed is sent again before the group is reported as
@@ -44,6 +41,9 @@ TRANSIENT = {
     RPCStatusCode.UNKNOWN,
     RPCStatusCode.CANCELLED,
 }
+
+log = logging.getLogger("timeslice.client")
+T = TypeVar("T")
 
 
 def task_failing(err: RPCError) -> bool:
