@@ -167,11 +167,12 @@ class LeaseSession:
         evictions); the embedded client's host starts its worker there. None: the caller's
         own worker serves the queue (a job process)."""
         self.settings = settings
+        # Named in every request and message: short names for the settings'.
         self.job_id = settings.job_id
         self.task_queue = settings.task_queue
         self._serve = serve
         self.retries = RpcRetries(
-            server=lambda: str(self.settings.connect_config["target_host"]),
+            server=self._server,
             bound_s=settings.rpc_retry_s,
             not_answering=self._not_answering,
         )
@@ -228,6 +229,11 @@ class LeaseSession:
         if self._serve is not None:
             await self._serve(client)
         return client
+
+    def _server(self) -> str:
+        """The Temporal server's address as the settings say now (a job process's is set when
+        it attaches its worker's client)."""
+        return str(self.settings.connect_config["target_host"])
 
     def _client_now(self) -> Client:
         assert self._client is not None
@@ -600,8 +606,7 @@ class LeaseSession:
 
     async def _check_control_worker(self) -> None:
         """Raise NoControlWorkerError if no control worker polls the groups' task queue."""
-        server = str(self.settings.connect_config["target_host"])
-        await diagnosis.check_control_worker(self._client_now(), server)
+        await diagnosis.check_control_worker(self._client_now(), self._server())
 
     def _take(self, notice: GrantNotice) -> Delivery:
         """A grant that came as an update's result; one nobody waits for any more is handed
