@@ -694,7 +694,7 @@ class LeaseSession:
 
     async def snapshot_job(self, action: str) -> list[SnapshotReport]:
         """Snapshot or restore this job on all its queues and wait (no group involved)."""
-        if self.snapshot_target is None:
+        if self.settings.snapshot_target is None:
             raise InvalidArgumentError(
                 f"job {self.job_id} registered no snapshot backend: pass snapshot_backends= "
                 "or node= to the client"
@@ -705,7 +705,9 @@ class LeaseSession:
                 f"{action} (a group would not evict a holder either)"
             )
         client = await self.start()
-        inp = SnapshotJobInput(job_id=self.job_id, action=action, target=self.snapshot_target)
+        inp = SnapshotJobInput(
+            job_id=self.job_id, action=action, target=self.settings.snapshot_target
+        )
         try:
             result = await client.execute_workflow(
                 SNAPSHOT_JOB_WORKFLOW_TYPE,
