@@ -48,11 +48,11 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.activities.async_job import AsyncJobRuntime
 from timeslice.activities.job_runtime import JobRuntime
-from timeslice.engine import LoopThread
 from timeslice.errors import InvalidArgumentError, TimesliceError
 from timeslice.protocol.group import QueueTarget, SnapshotTarget, check_id, job_task_queue
+from timeslice.session.engine import LoopThread
+from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotRequest
-from timeslice.snapshot_activities import SnapshotActivities
 from timeslice.transport.connection import connect, connect_config
 from timeslice.workloads.registry import load_workload
 
