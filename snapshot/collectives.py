@@ -68,10 +68,24 @@ class CollectivesBackend:
         return self.nbytes
 
     def health(self) -> Health:
+        """Always ready: whether communicators are kept or torn down on eviction.
+
+        Returns:
+            A healthy ``Health`` saying which.
+        """
         what = "kept across switches" if self.keep else "torn down on every eviction"
         return Health(self.name, True, f"communicators {what}")
 
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        """Tear the job's communicators down (unless ``keep``), freeing what they hold on the
+        device; nothing is copied.
+
+        Args:
+            request: The eviction: the job it is for.
+
+        Returns:
+            A ``discard`` report: ``nbytes`` when communicators were torn down, else 0.
+        """
         started = time.perf_counter()
         torn = False
         if not self.keep:
@@ -79,6 +93,15 @@ class CollectivesBackend:
         return self._report(request, started, torn)
 
     async def restore(self, request: SnapshotRequest) -> SnapshotReport:
+        """Count the restore; the owner rebuilds its communicators at the next collective,
+        where every rank meets.
+
+        Args:
+            request: The restore: the job it is for.
+
+        Returns:
+            A report of 0 bytes (nothing is brought back here).
+        """
         started = time.perf_counter()
         # Nothing to build yet: the owner rebuilds at the first collective, with every rank.
         with self._lock:

@@ -52,6 +52,17 @@ class GrpoDpOptions(GrpoToyOptions):
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> GrpoDpOptions:
+        """A job's ``workload_options`` as grpo-dp's options, checked.
+
+        Args:
+            options: The options by name (None: every default).
+
+        Returns:
+            The options.
+
+        Raises:
+            ValueError: An unknown option, or a value out of its range.
+        """
         opts = options_as(cls, NAME, options)
         opts._check()
         return opts
@@ -90,6 +101,16 @@ class GrpoDpWorkload(GrpoToyWorkload):
         self._meeting = ""  # the key the ranks build their group under in this phase
 
     def setup(self, spec: JobSpec) -> None:
+        """Join the job's ranks (``torch.distributed`` from the rank's environment), then build
+        grpo-toy for this rank's share of the batch, with the ``collectives`` backend beside the
+        trainer's.
+
+        Args:
+            spec: The job: its seed, sizes and options (:class:`GrpoDpOptions`).
+
+        Raises:
+            ValueError: A bad option, or a batch that does not split into equal shares.
+        """
         opts = GrpoDpOptions.parse(spec.options)
         dp = DataParallelGroup(
             NAME,
@@ -117,6 +138,14 @@ class GrpoDpWorkload(GrpoToyWorkload):
         self._moves.append(Move("*", "setup", started, time.monotonic(), 0))
 
     def snapshot_backends(self) -> dict[str, SnapshotBackend]:  # type: ignore[override]
+        """grpo-toy's backends and ``collectives``, each recording its moves (:meth:`moves`).
+
+        Returns:
+            The backends by state name.
+
+        Raises:
+            RuntimeError: :meth:`setup` has not run.
+        """
         if self._recorded is None:
             raise RuntimeError(f"{NAME}: snapshot_backends() called before setup()")
         return self._recorded
@@ -144,6 +173,15 @@ class GrpoDpWorkload(GrpoToyWorkload):
         self._dp().all_reduce_mean_(grads, self._meeting)
 
     def train(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
+        """grpo-toy's train step on this rank's share, gradients averaged over the ranks.
+
+        Args:
+            epoch: The epoch whose rollouts to train on.
+            ctx: The phase: its lease token names where the ranks meet to rebuild their group.
+
+        Returns:
+            grpo-toy's metrics, and ``batch_reward_mean`` over every rank's share.
+        """
         # Where the ranks meet if the group must be built: the same for every rank of this
         # phase (the lease's fencing token), and for no other phase.
         self._meeting = f"{ctx.lease_token}/{epoch}/{ctx.phase}"
@@ -159,6 +197,14 @@ class GrpoDpWorkload(GrpoToyWorkload):
         return {**super()._meta(), "rank": dp.rank, "world_size": dp.world_size}
 
     def load(self, directory: Path) -> None:
+        """Rewind to a checkpoint of this rank (its process group is rebuilt at next use).
+
+        Args:
+            directory: The checkpoint's folder.
+
+        Raises:
+            ValueError: The checkpoint is another rank's, or of another world size.
+        """
         dp = self._dp()
         # Whatever group this process had is gone with the rewind: its peers may be new.
         dp.teardown()
@@ -173,11 +219,18 @@ class GrpoDpWorkload(GrpoToyWorkload):
     # ------------------------------------------------------------ inspection (tests, benches)
 
     def moves(self) -> list[dict[str, Any]]:
-        """Every eviction and restore of this rank's states (and its setup), in order."""
+        """Every eviction and restore of this rank's states (and its setup), in order.
+
+        Returns:
+            One dict per move: state, action ("evict" or "restore"), start, end, bytes.
+        """
         return [dataclasses.asdict(m) for m in self._moves]
 
     def weights_digest(self) -> str:
         """SHA-256 of the trainer's policy weights: equal on every rank after each step.
+
+        Returns:
+            The digest, in hex.
 
         Raises:
             RuntimeError: The trainer's state is evicted (another job holds the device).
@@ -188,7 +241,11 @@ class GrpoDpWorkload(GrpoToyWorkload):
         return policy_digest(self.policy.state_dict())
 
     def collective_builds(self) -> int:
-        """Process groups this rank built (one per rebuild after a switch, and the first)."""
+        """Process groups this rank built (one per rebuild after a switch, and the first).
+
+        Returns:
+            The count.
+        """
         return self._dp().builds
 
     def close(self) -> None:

@@ -249,7 +249,7 @@ def _raises(function: object) -> bool:
     return False
 
 
-def _missing_sections(cls: type) -> list[str]:
+def _missing_class_sections(cls: type) -> list[str]:
     """Each public method ``cls`` itself defines that lacks a section it needs: ``Args:`` when
     it takes arguments, ``Returns:`` when it returns a value (a property's docstring is what it
     is), ``Raises:`` when its body raises."""
@@ -281,7 +281,7 @@ def _missing_sections(cls: type) -> list[str]:
 
 @pytest.mark.parametrize("cls", _extension_classes(), ids=lambda c: f"{c.__module__}.{c.__name__}")
 def test_every_extension_point_method_says_what_it_takes_returns_and_raises(cls: type) -> None:
-    missing = _missing_sections(cls)
+    missing = _missing_class_sections(cls)
     assert not missing, f"docstrings lacking sections: {missing}"
 
 
@@ -314,7 +314,10 @@ def test_the_section_checker_finds_what_is_missing() -> None:
             def inner() -> None:
                 raise ValueError
 
-    assert _missing_sections(Backend) == ["Backend.snapshot: Returns:", "Backend.snapshot: Raises:"]
+    assert _missing_class_sections(Backend) == [
+        "Backend.snapshot: Returns:",
+        "Backend.snapshot: Raises:",
+    ]
 
 
 def test_the_async_twin_takes_what_the_blocking_client_takes() -> None:
