@@ -74,7 +74,7 @@ def test_a_client_evicts_through_the_queues_it_is_given() -> None:
         "localhost:7233", job_id="j", rank=2, snapshot_target=_actor_queues("j", 2)
     )
     try:
-        target = client._engine.session.snapshot_target
+        target = client._engine.session.settings.snapshot_target
         assert target is not None
         assert [q.task_queue for q in target.queues] == [job_task_queue("j", r) for r in (0, 1)]
     finally:
