@@ -1,6 +1,7 @@
 """Start and stop `timeslice` service processes (worker, agent, job worker) from Python.
 
-What the demo, the screenshot script, the benchmarks and the tests use to run real processes.
+What the demo, the screenshot script, the benchmarks and the tests use to run real processes
+(`timeslice.cli.stack` starts whole stacks of them).
 """
 
 from __future__ import annotations
@@ -8,13 +9,58 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from timeslice.errors import TimesliceError
 
 
 class ServiceStartError(TimesliceError):
     """A `timeslice` command exited or said something else before it said it was serving."""
+
+
+@dataclass(frozen=True)
+class Service:
+    """A `timeslice ARGS` process to start: ``ready`` is what its first line must contain,
+    ``log`` the file its stderr goes to."""
+
+    args: tuple[str, ...]
+    ready: str
+    log: Path
+
+
+def spawn_service(args: Sequence[str], log: Path, *, append: bool = True) -> subprocess.Popen[str]:
+    """Start `timeslice ARGS` without waiting: its stderr to ``log`` (appended, or truncated
+    with ``append=False``), its stdout a pipe whose first line says it serves."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab" if append else "wb") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "timeslice.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def wait_until_serving(
+    proc: subprocess.Popen[str], service: Service, *, echo: bool = False
+) -> subprocess.Popen[str]:
+    """Wait for the first line of ``proc`` (started as ``service``); kill it and raise
+    :class:`ServiceStartError` unless that line says it serves."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if service.ready not in line:
+        proc.kill()
+        proc.wait()
+        raise ServiceStartError(
+            f"`timeslice {' '.join(service.args[:2])}` failed to start: {line!r}; see {service.log}"
+        )
+    if echo:
+        print(f"  {line.strip()}", flush=True)
+    return proc
 
 
 def start_service(
@@ -24,27 +70,30 @@ def start_service(
 
     Its stderr goes to ``log`` (appended, or truncated with ``append=False``); ``echo`` prints
     the ready line."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "timeslice.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=log.open("ab" if append else "wb"),
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if ready not in line:
-        proc.kill()
-        raise ServiceStartError(
-            f"`timeslice {' '.join(args[:2])}` failed to start: {line!r}; see {log}"
-        )
-    if echo:
-        print(f"  {line.strip()}", flush=True)
-    return proc
+    service = Service(tuple(args), ready, log)
+    return wait_until_serving(spawn_service(args, log, append=append), service, echo=echo)
 
 
-def stop_service(proc: subprocess.Popen[str], timeout: float = 20.0) -> None:
+def start_services(
+    services: Sequence[Service], *, append: bool = True, echo: bool = False
+) -> list[subprocess.Popen[str]]:
+    """Start every one of ``services`` at once, then wait until each serves.
+
+    A process spends its first seconds importing (torch, the SDK) and connecting: side by side
+    they overlap, where one after another they add up. If one fails to start, all are stopped
+    and :class:`ServiceStartError` says which."""
+    procs = [spawn_service(s.args, s.log, append=append) for s in services]
+    try:
+        for proc, service in zip(procs, services, strict=True):
+            wait_until_serving(proc, service, echo=echo)
+    except BaseException:
+        for proc in procs:
+            stop_service(proc)
+        raise
+    return procs
+
+
+def stop_service(proc: subprocess.Popen[Any], timeout: float = 20.0) -> None:
     """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
     if proc.poll() is None:
         proc.terminate()

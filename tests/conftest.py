@@ -1,4 +1,5 @@
-"""Fixtures: a real Temporal dev server and a real control-worker process for the session."""
+"""Fixtures: a real Temporal dev server and a real control-worker process for the session, and
+a stack for the processes a test starts on it (`timeslice.cli.stack`, as the benchmarks use)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import pytest
 from timeslice import TimeSliceOrchestratorClient
-from timeslice.cli.server import EmbeddedServer, free_port
+from timeslice.cli.server import EmbeddedServer
 from timeslice.cli.services import start_service
-from timeslice.cli.services import stop_service as stop_process
+from timeslice.cli.services import stop_service as stop_process  # noqa: F401 (the tests import it here)
+from timeslice.cli.stack import CONTROL_WORKER_READY, Stack
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 _exit_status: list[int] = []
@@ -60,36 +62,40 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def start_worker(address: str, log: Path) -> subprocess.Popen:
     """Start `timeslice worker` and wait until it says it is serving."""
-    return start_service(["worker", "--address", address], "control worker on task queue", log)
-
-
-def start_server(tmp: Path, **kwargs) -> EmbeddedServer:
-    return EmbeddedServer(
-        port=kwargs.pop("port", None) or free_port(),
-        ui_port=None,
-        db=tmp / "temporal.db",
-        log_path=tmp / "server.log",
-        **kwargs,
-    ).start()
+    return start_service(["worker", "--address", address], CONTROL_WORKER_READY, log)
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    srv = start_server(tmp_path_factory.mktemp("temporal"))
-    yield srv
-    srv.stop()
+def session_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """This pytest process's own server (each xdist worker has one)."""
+    with Stack(tmp_path_factory.mktemp("temporal")).start() as stack:
+        yield stack
 
 
 @pytest.fixture(scope="session")
-def worker(server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    proc = start_worker(server.address, tmp_path_factory.mktemp("worker") / "worker.log")
+def server(session_stack: Stack) -> EmbeddedServer:
+    assert session_stack.server is not None
+    return session_stack.server
+
+
+@pytest.fixture(scope="session")
+def worker(session_stack: Stack) -> Iterator[None]:
+    proc = session_stack.control_worker()
     yield
-    stop_process(proc)
+    session_stack.stop(proc)
 
 
 @pytest.fixture
 def address(server: EmbeddedServer, worker: None) -> str:
     return server.address
+
+
+@pytest.fixture
+def stack(address: str, tmp_path: Path) -> Iterator[Stack]:
+    """The processes this test starts on the session's server (job workers, more control
+    workers), their logs in its tmp_path; stopped when it ends."""
+    with Stack(tmp_path, address=address).start() as test_stack:
+        yield test_stack
 
 
 @pytest.fixture

@@ -81,6 +81,20 @@ def assert_no_overlap(intervals: list[Interval]) -> None:
         )
 
 
+def checked_holds(log: Path) -> list[Interval]:
+    """The hold intervals the processes logged in ``log``, checked never to overlap."""
+    intervals = hold_intervals(read_log(log))
+    assert_no_overlap(intervals)
+    return intervals
+
+
+def spawn_contenders(
+    address: str, group: str, jobs: list[str], log: Path, *extra: str
+) -> list[subprocess.Popen]:
+    """A contender process per job of ``jobs``, all on ``group`` with the same arguments."""
+    return [spawn_contender(address, group, job, log, *extra) for job in jobs]
+
+
 def spawn_contender(
     address: str, group: str, job: str, log: Path, *extra: str, stderr: IO[bytes] | None = None
 ) -> subprocess.Popen:

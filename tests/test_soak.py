@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 from timeslice import Lease, TimeSliceOrchestratorClient
+from timeslice.cli.stack import Stack
 from timeslice.protocol.group import GroupUpdate, group_workflow_id
 
-from tests.conftest import start_server, start_worker, stop_process
 from tests.helpers import REPO, wait_for
 
 SOAK = REPO / "bench" / "soak.py"
@@ -166,14 +166,13 @@ def test_acquire_whose_connection_drops_mid_request_is_granted(tmp_path):
     parked it was sent again under a new update id; the group answered the second "queued"
     and granted through the first, which nobody awaited any more. Checked here on the
     group's history: one acquire call is one update there, however its connection fares."""
-    server = start_server(tmp_path)
-    worker = start_worker(server.address, tmp_path / "worker.log")
     group = "dropped"
-    try:
-        with TimeSliceOrchestratorClient(target=server.address, job_id="holder") as holder:
+    with Stack(tmp_path).start() as stack:
+        stack.control_worker()
+        with TimeSliceOrchestratorClient(target=stack.address, job_id="holder") as holder:
             holder.create_group(group, grant_ack_timeout_s=5)
             lease = holder.acquire(group)
-            with TcpProxy(server.address) as proxy:
+            with TcpProxy(stack.address) as proxy:
                 waiter = TimeSliceOrchestratorClient(target=proxy.address, job_id="waiter")
                 waiter.connect()
                 got: dict[str, Any] = {}
@@ -201,10 +200,7 @@ def test_acquire_whose_connection_drops_mid_request_is_granted(tmp_path):
                 waiter.release(granted)
                 waiter.close()
             assert holder.group_status(group).stats.dead_waiters == 0
-        assert _acquire_updates(server.address, group, "waiter") == 1
-    finally:
-        stop_process(worker)
-        server.stop()
+        assert _acquire_updates(stack.address, group, "waiter") == 1
 
 
 def _acquire_updates(address: str, group: str, job: str) -> int:
