@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,18 +88,27 @@ def start_services(
         for proc, service in zip(procs, services, strict=True):
             wait_until_serving(proc, service, echo=echo)
     except BaseException:
-        for proc in procs:
-            stop_service(proc)
+        stop_services(procs)
         raise
     return procs
 
 
 def stop_service(proc: subprocess.Popen[Any], timeout: float = 20.0) -> None:
     """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
-    if proc.poll() is None:
+    stop_services([proc], timeout)
+
+
+def stop_services(procs: Sequence[subprocess.Popen[Any]], timeout: float = 20.0) -> None:
+    """SIGTERM to every one of ``procs`` at once (each shuts its worker down for a second or
+    two: side by side, not one after another), then SIGKILL to any still running after
+    ``timeout`` seconds."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
         proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in running:
         try:
-            proc.wait(timeout=timeout)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from timeslice.cli.server import EmbeddedServer, free_port
-from timeslice.cli.services import Service, start_services, stop_service
+from timeslice.cli.services import Service, start_services, stop_service, stop_services
 
 #: What a control worker's first line says once it polls (`timeslice worker`).
 CONTROL_WORKER_READY = "control worker on task queue"
@@ -58,9 +58,11 @@ class Stack:
         workdir: the folder for the logs (``server.log``, ``worker.log``, ``JOB.log``), the
             server's database (``temporal.db``) and the job processes' checkpoints
             (``checkpoints/``); created if missing.
-        address: a server already running: the stack starts none and stops none.
-        dynamic_config: the dev server's dynamic config values, over the embedded defaults.
-        db: the server's database file (default ``workdir/temporal.db``).
+        server: the embedded server to start and stop (its own ports, Web UI, database);
+            by default one on a free port, no Web UI, its database ``workdir/temporal.db``.
+        address: a server already running instead: the stack starts none and stops none.
+        dynamic_config: the default server's dynamic config values, over the embedded defaults.
+        db: the default server's database file (default ``workdir/temporal.db``).
         cli_args: arguments before every command (``-v`` logs at debug level).
         append: append to existing logs (default) or truncate them.
         echo: print each process's ready line as it comes.
@@ -70,6 +72,7 @@ class Stack:
         self,
         workdir: Path,
         *,
+        server: EmbeddedServer | None = None,
         address: str | None = None,
         dynamic_config: dict[str, Any] | None = None,
         db: Path | None = None,
@@ -78,17 +81,19 @@ class Stack:
         echo: bool = False,
     ) -> None:
         self.workdir = workdir
-        self.server: EmbeddedServer | None = None
-        if address is None:
-            self.server = EmbeddedServer(
+        if (server is not None or address is not None) and (dynamic_config or db):
+            raise ValueError("dynamic_config and db configure the stack's default server")
+        if server is not None and address is not None:
+            raise ValueError("a stack has one server: give server or address, not both")
+        if server is None and address is None:
+            server = EmbeddedServer(
                 port=free_port(),
                 ui_port=None,
                 db=db or workdir / "temporal.db",
                 log_path=workdir / "server.log",
                 dynamic_config=dynamic_config,
             )
-        elif dynamic_config is not None or db is not None:
-            raise ValueError("dynamic_config and db configure a server the stack starts")
+        self.server = server
         self._address = address
         self.cli_args = tuple(cli_args)
         self.append = append
@@ -163,9 +168,9 @@ class Stack:
 
     def close(self) -> None:
         """Stop every process, the last started first, then the server (if the stack's)."""
+        procs, self.procs = self.procs[::-1], []
         try:
-            while self.procs:
-                stop_service(self.procs.pop())
+            stop_services(procs)
         finally:
             if self.server is not None:
                 self.server.stop()
