@@ -26,7 +26,7 @@ TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-# The soak's tests alone (tests/test_soak.py: the 60-s soak with every fault kind, its command line,
+# The soak's tests alone (tests/test_soak.py: the 30-s soak with every fault kind, its command line,
 # the dropped-connection regression); `make test` runs them too.
 soak-test: $(STAMP)
 	$(PY) -m pytest -q tests/test_soak.py
