@@ -173,12 +173,12 @@ async def flood(address: str) -> list[int]:
 
 def test_a_group_flooded_with_maximal_messages_keeps_serving(tmp_path: Path):
     can_often = {"limit.historyCount.suggestContinueAsNew": 200}
-    with Stack(tmp_path, dynamic_config=can_often).start() as server:
-        server.control_worker()
-        *tokens, runs = asyncio.run(flood(server.address))
+    with Stack(tmp_path, dynamic_config=can_often).start() as stack:
+        stack.control_worker()
+        *tokens, runs = asyncio.run(flood(stack.address))
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
         assert runs > 10, "the group did not continue as new often"
-        carried = _runs(server.address, GROUP)
+        carried = _runs(stack.address, GROUP)
         assert len(carried) == runs
         sizes = [size for size, _ in carried if size]
         print(f"\ncontinue-as-new inputs: {len(sizes)}, largest {max(sizes)} bytes")

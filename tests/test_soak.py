@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 from timeslice import Lease, TimeSliceOrchestratorClient
-from timeslice.cli.stack import Stack
 from timeslice.protocol.group import GroupUpdate, group_workflow_id
 
 from tests.helpers import REPO, wait_for
@@ -161,47 +160,44 @@ class TcpProxy:
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-def test_acquire_whose_connection_drops_mid_request_is_granted(tmp_path):
+def test_acquire_whose_connection_drops_mid_request_is_granted(address: str, group: str):
     """Found by the soak: after a server restart, waiters never received their grants (and an
     RL job waited forever for its lease). An acquire attempt cut off after the group had
     parked it was sent again under a new update id; the group answered the second "queued"
     and granted through the first, which nobody awaited any more. Checked here on the
     group's history: one acquire call is one update there, however its connection fares."""
-    group = "dropped"
-    with Stack(tmp_path).start() as stack:
-        stack.control_worker()
-        with TimeSliceOrchestratorClient(target=stack.address, job_id="holder") as holder:
-            holder.create_group(group, grant_ack_timeout_s=5)
-            lease = holder.acquire(group)
-            with TcpProxy(stack.address) as proxy:
-                waiter = TimeSliceOrchestratorClient(target=proxy.address, job_id="waiter")
-                waiter.connect()
-                got: dict[str, Any] = {}
+    with TimeSliceOrchestratorClient(target=address, job_id="holder") as holder:
+        holder.create_group(group, grant_ack_timeout_s=5)
+        lease = holder.acquire(group)
+        with TcpProxy(address) as proxy:
+            waiter = TimeSliceOrchestratorClient(target=proxy.address, job_id="waiter")
+            waiter.connect()
+            got: dict[str, Any] = {}
 
-                def wait() -> None:
-                    try:
-                        got["lease"] = waiter.acquire(group, timeout=30)
-                    except Exception as err:  # the assertion below says what it was
-                        got["error"] = err
+            def wait() -> None:
+                try:
+                    got["lease"] = waiter.acquire(group, timeout=30)
+                except Exception as err:  # the assertion below says what it was
+                    got["error"] = err
 
-                # The group gets the acquire and parks it, but its answer never reaches the
-                # waiter, which keeps sending it; the cut breaks one of those attempts.
-                proxy.hold_replies = True
-                thread = threading.Thread(target=wait)
-                thread.start()
-                wait_for(lambda: holder.group_status(group).queue, what="the acquire parked")
-                sent = proxy.sent
-                wait_for(lambda: proxy.sent > sent, what="the waiter sending its acquire again")
-                proxy.cut()
-                holder.release(lease)
-                thread.join(60)
-                granted = got.get("lease")
-                assert isinstance(granted, Lease), got
-                assert granted.token == lease.token + 1
-                waiter.release(granted)
-                waiter.close()
-            assert holder.group_status(group).stats.dead_waiters == 0
-        assert _acquire_updates(stack.address, group, "waiter") == 1
+            # The group gets the acquire and parks it, but its answer never reaches the
+            # waiter, which keeps sending it; the cut breaks one of those attempts.
+            proxy.hold_replies = True
+            thread = threading.Thread(target=wait)
+            thread.start()
+            wait_for(lambda: holder.group_status(group).queue, what="the acquire parked")
+            sent = proxy.sent
+            wait_for(lambda: proxy.sent > sent, what="the waiter sending its acquire again")
+            proxy.cut()
+            holder.release(lease)
+            thread.join(60)
+            granted = got.get("lease")
+            assert isinstance(granted, Lease), got
+            assert granted.token == lease.token + 1
+            waiter.release(granted)
+            waiter.close()
+        assert holder.group_status(group).stats.dead_waiters == 0
+    assert _acquire_updates(address, group, "waiter") == 1
 
 
 def _acquire_updates(address: str, group: str, job: str) -> int:
