@@ -22,12 +22,62 @@ _exit_status: list[int] = []
 
 
 UNIT_TESTS = Path(__file__).resolve().parent / "unit"
+# The longest files first, longest first: `--dist loadfile` hands a whole file to one worker,
+# and a long file started last runs on alone while the other workers stand idle (xdist's own
+# order, most tests first, put most of these last). Ranked by their tests' summed durations in
+# `make test --durations` runs; a file not named here comes after them, the unit tests
+# (milliseconds each, many small files) last, where they fill the workers' ends.
+LONGEST_FILES = (
+    "test_rl_jobs.py",
+    "test_demo.py",
+    "test_trl.py",
+    "test_lease_fencing.py",
+    "test_async_jobs.py",
+    "test_soak.py",
+    "test_carried_state_server.py",
+    "test_client_api.py",
+    "test_late_grants.py",
+    "test_group_protocol.py",
+    "test_grpo_toy.py",
+    "test_release_then_die.py",
+    "test_status_utilization.py",
+    "test_phase_aware_jobs.py",
+    "unit/test_state_budget.py",
+    "test_deploy_temporal.py",
+    "test_grpo_toy_async.py",
+    "test_plan_profile.py",
+    "test_node_agent.py",
+    "test_jax_jobs.py",
+    "test_control_workers.py",
+    "test_report.py",
+    "test_workflow_requesters.py",
+    "test_hf_grpo.py",
+    "test_durability.py",
+    "unit/test_group_model.py",
+)
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Keep the order below: xdist would otherwise reorder files by their number of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _file_rank(item: pytest.Item) -> tuple[int, int]:
+    path = Path(str(item.fspath))
+    name = path.relative_to(TESTS).as_posix() if TESTS in path.parents else path.name
+    if name in LONGEST_FILES:
+        return (0, LONGEST_FILES.index(name))
+    return (2 if UNIT_TESTS in path.parents else 1, 0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test `unit` (tests/unit: no server, no process, milliseconds) or `process`
     (real servers and processes), so either set runs alone (`pytest -m unit`); `gpu` tests run
-    only where CUDA is present (tests/gpu/run.sh on a lent device)."""
+    only where CUDA is present (tests/gpu/run.sh on a lent device). Order the files longest
+    first (a stable sort: a file's tests stay together, in their order)."""
+    items.sort(key=_file_rank)
     for item in items:
         unit = UNIT_TESTS in Path(str(item.fspath)).parents
         item.add_marker(pytest.mark.unit if unit else pytest.mark.process)
