@@ -1,7 +1,9 @@
 """Start and stop `timeslice` service processes (worker, agent, job worker) from Python.
 
 What the demo, the screenshot script, the benchmarks and the tests use to run real processes
-(`timeslice.cli.stack` starts whole stacks of them).
+(`timeslice.cli.stack` starts whole stacks of them). Each is `python -m timeslice.cli ARGS`,
+or, once `timeslice.cli.warm_start.enable()` was called (the tests do), the same command
+forked from a process that imported it already.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
+from timeslice.cli import warm_start
 from timeslice.errors import TimesliceError
+
+#: A started service: a subprocess, or a warm-started one handled the same way.
+ServiceProcess: TypeAlias = "subprocess.Popen[Any] | warm_start.WarmProcess"
 
 
 class ServiceStartError(TimesliceError):
@@ -32,10 +38,12 @@ class Service:
     log: Path
 
 
-def spawn_service(args: Sequence[str], log: Path, *, append: bool = True) -> subprocess.Popen[str]:
+def spawn_service(args: Sequence[str], log: Path, *, append: bool = True) -> ServiceProcess:
     """Start `timeslice ARGS` without waiting: its stderr to ``log`` (appended, or truncated
     with ``append=False``), its stdout a pipe whose first line says it serves."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    if warm_start.enabled():
+        return warm_start.WarmProcess(args, log, append=append)
     with log.open("ab" if append else "wb") as stderr:
         return subprocess.Popen(
             [sys.executable, "-m", "timeslice.cli", *args],
@@ -47,8 +55,8 @@ def spawn_service(args: Sequence[str], log: Path, *, append: bool = True) -> sub
 
 
 def wait_until_serving(
-    proc: subprocess.Popen[str], service: Service, *, echo: bool = False
-) -> subprocess.Popen[str]:
+    proc: ServiceProcess, service: Service, *, echo: bool = False
+) -> ServiceProcess:
     """Wait for the first line of ``proc`` (started as ``service``); kill it and raise
     :class:`ServiceStartError` unless that line says it serves."""
     assert proc.stdout is not None
@@ -66,7 +74,7 @@ def wait_until_serving(
 
 def start_service(
     args: list[str], ready: str, log: Path, *, append: bool = True, echo: bool = False
-) -> subprocess.Popen[str]:
+) -> ServiceProcess:
     """Start `timeslice ARGS` and wait for its first line, which must contain ``ready``.
 
     Its stderr goes to ``log`` (appended, or truncated with ``append=False``); ``echo`` prints
@@ -77,7 +85,7 @@ def start_service(
 
 def start_services(
     services: Sequence[Service], *, append: bool = True, echo: bool = False
-) -> list[subprocess.Popen[str]]:
+) -> list[ServiceProcess]:
     """Start every one of ``services`` at once, then wait until each serves.
 
     A process spends its first seconds importing (torch, the SDK) and connecting: side by side
@@ -93,12 +101,12 @@ def start_services(
     return procs
 
 
-def stop_service(proc: subprocess.Popen[Any], timeout: float = 20.0) -> None:
+def stop_service(proc: ServiceProcess, timeout: float = 20.0) -> None:
     """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
     stop_services([proc], timeout)
 
 
-def stop_services(procs: Sequence[subprocess.Popen[Any]], timeout: float = 20.0) -> None:
+def stop_services(procs: Sequence[ServiceProcess], timeout: float = 20.0) -> None:
     """SIGTERM to every one of ``procs`` at once (each shuts its worker down for a second or
     two: side by side, not one after another), then SIGKILL to any still running after
     ``timeout`` seconds."""

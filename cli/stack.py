@@ -17,14 +17,19 @@ Everything it started is stopped on the way out, the last started first, then th
 from __future__ import annotations
 
 import itertools
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from timeslice.cli.server import EmbeddedServer, free_port
-from timeslice.cli.services import Service, start_services, stop_service, stop_services
+from timeslice.cli.services import (
+    Service,
+    ServiceProcess,
+    start_services,
+    stop_service,
+    stop_services,
+)
 
 #: What a control worker's first line says once it polls (`timeslice worker`).
 CONTROL_WORKER_READY = "control worker on task queue"
@@ -98,7 +103,7 @@ class Stack:
         self.cli_args = tuple(cli_args)
         self.append = append
         self.echo = echo
-        self.procs: list[subprocess.Popen[Any]] = []
+        self.procs: list[ServiceProcess] = []
 
     @property
     def address(self) -> str:
@@ -118,7 +123,7 @@ class Stack:
             self.server.start()
         return self
 
-    def control_worker(self, *args: str, log: str = "worker.log") -> subprocess.Popen[str]:
+    def control_worker(self, *args: str, log: str = "worker.log") -> ServiceProcess:
         """Start `timeslice worker` (with ``args``) and wait until it polls."""
         service = Service(
             (*self.cli_args, "worker", "--address", self.address, *args),
@@ -127,7 +132,7 @@ class Stack:
         )
         return self._start([service])[0]
 
-    def job_workers(self, *workers: JobWorker) -> list[subprocess.Popen[str]]:
+    def job_workers(self, *workers: JobWorker) -> list[ServiceProcess]:
         """Start every one of ``workers`` at once and wait until each serves its first job
         (their start-ups overlap: importing torch and connecting take seconds each)."""
         services = []
@@ -144,23 +149,21 @@ class Stack:
             services.append(Service(tuple(args), job_worker_ready(worker.jobs[0], rank), log))
         return self._start(services)
 
-    def job_worker(
-        self, job: str, workload: str = "simulated", *args: str
-    ) -> subprocess.Popen[str]:
+    def job_worker(self, job: str, workload: str = "simulated", *args: str) -> ServiceProcess:
         """Start one job process serving ``job`` and wait until it serves."""
         return self.job_workers(JobWorker((job,), workload, args))[0]
 
-    def adopt(self, *procs: subprocess.Popen[Any]) -> list[subprocess.Popen[Any]]:
+    def adopt(self, *procs: ServiceProcess) -> list[ServiceProcess]:
         """Stop ``procs`` (started some other way: clients, contenders) with the stack."""
         self.procs += procs
         return list(procs)
 
-    def _start(self, services: list[Service]) -> list[subprocess.Popen[str]]:
+    def _start(self, services: list[Service]) -> list[ServiceProcess]:
         procs = start_services(services, append=self.append, echo=self.echo)
         self.procs += procs
         return procs
 
-    def stop(self, proc: subprocess.Popen[Any]) -> None:
+    def stop(self, proc: ServiceProcess) -> None:
         """Stop one process the stack started (SIGTERM, then SIGKILL after 20 s)."""
         stop_service(proc)
         if proc in self.procs:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from timeslice import TimeSliceOrchestratorClient
+from timeslice.cli import warm_start
 from timeslice.cli.server import EmbeddedServer
 from timeslice.cli.services import start_service
 from timeslice.cli.services import stop_service as stop_process  # noqa: F401 (the tests import it here)
@@ -62,6 +63,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # Keep the order below: xdist would otherwise reorder files by their number of tests.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    # `timeslice` services (job workers, control workers, agents) forked from a process that
+    # imported them: a second of CPU each saved, hundreds of times (timeslice.cli.warm_start).
+    # TIMESLICE_TESTS_COLD=1 starts each as `python -m timeslice.cli`, as a user does.
+    if os.environ.get("TIMESLICE_TESTS_COLD") != "1":
+        warm_start.enable()
 
 
 def _file_rank(item: pytest.Item) -> tuple[int, int]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar
 
+from timeslice.cli import warm_start
+
 REPO = Path(__file__).resolve().parent.parent
 CONTENDER = REPO / "tests" / "contender.py"
 T = TypeVar("T")
@@ -111,6 +113,8 @@ def spawn_contender(
         str(log),
         *extra,
     ]
+    if warm_start.enabled() and stderr is None:  # forked from a process that imported it
+        return warm_start.WarmProcess(cmd[2:], script=CONTENDER, pipe_stdout=False)  # type: ignore[return-value]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen(cmd, env=env, stderr=stderr)
 
