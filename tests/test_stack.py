@@ -3,12 +3,15 @@ what a job process pays at start-up."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
+from timeslice.cli import warm_start
 from timeslice.cli.services import ServiceStartError
 from timeslice.cli.stack import JobWorker, Stack
 
@@ -55,3 +58,33 @@ def test_threads_limit_torch_without_importing_it(torch_first: bool) -> None:
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "1"
+
+
+def test_a_warm_start_is_a_process_of_its_own_with_the_callers_environment(
+    address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `timeslice.cli.warm_start` forks (the tests' services and contenders): its own pid,
+    the environment and directory of the moment it is started, exit codes and signals as a
+    subprocess has them."""
+    if not warm_start.enabled():  # tests/conftest.py turns it on
+        pytest.skip("TIMESLICE_TESTS_COLD=1: the tests start their processes cold")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TIMESLICE_TEST_MARK", "seen")
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, sys\n"
+        "print(os.getpid(), os.getcwd(), os.environ['TIMESLICE_TEST_MARK'], sys.argv[1:])\n"
+        "sys.exit(3)\n"
+    )
+    done = warm_start.WarmProcess(["a", "b"], tmp_path / "probe.log", script=probe)
+    assert done.stdout is not None
+    line = done.stdout.readline().strip().split(maxsplit=3)
+    assert done.wait(60) == 3 and done.returncode == 3
+    assert int(line[0]) == done.pid != os.getpid()
+    assert line[1:] == [str(tmp_path), "seen", "['a', 'b']"]
+    job = f"warm-{uuid.uuid4().hex[:6]}"
+    with Stack(tmp_path, address=address).start() as stack:
+        proc = stack.job_worker(job)
+        assert isinstance(proc, warm_start.WarmProcess)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
