@@ -32,7 +32,7 @@ test: $(STAMP)
 test-ray: $(STAMP)
 	$(PY) -m pytest -q tests/test_ray.py --durations=10
 
-# The soak's tests alone (tests/test_soak.py: the 60-s soak with every fault kind, its command line,
+# The soak's tests alone (tests/test_soak.py: the 30-s soak with every fault kind, its command line,
 # the dropped-connection regression); `make test` runs them too.
 soak-test: $(STAMP)
 	$(PY) -m pytest -q tests/test_soak.py

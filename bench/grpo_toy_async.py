@@ -60,35 +60,17 @@ def job_configs(args: argparse.Namespace, mode: str, stamp: str) -> list[dict[st
 
 
 def run_mode(args: argparse.Namespace, mode: str, stamp: str, tmp: Path) -> tuple[list[Any], float]:
-    from timeslice.cli.server import EmbeddedServer, free_port
-    from timeslice.cli.services import start_service, stop_service
+    from timeslice.cli.stack import JobWorker, Stack
 
     configs = job_configs(args, mode, stamp)
-    server = EmbeddedServer(port=free_port(), ui_port=None, db=tmp / f"{mode}.db").start()
-    procs = [
-        start_service(
-            ["worker", "--address", server.address], "control worker", tmp / f"{mode}-worker.log"
-        )
-    ]
-    try:
-        for c in configs:
-            procs.append(
-                start_service(
-                    ["job", "worker", "--address", server.address, "--job-id", c["job_id"],
-                     "--workload", "grpo-toy", "--checkpoint-dir", str(tmp / "ckpt")],
-                    f"job {c['job_id']} rank 0",
-                    tmp / f"{c['job_id']}.log",
-                )
-            )  # fmt: skip
+    with Stack(tmp / mode).start() as stack:
+        stack.control_worker()
+        stack.job_workers(*(JobWorker((c["job_id"],), "grpo-toy") for c in configs))
         print(f"{mode}: {args.jobs} grpo-toy jobs x {args.steps} steps ...", flush=True)
         memory = {g: None for c in configs for g in (c["sampler_group"], c["trainer_group"])}
         started = time.monotonic()
-        results = asyncio.run(run_jobs(server.address, configs, memory))
+        results = asyncio.run(run_jobs(stack.address, configs, memory))
         return results, time.monotonic() - started
-    finally:
-        for proc in reversed(procs):
-            stop_service(proc)
-        server.stop()
 
 
 def summarize(result: Any, window: int, seed: int) -> dict[str, Any]:

@@ -24,8 +24,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def player(args: argparse.Namespace) -> None:
     from timeslice import TimeSliceOrchestratorClient
@@ -107,43 +105,35 @@ def main() -> None:
         player(args)
         return
 
-    from timeslice.cli.server import EmbeddedServer, free_port
+    from timeslice.cli.stack import Stack
 
-    sys.path.insert(0, str(REPO))
-    from tests.conftest import start_worker, stop_process
-
-    with tempfile.TemporaryDirectory() as tmp_dir:
+    with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
         tmp = Path(tmp_dir)
-        server = EmbeddedServer(port=free_port(), ui_port=None, db=tmp / "t.db").start()
-        worker = start_worker(server.address, tmp / "worker.log")
-        try:
-            rounds = args.handoffs // 2 + 10  # a few extra for warm-up
-            print(f"ping-pong: 2 processes x {rounds} rounds on {server.address} ...", flush=True)
-            procs = [
-                spawn(server.address, "pingpong", f"p{i}", rounds, args.hold, tmp / f"p{i}.json")
-                for i in range(2)
-            ]
-            for proc in procs:
-                if proc.wait() != 0:
-                    raise SystemExit("a ping-pong player failed")
-            records = sorted(
-                (r for i in range(2) for r in json.loads((tmp / f"p{i}.json").read_text())),
-                key=lambda r: r["token"],
-            )
-            handoffs = [
-                (after["got"] - before["release"]) * 1000
-                for before, after in itertools.pairwise(records)
-                if before["job"] != after["job"] and after["asked"] < before["release"]
-            ][10:]  # drop warm-up
-            print("uncontended: 1 process ...", flush=True)
-            solo = spawn(server.address, "solo", "solo", 210, 0.0, tmp / "solo.json")
-            if solo.wait() != 0:
-                raise SystemExit("the uncontended player failed")
-            solo_records = json.loads((tmp / "solo.json").read_text())[10:]
-            uncontended = [(r["released"] - r["asked"]) * 1000 for r in solo_records]
-        finally:
-            stop_process(worker)
-            server.stop()
+        stack.control_worker()
+        rounds = args.handoffs // 2 + 10  # a few extra for warm-up
+        print(f"ping-pong: 2 processes x {rounds} rounds on {stack.address} ...", flush=True)
+        procs = [
+            spawn(stack.address, "pingpong", f"p{i}", rounds, args.hold, tmp / f"p{i}.json")
+            for i in range(2)
+        ]
+        for proc in procs:
+            if proc.wait() != 0:
+                raise SystemExit("a ping-pong player failed")
+        records = sorted(
+            (r for i in range(2) for r in json.loads((tmp / f"p{i}.json").read_text())),
+            key=lambda r: r["token"],
+        )
+        handoffs = [
+            (after["got"] - before["release"]) * 1000
+            for before, after in itertools.pairwise(records)
+            if before["job"] != after["job"] and after["asked"] < before["release"]
+        ][10:]  # drop warm-up
+        print("uncontended: 1 process ...", flush=True)
+        solo = spawn(stack.address, "solo", "solo", 210, 0.0, tmp / "solo.json")
+        if solo.wait() != 0:
+            raise SystemExit("the uncontended player failed")
+        solo_records = json.loads((tmp / "solo.json").read_text())[10:]
+        uncontended = [(r["released"] - r["asked"]) * 1000 for r in solo_records]
 
     result = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),

@@ -107,31 +107,22 @@ def memory_for(configs: list[dict[str, Any]]) -> dict[str, int]:
 
 
 class Bench:
-    def __init__(self, address: str, tmp: Path, epochs: int, policy: str = POLICIES[0]) -> None:
-        self.address = address
-        self.tmp = tmp
+    def __init__(self, stack: Any, epochs: int, policy: str = POLICIES[0]) -> None:
+        self.stack = stack  # a timeslice.cli.stack.Stack with its control worker
+        self.address: str = stack.address
         self.epochs = epochs
         self.policy = policy
 
     def run(self, configs: list[dict[str, Any]]) -> list[Any]:
-        from timeslice.cli.services import start_service, stop_service
+        from timeslice.cli.stack import JobWorker
 
-        procs = []
+        procs = self.stack.job_workers(*(JobWorker((c["job_id"],)) for c in configs))
         try:
-            for c in configs:
-                procs.append(
-                    start_service(
-                        ["job", "worker", "--address", self.address, "--job-id", c["job_id"],
-                         "--workload", "simulated", "--checkpoint-dir", str(self.tmp / "ckpt")],
-                        f"job {c['job_id']} rank 0",
-                        self.tmp / f"{c['job_id']}.log",
-                    )
-                )  # fmt: skip
             memory: dict[str, int | None] = dict(memory_for(configs))
             return asyncio.run(run_jobs(self.address, configs, memory, self.policy))
         finally:
             for proc in reversed(procs):
-                stop_service(proc)
+                self.stack.stop(proc)
 
     def profiles(self, results: list[Any]) -> dict[str, Any]:
         from timeslice.plan.collect import read_rl_job, rl_job_profile
@@ -161,8 +152,7 @@ def main() -> None:
     if args.epochs < 2:
         raise SystemExit("--epochs must be >= 2")
 
-    from timeslice.cli.server import EmbeddedServer, free_port
-    from timeslice.cli.services import start_service, stop_service
+    from timeslice.cli.stack import Stack
     from timeslice.plan.cli import describe_profile, pick_overheads
     from timeslice.plan.collect import (
         completion_s,
@@ -175,143 +165,131 @@ def main() -> None:
 
     stamp = str(int(time.time()))
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp_dir:
-        tmp = Path(tmp_dir)
-        server = EmbeddedServer(port=free_port(), ui_port=None, db=tmp / "t.db").start()
-        worker = start_service(
-            ["worker", "--address", server.address], "control worker", tmp / "worker.log"
-        )
-        try:
-            bench = Bench(server.address, tmp, args.epochs, args.policy)
-            policy = GrantPolicy(args.policy)
-            print(f"dedicated: {len(KINDS)} jobs, each alone on its group ...", flush=True)
-            own = {kind: f"own-{kind}-{stamp}" for kind in KINDS}
-            alone = [
-                config(f"{kind}-{stamp}", kind, own[kind], own[kind], args.epochs) for kind in KINDS
+    with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
+        stack.control_worker()
+        bench = Bench(stack, args.epochs, args.policy)
+        policy = GrantPolicy(args.policy)
+        print(f"dedicated: {len(KINDS)} jobs, each alone on its group ...", flush=True)
+        own = {kind: f"own-{kind}-{stamp}" for kind in KINDS}
+        alone = [
+            config(f"{kind}-{stamp}", kind, own[kind], own[kind], args.epochs) for kind in KINDS
+        ]
+        dedicated = bench.run(alone)
+        profiles = bench.profiles(dedicated)
+        by_kind = {kind: profiles[f"{kind}-{stamp}"] for kind in KINDS}
+        measured_alone = {kind: completion_s(r) for kind, r in zip(KINDS, dedicated, strict=True)}
+        for profile in profiles.values():
+            print(describe_profile(profile), flush=True)
+        if args.profiles_out is not None:
+            args.profiles_out.mkdir(parents=True, exist_ok=True)
+            for kind, profile in by_kind.items():
+                # Named after its kind, not the run's job id.
+                named = profile.model_copy(update={"job_id": kind})
+                dump_profile(named, args.profiles_out / f"{kind}.yaml")
+        overheads, origin = pick_overheads(list(profiles.values()), None)
+        move_bps = STATE_BYTES / MOVE_S
+
+        def predict(placements: list[Any], groups: dict[str, GroupSpec]) -> Any:
+            return simulate(
+                placements, groups=groups, overheads=overheads, move_bytes_per_s=move_bps
+            )
+
+        predicted_alone = {
+            kind: predict([Placement(prof, "own", "own")], {"own": GroupSpec(grant_policy=policy)})
+            .jobs[prof.job_id]
+            .completion_s
+            for kind, prof in by_kind.items()
+        }
+        mixes = []
+        for index, (name, layout, kinds) in enumerate(MIXES):
+            print(f"mix {name}: {', '.join(kinds)} ({layout}) ...", flush=True)
+            configs = []
+            for i, kind in enumerate(kinds):
+                if layout == "one-group":
+                    sampler = trainer = f"mix{index}-{stamp}"
+                else:
+                    sampler, trainer = f"mix{index}-s-{stamp}", f"mix{index}-t-{stamp}"
+                configs.append(
+                    config(f"m{index}-{i}-{kind}-{stamp}", kind, sampler, trainer, args.epochs)
+                )
+            results = bench.run(configs)
+            origin_mono = min(start_for_simulation(r) for r in results)
+            opens = opens_for_simulation(results, overheads.grant_s)
+            placements = [
+                Placement(
+                    by_kind[kind].model_copy(update={"job_id": c["job_id"]}),
+                    c["sampler_group"],
+                    c["trainer_group"],
+                    start_s=start_for_simulation(r) - origin_mono,
+                )
+                for kind, c, r in zip(kinds, configs, results, strict=True)
             ]
-            dedicated = bench.run(alone)
-            profiles = bench.profiles(dedicated)
-            by_kind = {kind: profiles[f"{kind}-{stamp}"] for kind in KINDS}
-            measured_alone = {
-                kind: completion_s(r) for kind, r in zip(KINDS, dedicated, strict=True)
-            }
-            for profile in profiles.values():
-                print(describe_profile(profile), flush=True)
-            if args.profiles_out is not None:
-                args.profiles_out.mkdir(parents=True, exist_ok=True)
-                for kind, profile in by_kind.items():
-                    # Named after its kind, not the run's job id.
-                    named = profile.model_copy(update={"job_id": kind})
-                    dump_profile(named, args.profiles_out / f"{kind}.yaml")
-            overheads, origin = pick_overheads(list(profiles.values()), None)
-            move_bps = STATE_BYTES / MOVE_S
-
-            def predict(placements: list[Any], groups: dict[str, GroupSpec]) -> Any:
-                return simulate(
-                    placements, groups=groups, overheads=overheads, move_bytes_per_s=move_bps
+            memory = memory_for(configs)
+            specs = {
+                g: GroupSpec(
+                    memory_bytes=m,
+                    opens_s=opens.get(g, origin_mono) - origin_mono,
+                    grant_policy=policy,
                 )
-
-            predicted_alone = {
-                kind: predict(
-                    [Placement(prof, "own", "own")], {"own": GroupSpec(grant_policy=policy)}
-                )
-                .jobs[prof.job_id]
-                .completion_s
-                for kind, prof in by_kind.items()
+                for g, m in memory.items()
             }
-            mixes = []
-            for index, (name, layout, kinds) in enumerate(MIXES):
-                print(f"mix {name}: {', '.join(kinds)} ({layout}) ...", flush=True)
-                configs = []
-                for i, kind in enumerate(kinds):
-                    if layout == "one-group":
-                        sampler = trainer = f"mix{index}-{stamp}"
-                    else:
-                        sampler, trainer = f"mix{index}-s-{stamp}", f"mix{index}-t-{stamp}"
-                    configs.append(
-                        config(f"m{index}-{i}-{kind}-{stamp}", kind, sampler, trainer, args.epochs)
-                    )
-                results = bench.run(configs)
-                origin_mono = min(start_for_simulation(r) for r in results)
-                opens = opens_for_simulation(results, overheads.grant_s)
-                placements = [
-                    Placement(
-                        by_kind[kind].model_copy(update={"job_id": c["job_id"]}),
-                        c["sampler_group"],
-                        c["trainer_group"],
-                        start_s=start_for_simulation(r) - origin_mono,
-                    )
-                    for kind, c, r in zip(kinds, configs, results, strict=True)
-                ]
-                memory = memory_for(configs)
-                specs = {
-                    g: GroupSpec(
-                        memory_bytes=m,
-                        opens_s=opens.get(g, origin_mono) - origin_mono,
-                        grant_policy=policy,
-                    )
-                    for g, m in memory.items()
-                }
-                outcome = predict(placements, specs)
-                groups = []
-                for group, holds in sorted(holds_by_group(results).items()):
-                    measured = utilization(holds)["utilization"]
-                    predicted = outcome.groups[group].utilization
-                    bound = demand_bound(
-                        pl.profile.gpu_share(
-                            {
-                                pool
-                                for pool, g in (
-                                    ("sampler", pl.sampler_group),
-                                    ("trainer", pl.trainer_group),
-                                )
-                                if g == group
-                            }
-                        )
-                        for pl in placements
-                        if group in (pl.sampler_group, pl.trainer_group)
-                    )
-                    groups.append(
+            outcome = predict(placements, specs)
+            groups = []
+            for group, holds in sorted(holds_by_group(results).items()):
+                measured = utilization(holds)["utilization"]
+                predicted = outcome.groups[group].utilization
+                bound = demand_bound(
+                    pl.profile.gpu_share(
                         {
-                            "group": group.removesuffix(f"-{stamp}"),
-                            "predicted": round(predicted, 4),
-                            "measured": round(measured, 4),
-                            "error_points": round((predicted - measured) * 100, 2),
-                            "demand_bound": round(bound, 4),
+                            pool
+                            for pool, g in (
+                                ("sampler", pl.sampler_group),
+                                ("trainer", pl.trainer_group),
+                            )
+                            if g == group
                         }
                     )
-                jobs = []
-                for kind, r in zip(kinds, results, strict=True):
-                    measured = completion_s(r) / measured_alone[kind]
-                    predicted = outcome.jobs[r.job_id].completion_s / predicted_alone[kind]
-                    jobs.append(
-                        {
-                            "job": kind,
-                            "predicted": round(predicted, 4),
-                            "measured": round(measured, 4),
-                            "error_pct": round((predicted / measured - 1) * 100, 2),
-                            "completion_s": round(completion_s(r), 2),
-                            "predicted_completion_s": round(outcome.jobs[r.job_id].completion_s, 2),
-                        }
-                    )
-                mixes.append({"mix": name, "layout": layout, "groups": groups, "jobs": jobs})
-                for g in groups:
-                    print(
-                        f"  {g['group']}: utilization {WHILE_JOBS_RAN} predicted "
-                        f"{g['predicted']:.1%}, measured {g['measured']:.1%} "
-                        f"({g['error_points']:+.1f} points); demand bound "
-                        f"{g['demand_bound']:.1%} (the jobs' GPU share alone, summed, capped)",
-                        flush=True,
-                    )
-                for j in jobs:
-                    print(
-                        f"  {j['job']}: slowdown predicted {j['predicted']:.3f}x, measured "
-                        f"{j['measured']:.3f}x ({j['error_pct']:+.1f}%)",
-                        flush=True,
-                    )
-        finally:
-            stop_service(worker)
-            server.stop()
+                    for pl in placements
+                    if group in (pl.sampler_group, pl.trainer_group)
+                )
+                groups.append(
+                    {
+                        "group": group.removesuffix(f"-{stamp}"),
+                        "predicted": round(predicted, 4),
+                        "measured": round(measured, 4),
+                        "error_points": round((predicted - measured) * 100, 2),
+                        "demand_bound": round(bound, 4),
+                    }
+                )
+            jobs = []
+            for kind, r in zip(kinds, results, strict=True):
+                measured = completion_s(r) / measured_alone[kind]
+                predicted = outcome.jobs[r.job_id].completion_s / predicted_alone[kind]
+                jobs.append(
+                    {
+                        "job": kind,
+                        "predicted": round(predicted, 4),
+                        "measured": round(measured, 4),
+                        "error_pct": round((predicted / measured - 1) * 100, 2),
+                        "completion_s": round(completion_s(r), 2),
+                        "predicted_completion_s": round(outcome.jobs[r.job_id].completion_s, 2),
+                    }
+                )
+            mixes.append({"mix": name, "layout": layout, "groups": groups, "jobs": jobs})
+            for g in groups:
+                print(
+                    f"  {g['group']}: utilization {WHILE_JOBS_RAN} predicted "
+                    f"{g['predicted']:.1%}, measured {g['measured']:.1%} "
+                    f"({g['error_points']:+.1f} points); demand bound "
+                    f"{g['demand_bound']:.1%} (the jobs' GPU share alone, summed, capped)",
+                    flush=True,
+                )
+            for j in jobs:
+                print(
+                    f"  {j['job']}: slowdown predicted {j['predicted']:.3f}x, measured "
+                    f"{j['measured']:.3f}x ({j['error_pct']:+.1f}%)",
+                    flush=True,
+                )
 
     util_errors = [abs(g["error_points"]) for m in mixes for g in m["groups"]]
     slow_errors = [abs(j["error_pct"]) for m in mixes for j in m["jobs"]]

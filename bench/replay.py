@@ -287,8 +287,7 @@ def main() -> None:
         if given is not None and len(given) != args.jobs:
             raise SystemExit(f"--{flag.replace('_', '-')} needs {args.jobs} values (--jobs)")
 
-    from timeslice.cli.server import EmbeddedServer, free_port
-    from timeslice.cli.services import start_service, stop_service
+    from timeslice.cli.stack import JobWorker, Stack
 
     restore_s = args.snapshot_s if args.restore_s is None else args.restore_s
     options: dict[str, Any] = {
@@ -336,36 +335,17 @@ def main() -> None:
         footprint[c["trainer_group"]] = states * args.state_bytes
     memory = {g: None if args.no_overlap else 2 * b for g, b in footprint.items()}
 
-    with tempfile.TemporaryDirectory() as tmp_dir:
-        tmp = Path(tmp_dir)
-        server = EmbeddedServer(port=free_port(), ui_port=None, db=tmp / "t.db").start()
-        procs = [
-            start_service(
-                ["worker", "--address", server.address], "control worker", tmp / "worker.log"
-            )
-        ]
-        try:
-            for c in configs:
-                procs.append(
-                    start_service(
-                        ["job", "worker", "--address", server.address, "--job-id", c["job_id"],
-                         "--workload", "simulated", "--checkpoint-dir", str(tmp / "ckpt")],
-                        f"job {c['job_id']} rank 0",
-                        tmp / f"{c['job_id']}.log",
-                    )
-                )  # fmt: skip
-            print(
-                f"{args.layout} ({args.mode}): {args.jobs} jobs x "
-                f"{args.epochs_per_job or args.epochs} epochs ...",
-                flush=True,
-            )
-            started = time.monotonic()
-            results = asyncio.run(run_jobs(server.address, configs, memory, args.policy))
-            elapsed = time.monotonic() - started
-        finally:
-            for proc in reversed(procs):
-                stop_service(proc)
-            server.stop()
+    with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
+        stack.control_worker()
+        stack.job_workers(*(JobWorker((c["job_id"],)) for c in configs))
+        print(
+            f"{args.layout} ({args.mode}): {args.jobs} jobs x "
+            f"{args.epochs_per_job or args.epochs} epochs ...",
+            flush=True,
+        )
+        started = time.monotonic()
+        results = asyncio.run(run_jobs(stack.address, configs, memory, args.policy))
+        elapsed = time.monotonic() - started
 
     by_group = holds_by_group(results)
     if args.mode == "async":

@@ -221,8 +221,7 @@ def main() -> None:
     if args.groups > args.jobs:
         raise SystemExit("--groups must be <= --jobs (each group needs a job)")
 
-    from timeslice.cli.server import EmbeddedServer, free_port
-    from timeslice.cli.services import start_service, stop_service
+    from timeslice.cli.stack import JobWorker, Stack
 
     options: dict[str, Any] = {
         "sample_s": args.sample_s,
@@ -242,50 +241,36 @@ def main() -> None:
     sticky = [] if args.sticky_timeout is None else ["--sticky-timeout", str(args.sticky_timeout)]
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    with (
+    workdir = (
         contextlib.nullcontext(str(args.workdir))
         if args.workdir is not None
         else tempfile.TemporaryDirectory()
-    ) as tmp_dir:
-        tmp = Path(tmp_dir)
-        server = EmbeddedServer(port=free_port(), ui_port=None, db=tmp / "t.db").start()
-        worker = start_service(
-            ["worker", "--address", server.address, *sticky], "control worker", tmp / "worker.log"
-        )
-        procs = [worker]
-        try:
-            started = time.monotonic()
-            per = args.jobs_per_process
-            for first in range(0, len(configs), per):
-                jobs = [c["job_id"] for c in configs[first : first + per]]
-                procs.append(
-                    start_service(
-                        ["job", "worker", "--address", server.address,
-                         *[a for job in jobs for a in ("--job-id", job)],
-                         "--workload", "simulated", "--checkpoint-dir", str(tmp / "ckpt")],
-                        f"job {jobs[0]} rank 0",
-                        tmp / f"{jobs[0]}.log",
-                    )
-                )  # fmt: skip
-            print(
-                f"{len(procs) - 1} job processes serving after "
-                f"{time.monotonic() - started:.1f} s; "
-                f"{args.jobs} jobs x {args.epochs} epochs on {args.groups} groups ...",
-                flush=True,
+    )
+    with workdir as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
+        worker = stack.control_worker(*sticky)
+        started = time.monotonic()
+        per = args.jobs_per_process
+        stack.job_workers(
+            *(
+                JobWorker(tuple(c["job_id"] for c in configs[first : first + per]))
+                for first in range(0, len(configs), per)
             )
-            asyncio.run(start_groups(server.address, groups, memory_bytes))
-            assert server._process is not None
-            server_pid = server._process.pid  # the bench reads its CPU time
-            cpu_before = (tree_cpu_seconds(worker.pid), tree_cpu_seconds(server_pid))
-            began = time.monotonic()
-            results = asyncio.run(run_jobs(server.address, configs))
-            run_s = time.monotonic() - began
-            cpu_after = (tree_cpu_seconds(worker.pid), tree_cpu_seconds(server_pid))
-            costs = asyncio.run(history_costs(server.address, stamp, args.histories))
-        finally:
-            for proc in reversed(procs):
-                stop_service(proc)
-            server.stop()
+        )
+        print(
+            f"{len(stack.procs) - 1} job processes serving after "
+            f"{time.monotonic() - started:.1f} s; "
+            f"{args.jobs} jobs x {args.epochs} epochs on {args.groups} groups ...",
+            flush=True,
+        )
+        asyncio.run(start_groups(stack.address, groups, memory_bytes))
+        server_pid = stack.server_pid  # the bench reads its CPU time
+        assert server_pid is not None
+        cpu_before = (tree_cpu_seconds(worker.pid), tree_cpu_seconds(server_pid))
+        began = time.monotonic()
+        results = asyncio.run(run_jobs(stack.address, configs))
+        run_s = time.monotonic() - began
+        cpu_after = (tree_cpu_seconds(worker.pid), tree_cpu_seconds(server_pid))
+        costs = asyncio.run(history_costs(stack.address, stamp, args.histories))
 
     group_c, job_c, group_updates = costs["group"], costs["job"], costs["group_updates"]
     by_group = holds_by_group(results)

@@ -297,7 +297,7 @@ class Settings:
 @dataclass
 class Soak:
     settings: Settings
-    server: Any  # timeslice.cli.server.EmbeddedServer
+    stack: Any  # timeslice.cli.stack.Stack: the server, the control worker, the RL processes
     procs: list[Incarnation] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     crashes: list[dict[str, Any]] = field(default_factory=list)
@@ -350,33 +350,34 @@ class Soak:
                     inc.proc.stdin.close()
 
     def start_worker(self) -> Incarnation:
-        from timeslice.cli.services import start_service
-
         number = self._number("worker", "control")
-        proc = start_service(
-            [*VERBOSE, "worker", "--address", self.settings.address],
-            "control worker on task queue",
-            self.settings.logs / "control-worker.log",
-        )
+        proc = self.stack.control_worker(log="control-worker.log")
         inc = Incarnation("worker", "control", number, proc, time.monotonic())
         self.procs.append(inc)
         return inc
 
-    def start_rl_process(self, job: str) -> Incarnation:
-        from timeslice.cli.services import start_service
+    def start_rl_processes(self, *jobs: str) -> list[Incarnation]:
+        """Start a process for each of ``jobs`` at once; back when each serves."""
+        from timeslice.cli.stack import JobWorker
 
         s = self.settings
-        number = self._number("rl", job)
-        proc = start_service(
-            [*VERBOSE, "job", "worker", "--address", s.address, "--job-id", job,
-             "--workload", WORKLOAD, "--checkpoint-dir", str(s.checkpoints)],
-            f"job {job} rank 0",
-            s.logs / f"rl-{job}.worker.log",
+        numbers = [self._number("rl", job) for job in jobs]
+        procs = self.stack.job_workers(
+            *(
+                JobWorker((job,), WORKLOAD, ("--checkpoint-dir", str(s.checkpoints)),
+                          log=f"rl-{job}.worker.log")
+                for job in jobs
+            )
         )  # fmt: skip
-        log = s.logs / f"rl-{proc.pid}.jsonl"  # named by the workload after its process
-        inc = Incarnation("rl", job, number, proc, time.monotonic(), log, Tail(log))
-        self.procs.append(inc)
-        return inc
+        started = []
+        for job, number, proc in zip(jobs, numbers, procs, strict=True):
+            log = s.logs / f"rl-{proc.pid}.jsonl"  # named by the workload after its process
+            started.append(Incarnation("rl", job, number, proc, time.monotonic(), log, Tail(log)))
+        self.procs += started
+        return started
+
+    def start_rl_process(self, job: str) -> Incarnation:
+        return self.start_rl_processes(job)[0]
 
     # -------------------------------------------------------------- faults
 
@@ -454,11 +455,11 @@ class Soak:
 
     def restart_server(self) -> Fault:
         t0 = time.monotonic()
-        self.server.stop()
+        self.stack.server.stop()
         down = time.monotonic()
-        self.server.start()  # same port, same SQLite file
+        self.stack.server.start()  # same port, same SQLite file
         self.server_down.append((down, time.monotonic()))
-        return Fault("restart_server", "restart_server", t0, time.time(), self.server.address,
+        return Fault("restart_server", "restart_server", t0, time.time(), self.stack.address,
                      f"down {time.monotonic() - down:.1f} s", time.monotonic() - t0)  # fmt: skip
 
     def pause_waiter(self, rng: random.Random, patience: float) -> Fault | None:
@@ -1030,7 +1031,7 @@ def plan_faults(
 
 
 def run(args: argparse.Namespace) -> int:
-    from timeslice.cli.server import EmbeddedServer, free_port
+    from timeslice.cli.stack import Stack
 
     out: Path = args.out
     logs = out / "logs"
@@ -1048,17 +1049,16 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     started_wall = datetime.now(UTC)
     t_begin = time.monotonic()
-    server = EmbeddedServer(
-        port=free_port(), ui_port=None, db=out / "temporal.db", log_path=logs / "server.log"
-    ).start()
+    # Server log, control worker's and job processes' logs in logs/; the database beside them.
+    stack = Stack(logs, db=out / "temporal.db", cli_args=VERBOSE).start()
     settings = Settings(
-        address=server.address, out=out, logs=logs, seed=args.seed, contenders=args.contenders,
+        address=stack.address, out=out, logs=logs, seed=args.seed, contenders=args.contenders,
         rl_jobs=args.rl_jobs, ttl=args.ttl, rl_ttl=args.rl_ttl,
         acquire_timeout=args.acquire_timeout, hold_min=args.hold_min, hold_max=args.hold_max,
         pause_max=args.pause_max, stop_file=logs / "stop", checkpoints=out / "checkpoints",
         fault_kinds=tuple(kinds),
     )  # fmt: skip
-    soak = Soak(settings, server)
+    soak = Soak(settings, stack)
     status: Any = None
     results: dict[str, Any] = {}
     hung: list[str] = []
@@ -1072,15 +1072,16 @@ def run(args: argparse.Namespace) -> int:
         jobs = [f"j{i}" for i in range(args.rl_jobs)]
         for i in range(args.contenders):
             soak.start_contender(f"c{i}", gated=True)
-        with ThreadPoolExecutor(1 + len(jobs)) as pool:
+        with ThreadPoolExecutor(2) as pool:
             starting = [pool.submit(soak.start_worker)]
-            starting += [pool.submit(soak.start_rl_process, job) for job in jobs]
+            if jobs:
+                starting.append(pool.submit(soak.start_rl_processes, *jobs))
             for future in starting:
                 future.result()
 
         from timeslice.protocol.group import MAX_HISTORY_KEEP
 
-        with TimeSliceOrchestratorClient(target=server.address) as client:
+        with TimeSliceOrchestratorClient(target=stack.address) as client:
             # A killed waiter is found when its grant goes unconfirmed: bounded by this.
             client.create_group(
                 GROUP,
@@ -1088,9 +1089,9 @@ def run(args: argparse.Namespace) -> int:
                 grant_ack_timeout_s=args.ttl,
                 history_keep=MAX_HISTORY_KEEP,  # the most a group carries
             )
-        history = LeaseHistory(server.address, args.progress_every)
+        history = LeaseHistory(stack.address, args.progress_every)
         history.start()
-        start_rl_jobs(server.address, jobs, args.rl_ttl, args.seed)
+        start_rl_jobs(stack.address, jobs, args.rl_ttl, args.seed)
         ready_by = time.monotonic() + 120
         while not all(
             inc.tail is not None and inc.tail.poll() is not None and inc.tail.count["ready"]
@@ -1105,7 +1106,7 @@ def run(args: argparse.Namespace) -> int:
         setup_s = t0 - t_begin
         print(
             f"soak: {args.contenders} contenders, {args.rl_jobs} RL jobs on group {GROUP!r} at "
-            f"{server.address}, {args.duration:g} s, seed {args.seed} (set up in {setup_s:.1f} s)",
+            f"{stack.address}, {args.duration:g} s, seed {args.seed} (set up in {setup_s:.1f} s)",
             flush=True,
         )
         # Faults start once work is under way and stop early enough for the last to settle.
@@ -1166,7 +1167,7 @@ def run(args: argparse.Namespace) -> int:
         print("  stopping: contenders finish their request, RL jobs their epoch ...", flush=True)
         settings.stop_file.touch()
         drain_by = time.monotonic() + args.drain_timeout
-        results = stop_rl_jobs(server.address, jobs, drain_by)
+        results = stop_rl_jobs(stack.address, jobs, drain_by)
         for inc in soak.live("contender"):
             try:
                 inc.proc.wait(timeout=max(1.0, drain_by - time.monotonic()))
@@ -1182,13 +1183,11 @@ def run(args: argparse.Namespace) -> int:
                                      "exit_code": inc.exit_code, "stderr_tail": ""})  # fmt: skip
         status = history.stop()
     finally:
-        from timeslice.cli.services import stop_service
-
         for inc in soak.procs:
             if inc.ended_at is None:
-                stop_service(inc.proc)
+                stack.stop(inc.proc)
                 inc.ended_at = time.monotonic()
-        server.stop()
+        stack.close()
     drain_s = time.monotonic() - t_end
     report = analyse(soak, results, status, history.records, hung)
     report.update(

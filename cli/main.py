@@ -431,6 +431,16 @@ def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
     return values
 
 
+def _limit_torch_threads(threads: int) -> None:
+    """torch's CPU threads in this process, without importing torch for a workload that does
+    not use it (its import is seconds of CPU, paid by every `simulated` job process): set now
+    if the workload imported it, else by OMP_NUM_THREADS, which torch reads when imported."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+
+
 async def _run_job_worker(args: argparse.Namespace) -> int:
     from timeslice.protocol.group import job_task_queue
     from timeslice.transport.telemetry import worker_telemetry
@@ -448,9 +458,7 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise TimesliceError(str(err)) from err
     if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+        _limit_torch_threads(args.threads)
     config = connect_config(args.address, args.namespace, profile=args.profile)
     async with worker_telemetry("timeslice-job-worker", args.metrics_port) as metrics:
         client = await connect(config, runtime=metrics.runtime if metrics else None)

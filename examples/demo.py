@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +35,8 @@ from typing import Any
 
 from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import EmbeddedServer
-from timeslice.cli.services import ServiceStartError, start_service
+from timeslice.cli.services import ServiceStartError
+from timeslice.cli.stack import JobWorker, Stack
 from timeslice.jobs import describe_progress, parse_job_config, start_rl_job
 from timeslice.protocol.group import (
     DEFAULT_GRANT_POLICY,
@@ -89,13 +89,6 @@ class Run:
 
 DEDICATED = Run("dedicated", ("alone-a", "alone-b"), ("gpus-a", "gpus-b"))
 SHARED = Run("shared", ("shared-a", "shared-b"), ("shared-gpus",))
-
-
-def start(args: list[str], ready: str, log: Path) -> subprocess.Popen[str]:
-    try:
-        return start_service(args, ready, log, append=False, echo=True)
-    except ServiceStartError as err:
-        raise SystemExit(str(err)) from None
 
 
 def sparkline(values: list[float]) -> str:
@@ -319,19 +312,21 @@ def main() -> int:
         stale.unlink()
     checkpoints = state / "demo-checkpoints"
     print("starting the embedded Temporal server ...", flush=True)
+    # Its control worker and the four job processes start side by side (each imports torch for
+    # seconds), their logs beside the database; all stop when the demo ends.
     server = EmbeddedServer(
         port=args.port, ui_port=args.ui_port, db=db, log_path=state / "server.log"
     )
-    server.start()
+    stack = Stack(state, server=server, append=False, echo=True).start()
     print(f"  Temporal at {server.address}, Web UI {server.ui_url}", flush=True)
-    procs: list[subprocess.Popen[str]] = []
     try:
-        address = ["--address", server.address]
-        procs.append(start(["worker", *address], "control worker", state / "worker.log"))
-        for job in (*DEDICATED.jobs, *SHARED.jobs):
-            cmd = ["job", "worker", "--job-id", job, "--workload", args.workload, "--threads", "1"]
-            cmd += ["--checkpoint-dir", str(checkpoints), *address]
-            procs.append(start(cmd, f"job {job}", state / f"{job}.log"))
+        try:
+            stack.control_worker()
+            worker_args = ("--threads", "1", "--checkpoint-dir", str(checkpoints))
+            jobs = (*DEDICATED.jobs, *SHARED.jobs)
+            stack.job_workers(*(JobWorker((job,), args.workload, worker_args) for job in jobs))
+        except ServiceStartError as err:
+            raise SystemExit(str(err)) from None
         policy = GrantPolicy(args.grant_policy)
         _, alone_wall = asyncio.run(
             run_jobs(
@@ -385,14 +380,7 @@ def main() -> int:
                 server.wait()
         return 0
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        server.stop()
+        stack.close()
 
 
 def entry() -> Any:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar
 
+from timeslice.cli import warm_start
+
 REPO = Path(__file__).resolve().parent.parent
 CONTENDER = REPO / "tests" / "contender.py"
 T = TypeVar("T")
@@ -81,6 +83,20 @@ def assert_no_overlap(intervals: list[Interval]) -> None:
         )
 
 
+def checked_holds(log: Path) -> list[Interval]:
+    """The hold intervals the processes logged in ``log``, checked never to overlap."""
+    intervals = hold_intervals(read_log(log))
+    assert_no_overlap(intervals)
+    return intervals
+
+
+def spawn_contenders(
+    address: str, group: str, jobs: list[str], log: Path, *extra: str
+) -> list[subprocess.Popen]:
+    """A contender process per job of ``jobs``, all on ``group`` with the same arguments."""
+    return [spawn_contender(address, group, job, log, *extra) for job in jobs]
+
+
 def spawn_contender(
     address: str, group: str, job: str, log: Path, *extra: str, stderr: IO[bytes] | None = None
 ) -> subprocess.Popen:
@@ -97,6 +113,8 @@ def spawn_contender(
         str(log),
         *extra,
     ]
+    if warm_start.enabled() and stderr is None:  # forked from a process that imported it
+        return warm_start.WarmProcess(cmd[2:], script=CONTENDER, pipe_stdout=False)  # type: ignore[return-value]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen(cmd, env=env, stderr=stderr)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.contrib.pydantic import pydantic_data_converter
+from timeslice.cli.stack import Stack
 from timeslice.protocol.group import (
     CARRY_CEILING_BYTES,
     CONTROL_TASK_QUEUE,
@@ -37,7 +38,6 @@ from timeslice.protocol.group import (
 )
 from timeslice.transport.updates import send_update
 
-from .conftest import start_server, start_worker, stop_process
 from .test_durability import _runs
 
 GROUP = "flooded"
@@ -172,22 +172,19 @@ async def flood(address: str) -> list[int]:
 
 
 def test_a_group_flooded_with_maximal_messages_keeps_serving(tmp_path: Path):
-    server = start_server(tmp_path, dynamic_config={"limit.historyCount.suggestContinueAsNew": 200})
-    worker = start_worker(server.address, tmp_path / "worker.log")
-    try:
-        *tokens, runs = asyncio.run(flood(server.address))
+    can_often = {"limit.historyCount.suggestContinueAsNew": 200}
+    with Stack(tmp_path, dynamic_config=can_often).start() as stack:
+        stack.control_worker()
+        *tokens, runs = asyncio.run(flood(stack.address))
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
         assert runs > 10, "the group did not continue as new often"
-        carried = _runs(server.address, GROUP)
+        carried = _runs(stack.address, GROUP)
         assert len(carried) == runs
         sizes = [size for size, _ in carried if size]
         print(f"\ncontinue-as-new inputs: {len(sizes)}, largest {max(sizes)} bytes")
         assert max(sizes) < CARRY_CEILING_BYTES
         assert max(sizes) > MAX_QUEUE_BYTES * 0.8  # the queue's requests were carried
         assert [cause for _, failed in carried for cause in failed] == []
-    finally:
-        stop_process(worker)
-        server.stop()
 
 
 def test_a_holder_that_dies_instead_of_evicting_is_forgotten(address: str, group: str):

@@ -13,18 +13,10 @@ import signal
 from pathlib import Path
 
 from temporalio.client import Client
+from timeslice.cli.stack import Stack
 from timeslice.protocol.group import group_workflow_id
 
-from .conftest import start_server, start_worker, stop_process
-from .helpers import (
-    assert_no_overlap,
-    events,
-    finish,
-    hold_intervals,
-    read_log,
-    spawn_contender,
-    wait_for,
-)
+from .helpers import checked_holds, events, finish, spawn_contenders, wait_for
 
 JOBS = ("cw-a", "cw-b", "cw-c")
 ITERATIONS = 8
@@ -46,39 +38,26 @@ async def _last_task_worker(address: str, group: str) -> int | None:
 
 
 def test_killing_the_control_worker_of_a_contended_group(tmp_path: Path) -> None:
-    server = start_server(tmp_path)
-    workers = [start_worker(server.address, tmp_path / f"worker{i}.log") for i in range(2)]
     log = tmp_path / "holds.jsonl"
     group = "two-workers"
-    procs = [
-        spawn_contender(
-            server.address, group, job, log, "--iterations", str(ITERATIONS), "--hold", "0.3"
-        )
-        for job in JOBS
-    ]
-    try:
+    with Stack(tmp_path).start() as stack:
+        workers = [stack.control_worker(log=f"worker{i}.log") for i in range(2)]
+        args = ("--iterations", str(ITERATIONS), "--hold", "0.3")
+        procs = stack.adopt(*spawn_contenders(stack.address, group, list(JOBS), log, *args))
         wait_for(
             lambda: len(events(log, "acquired")) >= 4 or None,
             timeout=120,
             what="four leases granted",
         )
         by_pid = {w.pid: w for w in workers}
-        pid = asyncio.run(_last_task_worker(server.address, group))
+        pid = asyncio.run(_last_task_worker(stack.address, group))
         assert pid in by_pid, f"the group's last task ran on {pid}, not a control worker here"
         killed_at = len(events(log, "acquired"))
         os.kill(pid, signal.SIGKILL)
         by_pid[pid].wait(timeout=30)
         finish(procs, timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for w in workers:
-            stop_process(w)
-        server.stop()
-    intervals = hold_intervals(read_log(log))
+    intervals = checked_holds(log)
     assert len(intervals) == len(JOBS) * ITERATIONS
-    assert_no_overlap(intervals)
     assert killed_at < len(intervals), "nothing was granted after the kill"
     ordered = sorted(intervals, key=lambda i: i.start)
     gaps = [after.start - before.end for before, after in itertools.pairwise(ordered)]

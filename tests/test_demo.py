@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 from timeslice.cli.server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,18 +68,48 @@ def test_demo_compares_dedicated_and_shared_from_the_runs_records(tmp_path: Path
         assert (out / name).stat().st_size > 0
 
 
+BAD_OPTIONS = (
+    ("d_model=4096", "option 'd_model' = 4096 is invalid; allowed: an int in 8..1024"),
+    ("nope=1", "unknown option(s) ['nope']"),
+    ("d_model", "expected KEY=VALUE, not 'd_model'"),
+)
+
+
 def test_demo_refuses_a_bad_workload_option_before_starting_anything(tmp_path: Path) -> None:
+    """As the command: exit status 2, what to fix on stderr, nothing started."""
     state = tmp_path / "state"
-    for option, says in (
-        ("d_model=4096", "option 'd_model' = 4096 is invalid; allowed: an int in 8..1024"),
-        ("nope=1", "unknown option(s) ['nope']"),
-        ("d_model", "expected KEY=VALUE, not 'd_model'"),
-    ):
-        demo = subprocess.run(
-            [sys.executable, str(REPO / "examples" / "demo.py"), "--option", option,
-             "--state", str(state)],
-            capture_output=True, text=True, timeout=120, cwd=REPO,
-        )  # fmt: skip
-        assert demo.returncode == 2, demo.stdout + demo.stderr
-        assert says in demo.stderr
-        assert not state.exists()  # no server, database or log was started
+    option, says = BAD_OPTIONS[0]
+    demo = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--option", option,
+         "--state", str(state)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert demo.returncode == 2, demo.stdout + demo.stderr
+    assert says in demo.stderr
+    assert not state.exists()  # no server, database or log was started
+
+
+@pytest.mark.parametrize(("option", "says"), BAD_OPTIONS, ids=[o for o, _ in BAD_OPTIONS])
+def test_demo_says_what_is_wrong_with_each_bad_option(
+    tmp_path: Path, option: str, says: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Each refusal's message, from the demo's own main() in this process (the command's
+    start-up, torch's import, is paid once above, not once per option)."""
+    state = tmp_path / "state"
+    monkeypatch.setattr(sys, "argv", ["demo.py", "--option", option, "--state", str(state)])
+    with pytest.raises(SystemExit) as exited:
+        _demo_module().main()
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not state.exists()
+
+
+def _demo_module() -> Any:
+    name = "_timeslice_demo"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "examples" / "demo.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]

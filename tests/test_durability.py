@@ -9,18 +9,10 @@ from temporalio.api.enums.v1 import WorkflowTaskFailedCause
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice import TimeSliceOrchestratorClient
+from timeslice.cli.stack import Stack
 from timeslice.protocol.group import group_workflow_id
 
-from .conftest import start_server, start_worker, stop_process
-from .helpers import (
-    assert_no_overlap,
-    events,
-    finish,
-    hold_intervals,
-    read_log,
-    spawn_contender,
-    wait_for,
-)
+from .helpers import checked_holds, events, finish, spawn_contenders, wait_for
 
 
 def _runs(address: str, group: str) -> list[tuple[int, list[str]]]:
@@ -58,73 +50,52 @@ def _run_count(address: str, group: str) -> int:
 
 
 def test_continue_as_new_under_contention_loses_nothing(tmp_path: Path):
-    server = start_server(tmp_path, dynamic_config={"limit.historyCount.suggestContinueAsNew": 120})
-    worker = start_worker(server.address, tmp_path / "worker.log")
-    try:
+    can_often = {"limit.historyCount.suggestContinueAsNew": 120}
+    with Stack(tmp_path, dynamic_config=can_often).start() as stack:
+        stack.control_worker()
         log = tmp_path / "holds.jsonl"
         jobs = ["a", "b", "c"]
-        procs = [
-            spawn_contender(server.address, "can", job, log, "--iterations", "25", "--hold", "0.01")
-            for job in jobs
-        ]
+        procs = spawn_contenders(
+            stack.address, "can", jobs, log, "--iterations", "25", "--hold", "0.01"
+        )
         finish(procs, timeout=300)
-        intervals = hold_intervals(read_log(log))
+        intervals = checked_holds(log)
         assert len(intervals) == 75
-        assert_no_overlap(intervals)
         tokens = [i.token for i in intervals]
         assert len(set(tokens)) == 75  # no grant duplicated
-        with TimeSliceOrchestratorClient(target=server.address) as client:
+        with TimeSliceOrchestratorClient(target=stack.address) as client:
             status = client.group_status("can")
         assert status.stats.runs > 2, "the group never continued as new"
-        assert _run_count(server.address, "can") == status.stats.runs
+        assert _run_count(stack.address, "can") == status.stats.runs
         assert status.stats.leases == 75 and status.stats.released == 75
         assert status.holder is None and status.queue == []
-        runs = _runs(server.address, "can")
+        runs = _runs(stack.address, "can")
         # The carried state is small and bounded, and no continue-as-new was rejected (a
         # rejected one makes the worker replay the whole run: the hand-off stalls).
         assert all(0 < size < 256 * 1024 for size, _ in runs if size), runs
         assert sum(1 for size, _ in runs if size) == len(runs) - 1  # all but the last continued
         assert [cause for _, failed in runs for cause in failed] == []
-    finally:
-        stop_process(worker)
-        server.stop()
 
 
 def test_server_restart_mid_contention_every_job_completes(tmp_path: Path):
-    server = start_server(tmp_path)
-    worker = start_worker(server.address, tmp_path / "worker.log")
-    try:
+    with Stack(tmp_path).start() as stack:
+        stack.control_worker()
+        server = stack.server
+        assert server is not None
         log = tmp_path / "holds.jsonl"
         jobs = ["r1", "r2", "r3"]
-        procs = [
-            spawn_contender(
-                server.address,
-                "restart",
-                job,
-                log,
-                "--iterations",
-                "12",
-                "--hold",
-                "0.05",
-                "--ttl",
-                "60",
-            )
-            for job in jobs
-        ]
+        args = ("--iterations", "12", "--hold", "0.05", "--ttl", "60")
+        procs = spawn_contenders(server.address, "restart", jobs, log, *args)
         wait_for(lambda: len(events(log, "acquired")) >= 6, what="contention under way")
         server.stop()
         before = len(events(log, "acquired"))
         server.start()  # same port, same SQLite file
         finish(procs, timeout=300)
-        intervals = hold_intervals(read_log(log))
+        intervals = checked_holds(log)
         assert before < 36, "the restart happened after the work was done"
         assert len(intervals) == 36
-        assert_no_overlap(intervals)
         assert {r["job"] for r in events(log, "done")} == set(jobs)
         with TimeSliceOrchestratorClient(target=server.address) as client:
             status = client.group_status("restart")
         assert status.stats.leases == 36
         assert status.stats.released == 36
-    finally:
-        stop_process(worker)
-        server.stop()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ pytest.importorskip("optax", reason="grpo-jax jobs need optax: timeslice[jax]")
 
 import numpy as np
 from temporalio.client import Client
+from timeslice.cli.stack import JobWorker, Stack
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GroupStatus, group_workflow_id
 from timeslice.protocol.rl_job import RLJobResult
@@ -30,7 +30,6 @@ from timeslice.transport.connection import connect, connect_config
 from timeslice.workloads.base import JobSpec
 from timeslice.workloads.grpo_jax import create
 
-from tests.conftest import start_service, stop_process
 from tests.helpers import Interval, assert_no_overlap
 
 EPOCHS = 6
@@ -47,20 +46,6 @@ def config(job: str, group: str, seed: int) -> dict[str, Any]:
         "seed": seed,
         "checkpoint_every": 2,
     }
-
-
-@pytest.fixture
-def job_processes(address: str, tmp_path: Path) -> Iterator[Any]:
-    procs = []
-
-    def start(job: str) -> None:
-        args = ["job", "worker", "--address", address, "--job-id", job, "--workload",
-                "grpo-jax", "--checkpoint-dir", str(tmp_path / "checkpoints")]  # fmt: skip
-        procs.append(start_service(args, f"job {job} rank 0", tmp_path / f"{job}.log"))
-
-    yield start
-    for proc in procs:
-        stop_process(proc)
 
 
 def run_jobs(address: str, configs: list[dict[str, Any]], group: str):
@@ -88,12 +73,11 @@ def final_state(result: RLJobResult) -> dict[str, np.ndarray]:
 
 
 def test_two_jax_jobs_time_slice_one_group_and_end_bit_identical_to_one_alone(
-    address: str, job_processes: Any, group: str
+    address: str, stack: Stack, group: str
 ) -> None:
     tag = uuid.uuid4().hex[:8]
     a, b, alone = f"ja-{tag}", f"jb-{tag}", f"jalone-{tag}"
-    for job in (a, b, alone):
-        job_processes(job)
+    stack.job_workers(*(JobWorker((job,), "grpo-jax") for job in (a, b, alone)))
     results, status = run_jobs(
         address,
         [config(a, group, 7), config(b, group, 8), config(alone, f"g-{alone}", 7)],

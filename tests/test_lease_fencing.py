@@ -24,6 +24,7 @@ from temporalio.worker import Worker
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
 from timeslice.activities.job_runtime import FENCED_EXIT_STATUS
+from timeslice.cli.stack import Stack
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import job_task_queue
 from timeslice.protocol.rl_job import (
@@ -39,7 +40,7 @@ from timeslice.report import collect_report
 from timeslice.transport.connection import connect, connect_config
 from timeslice.workers.sandbox import workflow_runner
 
-from tests.conftest import start_server, start_service, start_worker, stop_process
+from tests.conftest import start_service, stop_process
 from tests.fenced_workload import LOG_ENV
 from tests.helpers import Interval, finish, hold_intervals, read_log, spawn_contender, wait_for
 from tests.requester_workflows import ForgedPhaseWorkflow
@@ -118,24 +119,22 @@ def test_control_worker_outage_during_prepare_never_lets_two_hold(
     job's lease and grants the client. The job process must have stopped preparing on its own,
     while nothing of Temporal's side ran — a setup that checks its context stops; one that never
     does is stopped by the process exiting. The job then rewinds and runs every epoch once."""
-    server = start_server(tmp_path)
-    worker = start_worker(server.address, tmp_path / "worker.log")
-    procs: list[subprocess.Popen] = []
-    try:
+    with Stack(tmp_path).start() as stack:
+        worker = stack.control_worker()
         device, holds, gate = tmp_path / "device.jsonl", tmp_path / "holds.jsonl", tmp_path / "go"
         monkeypatch.setenv(LOG_ENV, str(device))
         job, group = "outage", "gP"
-        job_proc = _job_worker(server.address, job, WORKLOAD, tmp_path)
-        procs.append(job_proc)
+        job_proc = stack.job_worker(job, WORKLOAD, "--threads", "1")
         options = {**FAST, "setup_until": str(gate), "setup_ignores_stop": not setup_checks}
-        _start_job(server.address, {
+        _start_job(stack.address, {
             "job_id": job, "workload": WORKLOAD, "sampler_group": group, "epochs": 2,
             "lease_ttl_s": 5, "workload_options": options,
         })  # fmt: skip
         wait_for(lambda: _events(device, "start", "setup"), timeout=120, what="the job's setup")
-        client = spawn_contender(server.address, group, "client", holds, "--hold", "1")
-        procs.append(client)
-        wait_for(lambda: _queued(server.address, group), timeout=180, what="the client queued")
+        [client] = stack.adopt(
+            spawn_contender(stack.address, group, "client", holds, "--hold", "1")
+        )
+        wait_for(lambda: _queued(stack.address, group), timeout=180, what="the client queued")
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         killed = time.monotonic()
@@ -155,12 +154,12 @@ def test_control_worker_outage_during_prepare_never_lets_two_hold(
         # The outage is the fault itself, and must outlast the TTL; it is not waited on for
         # anything to happen.
         wait_for(lambda: time.monotonic() - killed >= 12.0, timeout=30, what="a 12-s outage")
-        worker = start_worker(server.address, tmp_path / "worker.log")
+        worker = stack.control_worker()
         gate.touch()  # the setup that comes after the rewind runs through
         if not setup_checks:  # as its supervisor would, once it exited
-            procs.append(_job_worker(server.address, job, WORKLOAD, tmp_path))
+            stack.job_worker(job, WORKLOAD, "--threads", "1")
         finish([client], timeout=120)
-        done = _job_result(server.address, job)
+        done = _job_result(stack.address, job)
         assert [r.epoch for r in done.records] == [0, 1] and done.epochs_done == 2
         assert done.rewinds >= 1
         client_holds = hold_intervals(read_log(holds))
@@ -169,14 +168,9 @@ def test_control_worker_outage_during_prepare_never_lets_two_hold(
         assert len([u for u in job_uses if u.job.endswith("setup")]) == 2
         _assert_apart(job_uses, client_holds)
         # The client was granted only after the job's lease expired at the group.
-        with TimeSliceOrchestratorClient(target=server.address) as status_client:
+        with TimeSliceOrchestratorClient(target=stack.address) as status_client:
             status = status_client.group_status(group)
         assert status.stats.expired >= 1
-    finally:
-        for proc in procs:
-            stop_process(proc)
-        stop_process(worker)
-        server.stop()
 
 
 def test_forged_phase_under_another_jobs_token_is_refused(

@@ -6,26 +6,26 @@ rewards at once while the group idles (with these times most fifo runs do; the f
 only the policy's rule, never a carry). Under ``phase_aware`` (the default) the lease is carried
 into the sample past the waiter, so each job's GPU work is one block and one job's rewards run
 during the other's block. Checked on the jobs' own records (phase intervals and grants), not
-on wall time, so a loaded machine slows both runs alike without changing the verdict.
+on wall time, so a loaded machine slows both runs alike without changing the verdict. The two
+policies' pairs run at the same time, each on its own group (their phases mostly sleep).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+import uuid
 
 import pytest
 from temporalio.client import Client
 from timeslice.activities.group_requests import start_group
+from timeslice.cli.server import EmbeddedServer
+from timeslice.cli.stack import JobWorker, Stack
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GrantPolicy, GroupConfig, GroupStatus, group_workflow_id
 from timeslice.protocol.rl_job import RLJobResult
 from timeslice.transport.connection import connect, connect_config
 
-from tests.conftest import start_service, stop_process
 from tests.helpers import Interval, assert_no_overlap
 
 EPOCHS = 9
@@ -41,53 +41,65 @@ OPTIONS = {"sample_s": 0.3, "reward_s": 1.2, "train_s": 0.5, "state_bytes": SIZE
            "snapshot_s": 0.05}  # fmt: skip
 
 
-@pytest.fixture
-def job_workers(address: str, tmp_path: Path) -> Iterator[Callable[[str], None]]:
-    procs = []
-
-    def start(job: str) -> None:
-        args = ["job", "worker", "--address", address, "--job-id", job, "--workload", "simulated",
-                "--checkpoint-dir", str(tmp_path / "ckpt"), "--threads", "1"]  # fmt: skip
-        procs.append(start_service(args, f"job {job}", tmp_path / f"{job}.log"))
-
-    yield start
-    for proc in procs:
-        stop_process(proc)
+POLICIES = (GrantPolicy.PHASE_AWARE, GrantPolicy.FIFO)
+Run = tuple[str, list[RLJobResult], GroupStatus]
 
 
-def _run_pair(address: str, group: str, policy: GrantPolicy) -> tuple[list[RLJobResult], Any]:
-    jobs = [f"{group}-a", f"{group}-b"]
-
-    async def go(client: Client) -> tuple[list[RLJobResult], GroupStatus]:
-        await start_group(
-            client, GroupConfig(group_id=group, memory_bytes=4 * SIZE, grant_policy=policy)
-        )
-        handles = [
-            await start_rl_job(
-                client,
-                parse_job_config(
-                    {
-                        "job_id": job,
-                        "workload": "simulated",
-                        "workload_options": OPTIONS,
-                        "sampler_group": group,
-                        "epochs": EPOCHS,
-                        "checkpoint_every": EPOCHS,
-                    }
-                ),
+@pytest.fixture(scope="module")
+def runs(
+    server: EmbeddedServer, worker: None, tmp_path_factory: pytest.TempPathFactory
+) -> dict[GrantPolicy, Run]:
+    """Each policy's pair of jobs, both pairs at once: the group, the results, its status."""
+    groups = {policy: f"g-{policy.value}-{uuid.uuid4().hex[:8]}" for policy in POLICIES}
+    tmp = tmp_path_factory.mktemp("phase-aware")
+    with Stack(tmp, address=server.address) as stack:
+        stack.job_workers(
+            *(
+                JobWorker((job,), "simulated", ("--threads", "1"))
+                for group in groups.values()
+                for job in _jobs(group)
             )
-            for job in jobs
-        ]
-        results = list(await asyncio.gather(*(h.result() for h in handles)))
-        status = await client.get_workflow_handle(group_workflow_id(group)).query(
-            "status", result_type=GroupStatus
         )
-        return results, status
 
-    async def main() -> tuple[list[RLJobResult], GroupStatus]:
-        return await go(await connect(connect_config(address)))
+        async def both() -> list[tuple[list[RLJobResult], GroupStatus]]:
+            client = await connect(connect_config(server.address))
+            return list(await asyncio.gather(*(_run_pair(client, groups[p], p) for p in POLICIES)))
 
-    return asyncio.run(main())
+        done = asyncio.run(both())
+    return {p: (groups[p], *pair) for p, pair in zip(POLICIES, done, strict=True)}
+
+
+def _jobs(group: str) -> list[str]:
+    return [f"{group}-a", f"{group}-b"]
+
+
+async def _run_pair(
+    client: Client, group: str, policy: GrantPolicy
+) -> tuple[list[RLJobResult], GroupStatus]:
+    await start_group(
+        client, GroupConfig(group_id=group, memory_bytes=4 * SIZE, grant_policy=policy)
+    )
+    handles = [
+        await start_rl_job(
+            client,
+            parse_job_config(
+                {
+                    "job_id": job,
+                    "workload": "simulated",
+                    "workload_options": OPTIONS,
+                    "sampler_group": group,
+                    "epochs": EPOCHS,
+                    "checkpoint_every": EPOCHS,
+                }
+            ),
+        )
+        for job in _jobs(group)
+    ]
+    results = list(await asyncio.gather(*(h.result() for h in handles)))
+    status = await client.get_workflow_handle(group_workflow_id(group)).query(
+        "status", result_type=GroupStatus
+    )
+    return results, status
 
 
 def _rewards_intervals(result: RLJobResult) -> list[tuple[float, float]]:
@@ -120,13 +132,11 @@ def _switches_per_epoch_per_job(results: list[RLJobResult], group: str) -> float
     return changes / ((EPOCHS - WARMUP) * len(results))
 
 
-@pytest.mark.parametrize("policy", [GrantPolicy.PHASE_AWARE, GrantPolicy.FIFO])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_two_jobs_on_one_group_do_not_phase_lock(
-    address: str, group: str, job_workers: Callable[[str], None], policy: GrantPolicy
+    runs: dict[GrantPolicy, Run], policy: GrantPolicy
 ) -> None:
-    for job in (f"{group}-a", f"{group}-b"):
-        job_workers(job)
-    results, status = _run_pair(address, group, policy)
+    group, results, status = runs[policy]
     for result in results:
         assert [r.epoch for r in result.records] == list(range(EPOCHS))
     assert_no_overlap(

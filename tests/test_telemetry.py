@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
 from timeslice.cli.server import EmbeddedServer, free_port
+from timeslice.cli.stack import Stack
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import (
     GROUP_WORKFLOW_TYPE,
@@ -45,7 +46,7 @@ from timeslice.transport.telemetry import otlp_tracing_requested, start_metrics_
 from timeslice.workers.control import build_control_worker
 from timeslice.workers.job import build_job_runtime, build_job_worker
 
-from tests.conftest import start_server, start_service, stop_process
+from tests.conftest import start_service, stop_process
 from tests.helpers import events, spawn_contender, wait_for
 
 MiB = 1 << 20
@@ -63,9 +64,9 @@ GROUP_METRICS = (
 
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    srv = start_server(tmp_path / "temporal")
-    yield srv
-    srv.stop()
+    with Stack(tmp_path / "temporal").start() as stack:
+        assert stack.server is not None
+        yield stack.server
 
 
 # ---------------------------------------------------------------- metrics
