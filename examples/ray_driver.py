@@ -32,6 +32,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -124,13 +125,15 @@ def run_job(
     group: str | None,
     score_s: float = 0.05,
     together: threading.Barrier | None = None,
+    while_holding: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """The driver's loop: set the worker group up, then ``steps`` updates, each followed by
     CPU work; returns the losses and the final weights' digest per rank.
 
     With ``group`` the group calls run under the group's lease (``address``: Temporal's);
     without, it is the plain driver. ``together``: wait there once the ranks serve (jobs
-    started at once then take turns from their first step)."""
+    started at once then take turns from their first step). ``while_holding(step)``: called
+    under each step's lease before its update (the tests hold a step until a neighbour waits)."""
     if group is None:
         return _plain(actors, steps, score_s)
     assert address is not None
@@ -145,6 +148,8 @@ def run_job(
                 ray.get([w.setup.remote() for w in actors])
             for step in range(steps):
                 with orchestrator.on_accelerators() as lease:  # timeslice (2 of 2): wrap it
+                    if while_holding is not None:
+                        while_holding(step)
                     meeting = f"{lease.token}/{step}"
                     per_rank = ray.get([w.update.remote(step, meeting) for w in actors])
                 losses.append(sum(per_rank) / len(per_rank))

@@ -86,7 +86,15 @@ def test_server_restart_mid_contention_every_job_completes(tmp_path: Path):
         jobs = ["r1", "r2", "r3"]
         args = ("--iterations", "12", "--hold", "0.05", "--ttl", "60")
         procs = spawn_contenders(server.address, "restart", jobs, log, *args)
-        wait_for(lambda: len(events(log, "acquired")) >= 6, what="contention under way")
+        # Every contender connected and holding its turn before the server goes: one that had not
+        # connected yet would find no server at start-up, which is not what this test is about.
+        wait_for(
+            lambda: (
+                {r["job"] for r in events(log, "acquired")} == set(jobs)
+                and len(events(log, "acquired")) >= 6
+            ),
+            what="every contender under way",
+        )
         server.stop()
         before = len(events(log, "acquired"))
         server.start()  # same port, same SQLite file

@@ -149,11 +149,22 @@ def test_a_ray_driver_wraps_its_calls_and_the_actors_state_moves(
     together = threading.Barrier(2)
     driven: dict[str, Any] = {}
 
+    def hold_until_the_rl_job_waits(step: int) -> None:
+        # The driver's first step keeps its lease until the RL job queues behind it, so its
+        # release is contended (its actors' state leaves) and its next step brings it back,
+        # however the two jobs' start-ups happen to interleave.
+        if step == 0:
+            wait_for(
+                lambda: bool(group_status(address, group).queue),
+                timeout=180,
+                what="the RL job waiting behind the driver",
+            )
+
     def drive() -> None:
         driven.update(
             ray_driver.run_job(
                 workers, steps=steps, job_id=f"driver-{job}", address=address, group=group,
-                together=together,
+                together=together, while_holding=hold_until_the_rl_job_waits,
             )
         )  # fmt: skip
 
