@@ -369,7 +369,8 @@ class Soak:
         number = self._number("rl", job)
         proc = start_service(
             [*VERBOSE, "job", "worker", "--address", s.address, "--job-id", job,
-             "--workload", WORKLOAD, "--checkpoint-dir", str(s.checkpoints)],
+             "--workload", WORKLOAD, "--checkpoint-dir", str(s.checkpoints),
+             "--keep-serving"],  # the soak tells a crash by an exit: it ends them itself
             f"job {job} rank 0",
             s.logs / f"rl-{job}.worker.log",
         )  # fmt: skip

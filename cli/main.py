@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -22,6 +22,7 @@ from timeslice.transport.connection import connect, connect_config
 
 if TYPE_CHECKING:
     from temporalio.worker import Worker
+    from timeslice.activities.job_runtime import JobRuntime
     from timeslice.protocol.group import GroupStatus
     from timeslice.report.model import GroupFigures
 
@@ -272,6 +273,12 @@ def _add_job_worker_parser(jobs: argparse._SubParsersAction) -> None:  # type: i
     worker.add_argument(
         "--threads", type=_number(int, at_least=1), help="torch CPU threads for this process"
     )
+    worker.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="keep serving after the run this process serves has ended (by default it exits "
+        "then: a job process serves one run, and a new run needs a new process)",
+    )
     _add_metrics_arg(worker)
     _add_connection_args(worker)
 
@@ -434,7 +441,7 @@ def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
 async def _run_job_worker(args: argparse.Namespace) -> int:
     from timeslice.protocol.group import job_task_queue
     from timeslice.transport.telemetry import worker_telemetry
-    from timeslice.workers.job import build_job_runtime, build_job_worker
+    from timeslice.workers.job import build_job_runtime, build_job_worker, run_ended
 
     if len(set(args.job_ids)) < len(args.job_ids):
         raise TimesliceError(f"--job-id names a job twice: {' '.join(args.job_ids)}")
@@ -463,7 +470,20 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
             )
         if metrics:
             print(f"metrics {metrics.where}", flush=True)
-        code = await _serve(*workers)
+
+        async def every_run_ended() -> None:
+            async def one(runtime: JobRuntime) -> None:
+                how = await run_ended(client, runtime)
+                print(f"job {runtime.job_id} rank {args.rank}: {how}", flush=True)
+
+            await asyncio.gather(*(one(runtime) for runtime in runtimes))
+            print(
+                "every run this process served has ended: exiting (--keep-serving keeps a job "
+                "process up; a new run of a job needs a new one)",
+                flush=True,
+            )
+
+        code = await _serve(*workers, until=None if args.keep_serving else every_run_ended())
         for runtime in runtimes:
             try:
                 await runtime.depart()
@@ -693,7 +713,8 @@ async def _run_agent_token(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(*workers: Worker) -> int:
+async def _serve(*workers: Worker, until: Coroutine[None, None, None] | None = None) -> int:
+    """Run ``workers`` until SIGINT / SIGTERM, or until ``until`` (if given) returns."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -701,7 +722,14 @@ async def _serve(*workers: Worker) -> int:
     async with contextlib.AsyncExitStack() as serving:
         for worker in workers:
             await serving.enter_async_context(worker)
-        await stop.wait()
+        waits = {asyncio.ensure_future(stop.wait())}
+        if until is not None:
+            waits.add(asyncio.ensure_future(until))
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            task.result()  # a failure of ``until`` is the command's
         print("stopping ...", flush=True)
     return 0
 
