@@ -69,7 +69,7 @@ def test_demo_refuses_a_bad_workload_option_before_starting_anything(tmp_path: P
     state = tmp_path / "state"
     for option, says in (
         ("d_model=4096", "option 'd_model' = 4096 is invalid; allowed: an int in 8..1024"),
-        ("nope=1", "unknown option(s) ['nope']"),
+        ("nope=1", "unknown option(s) 'nope'"),
         ("d_model", "expected KEY=VALUE, not 'd_model'"),
     ):
         demo = subprocess.run(
@@ -80,3 +80,13 @@ def test_demo_refuses_a_bad_workload_option_before_starting_anything(tmp_path: P
         assert demo.returncode == 2, demo.stdout + demo.stderr
         assert says in demo.stderr
         assert not state.exists()  # no server, database or log was started
+
+
+def test_demo_help_says_what_it_does_in_whole_sentences() -> None:
+    shown = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--help"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    said = " ".join(shown.stdout.split("options:")[0].split())
+    assert "then both sharing one, on the embedded Temporal server." in said, said
