@@ -721,18 +721,29 @@ def test_a_job_process_exits_when_its_run_has_ended(
 
 
 def test_bad_workload_options_end_the_job_at_once(
-    address: str, job_workers: Callable[..., Any], group: str
+    address: str, job_workers: Callable[..., Any], group: str, tmp_path: Path
 ) -> None:
     job = job_id("badopt")
     job_workers(job, "grpo-toy")
-    with pytest.raises(WorkflowFailureError) as failed:
-        start_and_wait(
-            address,
-            **grpo_config(job, group, workload_options={"lr": "fast please"}),
+    bad = grpo_config(job, group, workload_options={"lr": "fast please"})
+    # `timeslice job start` (start_rl_job) refuses it before anything starts ...
+    with pytest.raises(InvalidArgumentError, match="option 'lr' must be float"):
+        start_and_wait(address, **bad)
+
+    async def go(client: Client) -> None:
+        # ... and past that check (the temporal CLI, another SDK) the job process refuses it.
+        handle = await client.start_workflow(
+            "RLJobWorkflow", bad, id=rl_job_workflow_id(job), task_queue="timeslice"
         )
+        await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as failed:
+        run(go, address)
     cause = failed.value.cause
     assert isinstance(cause, ApplicationError) and cause.non_retryable
     assert cause.type == "InvalidConfig" and "'lr'" in cause.message
+    log = (tmp_path / f"{job}-0.log").read_text()
+    assert log.count("refused (InvalidConfig)") == 1 and "Traceback" not in log, log
 
 
 def _uncovered_waits(results: list[RLJobResult]) -> list[tuple[str, int, str, float]]:
