@@ -234,3 +234,11 @@ def test_job_options_lists_what_each_option_does():
     assert shown.returncode == 0, shown.stderr
     assert "reward_latency_s (float, default 0.0)" in shown.stdout
     assert "external verifier" in shown.stdout  # what it stands for, not only its name
+    helped = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "job", "worker", "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    from timeslice.workloads.registry import BUILTIN
+
+    said = " ".join(helped.stdout.split())
+    assert all(name in said for name in BUILTIN), said  # grpo-jax too
