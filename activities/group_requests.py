@@ -10,7 +10,6 @@ import secrets
 
 from temporalio import activity
 from temporalio.service import RPCError, RPCStatusCode
-from timeslice.group_start import start_group
 from timeslice.protocol.group import (
     DRAW_SECRET_ACTIVITY,
     RENEW_LEASE_ACTIVITY,
@@ -25,6 +24,7 @@ from timeslice.protocol.group import (
     RenewResult,
     group_workflow_id,
 )
+from timeslice.session.group_start import start_group
 from timeslice.transport.updates import send_update
 
 __all__ = ["draw_secret", "renew_lease", "request_group", "start_group"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -29,11 +30,8 @@ from typing import Any, TypeVar
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
-from timeslice.activities.snapshots import SnapshotActivities
 from timeslice.activities.state_homes import StateHomes
 from timeslice.errors import TimesliceError
-from timeslice.lease import Lease
-from timeslice.lease_session import LeaseSession
 from timeslice.protocol.group import (
     DEFAULT_LEASE_TTL_S,
     GroupQuery,
@@ -72,6 +70,9 @@ from timeslice.protocol.rl_job import (
     PrepareResult,
     protocol_mismatch,
 )
+from timeslice.session.lease import Lease
+from timeslice.session.lease_session import LeaseSession, SessionSettings
+from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import registered_bytes
 from timeslice.transport.telemetry import meter, span
 from timeslice.transport.updates import send_update
@@ -141,14 +142,11 @@ class JobRuntime:
         # it asks groups for leases, renews them and releases them; its inbox takes grants that
         # come as activities on this rank's queue, which this worker serves.
         self.session = LeaseSession(
-            connect_config={"target_host": "(the job worker's Temporal client)"},
-            job_id=job_id,
-            task_queue=job_task_queue(job_id, rank),
-            priority=0,
-            lease_ttl_s=None,
-            snapshot_target=None,
-            state_bytes=None,
-            rpc_retry_s=60.0,
+            SessionSettings(
+                connect_config={"target_host": "(the job worker's Temporal client)"},
+                job_id=job_id,
+                task_queue=job_task_queue(job_id, rank),
+            )
         )
         self.homes = StateHomes(job_id, self.session.report_moved)
         self.snapshots = SnapshotActivities(None, self.homes, job_id=job_id)
@@ -166,7 +164,9 @@ class JobRuntime:
 
     def attach(self, client: Client) -> None:
         """Use the job worker's client (call from its event loop, before serving)."""
-        self.session.connect_config = {"target_host": client.service_client.config.target_host}
+        self.session.settings.connect_config = {
+            "target_host": client.service_client.config.target_host
+        }
         self.session.attach(client)
 
     def activities(self) -> list[Callable[..., Any]]:
@@ -328,27 +328,21 @@ class JobRuntime:
 
     @activity.defn(name=SAMPLE_ACTIVITY)
     async def sample(self, inp: PhaseInput) -> PhaseResult:
-        def check() -> None:
-            self._expect(inp.epoch)
-
+        check = functools.partial(self._expect, inp.epoch)
         result = await self._phase(inp, check, self.workload.sample)
         self._sampled = inp.epoch
         return result
 
     @activity.defn(name=REWARDS_ACTIVITY)
     async def compute_rewards(self, inp: PhaseInput) -> PhaseResult:
-        def check() -> None:
-            self._expect(inp.epoch, sampled=True)
-
+        check = functools.partial(self._expect, inp.epoch, sampled=True)
         result = await self._phase(inp, check, self.workload.compute_rewards)
         self._rewarded = inp.epoch
         return result
 
     @activity.defn(name=TRAIN_ACTIVITY)
     async def train(self, inp: PhaseInput) -> PhaseResult:
-        def check() -> None:
-            self._expect(inp.epoch, sampled=True, rewarded=True)
-
+        check = functools.partial(self._expect, inp.epoch, sampled=True, rewarded=True)
         result = await self._phase(inp, check, self.workload.train)
         self._epochs_done = inp.epoch + 1
         self._sampled = self._rewarded = None
@@ -397,6 +391,9 @@ class JobRuntime:
         check: Callable[[], None],
         step: Callable[[int, PhaseContext], dict[str, float]],
     ) -> PhaseResult:
+        """One phase of an epoch: ``check`` that this process is where the workflow believes,
+        take the phase's lease (unless the workflow holds it), run ``step`` under it, hand it
+        back as the workflow ordered, and ask ahead for the next phase's lease."""
         self._check_job(inp.job_id)
         async with _keep_alive():
             check()
@@ -411,45 +408,11 @@ class JobRuntime:
                 # the group, and a switch that evicts this job must not wait for it.
                 names = inp.group_backends if order is not None else []
                 async with self.homes.using(names, inp.group_id) as restored:
-                    ctx = PhaseContext(inp.epoch, inp.phase)
                     started = time.monotonic()
-                    try:
-                        metrics = await self._supervise(
-                            lambda: step(inp.epoch, ctx),
-                            ctx,
-                            fences,
-                            inp.lease_check_s,
-                            inp.timeout_s,
-                        )
-                    except BaseException:
-                        # Whatever ran may have changed the state halfway: only a checkpoint
-                        # fixes that.
-                        self._sampled = self._rewarded = None
-                        if inp.phase == "train":
-                            self._epochs_done = None
-                        raise
+                    metrics = await self._run_step(inp, step, fences, token)
                     ended = time.monotonic()
                     released_at = time.monotonic()
-                    released = kept = False
-                    carry = ""
-                    if lease is not None and inp.release == "always":
-                        # Sent now, answered after this activity returns: the job's next step
-                        # does not wait for the group's answer (nor for an eviction it asks).
-                        self._yield_in_background(lease, names, restored)
-                        released = True
-                    elif lease is not None and inp.release == "if_contended":
-                        # keep_if_uncontended says what a group of any release understands;
-                        # carry_into lets the group's grant policy keep it past waiters too.
-                        released, kept, carry = await self._yield(
-                            lease,
-                            names,
-                            restored=restored,
-                            keep_if_uncontended=True,
-                            carry_into=inp.carry_into,
-                        )
-                    elif lease is not None:
-                        kept = True
-                        self._unreported.setdefault(lease.request_id, []).extend(restored)
+                    released, kept, carry = await self._hand_back(lease, inp, names, restored)
                     lease = None
             finally:
                 if lease is not None:  # the phase failed: hand the group on now, not at its TTL
@@ -485,6 +448,57 @@ class JobRuntime:
             restored=restored,
             asked_ahead=asked_ahead,
         )
+
+    async def _run_step(
+        self,
+        inp: PhaseInput,
+        step: Callable[[int, PhaseContext], dict[str, float]],
+        fences: list[LeaseFence],
+        token: int | None,
+    ) -> dict[str, float]:
+        """Run the phase's work, supervised under ``fences`` (the lease's fencing ``token`` in its
+        context); work that failed may have left the state halfway, and then only a checkpoint
+        fixes it."""
+        ctx = PhaseContext(inp.epoch, inp.phase, lease_token=token)
+        try:
+            return await self._supervise(
+                lambda: step(inp.epoch, ctx), ctx, fences, inp.lease_check_s, inp.timeout_s
+            )
+        except BaseException:
+            self._sampled = self._rewarded = None
+            if inp.phase == "train":
+                self._epochs_done = None
+            raise
+
+    async def _hand_back(
+        self,
+        lease: Lease | None,
+        inp: PhaseInput,
+        names: list[str],
+        restored: list[SnapshotReport],
+    ) -> tuple[bool, bool, str]:
+        """What becomes of the phase's own lease, as the workflow ordered (``inp.release``):
+        released in the background ("always"), released unless the group keeps it for the next
+        phase ("if_contended"), or kept. Returns (released, kept, the group's carry reason)."""
+        if lease is None:
+            return False, False, ""
+        if inp.release == "always":
+            # Sent now, answered after this activity returns: the job's next step does not
+            # wait for the group's answer (nor for an eviction it asks).
+            self._yield_in_background(lease, names, restored)
+            return True, False, ""
+        if inp.release == "if_contended":
+            # keep_if_uncontended says what a group of any release understands; carry_into
+            # lets the group's grant policy keep it past waiters too.
+            return await self._yield(
+                lease,
+                names,
+                restored=restored,
+                keep_if_uncontended=True,
+                carry_into=inp.carry_into,
+            )
+        self._unreported.setdefault(lease.request_id, []).extend(restored)
+        return False, True, ""
 
     # ---------------------------------------------------------------- leases
 

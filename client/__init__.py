@@ -29,12 +29,12 @@ if TYPE_CHECKING:
         UnknownGroupError,
         VersionMismatchError,
     )
-    from timeslice.lease import Lease
     from timeslice.orchestrator import (
         AsyncTimeSliceOrchestratorClient,
         TimeSliceOrchestratorClient,
     )
     from timeslice.protocol.group import GroupStatus
+    from timeslice.session.lease import Lease
 
 _EXPORTS: dict[str, str] = {
     "AcquireTimeoutError": "timeslice.errors",
@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "GroupStatus": "timeslice.protocol.group",
     "InvalidArgumentError": "timeslice.errors",
     "JobFaultedError": "timeslice.errors",
-    "Lease": "timeslice.lease",
+    "Lease": "timeslice.session.lease",
     "LeaseRevokedError": "timeslice.errors",
     "NoControlWorkerError": "timeslice.errors",
     "NotHolderError": "timeslice.errors",

@@ -43,10 +43,13 @@ from timeslice.protocol.rl_job import (
 from timeslice.transport.connection import pollers
 from timeslice.workloads.options import check_workload_options
 
+# A progress line unchanged for this long is shown again, so a follower is never silent.
 SILENCE_S = 10.0
 # A progress query that takes longer than this is taken as unanswered (and why is looked for).
 QUERY_TIMEOUT = timedelta(seconds=5)
 WAITING_FOR_PROCESSES = "waiting for job processes"
+P = TypeVar("P")
+Res = TypeVar("Res")
 
 
 JOB_MODES = ("sync", "async")
@@ -54,8 +57,19 @@ ASYNC_ONLY_FIELDS = {"max_staleness", "sync_every"}
 
 
 def parse_job_config(data: dict[str, Any]) -> RLJobConfig:
-    """A sync job's config (``"mode": "sync"`` may be given); InvalidArgumentError naming each
-    bad field."""
+    """A sync job's config, checked.
+
+    Args:
+        data: The config as JSON data (``timeslice job start --config``); ``"mode": "sync"``
+            may be given.
+
+    Returns:
+        The ``RLJobConfig``.
+
+    Raises:
+        InvalidArgumentError: A field is missing or malformed (each bad field named), or an
+            async job's setting (``max_staleness``, ``sync_every``) is set.
+    """
     if data.get("mode") == "sync":
         data = {k: v for k, v in data.items() if k != "mode"}
     async_only = sorted(ASYNC_ONLY_FIELDS & set(data))
@@ -73,7 +87,18 @@ def parse_job_config(data: dict[str, Any]) -> RLJobConfig:
 
 
 def parse_async_job_config(data: dict[str, Any]) -> AsyncRLJobConfig:
-    """An async job's config; InvalidArgumentError naming each bad field or rule."""
+    """An async job's config, checked.
+
+    Args:
+        data: The config as JSON data, with ``"mode": "async"``.
+
+    Returns:
+        The ``AsyncRLJobConfig``.
+
+    Raises:
+        InvalidArgumentError: A field is missing or malformed, or a rule between fields is
+            broken; each is named.
+    """
     try:
         config = AsyncRLJobConfig.model_validate(data)
     except ValidationError as err:
@@ -102,7 +127,17 @@ def check_options(config: RLJobConfig) -> None:
 
 
 def parse_any_job_config(data: dict[str, Any]) -> RLJobConfig:
-    """The config of a job of either mode, by its ``mode`` field (default ``sync``)."""
+    """The config of a job of either mode, by its ``mode`` field.
+
+    Args:
+        data: The config as JSON data; ``mode`` is ``sync`` (the default) or ``async``.
+
+    Returns:
+        An ``AsyncRLJobConfig`` for an async job, else an ``RLJobConfig``.
+
+    Raises:
+        InvalidArgumentError: An unknown mode, or a config its mode refuses.
+    """
     mode = data.get("mode", "sync")
     if mode not in JOB_MODES:
         raise InvalidArgumentError(f"invalid job config: mode must be sync or async, not {mode!r}")
@@ -111,7 +146,19 @@ def parse_any_job_config(data: dict[str, Any]) -> RLJobConfig:
 
 async def start_any_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandle[Any, Any]:
     """Start the job's workflow: ``AsyncRLJobWorkflow`` for an async config, else
-    ``RLJobWorkflow``."""
+    ``RLJobWorkflow``.
+
+    Args:
+        client: A Temporal client (``timeslice.transport.connection.connect``).
+        config: The job's config (``parse_any_job_config``).
+
+    Returns:
+        The workflow's handle.
+
+    Raises:
+        InvalidArgumentError: A workload option its workload refuses, or the job id was used
+            already (its run is going on, or ended).
+    """
     if isinstance(config, AsyncRLJobConfig):
         return await start_async_rl_job(client, config)
     return await start_rl_job(client, config)
@@ -120,49 +167,83 @@ async def start_any_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandl
 async def start_async_rl_job(
     client: Client, config: AsyncRLJobConfig
 ) -> WorkflowHandle[Any, AsyncRLJobResult]:
-    """Start ``AsyncRLJobWorkflow`` for ``config`` (id ``rl-job-<job_id>``, as a sync job's)."""
-    check_options(config)
-    try:
-        return await client.start_workflow(
-            ASYNC_RL_JOB_WORKFLOW_TYPE,
-            config.model_dump(mode="json"),
-            id=rl_job_workflow_id(config.job_id),
-            task_queue=CONTROL_TASK_QUEUE,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            result_type=AsyncRLJobResult,
-            search_attributes=TypedSearchAttributes([SearchAttributePair(JOB_KEY, config.job_id)]),
-            static_summary=f"async RL job {config.job_id}: {config.workload}, "
-            f"{config.epochs} steps, sample on {config.sampler_group}, train on {config.trainer}",
-            static_details=(
-                f"**workload**: {config.workload}\n\n**sampler group**: {config.sampler_group}"
-                f"\n\n**trainer group**: {config.trainer}\n\n**steps**: {config.epochs} · "
-                f"max staleness {config.max_staleness} · sync every {config.sync_every} · "
-                f"batch {config.batch_size}, group size {config.group_size} · seed {config.seed}"
-            ),
-        )
-    except WorkflowAlreadyStartedError as err:
-        raise InvalidArgumentError(await _used_id_message(client, config.job_id)) from err
+    """Start ``AsyncRLJobWorkflow`` for ``config`` (id ``rl-job-<job_id>``, as a sync job's).
+
+    Args:
+        client: A Temporal client (``timeslice.transport.connection.connect``).
+        config: The async job's config.
+
+    Returns:
+        The workflow's handle; its result is an ``AsyncRLJobResult``.
+
+    Raises:
+        InvalidArgumentError: A workload option its workload refuses, or the job id was used
+            already (its run is going on, or ended).
+    """
+    return await _start_job(
+        client,
+        config,
+        ASYNC_RL_JOB_WORKFLOW_TYPE,
+        AsyncRLJobResult,
+        summary=f"async RL job {config.job_id}: {config.workload}, {config.epochs} steps, "
+        f"sample on {config.sampler_group}, train on {config.trainer}",
+        length=f"**steps**: {config.epochs} · max staleness {config.max_staleness} · "
+        f"sync every {config.sync_every}",
+    )
 
 
 async def start_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandle[Any, RLJobResult]:
-    """Start ``RLJobWorkflow`` for ``config`` (id ``rl-job-<job_id>``, task queue ``timeslice``)."""
-    check_options(config)
+    """Start ``RLJobWorkflow`` for ``config`` (id ``rl-job-<job_id>``, task queue ``timeslice``).
+
+    Args:
+        client: A Temporal client (``timeslice.transport.connection.connect``).
+        config: The job's config.
+
+    Returns:
+        The workflow's handle; its result is an ``RLJobResult``.
+
+    Raises:
+        InvalidArgumentError: A workload option its workload refuses, or the job id was used
+            already (its run is going on, or ended).
+    """
     groups = ", ".join(dict.fromkeys([config.sampler_group, config.trainer]))
+    return await _start_job(
+        client,
+        config,
+        RL_JOB_WORKFLOW_TYPE,
+        RLJobResult,
+        summary=f"RL job {config.job_id}: {config.workload}, {config.epochs} epochs on {groups}",
+        length=f"**epochs**: {config.epochs}",
+    )
+
+
+async def _start_job(
+    client: Client,
+    config: RLJobConfig,
+    workflow_type: str,
+    result_type: type[Res],
+    *,
+    summary: str,
+    length: str,
+) -> WorkflowHandle[Any, Res]:
+    """Start a job's workflow of ``workflow_type``, its workload options checked first;
+    ``summary`` and ``length`` (how long it runs, in the mode's terms) are what the Web UI shows
+    of it."""
+    check_options(config)
     try:
         return await client.start_workflow(
-            RL_JOB_WORKFLOW_TYPE,
+            workflow_type,
             config.model_dump(mode="json"),
             id=rl_job_workflow_id(config.job_id),
             task_queue=CONTROL_TASK_QUEUE,
             # A job id names one run: its processes hold that run's model (see job_runtime).
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            result_type=RLJobResult,
+            result_type=result_type,
             search_attributes=TypedSearchAttributes([SearchAttributePair(JOB_KEY, config.job_id)]),
-            static_summary=f"RL job {config.job_id}: {config.workload}, "
-            f"{config.epochs} epochs on {groups}",
+            static_summary=summary,
             static_details=(
                 f"**workload**: {config.workload}\n\n**sampler group**: {config.sampler_group}"
-                f"\n\n**trainer group**: {config.trainer}\n\n**epochs**: {config.epochs} · "
+                f"\n\n**trainer group**: {config.trainer}\n\n{length} · "
                 f"batch {config.batch_size}, group size {config.group_size} · seed {config.seed}"
             ),
         )
@@ -192,7 +273,15 @@ async def _used_id_message(client: Client, job_id: str) -> str:
 
 
 def job_failure(status: WorkflowExecutionStatus | None) -> str | None:
-    """How a job's workflow ended badly (failed, terminated ...), or None if it did not."""
+    """How a job's workflow ended badly, in words for a message.
+
+    Args:
+        status: The workflow's status (``describe().status``); None: not known.
+
+    Returns:
+        ``"failed"``, ``"was terminated"``, ``"was cancelled"``, ``"timed out"`` (or
+        ``"ended <status>"``); None if it runs, completed or continued as new.
+    """
     if status in (
         None,
         WorkflowExecutionStatus.RUNNING,
@@ -206,63 +295,6 @@ def job_failure(status: WorkflowExecutionStatus | None) -> str | None:
         WorkflowExecutionStatus.CANCELED: "was cancelled",
         WorkflowExecutionStatus.TIMED_OUT: "timed out",
     }.get(status, f"ended {status.name.lower()}")
-
-
-def describe_progress(p: RLJobProgress) -> str:
-    reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
-    extra = f" · rewinds {p.rewinds}" if p.rewinds else ""
-    return f"[{p.job_id}] epoch {p.epoch}/{p.epochs} · {p.phase} · reward {reward}{extra}"
-
-
-async def follow_job(
-    client: Client,
-    job_id: str,
-    show: Callable[[str], None] = print,
-    *,
-    poll_s: float = 1.0,
-    config: RLJobConfig | None = None,
-    flags: str = "",
-) -> RLJobResult:
-    """Show progress lines until the job ends (never silent for long), then return its result.
-
-    A control worker or a job process that is missing is said within seconds, with the
-    command that starts it (``config``: the job's, if known; ``flags``: connection flags for
-    those commands)."""
-    return await _follow(
-        client, job_id, show, poll_s, RLJobProgress, RLJobResult, describe_progress, config, flags
-    )
-
-
-def describe_async_progress(p: AsyncRLJobProgress) -> str:
-    reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
-    extra = f" · rewinds {p.rewinds}" if p.rewinds else ""
-    return (
-        f"[{p.job_id}] step {p.epoch}/{p.epochs} · trainer: {p.phase} · sampler: "
-        f"{p.sampler_phase} · weights v{p.published} · queued {p.queued} · reward {reward}{extra}"
-    )
-
-
-async def follow_async_job(
-    client: Client,
-    job_id: str,
-    show: Callable[[str], None] = print,
-    *,
-    poll_s: float = 1.0,
-    config: RLJobConfig | None = None,
-    flags: str = "",
-) -> AsyncRLJobResult:
-    """``follow_job`` for an async job."""
-    return await _follow(
-        client,
-        job_id,
-        show,
-        poll_s,
-        AsyncRLJobProgress,
-        AsyncRLJobResult,
-        describe_async_progress,
-        config,
-        flags,
-    )
 
 
 async def read_job_config(client: Client, job_id: str) -> RLJobConfig:
@@ -294,7 +326,15 @@ async def read_job_config(client: Client, job_id: str) -> RLJobConfig:
 
 
 def no_control_worker(client: Client, flags: str = "") -> str:
-    """What to say when no control worker polls: the task queue, where, and the command."""
+    """What to say when no control worker polls: the task queue, where, and the command.
+
+    Args:
+        client: The client that found none (its namespace is named).
+        flags: Connection flags to add to the command (``--address ...``), if any.
+
+    Returns:
+        The message, ending with the command that starts one.
+    """
     return (
         f"no control worker serves task queue {CONTROL_TASK_QUEUE!r} (namespace "
         f"{client.namespace!r}): nothing runs the job's workflow until one does; start one "
@@ -313,6 +353,9 @@ async def missing_job_processes(client: Client, config: RLJobConfig, flags: str 
 
     Returns:
         One line per missing rank; empty when every rank has a process.
+
+    Raises:
+        temporalio.service.RPCError: Temporal did not answer.
     """
     lines = []
     for rank in range(config.ranks):
@@ -341,6 +384,10 @@ async def why_waiting(
 
     Returns:
         A line per missing piece, each with the command that starts it; empty if none.
+
+    Raises:
+        InvalidArgumentError: The job's start input is no job config.
+        temporalio.service.RPCError: No such job (``NOT_FOUND``), or Temporal did not answer.
     """
     if not await pollers(client, CONTROL_TASK_QUEUE):
         return [no_control_worker(client, flags)]
@@ -348,8 +395,109 @@ async def why_waiting(
     return await missing_job_processes(client, config, flags)
 
 
-P = TypeVar("P")
-Res = TypeVar("Res")
+def describe_progress(p: RLJobProgress) -> str:
+    """One line of a sync job's progress, as ``follow_job`` and ``timeslice job progress``
+    show it.
+
+    Args:
+        p: The job's progress (its ``progress`` query).
+
+    Returns:
+        ``[job] epoch E/N · phase · reward R`` (and the rewinds, if any).
+    """
+    reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
+    extra = f" · rewinds {p.rewinds}" if p.rewinds else ""
+    return f"[{p.job_id}] epoch {p.epoch}/{p.epochs} · {p.phase} · reward {reward}{extra}"
+
+
+async def follow_job(
+    client: Client,
+    job_id: str,
+    show: Callable[[str], None] = print,
+    *,
+    poll_s: float = 1.0,
+    config: RLJobConfig | None = None,
+    flags: str = "",
+) -> RLJobResult:
+    """Show progress lines until the job ends (never silent for long), then return its result.
+
+    Follows the job across its continue-as-new runs; a line that has not changed is shown
+    again every ``SILENCE_S`` seconds, marked "(still)". A missing control worker or job
+    process is said within seconds, with the command that starts it.
+
+    Args:
+        client: A Temporal client (``timeslice.transport.connection.connect``).
+        job_id: The job's id.
+        show: Where each line goes.
+        poll_s: How often the job's progress is asked for.
+        config: The job's config, if known (else read from its history when needed).
+        flags: Connection flags to add to the commands said (``--address ...``).
+
+    Returns:
+        The job's ``RLJobResult``.
+
+    Raises:
+        temporalio.client.WorkflowFailureError: The job's workflow failed (or was cancelled or
+            terminated).
+        temporalio.service.RPCError: No such job (``NOT_FOUND``), or Temporal did not answer.
+    """
+    return await _follow(
+        client, job_id, show, poll_s, RLJobProgress, RLJobResult, describe_progress, config, flags
+    )
+
+
+def describe_async_progress(p: AsyncRLJobProgress) -> str:
+    """One line of an async job's progress, as ``follow_async_job`` shows it.
+
+    Args:
+        p: The job's progress (its ``progress`` query).
+
+    Returns:
+        ``[job] step S/N · trainer: phase · sampler: phase · weights vW · queued Q · reward R``
+        (and the rewinds, if any).
+    """
+    reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
+    extra = f" · rewinds {p.rewinds}" if p.rewinds else ""
+    return (
+        f"[{p.job_id}] step {p.epoch}/{p.epochs} · trainer: {p.phase} · sampler: "
+        f"{p.sampler_phase} · weights v{p.published} · queued {p.queued} · reward {reward}{extra}"
+    )
+
+
+async def follow_async_job(
+    client: Client,
+    job_id: str,
+    show: Callable[[str], None] = print,
+    *,
+    poll_s: float = 1.0,
+    config: RLJobConfig | None = None,
+    flags: str = "",
+) -> AsyncRLJobResult:
+    """``follow_job`` for an async job, whose lines say the step, both roles' phases, the
+    weights' version and the queue (``describe_async_progress``).
+
+    Args:
+        client, job_id, show, poll_s, config, flags: As for ``follow_job``.
+
+    Returns:
+        The job's ``AsyncRLJobResult``.
+
+    Raises:
+        As ``follow_job``: ``WorkflowFailureError`` when the job's workflow failed, was
+        cancelled or terminated; ``RPCError`` when there is no such job or Temporal did not
+        answer.
+    """
+    return await _follow(
+        client,
+        job_id,
+        show,
+        poll_s,
+        AsyncRLJobProgress,
+        AsyncRLJobResult,
+        describe_async_progress,
+        config,
+        flags,
+    )
 
 
 async def _follow(

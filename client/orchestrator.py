@@ -11,17 +11,15 @@ import atexit
 import functools
 import inspect
 import os
+import re
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from timeslice.engine import Engine
 from timeslice.errors import InvalidArgumentError, LeaseRevokedError
-from timeslice.lease import Lease
-from timeslice.lease_session import check_timeout
 from timeslice.protocol.group import (
     MAX_ACQUIRE_TIMEOUT_S,
     MAX_LEASE_TTL_S,
@@ -38,6 +36,10 @@ from timeslice.protocol.group import (
     job_task_queue,
     node_task_queue,
 )
+from timeslice.session.arguments import check_timeout
+from timeslice.session.engine import Engine
+from timeslice.session.lease import Lease
+from timeslice.session.lease_session import SessionSettings
 from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.snapshot.registration import JOB_TOKEN_ENV, AgentRegistration
@@ -45,6 +47,7 @@ from timeslice.snapshot.registry import BACKENDS, Placement, create, node_agent_
 from timeslice.transport.connection import connect_config
 
 F = TypeVar("F", bound=Callable[..., Any])
+D = TypeVar("D", bound=Callable[..., Any] | type)
 
 
 def _checked(kind: str, value: object) -> str:
@@ -80,6 +83,20 @@ def _checked_node_queue(node: str) -> str:
         return node_task_queue(node)
     except ValueError as err:
         raise InvalidArgumentError(str(err)) from None
+
+
+def _elsewhere(target: SnapshotTarget | None, own_queue: str) -> list[QueueTarget]:
+    """The queues of a ``snapshot_target`` given to a client (other processes' state)."""
+    if target is None:
+        return []
+    if not isinstance(target, SnapshotTarget):
+        raise InvalidArgumentError(f"snapshot_target must be a SnapshotTarget, not {target!r}")
+    if any(q.task_queue == own_queue for q in target.queues):
+        raise InvalidArgumentError(
+            f"snapshot_target names {own_queue!r}, this client's own task queue (its grants): "
+            "give the client a rank none of those processes has"
+        )
+    return list(target.queues)
 
 
 def _backends(spec: list[str | SnapshotBackend] | None) -> dict[str, SnapshotBackend]:
@@ -133,6 +150,7 @@ class _ClientBase:
         snapshot_backends: list[str | SnapshotBackend] | None = None,
         node: str | None = None,
         node_backends: list[str] | None = None,
+        snapshot_target: SnapshotTarget | None = None,
         state_bytes: int | None = None,
         profile: str | None = None,
         api_key: str | None = None,
@@ -153,16 +171,19 @@ class _ClientBase:
         ):
             raise InvalidArgumentError(f"state_bytes must be an integer >= 0, not {state_bytes!r}")
         self._job_token = ""  # what proves the job to the node agent; set by _snapshot_target
-        self._engine = Engine(
+        settings = SessionSettings(
             connect_config=connect_config(target, namespace, profile=profile, api_key=api_key),
             job_id=self.job_id,
             task_queue=self.task_queue,
             priority=self.priority,
             lease_ttl_s=ttl,
-            backends=backends,
-            snapshot_target=self._snapshot_target(backends, node, node_backends),
+            snapshot_target=self._snapshot_target(backends, node, node_backends, snapshot_target),
             state_bytes=state_bytes,
             rpc_retry_s=check_timeout(rpc_retry, "rpc_retry") or 0.0,
+        )
+        self._engine = Engine(
+            settings,
+            backends=backends,
             # The node agent checkpoints this process only once it registered itself there.
             agent=AgentRegistration(node, self.job_id, self._job_token)
             if node is not None and _whole_process(node_backends or node_agent_backends())
@@ -175,9 +196,11 @@ class _ClientBase:
         backends: dict[str, SnapshotBackend],
         node: str | None,
         node_backends: list[str] | None,
+        elsewhere: SnapshotTarget | None = None,
     ) -> SnapshotTarget | None:
-        """This process's queue for in-process backends, plus its node agent's if asked."""
-        queues = []
+        """This process's queue for in-process backends, plus its node agent's if asked, plus
+        the queues of other processes that hold the job's state (``elsewhere``)."""
+        queues = _elsewhere(elsewhere, self.task_queue)
         if backends:
             queues.append(QueueTarget(task_queue=self.task_queue, backends=list(backends)))
         if node is not None:
@@ -237,6 +260,25 @@ class _ClientBase:
             None if priority is None else self._check_priority(priority),
         )
 
+    # The calls both clients make, as coroutines for the client's own loop: the blocking
+    # client runs them with ``run_sync``, the async one awaits them with ``run_async``.
+
+    def _acquiring(
+        self, group_id: str | None, timeout: float | None, priority: int | None, ttl: float | None
+    ) -> Coroutine[Any, Any, Lease]:
+        group, timeout, priority = self._acquire_args(group_id, timeout, priority)
+        return self._session.acquire(group, timeout, priority, _checked_ttl(ttl, "ttl"))
+
+    def _status_of(self, group_id: str | None) -> Coroutine[Any, Any, GroupStatus]:
+        group, _, _ = self._acquire_args(group_id, None, None)
+        return self._session.group_status(group)
+
+    def _creating(
+        self, group_id: str | None, settings: dict[str, Any]
+    ) -> Coroutine[Any, Any, bool]:
+        config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
+        return self._session.create_group(config)
+
     @property
     def held(self) -> dict[str, Lease]:
         """The leases this client holds now, by group id."""
@@ -245,7 +287,7 @@ class _ClientBase:
     @property
     def address(self) -> str:
         """The Temporal server's ``HOST:PORT`` this client talks to."""
-        return str(self._session.connect_config["target_host"])
+        return str(self._session.settings.connect_config["target_host"])
 
     def on_accelerators(
         self, group_id: str | None = None, timeout: float | None = None, priority: int | None = None
@@ -304,6 +346,9 @@ class TimeSliceOrchestratorClient(_ClientBase):
             through it as well (whole-process backends such as ``cuda-checkpoint``).
         node_backends: The agent's backends to use (needs ``node``). None: every backend
             the agent may run.
+        snapshot_target: Queues of other processes that hold this job's state and serve its
+            evictions and restores (the job's Ray actors: ``timeslice.integrations.ray``);
+            the group moves their state as well as this process's.
         state_bytes: The job's declared device footprint in bytes, which lets a group whose
             ``memory_bytes`` holds two states overlap an eviction with the next restore.
         profile: The Temporal client-configuration profile to read defaults from.
@@ -314,7 +359,8 @@ class TimeSliceOrchestratorClient(_ClientBase):
     Raises:
         InvalidArgumentError: An argument is malformed (an id, the rank, the priority, a TTL,
             a backend this process cannot run, ``node_backends`` without ``node``, a process
-            not launched for its job with ``node=`` and a whole-process backend). Nothing is
+            not launched for its job with ``node=`` and a whole-process backend, a
+            ``snapshot_target`` naming this client's own queue). Nothing is
             sent: the constructor connects to nothing; the first call (or ``connect``) does.
     """
 
@@ -375,9 +421,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
             ClientClosedError: The client was closed, also by another thread meanwhile.
         """
-        group, timeout, priority = self._acquire_args(group_id, timeout, priority)
-        ttl = _checked_ttl(ttl, "ttl")
-        return self._engine.run_sync(self._session.acquire(group, timeout, priority, ttl))
+        return self._engine.run_sync(self._acquiring(group_id, timeout, priority, ttl))
 
     def release(
         self,
@@ -447,8 +491,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
             TimesliceError: The group's workflow could not answer the query.
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
-        group, _, _ = self._acquire_args(group_id, None, None)
-        return self._engine.run_sync(self._session.group_status(group))
+        return self._engine.run_sync(self._status_of(group_id))
 
     def snapshot(self) -> list[SnapshotReport]:
         """Standalone, no group involved: evict this job's registered state now, and wait.
@@ -500,12 +543,19 @@ class TimeSliceOrchestratorClient(_ClientBase):
             NoControlWorkerError: No control worker serves the groups.
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
         """
-        config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
-        return self._engine.run_sync(self._session.create_group(config))
+        return self._engine.run_sync(self._creating(group_id, settings))
 
     def close(self) -> None:
         """Release held leases, withdraw waiting requests, tell the groups this job left, and
-        stop the client's worker. Idempotent; every later call raises ``ClientClosedError``."""
+        stop the client's worker. Idempotent; every later call raises ``ClientClosedError``.
+
+        A lease that cannot be released (the server is down, the group does not answer) is
+        logged and ends at the group when its TTL runs out.
+
+        Raises:
+            TimesliceError: Called from the client's own event loop (a snapshot backend's
+                code, say), where the blocking call would wait for itself.
+        """
         thread = self._engine.thread
         if thread.loop.is_running():
             self._engine.run_sync(self._engine.close())
@@ -519,62 +569,38 @@ class TimeSliceOrchestratorClient(_ClientBase):
         self.close()
 
 
+def _twin_of(blocking: Any) -> Callable[[D], D]:
+    """Document an async twin by its blocking original: the twin's own docstring says what it
+    is, and the original's Args / Returns / Raises sections, written once there, are added to
+    it (both sit at the same depth, so the indentation agrees). Under ``python -OO`` there are
+    no docstrings to share."""
+    doc = blocking.__doc__ or ""
+    sections = re.search(r"\n[ ]*(Args|Returns|Raises):", doc)
+
+    def document(twin: D) -> D:
+        if sections is not None and twin.__doc__ is not None:
+            twin.__doc__ = f"{twin.__doc__.rstrip()}\n{doc[sections.start() :]}"
+        return twin
+
+    return document
+
+
+@_twin_of(TimeSliceOrchestratorClient)
 class AsyncTimeSliceOrchestratorClient(_ClientBase):
     """The asyncio twin of ``TimeSliceOrchestratorClient``: the same calls as coroutines.
 
     For async training loops. The client still runs its own event-loop thread (grants,
-    renewals), so the caller's loop never has to be free for the lease to be kept.
-
-    Args:
-        target: The Temporal server's ``HOST:PORT``. Defaults to ``TEMPORAL_ADDRESS`` (or the
-            profile's address), then ``localhost:7233``.
-        job_id: This job's id (1-100 letters, digits, ``.``, ``_`` or ``-``), the same in
-            every process of the job. Defaults to a unique ``job-<12 hex digits>``.
-        group_id: The group that ``acquire``, ``release``, ``group_status`` and
-            ``on_accelerators`` use when they are not given one.
-        namespace: The Temporal namespace. Defaults to ``TEMPORAL_NAMESPACE`` (or the
-            profile's), then ``default``.
-        rank: This process's rank within the job (an integer >= 0); it names the process's
-            task queue, ``timeslice-job-<job_id>-<rank>``.
-        priority: The priority of this client's requests, from -100 to 100 (higher first;
-            a waiter gains one level per ``aging_s`` of waiting).
-        lease_ttl: Seconds a lease lives without renewal (1 to 3600). None: the group's
-            ``default_ttl_s`` (20 s unless the group was created otherwise).
-        snapshot_backends: What a group may evict from this process when another job takes
-            the group: backend names this process can build by name (``noop``,
-            ``simulated``) or backend objects (``TorchBackend``, ``JaxBackend``,
-            ``VllmSleepBackend``, your own ``SnapshotBackend``). None: nothing is evicted.
-        node: The name of this node's agent (``timeslice agent --node NAME``), to evict
-            through it as well (whole-process backends such as ``cuda-checkpoint``).
-        node_backends: The agent's backends to use (needs ``node``). None: every backend
-            the agent may run.
-        state_bytes: The job's declared device footprint in bytes, which lets a group whose
-            ``memory_bytes`` holds two states overlap an eviction with the next restore.
-        profile: The Temporal client-configuration profile to read defaults from.
-        api_key: An API key for the Temporal server (Temporal Cloud).
-        rpc_retry: Seconds a call keeps retrying a server that does not answer (a restart)
-            before it raises ``ServerUnreachableError``.
-
-    Raises:
-        InvalidArgumentError: An argument is malformed (an id, the rank, the priority, a TTL,
-            a backend this process cannot run, ``node_backends`` without ``node``, a process
-            not launched for its job with ``node=`` and a whole-process backend). Nothing is
-            sent: the constructor connects to nothing; the first call (or ``connect``) does.
+    renewals), so the caller's loop never has to be free for the lease to be kept. It takes
+    the blocking client's arguments (the Args and Raises below are that client's).
     """
 
+    @_twin_of(TimeSliceOrchestratorClient.connect)
     async def connect(self) -> AsyncTimeSliceOrchestratorClient:
-        """Connect and start serving grants now (otherwise the first call does it).
-
-        Returns:
-            This client, connected.
-
-        Raises:
-            ServerUnreachableError: No Temporal server answered within ``rpc_retry`` seconds.
-            ClientClosedError: The client was closed.
-        """
+        """Connect and start serving grants now (otherwise the first call does it)."""
         await self._engine.run_async(self._engine.start())
         return self
 
+    @_twin_of(TimeSliceOrchestratorClient.acquire)
     async def acquire(
         self,
         group_id: str | None = None,
@@ -583,39 +609,11 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         priority: int | None = None,
         ttl: float | None = None,
     ) -> Lease:
-        """Wait until this job holds the group, and return the lease.
+        """Wait until this job holds the group, and return the lease (as
+        :meth:`TimeSliceOrchestratorClient.acquire`, without blocking the caller's loop)."""
+        return await self._engine.run_async(self._acquiring(group_id, timeout, priority, ttl))
 
-        When another job's state is resident, the group evicts it first (or beside this
-        job's work, when the group's memory holds both states), and restores this job's state
-        if it was evicted earlier; a job whose state is resident is granted without a switch.
-
-        Args:
-            group_id: The group; defaults to the constructor's ``group_id``.
-            timeout: Seconds to wait (at most 366 days); ``0`` is a try-lock (granted only if
-                the group is free and nobody waits); None waits without limit.
-            priority: This request's priority (-100 to 100); defaults to the client's.
-            ttl: Seconds the lease lives without renewal (1 to 3600); defaults to the
-                client's ``lease_ttl``, then the group's ``default_ttl_s``.
-
-        Returns:
-            The lease (``Lease``): ``token`` is the group's fencing token, ``valid`` a
-            conservative local view of whether it is still held.
-
-        Raises:
-            InvalidArgumentError: No group given, or a malformed argument; nothing was sent.
-            AcquireTimeoutError: Not granted within ``timeout``; the request was withdrawn.
-            GrantLostError: The group gave the grant up before this process took it (it was
-                paused or did not answer in time); nothing is held, acquire again.
-            JobFaultedError: The group could not restore (or evict) this job's state.
-            NoControlWorkerError: No control worker (``timeslice worker``) serves the groups.
-            GroupNotAnsweringError: The group's workflow task keeps failing.
-            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
-            ClientClosedError: The client was closed, also by another thread meanwhile.
-        """
-        group, timeout, priority = self._acquire_args(group_id, timeout, priority)
-        ttl = _checked_ttl(ttl, "ttl")
-        return await self._engine.run_async(self._session.acquire(group, timeout, priority, ttl))
-
+    @_twin_of(TimeSliceOrchestratorClient.release)
     async def release(
         self,
         lease: Lease | None = None,
@@ -625,27 +623,7 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
         phases: Sequence[tuple[float, float]] | None = None,
     ) -> bool:
         """Hand the group to the next waiter, or keep it for this holder's next phase (as
-        :meth:`TimeSliceOrchestratorClient.release`).
-
-        Args:
-            lease: The lease to end; None: the only lease this client holds.
-            next_phase: The name of this holder's next GPU phase on the same group, if it
-                follows at once; None: a plain release.
-            expected_s: That phase's expected length; without it the lease is kept only when
-                nobody waits.
-            phases: The GPU phases run under the lease, ``(start, end)`` in
-                ``time.monotonic()`` seconds (as for the blocking client).
-
-        Returns:
-            True if the group kept the lease for ``next_phase``, False if it was released.
-
-        Raises:
-            InvalidArgumentError: ``lease``, ``next_phase``, ``expected_s`` or ``phases`` is
-                malformed.
-            NotHolderError: The client does not hold that lease.
-            LeaseRevokedError: The lease had ended at the group while held.
-            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
-        """
+        :meth:`TimeSliceOrchestratorClient.release`)."""
         return await self._engine.run_async(
             self._session.release(
                 lease, next_phase=next_phase, expected_s=expected_s, phases=phases
@@ -654,81 +632,34 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
 
     yield_ = release
 
+    @_twin_of(TimeSliceOrchestratorClient.group_status)
     async def group_status(self, group_id: str | None = None) -> GroupStatus:
-        """What the group is doing now: holder, queue, resident job, counters, recent leases.
+        """What the group is doing now: holder, queue, resident job, counters, recent leases."""
+        return await self._engine.run_async(self._status_of(group_id))
 
-        Args:
-            group_id: The group; defaults to the constructor's ``group_id``.
-
-        Returns:
-            The group's ``GroupStatus``, brought forward from the group's last workflow task
-            to this host's clock.
-
-        Raises:
-            InvalidArgumentError: No group given, or a malformed id.
-            UnknownGroupError: No such group exists (a group is created by its first acquire).
-            TimesliceError: The group's workflow could not answer the query.
-            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
-        """
-        group, _, _ = self._acquire_args(group_id, None, None)
-        return await self._engine.run_async(self._session.group_status(group))
-
+    @_twin_of(TimeSliceOrchestratorClient.snapshot)
     async def snapshot(self) -> list[SnapshotReport]:
-        """Standalone, no group involved: evict this job's registered state now, and wait.
-
-        For frameworks with a scheduler of their own; runs a ``SnapshotJobWorkflow`` on the
-        control worker, which calls every queue of this job's snapshot target.
-
-        Returns:
-            One ``SnapshotReport`` per backend: what it moved (or dropped), in how long.
-
-        Raises:
-            InvalidArgumentError: The client has no snapshot backend and no ``node``, or
-                holds a lease (release it first).
-            SnapshotFailedError: A backend failed on at least one of the job's queues.
-        """
+        """Standalone, no group involved: evict this job's registered state now, and wait (as
+        :meth:`TimeSliceOrchestratorClient.snapshot`)."""
         return await self._engine.run_async(self._session.snapshot_job("snapshot"))
 
+    @_twin_of(TimeSliceOrchestratorClient.restore)
     async def restore(self) -> list[SnapshotReport]:
-        """Standalone, no group involved: restore this job's evicted state, and wait.
-
-        Returns:
-            One ``SnapshotReport`` per backend.
-
-        Raises:
-            InvalidArgumentError: The client has no snapshot backend and no ``node``, or
-                holds a lease.
-            SnapshotFailedError: A backend failed on at least one of the job's queues.
-        """
+        """Standalone, no group involved: restore this job's evicted state, and wait."""
         return await self._engine.run_async(self._session.snapshot_job("restore"))
 
+    @_twin_of(TimeSliceOrchestratorClient.create_group)
     async def create_group(self, group_id: str | None = None, **settings: Any) -> bool:
-        """Create a group with settings fixed for its lifetime.
-
-        Groups are otherwise created with defaults by their first acquire.
-
-        Args:
-            group_id: The group; defaults to the constructor's ``group_id``.
-            **settings: ``GroupConfig`` fields: ``memory_bytes`` (the device memory for two
-                states at once, which lets evictions overlap restores), ``default_ttl_s``,
-                ``aging_s``, ``grant_ack_timeout_s``, ``snapshot_timeout_s``,
-                ``max_parked_waits`` ...
-
-        Returns:
-            True if this call created the group; False if it existed already (its settings
-            are unchanged).
-
-        Raises:
-            InvalidArgumentError: No group given, or a setting that ``GroupConfig`` refuses.
-            NoControlWorkerError: No control worker serves the groups.
-            ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
-        """
-        config = _group_config(self._acquire_args(group_id, None, None)[0], settings)
-        return await self._engine.run_async(self._session.create_group(config))
+        """Create a group with settings fixed for its lifetime (as
+        :meth:`TimeSliceOrchestratorClient.create_group`)."""
+        return await self._engine.run_async(self._creating(group_id, settings))
 
     async def close(self) -> None:
         """Release held leases, withdraw waiting requests, tell the groups this job left, and
-        stop the client's worker. Idempotent; every later call raises ``ClientClosedError``."""
+        stop the client's worker. Idempotent; every later call raises ``ClientClosedError``.
+
+        It raises nothing of its own: a lease that cannot be released (the server is down, the
+        group does not answer) is logged and ends at the group when its TTL runs out."""
         thread = self._engine.thread
         if thread.loop.is_running():
             await self._engine.run_async(self._engine.close())

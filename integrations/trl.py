@@ -118,9 +118,9 @@ check_trl_version(TRL_VERSION)
 
 import torch  # noqa: E402  (after the version gate, on purpose)
 from timeslice.errors import LeaseRevokedError  # noqa: E402
-from timeslice.lease import Lease  # noqa: E402
 from timeslice.orchestrator import TimeSliceOrchestratorClient  # noqa: E402
 from timeslice.protocol.group import SnapshotReport  # noqa: E402
+from timeslice.session.lease import Lease  # noqa: E402
 from timeslice.snapshot.base import Capability, Health, SnapshotRequest  # noqa: E402
 from timeslice.snapshot.torch_backend import TorchBackend  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState  # noqa: E402

@@ -110,7 +110,7 @@ def rl_job_state_budget() -> int:
 # The built-in workloads, by the names a job process knows them by (timeslice.workloads.registry
 # maps each to its factory; a test checks the two agree). Named here, without importing them, so
 # a job naming a workload that exists nowhere fails at once instead of waiting for a process.
-BUILTIN_WORKLOADS = ("grpo-jax", "grpo-toy", "hf-grpo", "simulated")
+BUILTIN_WORKLOADS = ("grpo-dp", "grpo-jax", "grpo-toy", "hf-grpo", "simulated")
 _FACTORY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 # Workload options travel in every job activity's input and the job's continue-as-new input.
 MAX_OPTIONS_BYTES = 64 * 1024
@@ -170,8 +170,8 @@ class RLJobConfig(_Model):
     Attributes:
         job_id: The job's id (1-100 letters, digits, ``.``, ``_``, ``-``); its workflow is
             ``rl-job-<job_id>`` and its processes serve ``timeslice-job-<job_id>-<rank>``.
-        workload: A built-in name (``grpo-toy``, ``grpo-jax``, ``hf-grpo``, ``simulated``)
-            or ``MODULE:FACTORY``; the job processes must run the same.
+        workload: A built-in name (``grpo-toy``, ``grpo-dp``, ``grpo-jax``, ``hf-grpo``,
+            ``simulated``) or ``MODULE:FACTORY``; the job processes must run the same.
         workload_options: JSON options handed to the workload (at most 64 KiB as JSON).
         sampler_group: The group the ``sample`` phase runs on.
         trainer_group: The group ``train`` runs on (None: the sampler group).

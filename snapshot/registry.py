@@ -83,6 +83,13 @@ BACKENDS: dict[str, BackendEntry] = {
             by_name=True,
         ),
         BackendEntry(
+            "collectives",
+            Placement.JOB_PROCESS,
+            "a job's collective communicators (a torch.distributed process group, NCCL's device "
+            "buffers): torn down on eviction, rebuilt by the job at their next use",
+            "timeslice.snapshot.collectives:CollectivesBackend",
+        ),
+        BackendEntry(
             "torch",
             Placement.JOB_PROCESS,
             "registered modules, optimizers and tensors, to pinned host memory and back",

@@ -171,11 +171,9 @@ def test_missing_library_says_what_to_install(monkeypatch):
         data_converter()
 
 
-# timeslice.codec is the older path, kept as an alias of timeslice.transport.codec.
-@pytest.mark.parametrize("module", ["timeslice.transport.codec", "timeslice.codec"])
-def test_new_key_command_prints_a_usable_key(module: str):
+def test_new_key_command_prints_a_usable_key():
     out = subprocess.run(
-        [sys.executable, "-m", module],
+        [sys.executable, "-m", "timeslice.transport.codec"],
         capture_output=True,
         text=True,
         check=True,

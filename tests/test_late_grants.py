@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from timeslice import GrantLostError
-from timeslice.lease_session import REASK_QUEUED_S, LeaseSession
 from timeslice.protocol.group import LeaseOutcome, job_task_queue
+from timeslice.session.lease_session import REASK_QUEUED_S, LeaseSession, SessionSettings
 from timeslice.transport.connection import connect, connect_config
 
 from tests.helpers import (
@@ -143,14 +143,11 @@ def test_waiter_whose_grant_activity_nobody_polls_is_told(address, group, make_c
         # A job process's lease session: its own worker is meant to serve the grant queue, and
         # here none does.
         session = LeaseSession(
-            connect_config=connect_config(address),
-            job_id="unserved",
-            task_queue=job_task_queue("unserved"),
-            priority=0,
-            lease_ttl_s=None,
-            snapshot_target=None,
-            state_bytes=None,
-            rpc_retry_s=60.0,
+            SessionSettings(
+                connect_config=connect_config(address),
+                job_id="unserved",
+                task_queue=job_task_queue("unserved"),
+            )
         )
         session.attach(await connect(connect_config(address)))
         try:

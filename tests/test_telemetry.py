@@ -209,8 +209,8 @@ def test_worker_serves_group_and_sdk_metrics(own_server: EmbeddedServer, tmp_pat
 
 def test_activity_metrics_reach_the_endpoint():
     """Job workers and agents record phases and snapshots through the OpenTelemetry API."""
-    from timeslice import snapshot_activities
     from timeslice.activities import job_runtime
+    from timeslice.session import snapshot_activities
 
     endpoint = start_metrics_endpoint("127.0.0.1", free_port(), "activity-check")
     try:

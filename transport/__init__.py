@@ -4,6 +4,5 @@ retries, telemetry (tracing, OTLP export, the Prometheus endpoint) and the optio
 codec.
 
 Nothing here knows of leases, groups' decisions or the user API: the client engine, the job
-runtime, the workers and the CLI build on it. ``timeslice.connection``, ``timeslice.updates``,
-``timeslice.telemetry`` and ``timeslice.codec`` stay importable as aliases of these modules.
+runtime, the workers and the CLI build on it.
 """

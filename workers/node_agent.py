@@ -18,6 +18,7 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.protocol.group import GROUP_WORKFLOW_TYPE, SnapshotCall, node_task_queue
+from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import (
     Capability,
     Health,
@@ -28,7 +29,6 @@ from timeslice.snapshot.base import (
 from timeslice.snapshot.processes import PidRegistry
 from timeslice.snapshot.registration import RegistrationServer
 from timeslice.snapshot.registry import create, node_agent_backends
-from timeslice.snapshot_activities import SnapshotActivities
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 # Who may ask: the workflows that decide switches (a group) or standalone moves.

@@ -59,9 +59,13 @@ class PhaseContext:
     report progress, which the activity heartbeats to Temporal.
     """
 
-    def __init__(self, epoch: int, phase: str) -> None:
+    def __init__(self, epoch: int, phase: str, *, lease_token: int | None = None) -> None:
         self.epoch = epoch
         self.phase = phase
+        #: The fencing token of the lease the phase runs under (None: none, or not known):
+        #: every rank of a multi-rank phase gets the same, and no other lease has it, so
+        #: data-parallel ranks meet under it to build a process group (grpo-dp).
+        self.lease_token = lease_token
         self._stop = threading.Event()
         self._why = ""
         self._lock = threading.Lock()

@@ -270,9 +270,8 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
     def _sample_rollout(self, epoch: int, ctx: PhaseContext) -> tuple[_Rollout, dict[str, float]]:
         """Rollouts with the sampler's weights as they are, randomness from (seed, epoch)."""
         spec = self._spec()
-        gen = self._generator(epoch)
         k, n = self.opts.seq_len, spec.batch_size * spec.group_size
-        prompts = torch.randint(0, self.opts.digits, (spec.batch_size, k), generator=gen)
+        prompts, gen = self._draw_prompts(epoch)
         prompts = prompts.repeat_interleave(spec.group_size, dim=0)
         tokens = self._prefix(prompts).to(self.device)
         logps = []
@@ -293,6 +292,13 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
             old_logp=torch.cat(logps, dim=1),
         )
         return rollout, {"completions": float(n), "tokens": float(n * k)}
+
+    def _draw_prompts(self, epoch: int) -> tuple[torch.Tensor, torch.Generator]:
+        """Epoch ``epoch``'s prompts (``batch_size`` rows of digits), and the generator the
+        completions are then sampled with."""
+        gen = self._generator(epoch)
+        shape = (self._spec().batch_size, self.opts.seq_len)
+        return torch.randint(0, self.opts.digits, shape, generator=gen), gen
 
     def compute_rewards(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
         """Score each completion: the share of its digits where the task's answer has them
@@ -510,6 +516,7 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
             loss = policy_loss + opts.kl_coef * kl
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            self._reduce_gradients()
             norm = nn.utils.clip_grad_norm_(self.policy.parameters(), opts.max_grad_norm)
             self.optimizer.step()
             steps.append(
@@ -522,6 +529,10 @@ class GrpoToyWorkload(DigitGrpoWorkload, AsyncWorkload):
             )
             ctx.progress(step=step + 1, of=opts.ppo_steps)
         return steps_summary(steps)
+
+    def _reduce_gradients(self) -> None:
+        """Between backward and the optimizer step: where data-parallel ranks average their
+        gradients (grpo-dp); one rank has nothing to do."""
 
     def _optimize_decoupled(
         self,

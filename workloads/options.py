@@ -355,6 +355,38 @@ class HfGrpoOptions(GrpoToyOptions):
         return self.sampler == "vllm" or (self.sampler == "auto" and vllm_available())
 
 
+COLLECTIVES = ("rebuild", "keep")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class GrpoDpOptions(GrpoToyOptions):
+    """grpo-dp: grpo-toy's options, and how the job's data-parallel ranks talk to each other."""
+
+    workload: ClassVar[str] = "grpo-dp"
+
+    collectives: str = option(
+        "rebuild",
+        "'rebuild': the ranks' process group is torn down at every eviction and rebuilt at its "
+        "next use (what NCCL needs); 'keep': kept across switches (gloo holds no device memory)",
+    )
+    dist_backend: str = option("auto", "gloo, nccl, or auto (NCCL on a CUDA device)")
+    collective_timeout_s: float = option(
+        60.0, "how long a collective (or a rebuild) waits for a lost rank, s; [1, 3600]"
+    )
+
+    def _check(self) -> None:
+        super()._check()
+        need = self._need
+        need(self.collectives in COLLECTIVES, "collectives", f"one of {list(COLLECTIVES)}")
+        need(self.dist_backend in DIST_BACKENDS, "dist_backend", ", ".join(DIST_BACKENDS))
+        need(
+            self._finite_in("collective_timeout_s", 1.0, 3600.0),
+            "collective_timeout_s",
+            "[1, 3600]",
+        )
+
+
 @dataclass(frozen=True)
 class GrpoJaxOptions(DigitGrpoOptions):
     """grpo-jax: grpo-toy's task and GRPO options and the MLP's width."""
@@ -414,6 +446,7 @@ class SimulatedOptions(WorkloadOptions):
 
 
 BUILTIN_OPTIONS: dict[str, type[WorkloadOptions]] = {
+    "grpo-dp": GrpoDpOptions,
     "grpo-jax": GrpoJaxOptions,
     "grpo-toy": GrpoToyOptions,
     "hf-grpo": HfGrpoOptions,

@@ -7,6 +7,7 @@ import importlib
 from timeslice.workloads.base import Workload
 
 BUILTIN: dict[str, str] = {
+    "grpo-dp": "timeslice.workloads.grpo_dp:create",
     "grpo-jax": "timeslice.workloads.grpo_jax:create",
     "grpo-toy": "timeslice.workloads.grpo_toy:create",
     "hf-grpo": "timeslice.workloads.hf_grpo:create",

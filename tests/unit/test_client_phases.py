@@ -8,7 +8,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from timeslice.errors import InvalidArgumentError
-from timeslice.lease import Lease, phases_since_grant
 from timeslice.protocol.group import (
     MAX_LEASE_PHASES,
     GroupStats,
@@ -19,6 +18,7 @@ from timeslice.protocol.group import (
     bounded_phases,
 )
 from timeslice.report.figures import client_phases, group_figures
+from timeslice.session.lease import Lease, phases_since_grant
 
 from tests.unit.test_group_book import at, book, grant_next, key, request
 

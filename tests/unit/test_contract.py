@@ -9,7 +9,6 @@ from types import ModuleType
 
 import pytest
 from temporalio import activity, workflow
-from timeslice import grants, snapshot_activities
 from timeslice.activities import async_job, group_requests, job_runtime
 from timeslice.protocol import async_rl_job as async_protocol
 from timeslice.protocol import group as protocol
@@ -22,6 +21,7 @@ from timeslice.protocol.group import (
     GroupUpdate,
 )
 from timeslice.protocol.rl_job import JobQuery, JobSignal
+from timeslice.session import grants, snapshot_activities
 from timeslice.workflows.async_rl_job import AsyncRLJobWorkflow
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.rl_job import RLJobWorkflow

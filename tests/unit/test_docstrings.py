@@ -1,9 +1,11 @@
 """The public API documents itself: every name `timeslice`, `timeslice.snapshot` and
 `timeslice.workloads` export has a docstring of its own, and so does every public method of the
-clients and of the interfaces users implement (SnapshotBackend, Workload). The extension points
-go further: every public method of the snapshot interface, of every backend Timeslice ships, of
-the workload interface and of every built-in workload (and its options) says what it takes, what
-it gives back and what it raises (Google style: Args / Returns / Raises)."""
+clients and of the interfaces users implement (SnapshotBackend, Workload); every call of the
+user API (both clients, `Lease`, `timeslice.jobs`) says what it takes, returns and raises. The
+extension points go further: every public method of the snapshot interface, of every backend
+Timeslice ships, of the workload interface and of every built-in workload (and its options)
+says what it takes, what it gives back and what it raises (Google style: Args / Returns /
+Raises)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import dataclasses
 import importlib
 import inspect
 import textwrap
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import timeslice
-from timeslice import AsyncTimeSliceOrchestratorClient, TimeSliceOrchestratorClient
+from timeslice import AsyncTimeSliceOrchestratorClient, Lease, TimeSliceOrchestratorClient, jobs
 from timeslice.snapshot import SizedSnapshotBackend, SnapshotBackend
 from timeslice.snapshot.base import BlockingBackend
 from timeslice.snapshot.registry import BACKENDS
@@ -41,6 +45,47 @@ SECTIONED = {
     (SnapshotBackend, "restore"): ("Args:", "Returns:", "Raises:"),
     (Workload, "sample"): ("Args:", "Returns:", "Raises:"),
 }
+
+
+# The user API's calls say what they take, give back and raise, as their signatures show:
+# Args when they take arguments, Returns when they give a value back, Raises but for these,
+# which raise nothing of their own: the async close (it logs a lease it cannot release; its
+# docstring says so), and the functions that only put a status or a progress into words.
+USER_API_CLASSES = (TimeSliceOrchestratorClient, AsyncTimeSliceOrchestratorClient, Lease)
+RAISE_NOTHING = {
+    "AsyncTimeSliceOrchestratorClient.close",
+    "jobs.job_failure",
+    "jobs.describe_progress",
+    "jobs.describe_async_progress",
+    "jobs.no_control_worker",
+}
+
+
+def _user_api_calls() -> list[tuple[str, Callable[..., Any]]]:
+    calls = []
+    for cls in USER_API_CLASSES:
+        for name in sorted(dir(cls)):
+            member = inspect.getattr_static(cls, name)
+            if not name.startswith("_") and inspect.isfunction(member):
+                calls.append((f"{cls.__name__}.{name}", member))
+    for name, member in sorted(vars(jobs).items()):
+        defined_here = inspect.isfunction(member) and member.__module__ == jobs.__name__
+        if not name.startswith("_") and defined_here:
+            calls.append((f"jobs.{name}", member))
+    return calls
+
+
+def _missing_sections(qualname: str, call: Callable[..., Any]) -> list[str]:
+    doc = _own_docstring(call)
+    takes = [name for name in inspect.signature(call).parameters if name not in ("self", "cls")]
+    # Annotations are strings here (postponed evaluation).
+    returns = call.__annotations__.get("return") not in (None, "None")
+    wanted = [
+        *(["Args:"] if takes else []),
+        *(["Returns:"] if returns else []),
+        *(["Raises:"] if qualname not in RAISE_NOTHING else []),
+    ]
+    return [section for section in wanted if section not in doc]
 
 
 def _public_names(package: str) -> list[str]:
@@ -98,6 +143,37 @@ def test_interface_calls_say_what_they_take_return_and_raise(owner: type, method
     doc = _own_docstring(inspect.getattr_static(owner, method))
     missing = [section for section in SECTIONED[owner, method] if section not in doc]
     assert not missing, f"{owner.__name__}.{method} lacks {missing}"
+
+
+@pytest.mark.parametrize(
+    ("qualname", "call"), _user_api_calls(), ids=[name for name, _ in _user_api_calls()]
+)
+def test_every_user_api_call_says_what_it_takes_returns_and_raises(
+    qualname: str, call: Callable[..., Any]
+) -> None:
+    missing = _missing_sections(qualname, call)
+    assert not missing, f"{qualname} lacks {missing}"
+
+
+def test_the_user_api_check_covers_the_calls_and_can_fail() -> None:
+    """The calls are found (both clients' acquire, the jobs' start), and a call whose docstring
+    lacks a section is named."""
+    found = dict(_user_api_calls())
+    assert {
+        "TimeSliceOrchestratorClient.acquire",
+        "AsyncTimeSliceOrchestratorClient.release",
+        "jobs.start_rl_job",
+    } <= set(found)
+
+    def take(group_id: str) -> int:
+        """Takes a group.
+
+        Raises:
+            ValueError: never."""
+        return 0
+
+    assert _missing_sections("take", take) == ["Args:", "Returns:"]
+    assert set(RAISE_NOTHING) <= set(found), "RAISE_NOTHING names a call that is gone"
 
 
 def test_the_constructor_parameters_are_each_described() -> None:
@@ -174,7 +250,7 @@ def _raises(function: object) -> bool:
     return False
 
 
-def _missing_sections(cls: type) -> list[str]:
+def _missing_class_sections(cls: type) -> list[str]:
     """Each public method ``cls`` itself defines that lacks a section it needs: ``Args:`` when
     it takes arguments, ``Returns:`` when it returns a value (a property's docstring is what it
     is), ``Raises:`` when its body raises."""
@@ -206,7 +282,7 @@ def _missing_sections(cls: type) -> list[str]:
 
 @pytest.mark.parametrize("cls", _extension_classes(), ids=lambda c: f"{c.__module__}.{c.__name__}")
 def test_every_extension_point_method_says_what_it_takes_returns_and_raises(cls: type) -> None:
-    missing = _missing_sections(cls)
+    missing = _missing_class_sections(cls)
     assert not missing, f"docstrings lacking sections: {missing}"
 
 
@@ -239,4 +315,28 @@ def test_the_section_checker_finds_what_is_missing() -> None:
             def inner() -> None:
                 raise ValueError
 
-    assert _missing_sections(Backend) == ["Backend.snapshot: Returns:", "Backend.snapshot: Raises:"]
+    assert _missing_class_sections(Backend) == [
+        "Backend.snapshot: Returns:",
+        "Backend.snapshot: Raises:",
+    ]
+
+
+def test_the_async_twin_takes_what_the_blocking_client_takes() -> None:
+    """The async client shares the blocking client's Args (``_twin_of``): each of its public
+    calls takes the very parameters of its blocking original, and is a coroutine."""
+    blocking, twin = TimeSliceOrchestratorClient, AsyncTimeSliceOrchestratorClient
+    calls = [n for n in dir(twin) if not n.startswith("_") and inspect.isfunction(getattr(twin, n))]
+    assert set(calls) == {
+        n
+        for n in dir(blocking)
+        if not n.startswith("_") and inspect.isfunction(getattr(blocking, n))
+    }
+    for name in calls:
+        if name == "on_accelerators":
+            continue  # one method of the base for both
+        ours, theirs = (
+            inspect.signature(getattr(twin, name)),
+            inspect.signature(getattr(blocking, name)),
+        )
+        assert list(ours.parameters.values()) == list(theirs.parameters.values()), name
+        assert inspect.iscoroutinefunction(getattr(twin, name)), name

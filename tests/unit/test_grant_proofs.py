@@ -16,7 +16,6 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import ActivityEnvironment
-from timeslice.grants import Delivery, GrantInbox, grant_from_update
 from timeslice.protocol.group import (
     AcquireRequest,
     GrantAck,
@@ -33,6 +32,7 @@ from timeslice.protocol.group import (
     notice_proof,
     prove_notice,
 )
+from timeslice.session.grants import Delivery, GrantInbox, grant_from_update
 from timeslice.workflows.group_book import GroupBook
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

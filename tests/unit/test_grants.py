@@ -6,7 +6,8 @@ import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 
-from timeslice.grants import (
+from timeslice.protocol.group import GrantNotice, lease_key_hash, prove_notice
+from timeslice.session.grants import (
     CLOCK_SKEW_S,
     LATE_GRANT_S,
     Delivery,
@@ -17,7 +18,6 @@ from timeslice.grants import (
     validity_if_fresh,
     with_ask_bound,
 )
-from timeslice.protocol.group import GrantNotice, lease_key_hash, prove_notice
 
 WALL = datetime(2026, 1, 1, tzinfo=UTC)
 KEY = "k" * 32

@@ -4,12 +4,16 @@ Workflow modules run in Temporal's sandbox and are replayed: they import only th
 library's pure modules, pydantic, temporalio's workflow-side API and each other — no client,
 torch, vLLM or I/O module. Every module of the package sits in one part of one layer
 (``LAYERS``), and imports only its own part and the layers below: no arrow runs upward or
-sideways. Modules are named through pyproject.toml's package-dir mapping (``client/engine.py``
-is ``timeslice.engine``), which hides the real imports from graph tools that read folders."""
+sideways. Modules are named through pyproject.toml's package-dir mapping
+(``client/orchestrator.py`` is ``timeslice.orchestrator``, ``client/session/engine.py`` is
+``timeslice.session.engine``), which hides the real imports from graph tools that read
+folders. docs/architecture.md's package map names each part's folder; the folders hold what it
+says."""
 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -91,18 +95,10 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
         "snapshot": ("timeslice.snapshot",),
         "transport": ("timeslice.transport",),
     },
-    # The client engine and what it serves itself; the workloads (they name their backends).
-    {
-        "engine": (
-            "timeslice.engine",
-            "timeslice.grants",
-            "timeslice.group_start",
-            "timeslice.lease",
-            "timeslice.lease_session",
-            "timeslice.snapshot_activities",
-        ),
-        "workloads": ("timeslice.workloads",),
-    },
+    # The client's session machinery (the lease session, its retries and diagnosis, the lease,
+    # the grant inbox, the snapshot activities, starting a group, the embedded client's engine);
+    # the workloads (they name their backends).
+    {"session": ("timeslice.session",), "workloads": ("timeslice.workloads",)},
     # The user API; the job runtime and the activities (a job process is a client of the engine).
     {
         "user API": ("timeslice", "timeslice.jobs", "timeslice.orchestrator"),
@@ -116,25 +112,48 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"cli": ("timeslice.cli",)},
 ]
 
-# Older import paths kept for users (each module replaces itself with the new one). Code of
-# the package imports the new path.
-ALIASES = {
-    "timeslice.codec": "timeslice.transport.codec",
-    "timeslice.connection": "timeslice.transport.connection",
-    "timeslice.telemetry": "timeslice.transport.telemetry",
-    "timeslice.updates": "timeslice.transport.updates",
-}
+
+def package_folders() -> dict[str, Path]:
+    """Every package pyproject.toml lists, and its folder, as setuptools finds it: the
+    package-dir entry of the package, or of its nearest listed parent with the rest of the name
+    as subfolders (``timeslice.session`` is ``client/session``)."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped: dict[str, str] = setuptools["package-dir"]
+    folders: dict[str, Path] = {}
+    for package in setuptools["packages"]:
+        parent, rest = package, []
+        while parent not in mapped:
+            assert "." in parent, f"{package}: no package-dir entry for it or a parent"
+            parent, _, child = parent.rpartition(".")
+            rest.insert(0, child)
+        folders[package] = REPO.joinpath(mapped[parent], *rest)
+    return folders
 
 
 def package_modules() -> dict[str, Path]:
     """Every module of the package by its import name, read through the package-dir mapping."""
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     modules: dict[str, Path] = {}
-    for package, folder in setuptools["package-dir"].items():
-        for path in sorted((REPO / folder).glob("*.py")):
+    for package, folder in package_folders().items():
+        for path in sorted(folder.glob("*.py")):
             name = package if path.stem == "__init__" else f"{package}.{path.stem}"
             modules[name] = path
     return modules
+
+
+def test_every_folder_of_python_files_is_a_listed_package() -> None:
+    """A folder of modules that pyproject.toml does not list is left out of the wheel (and out
+    of the checks here)."""
+    listed = set(package_folders().values())
+    unlisted = sorted(
+        str(folder.relative_to(REPO))
+        for root in {REPO / "client", *listed}
+        for folder in [root, *root.rglob("*")]
+        if folder.is_dir()
+        and "__pycache__" not in folder.parts
+        and any(folder.glob("*.py"))
+        and folder not in listed
+    )
+    assert not unlisted, f"folders of modules pyproject.toml does not list: {unlisted}"
 
 
 def part_of(module: str) -> tuple[int, str] | None:
@@ -176,14 +195,12 @@ def _shown(path: Path) -> str:
 
 
 def offences(modules: dict[str, Path], others: set[str] = frozenset()) -> list[str]:
-    """Every import in ``modules`` that runs upward or sideways, or names an alias or no module
-    of the package (``others``: further modules that exist), and every module no part claims;
-    each says where it is and what to do."""
-    known = set(modules) | set(others) | set(ALIASES)
+    """Every import in ``modules`` that runs upward or sideways, or names no module of the
+    package (``others``: further modules that exist), and every module no part claims; each
+    says where it is and what to do."""
+    known = set(modules) | set(others)
     found: list[str] = []
     for module, path in sorted(modules.items()):
-        if module in ALIASES:
-            continue  # kept for users; it imports its new path by name
         where = part_of(module)
         if where is None:
             found.append(f"{module} ({_shown(path)}) is in no part: add it to LAYERS")
@@ -191,9 +208,7 @@ def offences(modules: dict[str, Path], others: set[str] = frozenset()) -> list[s
         layer, part = where
         for line, name in sorted(imported_modules(path, module, known)):
             at = f"{_shown(path)}:{line}: {module} ({part}, layer {layer}) imports {name}"
-            if name in ALIASES:
-                found.append(f"{at}, an alias kept for users: import {ALIASES[name]}")
-            elif name not in known:
+            if name not in known:
                 found.append(f"{at}, which is no module of the package")
             elif (target := part_of(name)) is None:
                 found.append(f"{at}, which is in no part of LAYERS")
@@ -224,6 +239,51 @@ def test_every_layer_names_real_modules() -> None:
     assert not stale, f"LAYERS names no module for {stale}"
 
 
+def package_map() -> list[tuple[int, str, str]]:
+    """(layer, part, folder) for every row of docs/architecture.md's package map (a block whose
+    columns are two or more spaces apart; a row without a layer is in the layer above it)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("### Package map", 1)[1].split("```", 2)[1]
+    rows: list[tuple[int, str, str]] = []
+    layer = -1
+    for line in block.strip("\n").splitlines()[1:]:  # the first line names the columns
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 4:
+            layer = int(cells[0])
+            rows.append((layer, cells[1], cells[3]))
+        elif len(cells) == 3:
+            rows.append((layer, cells[0], cells[2]))
+        # one cell: the "holds" column going on
+    return rows
+
+
+def test_the_package_map_matches_the_folders() -> None:
+    """Each row of the documented map is a part of LAYERS, in its layer, and the folder it names
+    is where that part's modules are (a file, for a part of one module); every part has a row."""
+    modules = package_modules()
+    found: list[str] = []
+    documented: set[tuple[int, str]] = set()
+    for layer, name, folder in package_map():
+        parts = LAYERS[layer] if 0 <= layer < len(LAYERS) else {}
+        part = next((p for p, prefixes in parts.items() if name in (p, *prefixes)), None)
+        if part is None:
+            found.append(f"{name}: no part of layer {layer} in LAYERS")
+            continue
+        documented.add((layer, part))
+        where = {
+            str(path.relative_to(REPO))
+            if folder.endswith(".py")
+            else f"{path.parent.relative_to(REPO)}/"
+            for module, path in modules.items()
+            if part_of(module) == (layer, part)
+        }
+        if where != {folder}:
+            found.append(f"{name}: documented in {folder}, its modules are in {sorted(where)}")
+    every = {(layer, part) for layer, parts in enumerate(LAYERS) for part in parts}
+    found.extend(f"{part} (layer {layer}) has no row" for layer, part in every - documented)
+    assert not found, "docs/architecture.md's package map against the folders:\n" + "\n".join(found)
+
+
 def test_the_workflow_rule_can_fail(tmp_path: Path) -> None:
     """The workflow checker sees a forbidden import (so a passing run means something)."""
     module = tmp_path / "bad.py"
@@ -234,30 +294,31 @@ def test_the_workflow_rule_can_fail(tmp_path: Path) -> None:
 
 
 def test_the_layering_rule_can_fail(tmp_path: Path) -> None:
-    """The checker names an upward, a sideways (even inside a function), an alias and an
-    unknown import, and a module no part claims (so a passing run means something)."""
+    """The checker names an upward (to a folder above, and to the root package), a sideways
+    (even inside a function) and an unknown import (a path that moved), and a module no part
+    claims (so a passing run means something)."""
     engine = tmp_path / "engine.py"
     engine.write_text(
         "from timeslice.activities.job_runtime import JobRuntime\n"
         "def later():\n"
         "    from timeslice.workloads.base import Workload\n"
-        "from timeslice import connection\n"
+        "from timeslice import TimeSliceOrchestratorClient\n"
         "from timeslice.transport.updates import send_update\n"
-        "import timeslice.nowhere\n"
+        "import timeslice.lease_session\n"
     )
     stray = tmp_path / "stray.py"
     stray.write_text("import timeslice.errors\n")
-    modules = {"timeslice.engine": engine, "timeslice.stray": stray}
+    modules = {"timeslice.session.engine": engine, "timeslice.stray": stray}
     found = offences(modules, set(package_modules()))
     assert found == [
-        "engine.py:1: timeslice.engine (engine, layer 2) imports "
+        "engine.py:1: timeslice.session.engine (session, layer 2) imports "
         "timeslice.activities.job_runtime (activities, layer 3): upward",
-        "engine.py:3: timeslice.engine (engine, layer 2) imports timeslice.workloads.base "
-        "(workloads, layer 2): sideways",
-        "engine.py:4: timeslice.engine (engine, layer 2) imports timeslice.connection, an alias "
-        "kept for users: import timeslice.transport.connection",
-        "engine.py:6: timeslice.engine (engine, layer 2) imports timeslice.nowhere, which is no "
-        "module of the package",
+        "engine.py:3: timeslice.session.engine (session, layer 2) imports "
+        "timeslice.workloads.base (workloads, layer 2): sideways",
+        "engine.py:4: timeslice.session.engine (session, layer 2) imports timeslice "
+        "(user API, layer 3): upward",
+        "engine.py:6: timeslice.session.engine (session, layer 2) imports "
+        "timeslice.lease_session, which is no module of the package",
         "timeslice.stray (stray.py) is in no part: add it to LAYERS",
     ], found
 

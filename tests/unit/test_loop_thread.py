@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from timeslice.engine import LoopThread
+from timeslice.session.engine import LoopThread
 
 
 class _SlowToStart(asyncio.SelectorEventLoop):

@@ -4,8 +4,9 @@ Acquire (the parked ask, the grant taken from the inbox or confirmed late), rene
 heartbeats), release, withdraw, the reports of its own evictions, departure, and a group's
 status: async code with no loop of its own, run on whichever event loop hosts it. The embedded
 client hosts it on a loop thread of its own, whose worker serves the job's queue
-(``timeslice.engine.Engine``); a job process hosts it on its job worker's loop, and that worker
-serves the queue (``activities/job_runtime.py``).
+(``timeslice.session.engine.Engine``); a job process hosts it on its job worker's loop, and that
+worker serves the queue (``activities/job_runtime.py``). How it retries a call is
+``retry.py``'s; why a group does not answer, ``diagnosis.py``'s.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import re
 import secrets
 import time
 import uuid
@@ -26,9 +25,6 @@ from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
-from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.enums.v1 import WorkflowTaskFailedCause
-from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
 from temporalio.client import (
     Client,
     WorkflowFailureError,
@@ -53,20 +49,9 @@ from timeslice.errors import (
     TimesliceError,
     UnknownGroupError,
 )
-from timeslice.grants import (
-    Delivery,
-    Grant,
-    GrantInbox,
-    grant_from_update,
-    validity_if_fresh,
-    with_ask_bound,
-)
-from timeslice.group_start import start_group
-from timeslice.lease import Lease, phases_since_grant
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     GROUP_KEY,
-    MAX_LEASE_TTL_S,
     AcquireAnswer,
     AcquireCall,
     AcquireOutcome,
@@ -92,7 +77,20 @@ from timeslice.protocol.group import (
     group_workflow_id,
     lease_key_hash,
 )
-from timeslice.transport.connection import connect, control_workers_polling
+from timeslice.session import diagnosis
+from timeslice.session.arguments import check_next_phase
+from timeslice.session.grants import (
+    Delivery,
+    Grant,
+    GrantInbox,
+    grant_from_update,
+    validity_if_fresh,
+    with_ask_bound,
+)
+from timeslice.session.group_start import start_group
+from timeslice.session.lease import Lease, phases_since_grant
+from timeslice.session.retry import UPDATE_GIVE_UP_S, Retrying, RpcRetries
+from timeslice.transport.connection import connect
 from timeslice.transport.telemetry import end_span, tracer
 from timeslice.transport.updates import UNPROCESSED_UPDATE, send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
@@ -100,12 +98,7 @@ from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 log = logging.getLogger("timeslice.client")
 T = TypeVar("T")
 _KEYS_KEEP = 1024
-# A phase name as NextPhase takes it (protocol/group.py).
-_PHASE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 CLOSED = "this client is closed: create a new TimeSliceOrchestratorClient to use the groups again"
-# How long an update may go unaccepted before the engine checks that a control worker serves
-# the groups' task queue at all (with none, nothing ever answers).
-NO_WORKER_CHECK_S = 5.0
 STATUS_TIMEOUT = timedelta(seconds=10)
 # A waiter whose grant comes by activity asks again this often (see LeaseSession._ask).
 REASK_QUEUED_S = 15.0
@@ -122,11 +115,6 @@ def _orphan_withdraw_s(timeout: float | None) -> float:
     )
 
 
-# How long one update is sent again while the server does not take it.
-UPDATE_GIVE_UP_S = 60.0
-# How long an update whose workflow task failed is sent again before the group is reported as
-# not answering.
-TASK_FAILING_RETRY_S = 10.0
 # How long close() waits for acquires that other threads are waiting in to end.
 CLOSE_ACQUIRES_S = WITHDRAW_S + 2.0
 
@@ -137,45 +125,32 @@ class _Default:
 
 DEFAULT = _Default()
 
-_TRANSIENT = {
-    RPCStatusCode.UNAVAILABLE,
-    RPCStatusCode.DEADLINE_EXCEEDED,
-    RPCStatusCode.RESOURCE_EXHAUSTED,
-    RPCStatusCode.ABORTED,
-    RPCStatusCode.INTERNAL,
-    RPCStatusCode.UNKNOWN,
-    RPCStatusCode.CANCELLED,
-}
-
-
-def _task_failing(err: RPCError) -> bool:
-    """The server's answer to an update whose workflow task failed ("... due to unexpected
-    workflow task failure", "... due to Workflow Task in failed state")."""
-    message = err.message.lower()
-    return (
-        err.status == RPCStatusCode.FAILED_PRECONDITION
-        and "workflow task" in message
-        and "fail" in message
-    )
-
 
 @dataclass
-class _Retrying:
-    """One repeated call's retry state (``LeaseSession._retry_after``): what it is (for errors and
-    the log), the bounds that end it, and the next backoff."""
+class SessionSettings:
+    """What one job process's lease session asks the groups with.
 
-    what: str
-    group_id: str | None = None  # an update of this group: it says why it is not answering
-    give_up_at: float | None = None  # monotonic; None: retried while the caller wants it
-    # Since when the group's workflow task fails (None: not yet); set at the start to count
-    # the whole call.
-    failing_since: float | None = None
-    quiet: bool = False  # retries logged at debug level (a parked wait retries routinely)
-    delay: float = 0.2
+    Args:
+        connect_config: How to reach Temporal (``timeslice.transport.connection``'s
+            ``connect_config``); a job process that attaches its worker's client names only
+            ``target_host``, for messages.
+        job_id: The job's id, the same in every process of the job.
+        task_queue: This process's queue: grants and evictions come there.
+        priority: Its requests' priority, unless an acquire gives one.
+        lease_ttl_s: Its leases' TTL, unless an acquire gives one (None: the group's default).
+        snapshot_target: What a group may evict of this job, unless an acquire says otherwise.
+        state_bytes: The job's declared device footprint, unless an acquire says otherwise.
+        rpc_retry_s: How long a call retries a server that does not answer.
+    """
 
-    async def pause(self) -> None:
-        await asyncio.sleep(self.delay)
-        self.delay = min(self.delay * 2, 2.0)
+    connect_config: dict[str, Any]
+    job_id: str
+    task_queue: str
+    priority: int = 0
+    lease_ttl_s: float | None = None
+    snapshot_target: SnapshotTarget | None = None
+    state_bytes: int | None = None
+    rpc_retry_s: float = 60.0
 
 
 class LeaseSession:
@@ -183,30 +158,24 @@ class LeaseSession:
 
     def __init__(
         self,
+        settings: SessionSettings,
         *,
-        connect_config: dict[str, Any],
-        job_id: str,
-        task_queue: str,
-        priority: int,
-        lease_ttl_s: float | None,
-        snapshot_target: SnapshotTarget | None,
-        state_bytes: int | None,
-        rpc_retry_s: float,
         serve: Callable[[Client], Awaitable[None]] | None = None,
     ) -> None:
         """``serve``: called with the connected client before each lease is asked for and
         each standalone eviction, to make sure this job's task queue is served (grants,
         evictions); the embedded client's host starts its worker there. None: the caller's
         own worker serves the queue (a job process)."""
-        self.connect_config = connect_config
-        self.job_id = job_id
-        self.task_queue = task_queue
-        self.priority = priority
-        self.lease_ttl_s = lease_ttl_s
-        self.snapshot_target = snapshot_target
-        self.state_bytes = state_bytes
-        self.rpc_retry_s = rpc_retry_s
+        self.settings = settings
+        # Named in every request and message: short names for the settings'.
+        self.job_id = settings.job_id
+        self.task_queue = settings.task_queue
         self._serve = serve
+        self.retries = RpcRetries(
+            server=self._server,
+            bound_s=settings.rpc_retry_s,
+            not_answering=self._not_answering,
+        )
         self.held: dict[str, Lease] = {}
         # group id -> the key of this job's last lease there: its reports and departure carry it
         self.last_keys: dict[str, str] = {}
@@ -245,7 +214,7 @@ class LeaseSession:
         if self._closed:
             raise ClientClosedError(CLOSED)
         if self._connecting is None:
-            self._connecting = asyncio.ensure_future(connect(self.connect_config))
+            self._connecting = asyncio.ensure_future(connect(self.settings.connect_config))
         try:
             self._client = await asyncio.shield(self._connecting)
         except BaseException:
@@ -261,72 +230,10 @@ class LeaseSession:
             await self._serve(client)
         return client
 
-    async def _rpc(
-        self, what: str, call: Callable[[], Awaitable[T]], *, group_id: str | None = None
-    ) -> T:
-        """Run an idempotent RPC, retrying transient failures (e.g. a server restart).
-
-        ``group_id``: the call is an update of that group, which says why it is not answering
-        if its workflow task keeps failing."""
-        started = time.monotonic()
-        retrying = _Retrying(
-            what,
-            group_id=group_id,
-            give_up_at=started + self.rpc_retry_s,
-            failing_since=started,
-        )
-        while True:
-            try:
-                return await call()
-            except RPCError as err:
-                await self._retry_after(err, retrying)
-
-    async def _retry_after(self, err: RPCError, retrying: _Retrying) -> None:
-        """The one retry loop's step, for every call the engine repeats: wait before the next
-        try of ``retrying``'s call after ``err`` (with backoff), or raise why there is none.
-
-        A missing control worker, and a failure that is not transient, end it at once; a group
-        whose workflow task keeps failing ends it after ``TASK_FAILING_RETRY_S``; an
-        unreachable server at ``retrying.give_up_at`` (None: never, the caller's own
-        time-out ends it)."""
-        if err.status == RPCStatusCode.FAILED_PRECONDITION and "no poller" in err.message:
-            raise NoControlWorkerError(
-                f"{retrying.what}: no control worker is serving task queue "
-                f"{CONTROL_TASK_QUEUE!r}; start one with `timeslice worker`"
-            ) from err
-        now = time.monotonic()
-        if _task_failing(err):
-            # The group's workflow task failed (or timed out) with this update in it: maybe
-            # once (a worker that crashed mid-task), maybe every time (a wedged group, or a
-            # worker that stopped).
-            if retrying.failing_since is None:
-                retrying.failing_since = now
-            give_up_at = retrying.failing_since + TASK_FAILING_RETRY_S
-            if retrying.give_up_at is not None:
-                give_up_at = min(give_up_at, retrying.give_up_at)
-            if now >= give_up_at:
-                if retrying.group_id is not None:
-                    raise await self._not_answering(retrying.group_id, retrying.what) from err
-                raise GroupNotAnsweringError(
-                    f"{retrying.what}: the group is not answering "
-                    f"({err.message.rstrip('.')}); see the control worker's log and the group's "
-                    "workflow in the Web UI"
-                ) from err
-        elif err.status not in _TRANSIENT:
-            raise err
-        elif retrying.give_up_at is not None and now >= retrying.give_up_at:
-            raise ServerUnreachableError(
-                f"{retrying.what}: Temporal at {self.connect_config['target_host']} did not "
-                f"answer for {self.rpc_retry_s:.0f} s ({err})"
-            ) from err
-        log.log(
-            logging.DEBUG if retrying.quiet else logging.WARNING,
-            "%s: %s; retrying in %.1f s",
-            retrying.what,
-            err,
-            retrying.delay,
-        )
-        await retrying.pause()
+    def _server(self) -> str:
+        """The Temporal server's address as the settings say now (a job process's is set when
+        it attaches its worker's client)."""
+        return str(self.settings.connect_config["target_host"])
 
     def _client_now(self) -> Client:
         assert self._client is not None
@@ -394,6 +301,10 @@ class LeaseSession:
         state_bytes: int | _Default | None = DEFAULT,
         restores_itself: bool = False,
     ) -> Lease:
+        """Ask ``group_id`` for a lease and wait for its grant (see :meth:`acquire`).
+
+        ``request_id`` and ``key``: a request the job's workflow named (a job process);
+        None: new ones. ``snapshot`` and ``state_bytes``: DEFAULT, the session's settings."""
         if group_id in self.held:
             raise InvalidArgumentError(
                 f"job {self.job_id} already holds group {group_id!r} (token "
@@ -404,21 +315,40 @@ class LeaseSession:
             raise ClientClosedError(CLOSED)
         # Only this process knows the key; the group holds its hash (docs/security.md).
         key = key or secrets.token_urlsafe(24)
+        settings = self.settings
         request = AcquireRequest(
             request_id=request_id or f"{self.job_id}:{uuid.uuid4().hex}",
             key_hash=lease_key_hash(key),
             job_id=self.job_id,
             reply_task_queue=self.task_queue,
-            priority=self.priority if priority is None else priority,
-            ttl_s=ttl_s if ttl_s is not None else self.lease_ttl_s,
+            priority=settings.priority if priority is None else priority,
+            ttl_s=ttl_s if ttl_s is not None else settings.lease_ttl_s,
             # A try-lock's request must not time out before the group grants it.
             timeout_s=timeout or None,
-            snapshot=self.snapshot_target if isinstance(snapshot, _Default) else snapshot,
-            state_bytes=self.state_bytes if isinstance(state_bytes, _Default) else state_bytes,
+            snapshot=settings.snapshot_target if isinstance(snapshot, _Default) else snapshot,
+            state_bytes=settings.state_bytes if isinstance(state_bytes, _Default) else state_bytes,
             restores_itself=restores_itself,
         )
-        rid = request.request_id
         asked = time.monotonic()
+        grant = await self._grant_of(group_id, request, key, timeout, asked)
+        if request_id is None:  # created here: queued after `asked`
+            grant = with_ask_bound(grant, asked)
+        lease = await self._lease_from(grant, group_id, key, asked)
+        self.held[group_id] = lease
+        self.last_keys[group_id] = key
+        return lease
+
+    async def _grant_of(
+        self,
+        group_id: str,
+        request: AcquireRequest,
+        key: str,
+        timeout: float | None,
+        asked: float,
+    ) -> Grant:
+        """Queue ``request`` at the group and wait for its grant within ``timeout``; the
+        request is withdrawn whenever the acquire ends without one."""
+        rid = request.request_id
         granted = self.inbox.expect(rid, key)
         # Kept a while after the acquire ends: a grant that raced its give-up is handed back
         # with it.
@@ -433,8 +363,26 @@ class LeaseSession:
             self._ask(group_id, request, granted, accepted, asked, only_if_free=timeout == 0),
             self._asks,
         )
+        await self._wait_for_grant(group_id, rid, granted, asking, timeout, asked)
+        # (Once the grant came, what stopped the ask later no longer matters.)
+        if asking.done() and asking.exception() is not None and not granted.done():
+            self.inbox.discard(rid)
+            asking.result()  # raises it
+        return await self._take_grant(group_id, rid, timeout, accepted)
+
+    async def _wait_for_grant(
+        self,
+        group_id: str,
+        rid: str,
+        granted: asyncio.Future[Any],
+        asking: asyncio.Future[None],
+        timeout: float | None,
+        asked: float,
+    ) -> None:
+        """Wait until the grant comes, the ask fails, or ``timeout`` (counted from ``asked``)
+        runs out; a try-lock (timeout 0) waits for the group's answer. An acquire that ends
+        here in an error (cancelled, say) withdraws its request first."""
         try:
-            # A try-lock (timeout 0) waits for the group's answer: granted if it was free.
             wait_s = None if timeout == 0 else timeout
             await asyncio.wait({granted, asking}, timeout=wait_s, return_when="FIRST_COMPLETED")
             if asking.done() and not granted.done() and timeout != 0:
@@ -455,33 +403,40 @@ class LeaseSession:
             # Shielded and tracked: a cancelled acquire still withdraws, and close() waits for it.
             await asyncio.shield(self._track(self._withdraw(group_id, rid)))
             raise
-        # (Once the grant came, what stopped the ask later no longer matters.)
-        if asking.done() and asking.exception() is not None and not granted.done():
-            self.inbox.discard(rid)
-            asking.result()  # raises it
+
+    async def _take_grant(
+        self, group_id: str, rid: str, timeout: float | None, accepted: asyncio.Event
+    ) -> Grant:
+        """The grant the inbox holds for ``rid``; without one the request is withdrawn and the
+        acquire fails with why: the group never took it, or it was not granted in time."""
         try:
             grant = self.inbox.withdraw(rid)
         except (GrantLostError, ClientClosedError):
             await self._withdraw(group_id, rid)
             raise
-        if grant is None:
-            if not accepted.is_set():
-                # Nothing took the request: the withdrawal would wait on nothing as well, so it
-                # goes on in the background and the acquire keeps to its time-out.
-                self._track(self._withdraw(group_id, rid))
-                raise await self._not_answering(
-                    group_id, f"acquire {group_id}: the group took no request in {timeout} s"
-                )
-            await self._withdraw(group_id, rid)
-            if timeout == 0:
-                raise AcquireTimeoutError(
-                    f"group {group_id!r} is held or has waiters: not granted to job "
-                    f"{self.job_id} (timeout=0 only takes a free group)"
-                )
-            raise AcquireTimeoutError(
-                f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
-                "the request was withdrawn"
+        if grant is not None:
+            return grant
+        if not accepted.is_set():
+            # Nothing took the request: the withdrawal would wait on nothing as well, so it
+            # goes on in the background and the acquire keeps to its time-out.
+            self._track(self._withdraw(group_id, rid))
+            raise await self._not_answering(
+                group_id, f"acquire {group_id}: the group took no request in {timeout} s"
             )
+        await self._withdraw(group_id, rid)
+        if timeout == 0:
+            raise AcquireTimeoutError(
+                f"group {group_id!r} is held or has waiters: not granted to job "
+                f"{self.job_id} (timeout=0 only takes a free group)"
+            )
+        raise AcquireTimeoutError(
+            f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
+            "the request was withdrawn"
+        )
+
+    async def _lease_from(self, grant: Grant, group_id: str, key: str, asked: float) -> Lease:
+        """The lease ``grant`` gives, valid from the grant's own time if it came fresh, or
+        once a renewal confirmed it (:meth:`_confirm_late`)."""
         notice = grant.notice
         if notice.fault is not None:
             raise JobFaultedError(f"group {group_id!r} refused job {self.job_id}: {notice.fault}")
@@ -496,8 +451,6 @@ class LeaseSession:
             asked_at=asked,
             key=key,
         )
-        if request_id is None:  # created here: queued after `asked`
-            grant = with_ask_bound(grant, asked)
         valid_until = validity_if_fresh(grant, notice.ttl_s)
         if valid_until is not None:
             # The fast path: no round trip. Valid from the grant's own time, and never past
@@ -505,8 +458,6 @@ class LeaseSession:
             lease.valid_until = valid_until
         else:
             await self._confirm_late(lease, grant)
-        self.held[group_id] = lease
-        self.last_keys[group_id] = key
         return lease
 
     async def _confirm_late(self, lease: Lease, grant: Grant) -> None:
@@ -517,7 +468,7 @@ class LeaseSession:
         late = "at an unknown time" if age is None else f"{age:.1f} s after it was made"
         sent = time.monotonic()
         try:
-            result = await self._rpc(
+            result = await self.retries.call(
                 f"confirm the grant of {lease.group_id}",
                 lambda: send_update(
                     self._client_now(),
@@ -568,19 +519,10 @@ class LeaseSession:
         call = AcquireCall(request=request, only_if_free=only_if_free)
         # Retried while the acquire wants it (its own time-out ends it); a wait parks for long,
         # so a failing group is timed from its first failure, not from the first ask.
-        retrying = _Retrying(f"acquire {group_id}", group_id=group_id, quiet=True)
+        retrying = Retrying(f"acquire {group_id}", group_id=group_id, quiet=True)
         while not granted.done():
             try:
-                answer = await send_update(
-                    self._client_now(),
-                    group_workflow_id(group_id),
-                    GroupUpdate.ACQUIRE,
-                    call,
-                    AcquireAnswer,
-                    wait_for_completion=False,  # it parks until granted
-                    on_slow=self._check_control_worker,
-                    on_accepted=accepted.set,
-                )
+                answer = await self._send_ask(group_id, call, accepted)
             except RPCError as err:
                 if granted.done():
                     # The grant came another way (its activity) while this ask was in flight:
@@ -590,56 +532,81 @@ class LeaseSession:
                 if err.status == RPCStatusCode.NOT_FOUND:
                     await self._create_with_request(group_id, request)
                 else:
-                    await self._retry_after(err, retrying)
+                    await self.retries.after(err, retrying)
                 continue
-            except WorkflowUpdateFailedError as err:
-                cause = err.cause
-                if isinstance(cause, ApplicationError) and cause.type == UNPROCESSED_UPDATE:
-                    raise GroupNotAnsweringError(
-                        f"acquire {group_id}: the control worker left the request unprocessed "
-                        f"time after time ({cause}); see the control worker's log"
-                    ) from err
-                raise InvalidArgumentError(
-                    f"group {group_id!r} refused the request: {err.cause or err}"
-                ) from err
             accepted.set()
             self._known_groups.add(group_id)
-            if answer.outcome == AcquireOutcome.GRANTED and answer.notice is not None:
-                if self._take(answer.notice) is not Delivery.FORGED:
-                    return
-                # Not the group's answer: ask again (idempotent), the real grant still comes.
-                await retrying.pause()
-                continue
-            if answer.outcome == AcquireOutcome.GONE:
-                if only_if_free or granted.done():
-                    return
-                # Not withdrawn by us, so ended by the group: granted while this process did
-                # not answer, and given up (or its own time-out passed there).
-                waited = time.monotonic() - asked
-                if request.timeout_s is not None and waited >= request.timeout_s - 1.0:
-                    return  # the acquire's own time-out ends it
-                raise GrantLostError(
-                    f"group {group_id!r} no longer has job {self.job_id}'s request (asked "
-                    f"{waited:.0f} s ago): it granted it while this process did not answer "
-                    "(paused, or its worker not polling) and gave the grant up as undelivered. "
-                    "Nothing is held; acquire again"
-                )
-            if answer.outcome == AcquireOutcome.QUEUED:
-                # The grant comes by activity; asking again now and then is how a waiter whose
-                # grant was given up learns it (not hand-off polling: the grant never waits
-                # for it).
-                await asyncio.wait({granted}, timeout=REASK_QUEUED_S)
+            if await self._answered(group_id, answer, call, granted, asked, retrying):
+                return
+
+    async def _send_ask(
+        self, group_id: str, call: AcquireCall, accepted: asyncio.Event
+    ) -> AcquireAnswer:
+        """One ``acquire`` update, parked until the group answers. A refusal by the group
+        becomes a typed error; an RPC failure is raised as it came, for :meth:`_ask`."""
+        try:
+            return await send_update(
+                self._client_now(),
+                group_workflow_id(group_id),
+                GroupUpdate.ACQUIRE,
+                call,
+                AcquireAnswer,
+                wait_for_completion=False,  # it parks until granted
+                on_slow=self._check_control_worker,
+                on_accepted=accepted.set,
+            )
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type == UNPROCESSED_UPDATE:
+                raise GroupNotAnsweringError(
+                    f"acquire {group_id}: the control worker left the request unprocessed "
+                    f"time after time ({cause}); see the control worker's log"
+                ) from err
+            raise InvalidArgumentError(
+                f"group {group_id!r} refused the request: {err.cause or err}"
+            ) from err
+
+    async def _answered(
+        self,
+        group_id: str,
+        answer: AcquireAnswer,
+        call: AcquireCall,
+        granted: asyncio.Future[Any],
+        asked: float,
+        retrying: Retrying,
+    ) -> bool:
+        """Act on the group's answer to an ask; True when the ask is over (granted, or gone
+        and not to be asked again), False to ask again."""
+        if answer.outcome == AcquireOutcome.GRANTED and answer.notice is not None:
+            if self._take(answer.notice) is not Delivery.FORGED:
+                return True
+            # Not the group's answer: ask again (idempotent), the real grant still comes.
+            await retrying.pause()
+            return False
+        if answer.outcome == AcquireOutcome.GONE:
+            if call.only_if_free or granted.done():
+                return True
+            # Not withdrawn by us, so ended by the group: granted while this process did not
+            # answer, and given up (or its own time-out passed there).
+            waited = time.monotonic() - asked
+            timeout_s = call.request.timeout_s
+            if timeout_s is not None and waited >= timeout_s - 1.0:
+                return True  # the acquire's own time-out ends it
+            raise GrantLostError(
+                f"group {group_id!r} no longer has job {self.job_id}'s request "
+                f"(asked {waited:.0f} s ago): it granted it while this process did not answer "
+                "(paused, or its worker not polling) and gave the grant up as undelivered. "
+                "Nothing is held; acquire again"
+            )
+        if answer.outcome == AcquireOutcome.QUEUED:
+            # The grant comes by activity; asking again now and then is how a waiter whose
+            # grant was given up learns it (not hand-off polling: the grant never waits for it).
+            await asyncio.wait({granted}, timeout=REASK_QUEUED_S)
+        return False
 
     async def _check_control_worker(self) -> None:
-        """Raise if no control worker polls the groups' task queue: with none, no group ever
-        answers (an update or a query would wait in silence)."""
-        client = self._client_now()
-        if not await control_workers_polling(client):
-            raise NoControlWorkerError(
-                f"no control worker serves task queue {CONTROL_TASK_QUEUE!r} in namespace "
-                f"{client.namespace!r} at {self.connect_config['target_host']}: start one with "
-                "`timeslice worker` (nothing answers for the GPU groups until one runs)"
-            )
+        """Raise NoControlWorkerError if no control worker polls the groups' task queue."""
+        await diagnosis.check_control_worker(self._client_now(), self._server())
 
     def _take(self, notice: GrantNotice) -> Delivery:
         """A grant that came as an update's result; one nobody waits for any more is handed
@@ -651,58 +618,13 @@ class LeaseSession:
         return delivery
 
     async def _not_answering(self, group_id: str, what: str) -> TimesliceError:
-        """Why the group took no update: its workflow task failing (the group's history says
-        so), or no control worker running it (the task queue may still list one that stopped
-        moments ago, or one that took the group's task and never answered)."""
-        client = self._client_now()
-        failure: str | None = None
-        with contextlib.suppress(RPCError, TimeoutError):
-            failure = await asyncio.wait_for(self._task_failure(group_id), 5.0)
-        where = f"workflow {group_workflow_id(group_id)} in namespace {client.namespace!r}"
-        if failure is not None:
-            return GroupNotAnsweringError(
-                f"{what}: the group is not answering: its workflow task fails ({failure}); see "
-                f"the control worker's log and {where} in the Web UI"
-            )
-        pollers: int | None = None
-        with contextlib.suppress(RPCError, TimeoutError):
-            pollers = await asyncio.wait_for(control_workers_polling(client), 5.0)
-        listed = (
-            ""
-            if pollers is None
-            else f" (the task queue lists {pollers} poller(s): a worker that stopped moments "
-            "ago stays listed for a while)"
-        )
-        return NoControlWorkerError(
-            f"{what}: no control worker took it on task queue {CONTROL_TASK_QUEUE!r}{listed}; "
-            f"start one with `timeslice worker`, or see its log ({where})"
-        )
-
-    async def _task_failure(self, group_id: str) -> str | None:
-        """What the group's last workflow task failed with, if its last one failed (rather than
-        completed, or timed out on a worker that stopped)."""
-        client = self._client_now()
-        page = await client.workflow_service.get_workflow_execution_history_reverse(
-            GetWorkflowExecutionHistoryReverseRequest(
-                namespace=client.namespace,
-                execution=WorkflowExecution(workflow_id=group_workflow_id(group_id)),
-                maximum_page_size=50,
-            )
-        )
-        for event in page.history.events:
-            if event.HasField("workflow_task_failed_event_attributes"):
-                failed = event.workflow_task_failed_event_attributes
-                return failed.failure.message or WorkflowTaskFailedCause.Name(failed.cause)
-            if event.HasField("workflow_task_completed_event_attributes") or event.HasField(
-                "workflow_task_timed_out_event_attributes"
-            ):
-                return None
-        return None
+        """Why ``group_id`` took no update (``diagnosis.not_answering``)."""
+        return await diagnosis.not_answering(self._client_now(), group_id, what)
 
     async def _create_with_request(self, group_id: str, request: AcquireRequest) -> None:
         client = await self.connected()
         try:
-            await self._rpc(
+            await self.retries.call(
                 f"acquire {group_id}",
                 lambda: start_group(
                     client,
@@ -732,7 +654,7 @@ class LeaseSession:
         *,
         give_up_after_s: float | None = None,
     ) -> T:
-        return await self._rpc(
+        return await self.retries.call(
             what,
             lambda: send_update(
                 self._client_now(),
@@ -772,7 +694,7 @@ class LeaseSession:
 
     async def snapshot_job(self, action: str) -> list[SnapshotReport]:
         """Snapshot or restore this job on all its queues and wait (no group involved)."""
-        if self.snapshot_target is None:
+        if self.settings.snapshot_target is None:
             raise InvalidArgumentError(
                 f"job {self.job_id} registered no snapshot backend: pass snapshot_backends= "
                 "or node= to the client"
@@ -783,7 +705,9 @@ class LeaseSession:
                 f"{action} (a group would not evict a holder either)"
             )
         client = await self.start()
-        inp = SnapshotJobInput(job_id=self.job_id, action=action, target=self.snapshot_target)
+        inp = SnapshotJobInput(
+            job_id=self.job_id, action=action, target=self.settings.snapshot_target
+        )
         try:
             result = await client.execute_workflow(
                 SNAPSHOT_JOB_WORKFLOW_TYPE,
@@ -800,7 +724,9 @@ class LeaseSession:
     async def create_group(self, config: GroupConfig) -> bool:
         client = await self.connected()
         try:
-            await self._rpc(f"create {config.group_id}", lambda: start_group(client, config))
+            await self.retries.call(
+                f"create {config.group_id}", lambda: start_group(client, config)
+            )
         except WorkflowAlreadyStartedError:
             return False
         self._known_groups.add(config.group_id)
@@ -944,7 +870,9 @@ class LeaseSession:
                 if spans
                 else contextlib.nullcontext()
             ):
-                answer = await self._rpc(f"release {lease.group_id}", call, group_id=lease.group_id)
+                answer = await self.retries.call(
+                    f"release {lease.group_id}", call, group_id=lease.group_id
+                )
         except (GroupNotAnsweringError, NoControlWorkerError) as err:
             self._drop(lease, err)
             raise type(err)(
@@ -1051,7 +979,7 @@ class LeaseSession:
     async def group_status(self, group_id: str) -> GroupStatus:
         await self.connected()
         try:
-            status: GroupStatus = await self._rpc(
+            status: GroupStatus = await self.retries.call(
                 f"status {group_id}",
                 lambda: self._group_handle(group_id).query(
                     GroupQuery.STATUS, result_type=GroupStatus, rpc_timeout=STATUS_TIMEOUT
@@ -1104,55 +1032,3 @@ class LeaseSession:
     def drop_client(self) -> None:
         """Let go of the Temporal client (its native objects go with the last reference)."""
         self._client = self._connecting = None
-
-
-def check_next_phase(next_phase: str | None, expected_s: float | None) -> NextPhase | None:
-    """What a release says of the holder's next phase, checked: a ``NextPhase`` when both are
-    given, None when only the name is (or neither); InvalidArgumentError saying what to fix."""
-    if next_phase is None:
-        if expected_s is not None:
-            raise InvalidArgumentError(
-                f"expected_s={expected_s!r} needs next_phase: name the phase it is the length of"
-            )
-        return None
-    if not isinstance(next_phase, str) or not _PHASE_NAME.fullmatch(next_phase):
-        raise InvalidArgumentError(
-            f"next_phase must be a phase name of 1 to 64 letters, digits or '_.:-' "
-            f"(e.g. 'sample', 'train'), not {next_phase!r}"
-        )
-    if expected_s is None:
-        return None
-    if (
-        isinstance(expected_s, bool)
-        or not isinstance(expected_s, int | float)
-        or not math.isfinite(expected_s)
-        or not 0 <= expected_s <= MAX_LEASE_TTL_S
-    ):
-        raise InvalidArgumentError(
-            f"expected_s must be the next phase's expected length, a number of seconds from 0 "
-            f"to {MAX_LEASE_TTL_S:g}, or None when it is not known yet, not {expected_s!r}"
-        )
-    return NextPhase(name=next_phase, expected_s=float(expected_s))
-
-
-def check_timeout(
-    timeout: float | None, what: str = "timeout", *, maximum: float | None = None
-) -> float | None:
-    if timeout is None:
-        return None
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
-    ):
-        raise InvalidArgumentError(
-            f"{what} must be a finite number of seconds or None, not {timeout!r}"
-        )
-    if timeout < 0:
-        raise InvalidArgumentError(f"{what} must be >= 0 seconds, not {timeout}")
-    if maximum is not None and timeout > maximum:
-        raise InvalidArgumentError(
-            f"{what} must be at most {maximum:.0f} s ({maximum / 86_400:.0f} days), not "
-            f"{timeout}; pass None to wait without a limit"
-        )
-    return float(timeout)

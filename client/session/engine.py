@@ -3,8 +3,8 @@
 It runs on its own event-loop thread, so that grants are taken and leases renewed even while the
 training loop keeps its own thread (or event loop) busy with GPU work; and it serves the job's
 task queue with a worker of its own (the grant inbox, the snapshot activities of the client's
-backends). What the leases do is the session's (``timeslice.lease_session``), the same session
-a job process hosts on its job worker's loop.
+backends). What the leases do is the session's (``timeslice.session.lease_session``), the same
+session a job process hosts on its job worker's loop.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from typing import Any, TypeVar
 from temporalio.client import Client
 from temporalio.worker import Worker
 from timeslice.errors import ClientClosedError, TimesliceError
-from timeslice.lease_session import CLOSED, LeaseSession
-from timeslice.protocol.group import SnapshotTarget
+from timeslice.session.lease_session import CLOSED, LeaseSession, SessionSettings
+from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.registration import AgentRegistration, RegistrationError
-from timeslice.snapshot_activities import SnapshotActivities
 from timeslice.transport.telemetry import detached
 
 log = logging.getLogger("timeslice.client")
@@ -66,36 +65,19 @@ class Engine:
 
     def __init__(
         self,
+        settings: SessionSettings,
         *,
-        connect_config: dict[str, Any],
-        job_id: str,
-        task_queue: str,
-        priority: int,
-        lease_ttl_s: float | None,
         backends: dict[str, SnapshotBackend],
-        snapshot_target: SnapshotTarget | None,
-        state_bytes: int | None,
-        rpc_retry_s: float,
         agent: AgentRegistration | None = None,
     ) -> None:
-        """``backends``: what the worker's snapshot activities evict and restore.
-        ``agent``: this process's registration with its node agent, made before any lease.
-        The rest is the session's (``LeaseSession``)."""
-        self.session = LeaseSession(
-            connect_config=connect_config,
-            job_id=job_id,
-            task_queue=task_queue,
-            priority=priority,
-            lease_ttl_s=lease_ttl_s,
-            snapshot_target=snapshot_target,
-            state_bytes=state_bytes,
-            rpc_retry_s=rpc_retry_s,
-            serve=self._serve,
-        )
+        """``settings``: the session's. ``backends``: what the worker's snapshot activities
+        evict and restore. ``agent``: this process's registration with its node agent, made
+        before any lease."""
+        self.session = LeaseSession(settings, serve=self._serve)
         self.backends = backends
         self.agent = agent
         self._agent_registered = False
-        self.thread = LoopThread(f"timeslice-{job_id}")
+        self.thread = LoopThread(f"timeslice-{settings.job_id}")
         self._worker: Worker | None = None
         self._worker_task: asyncio.Task[None] | None = None
 

@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from timeslice.errors import InvalidArgumentError
 from timeslice.protocol.group import MAX_PHASE_OFFSET_S, bounded_phases
+from timeslice.session.arguments import finite_number
 
 
 @dataclass
 class Lease:
-    """A granted lease. ``token`` is the group's fencing token: larger means newer."""
+    """A granted lease on a GPU group, as ``acquire`` returns it.
+
+    Attributes:
+        group_id: The group held.
+        job_id: The job that holds it.
+        token: The group's fencing token: larger means newer. Work that a newer holder may
+            have overtaken can be refused by it (``timeslice status`` shows the holder's).
+        request_id: The request it granted.
+        ttl_s: Seconds it lives at the group without renewal (the client renews it every
+            third of that).
+        waited_s: Seconds from the request to the grant, on the group's clock.
+        acquired_at: When this process took the grant (``time.monotonic()``).
+        confirm_within_s: For a grant taken from a parked update: the group takes the holder
+            for dead unless a renewal or the release comes within this many seconds.
+        asked_at: When the request was sent (``time.monotonic()``).
+        revoked_reason: Why the group revoked it, once it did; None while it did not.
+        released: Whether this process let it go (released, or gave it up).
+        valid_until: Until when it is held for certain (``time.monotonic()``): from the grant's
+            own time, then from when each renewal was sent, so it always ends before the
+            group's own expiry (docs/architecture.md, "Local validity").
+    """
 
     group_id: str
     job_id: str
@@ -54,15 +74,23 @@ class Lease:
 
     @property
     def held_s(self) -> float:
+        """Seconds since this process took the grant."""
         return time.monotonic() - self.acquired_at
 
 
 def phases_since_grant(
     lease: Lease, phases: Sequence[tuple[float, float]], now: float | None = None
 ) -> list[tuple[float, float]]:
-    """GPU phases run under ``lease``, given as (start, end) on ``time.monotonic()``, as the
-    release reports them: (seconds from the grant, seconds), cut to the lease (from its grant
-    to ``now``), at most ``MAX_LEASE_PHASES`` (the closest ones merged, their time kept).
+    """GPU phases run under ``lease``, as the release reports them.
+
+    Args:
+        lease: The lease they ran under.
+        phases: Each phase's (start, end) on ``time.monotonic()``.
+        now: Where the lease's span ends (``time.monotonic()``); None: now.
+
+    Returns:
+        (seconds from the grant, seconds) for each, cut to the lease (from its grant to
+        ``now``), at most ``MAX_LEASE_PHASES`` (the closest ones merged, their time kept).
 
     Raises:
         InvalidArgumentError: A phase is not two finite numbers with its end at or after its
@@ -77,13 +105,7 @@ def phases_since_grant(
             raise InvalidArgumentError(
                 f"phases must be (start, end) pairs of time.monotonic() seconds, not {phase!r}"
             ) from None
-        if (
-            not all(
-                isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)
-                for t in (start, end)
-            )
-            or end < start
-        ):
+        if not (finite_number(start) and finite_number(end)) or end < start:
             raise InvalidArgumentError(
                 f"a phase must be (start, end) in time.monotonic() seconds with end >= start, "
                 f"not {phase!r}"
