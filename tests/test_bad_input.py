@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import subprocess
 import sys
 
@@ -236,7 +237,7 @@ def test_job_options_lists_what_each_option_does():
     assert "external verifier" in shown.stdout  # what it stands for, not only its name
     helped = subprocess.run(
         [sys.executable, "-m", "timeslice.cli", "job", "worker", "--help"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "400"},
     )  # fmt: skip
     from timeslice.workloads.registry import BUILTIN
 
