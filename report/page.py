@@ -73,13 +73,14 @@ def timeline_figure(report: Report) -> object:
                     "pattern": {"shape": "/"} if first.kind == "idle" else {},
                 },
                 width=0.9 if first.kind == "switching" else 0.5 if first.kind == "waiting" else 0.7,
-                # The bar's own start and length are in base and x: the hover reads them there.
+                # A hover's %{x} is the bar's end: its length goes in customdata.
                 customdata=[
-                    [s.job_id or "-", "-" if s.epoch is None else s.epoch, s.label] for s in members
+                    [s.job_id or "-", "-" if s.epoch is None else s.epoch, s.label, s.seconds]
+                    for s in members
                 ],
                 hovertemplate=(
                     "<b>%{customdata[2]}</b><br>job %{customdata[0]} · epoch %{customdata[1]}"
-                    "<br>%{x:.3f} s from %{base:.3f} s<extra>%{fullData.name}</extra>"
+                    "<br>%{customdata[3]:.3f} s from %{base:.3f} s<extra>%{fullData.name}</extra>"
                 ),
             )
         )
