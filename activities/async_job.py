@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
-from timeslice.activities.job_runtime import JobRuntime
+from timeslice.activities.job_runtime import JobRuntime, refusal
 from timeslice.protocol.async_rl_job import (
     ASYNC_DESCRIBE_ACTIVITY,
     ASYNC_SAMPLE_ACTIVITY,
@@ -66,11 +66,10 @@ class AsyncJobRuntime(JobRuntime):
     def _async_workload(self) -> AsyncWorkload:
         workload = self.workload
         if not isinstance(workload, AsyncWorkload):
-            raise ApplicationError(
+            raise refusal(
                 f"workload {self.workload_ref!r} has no async mode (it is not a "
                 "timeslice.workloads.AsyncWorkload); run the job in sync mode",
-                type="InvalidConfig",
-                non_retryable=True,
+                "InvalidConfig",
             )
         return workload
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from timeslice.activities.state_homes import StateHomes
 from timeslice.errors import TimesliceError
 from timeslice.protocol.group import (
@@ -96,6 +96,19 @@ def _state_lost(message: str) -> ApplicationError:
     return ApplicationError(message, type=STATE_LOST, non_retryable=True)
 
 
+def refusal(message: str, error_type: str) -> ApplicationError:
+    """An expected refusal (another run, a bad config, another release): one line in the
+    process's log, and an error the SDK logs without a traceback (a benign failure) and that
+    ends the job with this message."""
+    log.warning("refused (%s): %s", error_type, message)
+    return ApplicationError(
+        message,
+        type=error_type,
+        non_retryable=True,
+        category=ApplicationErrorCategory.BENIGN,
+    )
+
+
 class JobRuntime:
     """One rank of one job: the workload, where it stands, and its activities."""
 
@@ -144,6 +157,10 @@ class JobRuntime:
         self._background: set[asyncio.Future[None]] = set()
         # (workflow id, first run id) of the job workflow this process serves (see _bind).
         self._served: tuple[str, str] | None = None
+        # Set once a workflow bound this process: (workflow id, the run that bound it), so the
+        # job worker can tell when that run (and the runs it continues as) has ended.
+        self.bound = asyncio.Event()
+        self.bound_run: tuple[str, str] | None = None
 
     def attach(self, client: Client) -> None:
         """Use the job worker's client (call from its event loop, before serving)."""
@@ -191,11 +208,7 @@ class JobRuntime:
     def _check_job(self, job_id: str) -> None:
         """Refuse another job's call, and (once bound) any workflow but the one it serves."""
         if job_id != self.job_id:
-            raise ApplicationError(
-                f"this process serves job {self.job_id!r}, not {job_id!r}",
-                type="WrongJob",
-                non_retryable=True,
-            )
+            raise refusal(f"this process serves job {self.job_id!r}, not {job_id!r}", "WrongJob")
         caller = activity.info().workflow_id
         if self._served is not None and caller != self._served[0]:
             raise self._taken(f"workflow {caller!r}")
@@ -210,6 +223,8 @@ class JobRuntime:
         chain = (activity.info().workflow_id or "", chain_id or "")
         if self._served is None:
             self._served = chain
+            self.bound_run = (chain[0], activity.info().workflow_run_id or "")
+            self.bound.set()
             log.info("serving workflow %s (runs from %s)", *chain)
             return
         same_id = chain[0] == self._served[0]
@@ -219,13 +234,12 @@ class JobRuntime:
 
     def _taken(self, caller: str) -> ApplicationError:
         workflow_id, first_run = self._served or ("", "")
-        return ApplicationError(
+        return refusal(
             f"job process {os.getpid()} (job {self.job_id} rank {self.rank}) already serves "
             f"workflow {workflow_id!r} (runs from {first_run}) and refuses {caller}: a job "
             f"process serves one run of its job; restart `timeslice job worker --job-id "
             f"{self.job_id}` to serve a new one",
-            type="ProcessTaken",
-            non_retryable=True,
+            "ProcessTaken",
         )
 
     # ---------------------------------------------------------------- activities
@@ -235,12 +249,12 @@ class JobRuntime:
         self._check_job(inp.job_id)
         mismatch = protocol_mismatch(inp.protocol, JOB_PROTOCOL_VERSION)
         if mismatch is not None:  # before binding: a process of the right release may follow
-            raise ApplicationError(mismatch, type="ProtocolMismatch", non_retryable=True)
+            raise refusal(mismatch, "ProtocolMismatch")
         self._bind(inp.chain_id)
         try:
             sampler, trainer = self.workload.state_names(inp.options)
         except ValueError as err:
-            raise ApplicationError(str(err), type="InvalidConfig", non_retryable=True) from None
+            raise refusal(str(err), "InvalidConfig") from None
         self._all_backends = list(dict.fromkeys([*sampler, *trainer]))
         return DescribeResult(
             workload=self.workload_ref,
@@ -273,11 +287,10 @@ class JobRuntime:
         await _confirm(self, fences)
         async with _keep_alive(), self.homes.using(self._all_backends, None):
             if self._spec is not None and self._spec != spec:
-                raise ApplicationError(
+                raise refusal(
                     f"job {self.job_id}: this process was prepared with {self._spec}, now asked "
                     f"for {spec}; restart the job process to change the job's settings",
-                    type="InvalidConfig",
-                    non_retryable=True,
+                    "InvalidConfig",
                 )
             if inp.checkpoint is None and self._spec is not None and self._epochs_done != 0:
                 raise _state_lost(f"job {self.job_id}: no checkpoint to rewind to; {self._where()}")

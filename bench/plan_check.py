@@ -148,7 +148,14 @@ def main() -> None:
     p.add_argument(
         "--profiles-out", type=Path, help="write the dedicated runs' profiles here (YAML)"
     )
+    p.add_argument(
+        "--profiles-only",
+        action="store_true",
+        help="stop after the dedicated runs and their profiles (how examples/profiles/ was made)",
+    )
     args = p.parse_args()
+    if args.profiles_only and args.profiles_out is None:
+        raise SystemExit("--profiles-only needs --profiles-out")
     if args.epochs < 2:
         raise SystemExit("--epochs must be >= 2")
 
@@ -186,6 +193,9 @@ def main() -> None:
                 # Named after its kind, not the run's job id.
                 named = profile.model_copy(update={"job_id": kind})
                 dump_profile(named, args.profiles_out / f"{kind}.yaml")
+            print(f"wrote {len(by_kind)} profiles to {args.profiles_out}", flush=True)
+            if args.profiles_only:
+                return
         overheads, origin = pick_overheads(list(profiles.values()), None)
         move_bps = STATE_BYTES / MOVE_S
 

@@ -364,7 +364,9 @@ class Soak:
         numbers = [self._number("rl", job) for job in jobs]
         procs = self.stack.job_workers(
             *(
-                JobWorker((job,), WORKLOAD, ("--checkpoint-dir", str(s.checkpoints)),
+                # --keep-serving: the soak tells a crash by an exit, and ends them itself
+                JobWorker((job,), WORKLOAD,
+                          ("--checkpoint-dir", str(s.checkpoints), "--keep-serving"),
                           log=f"rl-{job}.worker.log")
                 for job in jobs
             )

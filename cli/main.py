@@ -1,4 +1,4 @@
-"""The ``timeslice`` command: server, worker, agent, job, setup, status."""
+"""The ``timeslice`` command: server, worker, agent, job, setup, status, groups, report, plan."""
 
 from __future__ import annotations
 
@@ -10,20 +10,25 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from temporalio.service import RPCError, RPCStatusCode
+from timeslice.cli import groups as groups_cli
 from timeslice.cli.server import DEFAULT_DB, EmbeddedServer, ensure_writable_dir
 from timeslice.errors import TimesliceError
 from timeslice.plan import cli as plan_cli
 from timeslice.transport.connection import connect, connect_config
+from timeslice.workloads.registry import BUILTIN
 
 if TYPE_CHECKING:
+    from temporalio.client import WorkflowHandle
     from temporalio.worker import Worker
+    from timeslice.activities.job_runtime import JobRuntime
     from timeslice.protocol.group import GroupStatus
     from timeslice.report.model import GroupFigures
+    from timeslice.workloads.options import OptionInfo
 
 log = logging.getLogger("timeslice")
 T = TypeVar("T")
@@ -91,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_job_parsers(sub)
     plan_cli.add_parser(sub)
     _add_reading_parsers(sub)
+    _add_connection_args(groups_cli.add_parser(sub))
     return parser
 
 
@@ -220,7 +226,10 @@ def _add_reading_parsers(sub: argparse._SubParsersAction) -> None:  # type: igno
     backends.add_argument("--json", action="store_true", help="one JSON object per backend")
 
 
-_WORKLOAD_HELP = "grpo-toy, hf-grpo, simulated, or MODULE:FACTORY (your own Workload subclass)"
+_WORKLOAD_HELP = (
+    f"a built-in workload ({', '.join(sorted(BUILTIN))}) or MODULE:FACTORY (your own Workload "
+    "subclass); `timeslice job options WORKLOAD` lists its options"
+)
 
 
 def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -235,9 +244,17 @@ def _add_job_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     progress.add_argument("--json", action="store_true", help="print the progress as JSON")
     _add_connection_args(progress)
 
-    stop = jobs.add_parser("stop", help="finish the current epoch, checkpoint, and stop")
+    stop = jobs.add_parser(
+        "stop", help="finish the current epoch (an async job: step), checkpoint, and stop"
+    )
     stop.add_argument("job_id")
     _add_connection_args(stop)
+
+    options = jobs.add_parser(
+        "options",
+        help="list a workload's options (--option KEY=JSON): type, default, what each does",
+    )
+    options.add_argument("workload", help=_WORKLOAD_HELP)
 
 
 def _add_job_worker_parser(jobs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -271,6 +288,12 @@ def _add_job_worker_parser(jobs: argparse._SubParsersAction) -> None:  # type: i
     )
     worker.add_argument(
         "--threads", type=_number(int, at_least=1), help="torch CPU threads for this process"
+    )
+    worker.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="keep serving after the run this process serves has ended (by default it exits "
+        "then: a job process serves one run, and a new run needs a new process)",
     )
     _add_metrics_arg(worker)
     _add_connection_args(worker)
@@ -325,6 +348,14 @@ def _add_job_start_parser(jobs: argparse._SubParsersAction) -> None:  # type: ig
     )
     start.add_argument("--checkpoint-every", type=int, help="epochs between checkpoints")
     start.add_argument(
+        "--process-wait",
+        type=_number(float, above=0),
+        dest="process_wait_s",
+        metavar="S",
+        help="how long the job waits for its job processes (`timeslice job worker`) before it "
+        "fails, s (default 3600); the missing ones are named at once either way",
+    )
+    start.add_argument(
         "--option",
         action="append",
         default=[],
@@ -351,6 +382,7 @@ _START_FIELDS = (
     "ranks",
     "lease_ttl_s",
     "checkpoint_every",
+    "process_wait_s",
 )
 
 
@@ -444,7 +476,7 @@ def _limit_torch_threads(threads: int) -> None:
 async def _run_job_worker(args: argparse.Namespace) -> int:
     from timeslice.protocol.group import job_task_queue
     from timeslice.transport.telemetry import worker_telemetry
-    from timeslice.workers.job import build_job_runtime, build_job_worker
+    from timeslice.workers.job import build_job_runtime, build_job_worker, run_ended
 
     if len(set(args.job_ids)) < len(args.job_ids):
         raise TimesliceError(f"--job-id names a job twice: {' '.join(args.job_ids)}")
@@ -471,7 +503,20 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
             )
         if metrics:
             print(f"metrics {metrics.where}", flush=True)
-        code = await _serve(*workers)
+
+        async def every_run_ended() -> None:
+            async def one(runtime: JobRuntime) -> None:
+                how = await run_ended(client, runtime)
+                print(f"job {runtime.job_id} rank {args.rank}: {how}", flush=True)
+
+            await asyncio.gather(*(one(runtime) for runtime in runtimes))
+            print(
+                "every run this process served has ended: exiting (--keep-serving keeps a job "
+                "process up; a new run of a job needs a new one)",
+                flush=True,
+            )
+
+        code = await _serve(*workers, until=None if args.keep_serving else every_run_ended())
         for runtime in runtimes:
             try:
                 await runtime.depart()
@@ -485,24 +530,33 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
 
 async def _run_job_start(args: argparse.Namespace) -> int:
     from temporalio.client import WorkflowFailureError
+    from timeslice.cli.groups import new_group_notes
     from timeslice.jobs import (
         follow_async_job,
         follow_job,
         parse_any_job_config,
         start_any_rl_job,
+        why_waiting,
     )
     from timeslice.protocol.async_rl_job import AsyncRLJobConfig
 
-    config = parse_any_job_config(_job_config_data(args))
+    config = parse_any_job_config(_job_config_data(args))  # options too, before anything
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    flags = _connection_flags(args)
+    for note in await new_group_notes(client, config):
+        print(note, file=sys.stderr, flush=True)
     handle = await start_any_rl_job(client, config)
     print(f"started job {config.job_id}: workflow {handle.id} (run {handle.result_run_id})")
     if not args.wait:
+        for missing in await why_waiting(client, config.job_id, config, flags):
+            print(missing, file=sys.stderr)
         print(f"follow it with: timeslice job progress {config.job_id}")
         return 0
     try:
         follow = follow_async_job if isinstance(config, AsyncRLJobConfig) else follow_job
-        result = await follow(client, config.job_id, lambda line: print(line, flush=True))
+        result = await follow(
+            client, config.job_id, lambda line: print(line, flush=True), config=config, flags=flags
+        )
     except WorkflowFailureError as err:
         cause = err.cause
         print(
@@ -519,9 +573,19 @@ async def _run_job_start(args: argparse.Namespace) -> int:
 
 
 async def _run_job_progress(args: argparse.Namespace) -> int:
-    from timeslice.jobs import describe_async_progress, describe_progress, job_failure
+    from timeslice.jobs import (
+        QUERY_TIMEOUT,
+        WAITING_FOR_PROCESSES,
+        describe_async_progress,
+        describe_progress,
+        job_failure,
+        no_control_worker,
+        why_waiting,
+    )
     from timeslice.protocol.async_rl_job import ASYNC_RL_JOB_WORKFLOW_TYPE, AsyncRLJobProgress
+    from timeslice.protocol.group import CONTROL_TASK_QUEUE
     from timeslice.protocol.rl_job import JobQuery, RLJobProgress, rl_job_workflow_id
+    from timeslice.transport.connection import pollers
 
     workflow_id = _job_workflow_id(args.job_id, rl_job_workflow_id)  # before any connection
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
@@ -529,9 +593,16 @@ async def _run_job_progress(args: argparse.Namespace) -> int:
     described = await _rpc_job(args.job_id, handle.describe())
     ended_badly = job_failure(described.status)
     is_async = described.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE
+    flags = _connection_flags(args)
+    progress: RLJobProgress | None = None
+    if not await pollers(client, CONTROL_TASK_QUEUE):
+        # Any query (a closed run's too, which is replayed) would wait for one in silence.
+        raise TimesliceError(f"job {args.job_id}: {no_control_worker(client, flags)}")
     try:
         progress = await handle.query(
-            JobQuery.PROGRESS, result_type=AsyncRLJobProgress if is_async else RLJobProgress
+            JobQuery.PROGRESS,
+            result_type=AsyncRLJobProgress if is_async else RLJobProgress,
+            rpc_timeout=QUERY_TIMEOUT,
         )
     except Exception:
         if ended_badly is None:
@@ -543,6 +614,9 @@ async def _run_job_progress(args: argparse.Namespace) -> int:
         )
     elif progress is not None:
         print(progress.model_dump_json(indent=2) if args.json else describe_progress(progress))
+    if progress is not None and progress.phase.startswith(WAITING_FOR_PROCESSES):
+        for missing in await why_waiting(client, args.job_id, flags=flags):
+            print(missing, file=sys.stderr)
     if ended_badly is None:
         return 0
     try:
@@ -562,8 +636,60 @@ async def _run_job_stop(args: argparse.Namespace) -> int:
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     handle = client.get_workflow_handle(workflow_id)
     await _rpc_job(args.job_id, handle.signal(JobSignal.STOP))
-    print(f"asked job {args.job_id} to stop after its current epoch")
+    print(f"asked job {args.job_id} to stop after its current {await _job_unit(handle)}")
     return 0
+
+
+async def _job_unit(handle: WorkflowHandle[Any, Any]) -> str:
+    """What one unit of the job's work is called: an epoch, or an async job's step."""
+    from timeslice.protocol.async_rl_job import ASYNC_RL_JOB_WORKFLOW_TYPE
+
+    described = await handle.describe()
+    return "step" if described.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE else "epoch"
+
+
+async def _run_job_options(args: argparse.Namespace) -> int:
+    from timeslice.workloads.options import BUILTIN_OPTIONS
+    from timeslice.workloads.registry import load_workload
+
+    options_type = BUILTIN_OPTIONS.get(args.workload)
+    if options_type is None:
+        try:  # your own workload: its module is imported to find its options class
+            options_type = load_workload(args.workload).options_type
+        except ValueError as err:
+            raise TimesliceError(str(err)) from err
+    if options_type is None:
+        print(
+            f"workload {args.workload!r} declares no options class (options_type); its "
+            "documentation says which options it takes"
+        )
+        return 0
+    print(format_options(args.workload, options_type.describe()))
+    return 0
+
+
+def format_options(workload: str, infos: list[OptionInfo]) -> str:
+    """``timeslice job options``: one option a paragraph, its type, default and meaning."""
+    import textwrap
+
+    lines = [
+        f"{workload}: workload options (`timeslice job start --option KEY=JSON`, or "
+        '"workload_options" in the job\'s config); all optional',
+        "",
+    ]
+    for info in infos:
+        lines.append(f"  {info.name} ({info.type}, default {json.dumps(info.default)})")
+        indent = " " * 6
+        lines += textwrap.wrap(info.doc, 92, initial_indent=indent, subsequent_indent=indent)
+    return "\n".join(lines)
+
+
+def _connection_flags(args: argparse.Namespace) -> str:
+    """The connection flags this command was given, for the commands it tells the user to run
+    (the environment, TEMPORAL_ADDRESS and the rest, carries over by itself)."""
+    given = [("--address", args.address), ("--namespace", args.namespace)]
+    given.append(("--profile", args.profile))
+    return "".join(f" {flag} {value}" for flag, value in given if value)
 
 
 def _job_workflow_id(job_id: str, to_id: Callable[[str], str]) -> str:
@@ -701,7 +827,8 @@ async def _run_agent_token(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(*workers: Worker) -> int:
+async def _serve(*workers: Worker, until: Coroutine[None, None, None] | None = None) -> int:
+    """Run ``workers`` until SIGINT / SIGTERM, or until ``until`` (if given) returns."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -709,7 +836,14 @@ async def _serve(*workers: Worker) -> int:
     async with contextlib.AsyncExitStack() as serving:
         for worker in workers:
             await serving.enter_async_context(worker)
-        await stop.wait()
+        waits = {asyncio.ensure_future(stop.wait())}
+        if until is not None:
+            waits.add(asyncio.ensure_future(until))
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            task.result()  # a failure of ``until`` is the command's
         print("stopping ...", flush=True)
     return 0
 
@@ -740,6 +874,11 @@ async def _run_report(args: argparse.Namespace) -> int:
         files = write_report(report, args.out)
         print(f"wrote {files.text}, {files.html}, {files.png} and {files.trace}")
     return 0
+
+
+async def _run_groups(args: argparse.Namespace) -> int:
+    client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    return await groups_cli.run(args, client, _connection_flags(args))
 
 
 async def _run_backends(args: argparse.Namespace) -> int:
@@ -777,10 +916,18 @@ async def _run_backends(args: argparse.Namespace) -> int:
 
 
 async def _run_status(args: argparse.Namespace) -> int:
+    from timeslice.cli.groups import require_control_worker
     from timeslice.orchestrator import AsyncTimeSliceOrchestratorClient
+    from timeslice.protocol.group import check_id
     from timeslice.report.figures import status_with_utilization
     from timeslice.report.gather import status_figures
 
+    try:
+        check_id("group id", args.group_id)  # before any connection
+    except ValueError as err:
+        raise TimesliceError(str(err)) from None
+    raw = await connect(connect_config(args.address, args.namespace, profile=args.profile))
+    await require_control_worker(raw, _connection_flags(args))  # or the query waits for one
     client = AsyncTimeSliceOrchestratorClient(
         target=args.address, namespace=args.namespace, profile=args.profile, job_id="status-cli"
     )
@@ -790,7 +937,6 @@ async def _run_status(args: argparse.Namespace) -> int:
         await client.close()
     # Utilization counts GPU phases: the RL jobs among the holders are read for theirs, the
     # report's way, so status (its text and its JSON) and report say one figure.
-    raw = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     figures = await status_figures(raw, status)
     if args.json:
         print(status_with_utilization(status, figures).model_dump_json(indent=2))
@@ -850,6 +996,7 @@ def main(argv: list[str] | None = None) -> int:
                 "start": _run_job_start,
                 "progress": _run_job_progress,
                 "stop": _run_job_stop,
+                "options": _run_job_options,
             }[args.job_command]
             with contextlib.suppress(KeyboardInterrupt):
                 return asyncio.run(runner(args))
@@ -862,6 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
             "status": _run_status,
             "backends": _run_backends,
             "report": _run_report,
+            "groups": _run_groups,
             "plan": plan_cli.run,
         }[args.command]
         with contextlib.suppress(KeyboardInterrupt):

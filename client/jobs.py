@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -27,8 +28,9 @@ from timeslice.protocol.async_rl_job import (
     AsyncRLJobConfig,
     AsyncRLJobProgress,
     AsyncRLJobResult,
+    started_config,
 )
-from timeslice.protocol.group import CONTROL_TASK_QUEUE, JOB_KEY
+from timeslice.protocol.group import CONTROL_TASK_QUEUE, JOB_KEY, job_task_queue
 from timeslice.protocol.rl_job import (
     RL_JOB_WORKFLOW_TYPE,
     JobQuery,
@@ -38,9 +40,14 @@ from timeslice.protocol.rl_job import (
     explain_validation_error,
     rl_job_workflow_id,
 )
+from timeslice.transport.connection import pollers
+from timeslice.workloads.options import check_workload_options
 
 # A progress line unchanged for this long is shown again, so a follower is never silent.
 SILENCE_S = 10.0
+# A progress query that takes longer than this is taken as unanswered (and why is looked for).
+QUERY_TIMEOUT = timedelta(seconds=5)
+WAITING_FOR_PROCESSES = "waiting for job processes"
 P = TypeVar("P")
 Res = TypeVar("Res")
 
@@ -72,9 +79,11 @@ def parse_job_config(data: dict[str, Any]) -> RLJobConfig:
             'settings of async jobs: add "mode": "async" (`timeslice job start --mode async`)'
         )
     try:
-        return RLJobConfig.model_validate(data)
+        config = RLJobConfig.model_validate(data)
     except ValidationError as err:
         raise InvalidArgumentError(f"invalid job config: {explain_validation_error(err)}") from err
+    check_options(config)
+    return config
 
 
 def parse_async_job_config(data: dict[str, Any]) -> AsyncRLJobConfig:
@@ -91,11 +100,30 @@ def parse_async_job_config(data: dict[str, Any]) -> AsyncRLJobConfig:
             broken; each is named.
     """
     try:
-        return AsyncRLJobConfig.model_validate(data)
+        config = AsyncRLJobConfig.model_validate(data)
     except ValidationError as err:
         raise InvalidArgumentError(
             f"invalid async job config: {explain_validation_error(err)}"
         ) from err
+    check_options(config)
+    return config
+
+
+def check_options(config: RLJobConfig) -> None:
+    """Refuse the job's ``workload_options`` before anything starts, as its built-in workload
+    would (an unknown option with the closest known name, a wrong type, a value out of
+    range); a workload of your own (``MODULE:FACTORY``) is left to its process.
+
+    Args:
+        config: The job's config.
+
+    Raises:
+        InvalidArgumentError: An option the workload refuses.
+    """
+    try:
+        check_workload_options(config.workload, config.workload_options)
+    except ValueError as err:
+        raise InvalidArgumentError(f"invalid job config: workload_options: {err}") from None
 
 
 def parse_any_job_config(data: dict[str, Any]) -> RLJobConfig:
@@ -128,7 +156,8 @@ async def start_any_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandl
         The workflow's handle.
 
     Raises:
-        InvalidArgumentError: The job id was used already (its run is going on, or ended).
+        InvalidArgumentError: A workload option its workload refuses, or the job id was used
+            already (its run is going on, or ended).
     """
     if isinstance(config, AsyncRLJobConfig):
         return await start_async_rl_job(client, config)
@@ -148,7 +177,8 @@ async def start_async_rl_job(
         The workflow's handle; its result is an ``AsyncRLJobResult``.
 
     Raises:
-        InvalidArgumentError: The job id was used already (its run is going on, or ended).
+        InvalidArgumentError: A workload option its workload refuses, or the job id was used
+            already (its run is going on, or ended).
     """
     return await _start_job(
         client,
@@ -173,7 +203,8 @@ async def start_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandle[An
         The workflow's handle; its result is an ``RLJobResult``.
 
     Raises:
-        InvalidArgumentError: The job id was used already (its run is going on, or ended).
+        InvalidArgumentError: A workload option its workload refuses, or the job id was used
+            already (its run is going on, or ended).
     """
     groups = ", ".join(dict.fromkeys([config.sampler_group, config.trainer]))
     return await _start_job(
@@ -195,8 +226,10 @@ async def _start_job(
     summary: str,
     length: str,
 ) -> WorkflowHandle[Any, Res]:
-    """Start a job's workflow of ``workflow_type``; ``summary`` and ``length`` (how long it
-    runs, in the mode's terms) are what the Web UI shows of it."""
+    """Start a job's workflow of ``workflow_type``, its workload options checked first;
+    ``summary`` and ``length`` (how long it runs, in the mode's terms) are what the Web UI shows
+    of it."""
+    check_options(config)
     try:
         return await client.start_workflow(
             workflow_type,
@@ -264,6 +297,104 @@ def job_failure(status: WorkflowExecutionStatus | None) -> str | None:
     }.get(status, f"ended {status.name.lower()}")
 
 
+async def read_job_config(client: Client, job_id: str) -> RLJobConfig:
+    """The config of a job's latest run, from that run's start input.
+
+    Args:
+        client: A connected client.
+        job_id: The job.
+
+    Returns:
+        Its config (an ``AsyncRLJobConfig`` for an async job).
+
+    Raises:
+        InvalidArgumentError: The run's input is no job config (it failed at once).
+        RPCError: No such job (``NOT_FOUND``), or Temporal refused the call.
+    """
+    handle = client.get_workflow_handle(rl_job_workflow_id(job_id))
+    described = await handle.describe()
+    run = client.get_workflow_handle(handle.id, run_id=described.run_id)
+    async for event in run.fetch_history_events(page_size=1):
+        payloads = event.workflow_execution_started_event_attributes.input.payloads
+        try:
+            (raw,) = await client.data_converter.decode(payloads, [Any])
+            is_async = described.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE
+            return started_config(raw, async_job=is_async)
+        except (ValueError, RuntimeError) as err:
+            raise InvalidArgumentError(f"job {job_id}: its start input is no job config") from err
+    raise InvalidArgumentError(f"job {job_id}: its run has no history")
+
+
+def no_control_worker(client: Client, flags: str = "") -> str:
+    """What to say when no control worker polls: the task queue, where, and the command.
+
+    Args:
+        client: The client that found none (its namespace is named).
+        flags: Connection flags to add to the command (``--address ...``), if any.
+
+    Returns:
+        The message, ending with the command that starts one.
+    """
+    return (
+        f"no control worker serves task queue {CONTROL_TASK_QUEUE!r} (namespace "
+        f"{client.namespace!r}): nothing runs the job's workflow until one does; start one "
+        f"with `timeslice worker{flags}`"
+    )
+
+
+async def missing_job_processes(client: Client, config: RLJobConfig, flags: str = "") -> list[str]:
+    """Each rank of the job whose task queue no job process polls, said with the command that
+    starts one (Temporal's list of the queue's pollers: said at once, no time-out waited for).
+
+    Args:
+        client: A connected client.
+        config: The job's config (its id, workload and ranks).
+        flags: Connection flags to add to the command (``--address ...``), if any.
+
+    Returns:
+        One line per missing rank; empty when every rank has a process.
+
+    Raises:
+        temporalio.service.RPCError: Temporal did not answer.
+    """
+    lines = []
+    for rank in range(config.ranks):
+        queue = job_task_queue(config.job_id, rank)
+        if await pollers(client, queue, activities=True):
+            continue
+        rank_flag = f" --rank {rank}" if config.ranks > 1 else ""
+        lines.append(
+            f"no job process serves job {config.job_id}{f' rank {rank}' if rank_flag else ''} "
+            f"(nothing polls task queue {queue!r}): start one with `timeslice job worker "
+            f"--job-id {config.job_id}{rank_flag} --workload {config.workload}{flags}`"
+        )
+    return lines
+
+
+async def why_waiting(
+    client: Client, job_id: str, config: RLJobConfig | None = None, flags: str = ""
+) -> list[str]:
+    """What a running job lacks to make progress: the control worker, or a job process.
+
+    Args:
+        client: A connected client.
+        job_id: The job.
+        config: Its config if known (else read from its history when needed).
+        flags: Connection flags for the commands said.
+
+    Returns:
+        A line per missing piece, each with the command that starts it; empty if none.
+
+    Raises:
+        InvalidArgumentError: The job's start input is no job config.
+        temporalio.service.RPCError: No such job (``NOT_FOUND``), or Temporal did not answer.
+    """
+    if not await pollers(client, CONTROL_TASK_QUEUE):
+        return [no_control_worker(client, flags)]
+    config = config or await read_job_config(client, job_id)
+    return await missing_job_processes(client, config, flags)
+
+
 def describe_progress(p: RLJobProgress) -> str:
     """One line of a sync job's progress, as ``follow_job`` and ``timeslice job progress``
     show it.
@@ -285,17 +416,22 @@ async def follow_job(
     show: Callable[[str], None] = print,
     *,
     poll_s: float = 1.0,
+    config: RLJobConfig | None = None,
+    flags: str = "",
 ) -> RLJobResult:
     """Show progress lines until the job ends (never silent for long), then return its result.
 
     Follows the job across its continue-as-new runs; a line that has not changed is shown
-    again every ``SILENCE_S`` seconds, marked "(still)".
+    again every ``SILENCE_S`` seconds, marked "(still)". A missing control worker or job
+    process is said within seconds, with the command that starts it.
 
     Args:
         client: A Temporal client (``timeslice.transport.connection.connect``).
         job_id: The job's id.
         show: Where each line goes.
         poll_s: How often the job's progress is asked for.
+        config: The job's config, if known (else read from its history when needed).
+        flags: Connection flags to add to the commands said (``--address ...``).
 
     Returns:
         The job's ``RLJobResult``.
@@ -306,7 +442,7 @@ async def follow_job(
         temporalio.service.RPCError: No such job (``NOT_FOUND``), or Temporal did not answer.
     """
     return await _follow(
-        client, job_id, show, poll_s, RLJobProgress, RLJobResult, describe_progress
+        client, job_id, show, poll_s, RLJobProgress, RLJobResult, describe_progress, config, flags
     )
 
 
@@ -334,12 +470,14 @@ async def follow_async_job(
     show: Callable[[str], None] = print,
     *,
     poll_s: float = 1.0,
+    config: RLJobConfig | None = None,
+    flags: str = "",
 ) -> AsyncRLJobResult:
     """``follow_job`` for an async job, whose lines say the step, both roles' phases, the
     weights' version and the queue (``describe_async_progress``).
 
     Args:
-        client, job_id, show, poll_s: As for ``follow_job``.
+        client, job_id, show, poll_s, config, flags: As for ``follow_job``.
 
     Returns:
         The job's ``AsyncRLJobResult``.
@@ -350,7 +488,15 @@ async def follow_async_job(
         answer.
     """
     return await _follow(
-        client, job_id, show, poll_s, AsyncRLJobProgress, AsyncRLJobResult, describe_async_progress
+        client,
+        job_id,
+        show,
+        poll_s,
+        AsyncRLJobProgress,
+        AsyncRLJobResult,
+        describe_async_progress,
+        config,
+        flags,
     )
 
 
@@ -362,16 +508,30 @@ async def _follow(
     progress_type: type[P],
     result_type: type[Res],
     describe: Callable[[P], str],
+    config: RLJobConfig | None,
+    flags: str,
 ) -> Res:
     # No run id: follow the job across its continue-as-new runs.
     handle = client.get_workflow_handle(rl_job_workflow_id(job_id), result_type=result_type)
     last_line, last_shown = "", time.monotonic()
     while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-        try:
-            progress = await handle.query(JobQuery.PROGRESS, result_type=progress_type)
-        except Exception:  # the run may be between continue-as-new and its first task
-            progress = None
-        line = describe(progress) if progress else ""
+        progress = None
+        missing: list[str] = []
+        if not await pollers(client, CONTROL_TASK_QUEUE):
+            missing = [no_control_worker(client, flags)]  # a query would wait in silence
+        else:
+            try:
+                progress = await handle.query(
+                    JobQuery.PROGRESS, result_type=progress_type, rpc_timeout=QUERY_TIMEOUT
+                )
+            except Exception:  # the run may be between continue-as-new and its first task
+                progress = None
+            if progress is not None and str(getattr(progress, "phase", "")).startswith(
+                WAITING_FOR_PROCESSES
+            ):
+                config = config or await read_job_config(client, job_id)
+                missing = await missing_job_processes(client, config, flags)
+        line = "\n".join([*([describe(progress)] if progress else []), *missing])
         now = time.monotonic()
         if line and (line != last_line or now - last_shown > SILENCE_S):
             show(line if line != last_line else f"{line} (still)")

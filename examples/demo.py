@@ -54,7 +54,7 @@ from timeslice.protocol.utilization import SINCE_CREATED, WHILE_JOBS_RAN, Utiliz
 from timeslice.report import Report, collect_report, format_text, human_bytes, write_report
 from timeslice.report.model import GroupFigures
 from timeslice.transport.connection import connect, connect_config
-from timeslice.workloads.grpo_toy import GrpoToyOptions
+from timeslice.workloads.options import BUILTIN_OPTIONS
 
 STATE = Path(".timeslice")
 SPARK = "▁▂▃▄▅▆▇█"
@@ -64,15 +64,6 @@ SEEDS = (0, 1)
 OPTIONS: dict[str, Any] = {"reward_latency_s": 1.5}
 BATCH, GROUP_SIZE = 96, 16
 WORKLOADS = ("grpo-toy", "hf-grpo")
-
-
-def options_class(workload: str) -> type[GrpoToyOptions]:
-    """The workload's options (hf-grpo's imports transformers, so only when asked for)."""
-    if workload == "hf-grpo":
-        from timeslice.workloads.hf_grpo import HfGrpoOptions
-
-        return HfGrpoOptions
-    return GrpoToyOptions
 
 
 @dataclass(frozen=True)
@@ -253,7 +244,8 @@ def workload_option(text: str) -> tuple[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The docstring's first paragraph, whole (its first line alone stops mid-sentence).
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="6 epochs instead of 20")
     parser.add_argument("--keep", action="store_true", help="leave everything running")
@@ -291,13 +283,13 @@ def main() -> int:
         default=[],
         type=workload_option,
         metavar="KEY=VALUE",
-        help="a workload option (workloads/grpo_toy.py, workloads/hf_grpo.py), e.g. "
+        help="a workload option (`timeslice job options grpo-toy` lists them), e.g. "
         "d_model=1024; repeatable",
     )
     args = parser.parse_args()
     options = {**OPTIONS, "device": args.device, **dict(args.option)}
     try:  # before anything starts: a bad option fails here, with what to fix
-        options_class(args.workload).parse(options)
+        BUILTIN_OPTIONS[args.workload].parse(options)
     except ValueError as err:
         parser.error(str(err))
     epochs = 6 if args.quick else args.epochs

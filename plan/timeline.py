@@ -53,6 +53,7 @@ def to_report(outcome: Outcome, assignment: Assignment, origin: datetime | None 
         drawing.add(segment)
     return Report(
         generated_at=drawing.at,
+        simulated=True,
         groups=drawing.group_figures(),
         jobs=drawing.job_figures(),
         lanes=[*drawing.job_lanes.values(), *drawing.group_lanes.values()],
@@ -148,6 +149,10 @@ class _Drawing:
                     wait_p50_s=None,
                     wait_p99_s=None,
                     notes=["simulated by timeslice plan"],
+                    # Its first phase's start to its last phase's end: the window of its
+                    # utilization while jobs ran, as the plan's table prints it.
+                    active_start=self.when(g.first_start or 0.0),
+                    active_end=self.when(g.last_end),
                 )
             )
         return figures
@@ -170,6 +175,7 @@ class _Drawing:
                     switching_s=self.moving[jid],
                     wall_s=r.completion_s,
                     dedicated_s=plan.dedicated_s if plan is not None else None,
+                    dedicated_from="simulated",
                     note="simulated",
                 )
             )

@@ -239,3 +239,31 @@ class AsyncRLJobResult(RLJobResult):
         assert isinstance(config, AsyncRLJobConfig) and isinstance(state, AsyncRLJobState)
         counters = state.model_dump(include=set(PIPELINE_COUNTERS))
         return super().of(config, state, max_staleness=config.max_staleness, **counters, **extra)
+
+
+def started_config(raw: Any, *, async_job: bool | None = None) -> RLJobConfig:
+    """An RL job's config from its workflow's start input, read as the workflow reads it: the
+    bare config, or ``{config, state}`` after continue-as-new.
+
+    Args:
+        raw: The decoded input.
+        async_job: Whether the workflow is an ``AsyncRLJobWorkflow``; None: the config's
+            ``mode`` says.
+
+    Returns:
+        The config (an ``AsyncRLJobConfig`` for an async job).
+
+    Raises:
+        ValueError: The input is no such config (pydantic's ``ValidationError``).
+    """
+    carried = isinstance(raw, dict) and "config" in raw
+    if async_job is None:
+        body = raw["config"] if carried else raw
+        async_job = isinstance(body, dict) and body.get("mode") == "async"
+    if async_job:
+        return (
+            AsyncRLJobInput.model_validate(raw).config
+            if carried
+            else AsyncRLJobConfig.model_validate(raw)
+        )
+    return RLJobInput.model_validate(raw).config if carried else RLJobConfig.model_validate(raw)

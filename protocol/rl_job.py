@@ -200,7 +200,7 @@ class RLJobConfig(_Model):
     workload: str = Field(
         min_length=1,
         max_length=300,
-        description="built-in name (grpo-toy, hf-grpo, simulated) or MODULE:FACTORY; the "
+        description="built-in name (grpo-jax, grpo-toy, hf-grpo, simulated) or MODULE:FACTORY; the "
         "job process must have been started with the same",
     )
     workload_options: dict[str, Any] = Field(default_factory=dict)

@@ -42,6 +42,10 @@ class JobRecord:
     # step's staleness, in the order trained (parallel to the train phases; None: unknown).
     mode: str = "sync"
     staleness: list[int | None] = field(default_factory=list)
+    # Runs of the same job id before the one read (the report reads the latest run only).
+    earlier_runs: int = 0
+    # What a closed run failed with: its error's type and message.
+    failure: str | None = None
 
 
 def _wall(phase: PhaseResult, completed_at: datetime | None) -> float | None:
@@ -149,6 +153,8 @@ def job_figures(job: JobRecord, spans: list[Span], dedicated_s: float | None = N
         carries_asked=sum(1 for phase in job.phases if phase.carry),
         carries_kept=sum(1 for phase in job.phases if phase.carry and phase.kept),
         note=job.note,
+        failure=job.failure,
+        earlier_runs=job.earlier_runs,
         mode=job.mode,
         staleness=[s for s in job.staleness if s is not None],
     )

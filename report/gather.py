@@ -13,7 +13,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowHistory,
+)
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.errors import InvalidArgumentError, UnknownGroupError
 from timeslice.protocol.async_rl_job import (
@@ -22,10 +28,9 @@ from timeslice.protocol.async_rl_job import (
     ASYNC_SCORE_ACTIVITY,
     ASYNC_TRAIN_ACTIVITY,
     AsyncPhaseResult,
-    AsyncRLJobConfig,
-    AsyncRLJobInput,
     AsyncRLJobProgress,
     AsyncRLJobResult,
+    started_config,
 )
 from timeslice.protocol.group import (
     GROUP_WORKFLOW_TYPE,
@@ -41,8 +46,6 @@ from timeslice.protocol.rl_job import (
     TRAIN_ACTIVITY,
     JobQuery,
     PhaseResult,
-    RLJobConfig,
-    RLJobInput,
     RLJobProgress,
     RLJobResult,
     rl_job_workflow_id,
@@ -99,7 +102,7 @@ async def collect_report(
     now = datetime.now(UTC)
     named = groups is not None
     if groups is None:
-        groups = await _discover(client, GROUP_WORKFLOW_TYPE, "gpu-group-", running_only=True)
+        groups = await running_groups(client)
     if jobs is None:
         jobs = (await _discover(client, RL_JOB_WORKFLOW_TYPE, "rl-job-"))[:max_jobs]
     records = await asyncio.gather(*(_job(client, j, now) for j in jobs))
@@ -175,6 +178,12 @@ async def status_figures(client: Client, status: GroupStatus) -> GroupFigures:
     return figures
 
 
+async def running_groups(client: Client) -> list[str]:
+    """The ids of the groups whose workflow runs (a visibility query on their workflow type),
+    the most recently created first."""
+    return await _discover(client, GROUP_WORKFLOW_TYPE, "gpu-group-", running_only=True)
+
+
 async def _discover(
     client: Client, workflow_type: str, prefix: str, *, running_only: bool = False
 ) -> list[str]:
@@ -212,34 +221,6 @@ async def read_group_status(client: Client, group_id: str) -> GroupStatus:
         raise
 
 
-def started_config(raw: Any, *, async_job: bool | None = None) -> RLJobConfig:
-    """An RL job's config from its workflow's start input, read as the workflow reads it: the
-    bare config, or ``{config, state}`` after continue-as-new.
-
-    Args:
-        raw: The decoded input.
-        async_job: Whether the workflow is an ``AsyncRLJobWorkflow``; None: the config's
-            ``mode`` says.
-
-    Returns:
-        The config (an ``AsyncRLJobConfig`` for an async job).
-
-    Raises:
-        ValueError: The input is no such config (pydantic's ``ValidationError``).
-    """
-    carried = isinstance(raw, dict) and "config" in raw
-    if async_job is None:
-        body = raw["config"] if carried else raw
-        async_job = isinstance(body, dict) and body.get("mode") == "async"
-    if async_job:
-        return (
-            AsyncRLJobInput.model_validate(raw).config
-            if carried
-            else AsyncRLJobConfig.model_validate(raw)
-        )
-    return RLJobInput.model_validate(raw).config if carried else RLJobConfig.model_validate(raw)
-
-
 async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = True) -> JobRecord:
     """One RL job's record; ``progress=False`` reads its phases only (no result, no query a
     worker must answer)."""
@@ -254,13 +235,12 @@ async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = T
         raise
     status = _STATUS_NAMES.get(latest.status, "unknown") if latest.status else "unknown"
     record = JobRecord(job_id=job_id, status=status, ended=latest.close_time)
-    runs = [execution async for execution in client.list_workflows(f"WorkflowId = '{workflow_id}'")]
-    runs.sort(key=lambda e: e.start_time)
-    for run in runs:
-        history = await client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history()
+    histories, earlier = await _latest_run(client, workflow_id)
+    for history in histories:
         await _read_run(client, history.events, record)
-    if runs:
-        record.started = runs[0].start_time
+    if histories:
+        record.started = histories[0].events[0].event_time.ToDatetime(tzinfo=UTC)
+    record.earlier_runs = earlier
     if not progress:
         return record
     is_async = latest.workflow_type == ASYNC_RL_JOB_WORKFLOW_TYPE
@@ -269,6 +249,8 @@ async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = T
         run_id=latest.run_id,
         result_type=AsyncRLJobResult if is_async else RLJobResult,
     )
+    if status in ("failed", "terminated", "cancelled", "timed_out"):
+        record.failure = await _failure(handle)
     if status == "completed":
         result = await handle.result()
         record.epochs_done = result.epochs_done
@@ -290,9 +272,40 @@ async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = T
     record.epochs = progress.epochs
     record.rewards = list(progress.rewards)
     record.rewinds = progress.rewinds
-    if status != "running" and record.note is None:
+    if status != "running" and record.note is None and record.failure is None:
         record.note = f"phase: {progress.phase}"
     return record
+
+
+async def _latest_run(client: Client, workflow_id: str) -> tuple[list[WorkflowHistory], int]:
+    """The histories of a job's latest run — its workflow's latest execution and those it
+    continued as new from, oldest first — and how many earlier runs of the same job id
+    there were (a job id started again after its run ended: another run, left out)."""
+    query = f"WorkflowId = '{workflow_id}'"
+    executions = [execution async for execution in client.list_workflows(query)]
+    executions.sort(key=lambda e: e.start_time)
+    chain: list[WorkflowHistory] = []
+    for execution in reversed(executions):
+        handle = client.get_workflow_handle(workflow_id, run_id=execution.run_id)
+        history = await handle.fetch_history()
+        chain.insert(0, history)
+        started = history.events[0].workflow_execution_started_event_attributes
+        if not started.continued_execution_run_id:
+            break  # the first execution of this run
+    return chain, len(executions) - len(chain)
+
+
+async def _failure(handle: WorkflowHandle[Any, Any]) -> str | None:
+    """What a closed run failed with: its error's type and message (or why it ended)."""
+    try:
+        await handle.result()
+    except WorkflowFailureError as err:
+        cause = err.cause
+        kind = getattr(cause, "type", None) or type(cause).__name__
+        return f"{kind}: {getattr(cause, 'message', None) or cause}"
+    except Exception as err:  # a result that does not decode: the run ended, say what we know
+        return str(err)
+    return None
 
 
 async def _read_run(client: Client, events: Any, record: JobRecord) -> None:

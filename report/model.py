@@ -126,13 +126,24 @@ class JobFigures(_Model):
     switching_s: float = 0.0
     wall_s: float | None = None
     dedicated_s: float | None = Field(
-        None, description="the same job alone on its own group (measured), when known"
+        None, description="the same job's wall time alone on its own group, when known"
+    )
+    dedicated_from: Literal["measured", "simulated"] = Field(
+        "measured",
+        description="where dedicated_s comes from: a real run alone (the demo runs one), or "
+        "the planner's simulation of one",
     )
     rewards: list[float | None] = Field(default_factory=list, description="per epoch")
     rewinds: int = 0
     carries_asked: int = Field(0, description="GPU phases that asked to carry their lease on")
     carries_kept: int = Field(0, description="... and kept it for the next phase")
     note: str | None = None
+    failure: str | None = Field(None, description="what a failed run failed with: type: message")
+    earlier_runs: int = Field(
+        0,
+        description="runs of the same job id before the one reported (each run is its own; "
+        "the report reads the latest)",
+    )
     mode: Literal["sync", "async"] = "sync"
     staleness: list[int] = Field(
         default_factory=list,
@@ -152,11 +163,13 @@ class JobFigures(_Model):
 
     @property
     def slowdown(self) -> float | None:
-        """Wall time / the same job's wall time alone (measured), else / its own phase time."""
-        base = self.dedicated_s if self.dedicated_s else self.own_s
-        if self.wall_s is None or not base:
+        """Wall time / the same job's wall time alone (``dedicated_s``, measured or
+        simulated as ``dedicated_from`` says); None without that baseline: a job's own phase
+        time is no run alone, and a ratio to it would call start-up and checkpoints
+        slowdown."""
+        if self.wall_s is None or not self.dedicated_s:
             return None
-        return self.wall_s / base
+        return self.wall_s / self.dedicated_s
 
     @property
     def reward_first(self) -> float | None:
@@ -169,6 +182,11 @@ class JobFigures(_Model):
 
 class Report(_Model):
     generated_at: datetime
+    simulated: bool = Field(
+        False,
+        description="a run the planner simulated (`timeslice plan --html`), not one measured: "
+        "its clock starts at 0 and its pages say so",
+    )
     groups: list[GroupFigures]
     jobs: list[JobFigures]
     lanes: list[Lane] = Field(default_factory=list)

@@ -59,7 +59,11 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
     axes = fig.subplots(2 if zoomed else 1, 1, squeeze=False)[:, 0]
     overview = axes[0]
     _draw(overview, lanes, origin, colours)
-    shown = ["the whole run: from the first group's creation to the report, as in the tables"]
+    shown = [
+        "a simulated run (timeslice plan): predicted, not measured"
+        if report.simulated
+        else "the whole run: from the first group's creation to the report, as in the tables"
+    ]
     shown += [f"{g.group_id}: utilization {utilization_line(g)}" for g in report.groups[:4]]
     if len(report.groups) > 4:
         shown.append(f"... and {len(report.groups) - 4} more groups (report.txt)")
@@ -75,14 +79,21 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
         axes[1].set_title(f"{window[0]:.0f} to {window[1]:.0f} s in detail", loc="left",
                           fontsize="medium")  # fmt: skip
         axes[1].set_xlim(*window)
-    axes[-1].set_xlabel(f"seconds from {origin:%H:%M:%S} UTC")
+    axes[-1].set_xlabel(
+        "seconds from the start of the simulated run"
+        if report.simulated
+        else f"seconds from {origin:%H:%M:%S} UTC"
+    )
     handles = [
         Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k], hatch="///", edgecolor="#b0b0b0")
         if k == "idle"
         else Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k])
-        for k in KIND_COLOURS
+        for k in legend_kinds(report)
     ]
-    handles += [Patch(facecolor=c, label=f"held by {job}") for job, c in colours.items()]
+    holders = {s.job_id for s in report.spans if s.kind == "lease"}
+    handles += [
+        Patch(facecolor=c, label=f"held by {job}") for job, c in colours.items() if job in holders
+    ]
     overview.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     if not report.spans:
         overview.text(0.5, 0.5, "nothing recorded", transform=overview.transAxes, ha="center")
@@ -91,6 +102,12 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
+
+
+def legend_kinds(report: Report) -> list[str]:
+    """The kinds of span the picture draws, in the palette's order: its legend lists those."""
+    present = {s.kind for s in report.spans}
+    return [k for k in KIND_COLOURS if k in present]
 
 
 # What each lane draws, in order (waits first, phases over them, switches last, thin, so they

@@ -59,6 +59,16 @@ JOB_HEADERS = (
 )
 
 
+# What the job table says, and what its slowdown is against (docs/report.md, "Jobs").
+JOBS_ABOUT = (
+    "RL jobs (each job id's latest run): own phase times, time waiting for grants and moving "
+    "state back;",
+    "slowdown = wall time / the same job's wall time alone, only where that was measured "
+    "(`make demo` runs each job alone first) or simulated (`timeslice plan --html`); '-': no "
+    "such baseline",
+)
+
+
 def group_row(g: GroupFigures) -> tuple[str, ...]:
     return (
         g.group_id,
@@ -83,7 +93,7 @@ def utilization_line(g: GroupFigures) -> str:
 def job_row(j: JobFigures) -> tuple[str, ...]:
     epochs = str(j.epochs_done) if j.epochs is None else f"{j.epochs_done}/{j.epochs}"
     slowdown = j.slowdown
-    alone = j.dedicated_s if j.dedicated_s else (j.own_s or None)
+    alone = j.dedicated_s or None
     return (
         j.job_id,
         j.status,
@@ -135,7 +145,11 @@ def _job_notes(j: JobFigures) -> list[str]:
     asked, kept = j.carries_asked, j.carries_kept
     stale = j.staleness
     said = [
-        f"alone: {j.dedicated_s:.1f} s measured" if j.dedicated_s else None,
+        f"alone: {j.dedicated_s:.1f} s {j.dedicated_from}" if j.dedicated_s else None,
+        f"{j.status}: {j.failure}" if j.failure else None,
+        f"the latest run of this job id; {j.earlier_runs} earlier run(s) left out"
+        if j.earlier_runs
+        else None,
         f"{j.rewinds} rewinds" if j.rewinds else None,
         f"lease kept into the next phase {kept} of {asked} times asked" if asked else None,
         f"async: staleness max {max(stale)}, mean {sum(stale) / len(stale):.2f}" if stale else None,
@@ -149,8 +163,18 @@ def _notes(rows: Iterable[tuple[str, list[str]]]) -> list[str]:
     return [f"  {name}: {', '.join(notes)}" for name, notes in rows if notes]
 
 
+def report_title(report: Report) -> str:
+    """What the report is of: a real run (when it was read) or a simulated one."""
+    if report.simulated:
+        return (
+            "timeslice plan · a simulated run (predicted from profiles, not measured) · "
+            f"{report.generated_at:%Y-%m-%d %H:%M:%S} UTC"
+        )
+    return f"timeslice report · {report.generated_at:%Y-%m-%d %H:%M:%S} UTC"
+
+
 def format_text(report: Report) -> str:
-    out = [f"timeslice report · {report.generated_at:%Y-%m-%d %H:%M:%S} UTC", ""]
+    out = [report_title(report), ""]
     out.append(
         "GPU groups: shares of each group's wall time (docs/report.md): GPU phases running, "
         "leased with no phase running, moving state, idle"
@@ -162,11 +186,7 @@ def format_text(report: Report) -> str:
     if report.groups:
         out += ["", "Utilization: GPU phase time / the window named (docs/report.md)"]
         out += [f"  {g.group_id}: {utilization_line(g)}" for g in report.groups]
-    out += [
-        "",
-        "RL jobs: own phase times, time waiting for grants and moving state back; slowdown = "
-        "wall time / the job's wall time alone (measured) or / its own phase time",
-    ]
+    out += ["", *JOBS_ABOUT]
     out += table(JOB_HEADERS, [job_row(j) for j in report.jobs]) if report.jobs else ["  none"]
     out += _notes((j.job_id, _job_notes(j)) for j in report.jobs)
     if report.problems:

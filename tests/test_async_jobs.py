@@ -255,6 +255,7 @@ def test_async_job_from_the_temporal_cli_and_stop(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert stopped.returncode == 0, stopped.stderr
+    assert f"asked job {job} to stop after its current step" in stopped.stdout
     done = result(address, job)
     assert done.stopped and 3 <= done.epochs_done < 1000
     assert done.last_checkpoint is not None

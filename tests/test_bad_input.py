@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import subprocess
 import sys
 
@@ -179,6 +180,43 @@ def test_group_workflow_with_bad_input_fails_without_retrying(address):
         (["agent", "--node", "n1", "--simulated-bytes", "-5"], "must be >= 0"),
         (["report", "--address", "127.0.0.1:1", "--out", "/proc/nope"], "cannot write there"),
         (["server", "--port", "0"], "port must be a TCP port"),
+        # Workload options are checked before anything starts (no server is reached here).
+        (
+            [
+                "job",
+                "start",
+                "--job-id",
+                "j",
+                "--workload",
+                "grpo-toy",
+                "--epochs",
+                "2",
+                "--sampler-group",
+                "g",
+                "--option",
+                "reward_latency=1.5",
+            ],
+            "unknown option(s) 'reward_latency' (did you mean 'reward_latency_s'?)",
+        ),
+        (
+            [
+                "job",
+                "start",
+                "--job-id",
+                "j",
+                "--workload",
+                "simulated",
+                "--epochs",
+                "2",
+                "--sampler-group",
+                "g",
+                "--option",
+                "sample_s=-1",
+            ],
+            "option 'sample_s' = -1.0 is invalid",
+        ),
+        (["job", "start", "--job-id", "j", "--process-wait", "0"], "must be > 0, not 0"),
+        (["job", "options", "nope"], "unknown workload 'nope'"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message):
@@ -187,3 +225,21 @@ def test_cli_rejects_bad_arguments(argv, message):
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_job_options_lists_what_each_option_does():
+    shown = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "job", "options", "grpo-toy"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "reward_latency_s (float, default 0.0)" in shown.stdout
+    assert "external verifier" in shown.stdout  # what it stands for, not only its name
+    helped = subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", "job", "worker", "--help"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "400"},
+    )  # fmt: skip
+    from timeslice.workloads.registry import BUILTIN
+
+    said = " ".join(helped.stdout.split())
+    assert all(name in said for name in BUILTIN), said  # grpo-jax too

@@ -9,7 +9,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client
@@ -17,7 +20,7 @@ from timeslice.cli.server import free_port
 from timeslice.protocol.rl_job import rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
-from tests.helpers import wait_for
+from tests.helpers import new_namespace, wait_for
 
 
 def timeslice(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -205,3 +208,100 @@ def test_numbers_that_are_not_finite_are_named_so(argv: list[str], said: str) ->
     assert result.returncode == 2, result.stdout + result.stderr
     assert said in result.stderr
     assert "should be" not in result.stderr and "Traceback" not in result.stderr
+
+
+def watch(*argv: str) -> tuple[subprocess.Popen[str], list[tuple[float, str]]]:
+    """Run `timeslice ARGV` with its output read line by line as it comes, each line with the
+    seconds since the command started."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "timeslice.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.monotonic() - started, line.rstrip("\n")))
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, lines
+
+
+def said(lines: list[tuple[float, str]], text: str) -> tuple[float, str] | None:
+    return next(((t, line) for t, line in lines if text in line), None)
+
+
+def test_job_start_names_a_missing_job_process_and_a_mistyped_group(
+    address: str, group: str, make_client: Any
+) -> None:
+    """No `timeslice job worker`: `job start --wait` names the command within seconds (the
+    job's task queue has no poller), long before the job gives up on it (--process-wait)."""
+    holder = make_client(job_id="typo-base")
+    holder.release(holder.acquire(group))  # the group exists
+    typo = group[:-1] + ("x" if group[-1] != "x" else "y")
+    job = f"orphan-{os.getpid()}-{free_port()}"
+    proc, lines = watch(
+        "job", "start", "--address", address, "--job-id", job, "--workload", "simulated",
+        "--sampler-group", typo, "--epochs", "1", "--process-wait", "20", "--wait",
+    )  # fmt: skip
+    try:
+        command = f"`timeslice job worker --job-id {job} --workload simulated --address {address}`"
+        hint = wait_for(lambda: said(lines, "no job process serves job"), timeout=120)
+        assert command in hint[1] and f"'timeslice-job-{job}-0'" in hint[1], hint
+        note = said(lines, f"no group {typo!r} exists yet")
+        assert note is not None and f"Did you mean {group!r}?" in note[1], lines
+        assert proc.wait(timeout=120) == 1
+    finally:
+        proc.kill()
+    failed = said(lines, f"job {job} failed")
+    assert failed is not None and "no job process served it within process_wait_s=20" in failed[1]
+    assert hint[0] < failed[0], lines  # named at once, not when the wait ran out
+    print(f"missing job process named {hint[0]:.1f} s after `job start` began")
+    # The group was never created: the job never got as far as a lease.
+    assert "Traceback" not in "\n".join(line for _, line in lines)
+
+
+def test_a_missing_control_worker_is_named_within_seconds(server: Any) -> None:
+    """A namespace no `timeslice worker` serves: `job start --wait`, `job progress`, `status`
+    and `groups` say so with the command, instead of waiting in silence."""
+    namespace = new_namespace(server.address, "noworker")
+    where = ["--address", server.address, "--namespace", namespace]
+    command = f"`timeslice worker --address {server.address} --namespace {namespace}`"
+    job = f"unserved-{os.getpid()}"
+    proc, lines = watch(
+        "job", "start", *where, "--job-id", job, "--workload", "simulated",
+        "--sampler-group", "gpus-0", "--epochs", "1", "--wait",
+    )  # fmt: skip
+    try:
+        hint = wait_for(lambda: said(lines, "no control worker serves task queue"), timeout=120)
+    finally:
+        proc.kill()
+    assert command in hint[1] and f"(namespace {namespace!r})" in hint[1], hint
+    print(f"missing control worker named {hint[0]:.1f} s after `job start` began")
+    for argv in (["job", "progress", job], ["status", "gpus-0"], ["groups"]):
+        result = timeslice(*argv, *where, timeout=60)
+        assert result.returncode == 2, (argv, result.stdout, result.stderr)
+        assert "no control worker serves task queue 'timeslice'" in result.stderr
+        assert command in result.stderr and "Traceback" not in result.stderr
+
+
+def test_groups_lists_each_group_with_its_holder_and_jobs(
+    address: str, group: str, make_client: Any
+) -> None:
+    holder = make_client(job_id="lister")
+    lease = holder.acquire(group)
+    try:
+        result = timeslice("groups", "--address", address, "--json")
+    finally:
+        holder.release(lease)
+    assert result.returncode == 0, result.stderr
+    rows = {row["group_id"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert rows[group]["holder"] == "lister" and rows[group]["jobs"] == ["lister"]
+    assert rows[group]["queue"] == []
+    table = timeslice("groups", "--address", address)
+    assert table.returncode == 0 and group in table.stdout and "utilization" in table.stdout

@@ -70,7 +70,7 @@ def test_demo_compares_dedicated_and_shared_from_the_runs_records(tmp_path: Path
 
 BAD_OPTIONS = (
     ("d_model=4096", "option 'd_model' = 4096 is invalid; allowed: an int in 8..1024"),
-    ("nope=1", "unknown option(s) ['nope']"),
+    ("nope=1", "unknown option(s) 'nope'"),
     ("d_model", "expected KEY=VALUE, not 'd_model'"),
 )
 
@@ -113,3 +113,14 @@ def _demo_module() -> Any:
         sys.modules[name] = module  # dataclasses look their module up
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def test_demo_help_says_what_it_does_in_whole_sentences(
+    monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["demo.py", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        _demo_module().main()
+    assert exited.value.code == 0
+    said = " ".join(capsys.readouterr().out.split("options:")[0].split())
+    assert "then both sharing one, on the embedded Temporal server." in said, said

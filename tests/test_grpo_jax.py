@@ -183,7 +183,7 @@ def test_phase_order_is_enforced_and_a_stopped_train_rolls_back() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"learning_rate": 1e-3}, r"unknown option\(s\) \['learning_rate'\]; allowed: .*'lr'"),
+        ({"learning_rate": 1e-3}, r"unknown option\(s\) 'learning_rate'; allowed: .*'lr'"),
         ({"lr": "fast"}, r"option 'lr' must be float, not str"),
         ({"lr": -1.0}, r"option 'lr' = -1.0 is invalid; allowed: a float in \(0, 1\]"),
         ({"layers": True}, r"option 'layers' must be int"),

@@ -63,7 +63,7 @@ def job_workers(address: str, tmp_path: Path, checkpoints: Path) -> Iterator[Cal
     """Start `timeslice job worker` processes; all are stopped at the end of the test."""
     procs: list[subprocess.Popen] = []
 
-    def start(job_id: str, workload: str, rank: int = 0) -> subprocess.Popen:
+    def start(job_id: str, workload: str, rank: int = 0, *extra: str) -> subprocess.Popen:
         proc = start_service(
             [
                 "job",
@@ -80,6 +80,7 @@ def job_workers(address: str, tmp_path: Path, checkpoints: Path) -> Iterator[Cal
                 str(checkpoints),
                 "--threads",
                 "1",
+                *extra,
             ],
             f"job {job_id} rank {rank}",
             tmp_path / f"{job_id}-{rank}.log",
@@ -649,10 +650,10 @@ def test_rl_job_workflow_refuses_an_id_that_is_not_its_jobs(address: str, group:
 
 
 def test_a_job_id_names_one_run_and_a_job_process_serves_one(
-    address: str, job_workers: Callable[..., Any], group: str
+    address: str, job_workers: Callable[..., Any], group: str, tmp_path: Path
 ) -> None:
     job = job_id("once")
-    job_workers(job, "simulated")
+    job_workers(job, "simulated", 0, "--keep-serving")  # still up for the second run
     config = {
         "job_id": job,
         "workload": "simulated",
@@ -691,21 +692,58 @@ def test_a_job_id_names_one_run_and_a_job_process_serves_one(
     assert cause.type == "ProcessTaken" and cause.non_retryable
     assert f"already serves workflow 'rl-job-{job}'" in cause.message
     assert "restart `timeslice job worker" in cause.message
+    # An expected refusal is one line in the job process's log, not a traceback.
+    log = (tmp_path / f"{job}-0.log").read_text()
+    assert log.count("refused (ProcessTaken)") == 1, log
+    assert "Traceback" not in log, log
+
+
+def test_a_job_process_exits_when_its_run_has_ended(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    """Job processes do not pile up: one serves one run, and exits once it ended, saying so."""
+    job = job_id("exits")
+    proc = job_workers(job, "simulated")
+    result = start_and_wait(
+        address,
+        job_id=job,
+        workload="simulated",
+        workload_options=FAST,
+        sampler_group=group,
+        epochs=2,
+    )
+    assert result.epochs_done == 2
+    assert proc.wait(timeout=60) == 0
+    assert proc.stdout is not None
+    said = proc.stdout.read()
+    assert f"workflow rl-job-{job} completed" in said
+    assert "every run this process served has ended: exiting" in said
 
 
 def test_bad_workload_options_end_the_job_at_once(
-    address: str, job_workers: Callable[..., Any], group: str
+    address: str, job_workers: Callable[..., Any], group: str, tmp_path: Path
 ) -> None:
     job = job_id("badopt")
     job_workers(job, "grpo-toy")
-    with pytest.raises(WorkflowFailureError) as failed:
-        start_and_wait(
-            address,
-            **grpo_config(job, group, workload_options={"lr": "fast please"}),
+    bad = grpo_config(job, group, workload_options={"lr": "fast please"})
+    # `timeslice job start` (start_rl_job) refuses it before anything starts ...
+    with pytest.raises(InvalidArgumentError, match="option 'lr' must be float"):
+        start_and_wait(address, **bad)
+
+    async def go(client: Client) -> None:
+        # ... and past that check (the temporal CLI, another SDK) the job process refuses it.
+        handle = await client.start_workflow(
+            "RLJobWorkflow", bad, id=rl_job_workflow_id(job), task_queue="timeslice"
         )
+        await handle.result()
+
+    with pytest.raises(WorkflowFailureError) as failed:
+        run(go, address)
     cause = failed.value.cause
     assert isinstance(cause, ApplicationError) and cause.non_retryable
     assert cause.type == "InvalidConfig" and "'lr'" in cause.message
+    log = (tmp_path / f"{job}-0.log").read_text()
+    assert log.count("refused (InvalidConfig)") == 1 and "Traceback" not in log, log
 
 
 def _uncovered_waits(results: list[RLJobResult]) -> list[tuple[str, int, str, float]]:

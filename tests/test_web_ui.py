@@ -174,8 +174,9 @@ def test_timeline_tab_shows_the_jobs_phase_activities_with_their_summaries(
 def test_interactive_report_shows_a_lane_per_job_and_a_phase_on_hover(
     browser: Any, tmp_path: Path
 ) -> None:
-    """`timeslice report`'s page, opened from a file with no network: the timeline draws a
-    lane per job and per group, and hovering a phase shows its job, epoch and duration."""
+    """`timeslice report`'s page, opened from a file with no network (plotly.js from its own
+    folder): the timeline draws a lane per job and per group, and hovering a phase shows its
+    job, epoch and duration."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
     from playwright.sync_api import expect
     from timeslice.report import write_html
@@ -186,7 +187,8 @@ def test_interactive_report_shows_a_lane_per_job_and_a_phase_on_hover(
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1200})
     page.set_default_timeout(UI_TIMEOUT_MS)
-    # Nothing may come from the network: any request but the file itself fails the test.
+    # Nothing may come from the network: any request but the file itself, and the plotly.js
+    # written once beside it, fails the test.
     requests: list[str] = []
     page.on("request", lambda r: requests.append(r.url))
     try:
@@ -227,7 +229,8 @@ def test_interactive_report_shows_a_lane_per_job_and_a_phase_on_hover(
                 break
         assert box is not None, "no hover text for the sampling phase"
         assert "job a" in box and "epoch 0" in box and "1.000 s" in box
-        assert requests == [page_path.as_uri()], requests
+        script = page_path.with_name("plotly.min.js").as_uri()
+        assert requests == [page_path.as_uri(), script], requests
     finally:
         page.screenshot(path=str(SCREENSHOTS / "report-timeline.png"), full_page=True)
         page.close()

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import os
 import re
+import time
 from typing import Any
 
 from temporalio.api.enums.v1 import TaskQueueType
@@ -133,6 +134,35 @@ async def connect(config: dict[str, Any], *, runtime: Runtime | None = None) -> 
             "`timeslice server`, or give the address of a running cluster: --address or "
             "target=, or TEMPORAL_ADDRESS when neither is given"
         ) from err
+
+
+# A live worker's long poll lasts up to a minute, and the server lists each poller with the
+# time its last poll came in: one listed as last seen longer ago than this has stopped.
+POLLER_FRESH_S = 90.0
+
+
+async def pollers(
+    client: Client, task_queue: str, *, activities: bool = False, fresh_s: float = POLLER_FRESH_S
+) -> int:
+    """How many workers poll ``task_queue`` (its workflow tasks, or with ``activities`` its
+    activity tasks) in the client's namespace, as the server lists them: Temporal's own record
+    of who serves a queue. A worker that stopped stays listed for a while; one not seen for
+    ``fresh_s`` seconds is not counted."""
+    described = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=task_queue),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY
+            if activities
+            else TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+    )
+    now = time.time()
+    return sum(
+        1
+        for p in described.pollers
+        if not p.HasField("last_access_time") or now - p.last_access_time.ToSeconds() <= fresh_s
+    )
 
 
 async def control_workers_polling(client: Client) -> int:

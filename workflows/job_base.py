@@ -29,7 +29,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
+from temporalio.exceptions import TimeoutError as TaskTimeout
 from temporalio.workflow import ActivityCancellationType
 from timeslice.protocol.group import (
     GRANT_SIGNAL,
@@ -94,6 +95,16 @@ _NO_WAIT_LIMIT_S = 30 * 86_400.0
 _DEFAULT_TTL_S = 20.0
 # How long a job stopped while waiting for its processes still waits for them.
 _STOP_GRACE = timedelta(seconds=5)
+
+
+def _waited_out(err: ActivityError) -> bool:
+    """An activity nobody picked up before its time-out (the server says schedule-to-start
+    for one never started, the schedule-to-close time standing for both)."""
+    cause = err.cause
+    return isinstance(cause, TaskTimeout) and cause.type in (
+        TimeoutType.SCHEDULE_TO_START,
+        TimeoutType.SCHEDULE_TO_CLOSE,
+    )
 
 
 def searched(key: SearchAttributeKey[str]) -> str | None:
@@ -354,11 +365,26 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
             raws: list[Any] = await describing
         except ActivityError as err:
             ending = ending_the_job(err, cfg.job_id) or self._not_served(err)
+            if ending is None and _waited_out(err):
+                ending = self._no_process(err)
             if ending is not None:
                 raise ending from None
             raise
         self._check_described(raws)
         return True
+
+    def _no_process(self, err: ActivityError) -> ApplicationError:
+        """The job waited ``process_wait_s`` for a process that never came: say which rank's
+        and the command that starts it (the same failure as before, said so)."""
+        cfg = self._config
+        queues = ", ".join(repr(job_task_queue(cfg.job_id, r)) for r in range(cfg.ranks))
+        return ApplicationError(
+            f"job {cfg.job_id}: no job process served it within process_wait_s="
+            f"{cfg.process_wait_s:g} s (task queue {queues}): start `timeslice job worker "
+            f"--job-id {cfg.job_id} --workload {cfg.workload}` before, or with, the job",
+            type="NoJobProcess",
+            non_retryable=True,
+        )
 
     def _describe_summary(self, rank: int) -> str:
         return f"wait for rank {rank} · {self._config.workload}"

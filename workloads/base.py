@@ -13,51 +13,16 @@ generator.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from timeslice.snapshot.base import SnapshotBackend, registered_bytes
-
-OptionsT = TypeVar("OptionsT")
-
-
-def options_as(
-    options_type: type[OptionsT], workload: str, options: dict[str, Any] | None
-) -> OptionsT:
-    """A job's ``workload_options`` as the dataclass ``options_type``: an unknown name, or a
-    value whose type differs from the field's default, is refused with a message naming the
-    option (an int is taken for a float field; a bool never for a number)."""
-    values = dict(options or {})
-    # The dataclass's fields proper: a ClassVar (the workload's name, say) is no option.
-    fields = {f.name: f for f in dataclasses.fields(options_type)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ValueError(f"{workload}: unknown option(s) {unknown}; allowed: {sorted(fields)}")
-    for key, value in values.items():
-        default = fields[key].default
-        if isinstance(default, bool) or isinstance(value, bool):
-            ok = type(value) is type(default)
-        elif isinstance(default, int):
-            ok = isinstance(value, int)
-        elif isinstance(default, float):
-            ok = isinstance(value, int | float)
-            if ok:
-                values[key] = float(value)
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            raise ValueError(
-                f"{workload}: option {key!r} must be {type(default).__name__}, "
-                f"not {type(value).__name__} ({value!r})"
-            )
-    return options_type(**values)
-
+from timeslice.workloads.options import WorkloadOptions
 
 T = TypeVar("T")
 _running = threading.local()
@@ -226,6 +191,9 @@ class Workload(ABC):
     #: :meth:`setup`, since the job asks for its first lease before its state exists.
     sampler_backends: tuple[str, ...] = ()
     trainer_backends: tuple[str, ...] = ()
+    #: The class its ``JobSpec.options`` parse as (``timeslice.workloads.options``), if it
+    #: declares one: ``timeslice job options`` prints it. None: options of its own making.
+    options_type: ClassVar[type[WorkloadOptions] | None] = None
 
     def state_names(self, options: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The backends the sampler group's switches evict, and the trainer group's.

@@ -9,90 +9,15 @@ part once; it imports neither torch nor JAX, so each workload keeps only its fra
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 from timeslice.snapshot.base import SnapshotBackend
-from timeslice.workloads.base import JobSpec, Workload, options_as
+from timeslice.workloads.base import JobSpec, Workload
+from timeslice.workloads.options import TASKS, DigitGrpoOptions
 
-TASKS = ("sort", "reverse", "copy")
-
-
-@dataclass(frozen=True)
-class DigitGrpoOptions:
-    """The knobs in ``JobSpec.options`` (all optional) that every digit-task GRPO takes; each
-    workload's options subclass this, add their model's and name the workload in messages."""
-
-    #: The workload's name, in the messages that refuse an option.
-    workload: ClassVar[str] = "digit-grpo"
-
-    task: str = "sort"  # what the completion must be: the prompt sorted, reversed or copied
-    seq_len: int = 4  # digits in a prompt (and in its completion)
-    digits: int = 10  # the digit alphabet: 0 .. digits-1
-    layers: int = 2
-    lr: float = 3e-3
-    kl_coef: float = 0.0  # weight of the KL penalty to the frozen reference policy
-    clip_eps: float = 0.2  # PPO-style clip of the policy ratio
-    ppo_steps: int = 4  # optimizer steps per train call, each over the whole batch
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0
-    # Seconds the rewards phase also waits, standing in for an external verifier (a code
-    # sandbox, a judge model, a tool) whose latency leaves the GPU idle; the task's own check
-    # takes microseconds, which would make every job GPU-bound.
-    reward_latency_s: float = 0.0
-
-    @classmethod
-    def parse(cls, options: dict[str, Any] | None) -> Self:
-        """The options from a job's ``workload_options``.
-
-        Args:
-            options: Option names to values; None or empty for the defaults.
-
-        Returns:
-            The options, checked.
-
-        Raises:
-            ValueError: An option is unknown, of the wrong type or out of range (the message
-                names the workload, the option and what is allowed).
-        """
-        opts = options_as(cls, cls.workload, options)
-        opts._check()
-        return opts
-
-    def _need(self, ok: bool, key: str, allowed: str) -> None:
-        if not ok:
-            raise ValueError(
-                f"{self.workload}: option {key!r} = {getattr(self, key)!r} is invalid; "
-                f"allowed: {allowed}"
-            )
-
-    def _finite_in(self, key: str, low: float, high: float) -> bool:
-        value = getattr(self, key)
-        return math.isfinite(value) and low <= value <= high
-
-    def _check(self) -> None:
-        need = self._need
-        need(self.task in TASKS, "task", f"one of {list(TASKS)}")
-        need(1 <= self.seq_len <= 32, "seq_len", "an int in 1..32")
-        need(2 <= self.digits <= 64, "digits", "an int in 2..64")
-        need(1 <= self.layers <= 12, "layers", "an int in 1..12")
-        need(self._finite_in("lr", 0.0, 1.0) and self.lr > 0.0, "lr", "a float in (0, 1]")
-        need(self._finite_in("kl_coef", 0.0, 100.0), "kl_coef", "a float in [0, 100]")
-        need(0.0 < self.clip_eps < 1.0, "clip_eps", "a float in (0, 1)")
-        need(1 <= self.ppo_steps <= 64, "ppo_steps", "an int in 1..64")
-        need(
-            math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0.0,
-            "max_grad_norm",
-            "a finite float > 0",
-        )
-        need(self._finite_in("temperature", 0.05, 10.0), "temperature", "a float in [0.05, 10]")
-        need(
-            self._finite_in("reward_latency_s", 0.0, 3600.0),
-            "reward_latency_s",
-            "a float in [0, 3600]",
-        )
+# The task's names and the options' class, where they were first defined (kept for imports).
+__all__ = ["TASKS", "DigitGrpoOptions", "DigitGrpoWorkload", "steps_summary"]
 
 
 class DigitGrpoWorkload(Workload):
@@ -101,7 +26,7 @@ class DigitGrpoWorkload(Workload):
     ``_rollout`` in ``setup`` and ``_last_trained`` in ``train``."""
 
     #: The workload's options (``JobSpec.options`` parse as this class).
-    options_type: ClassVar[type[DigitGrpoOptions]] = DigitGrpoOptions
+    options_type: ClassVar[type[DigitGrpoOptions]] = DigitGrpoOptions  # type: ignore[assignment]
     sampler_backends = ("sampler",)
     trainer_backends = ("trainer",)
 

@@ -26,60 +26,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from timeslice.snapshot.base import SnapshotBackend
-from timeslice.workloads.base import JobSpec, PhaseContext, options_as
+from timeslice.workloads.base import JobSpec, PhaseContext
 from timeslice.workloads.data_parallel import DataParallelGroup, Move, RecordedBackend
-from timeslice.workloads.grpo_toy import GrpoToyOptions, GrpoToyWorkload
+from timeslice.workloads.grpo_toy import GrpoToyWorkload
+from timeslice.workloads.options import GrpoDpOptions
 
-COLLECTIVES = ("rebuild", "keep")
-NAME = "grpo-dp"
-
-
-@dataclass(frozen=True)
-class GrpoDpOptions(GrpoToyOptions):
-    """grpo-toy's options, and how the ranks talk to each other."""
-
-    # "rebuild": the process group is torn down at every eviction and rebuilt at its next use
-    # (what NCCL needs); "keep": kept across switches (gloo holds no device memory).
-    collectives: str = "rebuild"
-    dist_backend: str = "auto"  # "gloo", "nccl", or "auto" (NCCL on a CUDA device)
-    collective_timeout_s: float = 60.0  # a collective (or a rebuild) waiting for a lost rank
-
-    @classmethod
-    def parse(cls, options: dict[str, Any] | None) -> GrpoDpOptions:
-        """A job's ``workload_options`` as grpo-dp's options, checked.
-
-        Args:
-            options: The options by name (None: every default).
-
-        Returns:
-            The options.
-
-        Raises:
-            ValueError: An unknown option, or a value out of its range.
-        """
-        opts = options_as(cls, NAME, options)
-        opts._check()
-        return opts
-
-    def _check(self) -> None:
-        super()._check()
-        checks = (
-            (self.collectives in COLLECTIVES, "collectives", f"one of {list(COLLECTIVES)}"),
-            (self.dist_backend in ("auto", "gloo", "nccl"), "dist_backend", "auto, gloo, nccl"),
-            (1.0 <= self.collective_timeout_s <= 3600.0, "collective_timeout_s", "[1, 3600]"),
-        )
-        for ok, key, allowed in checks:
-            if not ok:
-                raise ValueError(
-                    f"{NAME}: option {key!r} = {getattr(self, key)!r} is invalid; allowed: "
-                    f"{allowed}"
-                )
+NAME = GrpoDpOptions.workload
 
 
 class GrpoDpWorkload(GrpoToyWorkload):

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 try:
     import jax
@@ -46,24 +46,10 @@ except ImportError as err:  # a clean message instead of a bare ImportError deep
 
 from timeslice.snapshot.jax_backend import JaxBackend, JaxState, path_name
 from timeslice.workloads.base import JobSpec, PhaseContext, PhaseStopped
-from timeslice.workloads.digit_grpo import DigitGrpoOptions, DigitGrpoWorkload, steps_summary
+from timeslice.workloads.digit_grpo import DigitGrpoWorkload, steps_summary
+from timeslice.workloads.options import GrpoJaxOptions
 
 _FILES = ("trainer.npz", "pending.npz", "meta.json")
-
-
-@dataclass(frozen=True)
-class GrpoJaxOptions(DigitGrpoOptions):
-    """The knobs in ``JobSpec.options`` (all optional): grpo-toy's task and GRPO ones
-    (:class:`~timeslice.workloads.digit_grpo.DigitGrpoOptions`) and the MLP's width."""
-
-    workload: ClassVar[str] = "grpo-jax"
-
-    hidden: int = 128
-    lr: float = 1e-2
-
-    def _check(self) -> None:
-        super()._check()
-        self._need(8 <= self.hidden <= 4096, "hidden", "an int in 8..4096")
 
 
 # ---------------------------------------------------------------------------- the policy

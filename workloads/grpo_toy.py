@@ -46,81 +46,21 @@ import copy
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from timeslice.snapshot.torch_backend import TorchBackend
 from timeslice.workloads.base import AsyncWorkload, JobSpec, PhaseContext, PhaseStopped
 from timeslice.workloads.digit_grpo import (
-    DigitGrpoOptions,
     DigitGrpoWorkload,
     steps_summary,
 )
+from timeslice.workloads.options import GrpoToyOptions
 from torch import nn
 
-STALE_OBJECTIVES = ("decoupled", "ppo")
-DEVICES = ("cpu", "cuda", "auto")
+__all__ = ["GrpoToyOptions", "GrpoToyWorkload", "create"]
+
 _FILES = ("trainer.pt", "pending.pt", "meta.pt")
-
-
-# ---------------------------------------------------------------------------- options
-
-
-@dataclass(frozen=True)
-class GrpoToyOptions(DigitGrpoOptions):
-    """The knobs in ``JobSpec.options`` (all optional): the digit task's and GRPO's
-    (:class:`~timeslice.workloads.digit_grpo.DigitGrpoOptions`), the transformer's, async
-    mode's and the device."""
-
-    workload: ClassVar[str] = "grpo-toy"
-
-    d_model: int = 64
-    heads: int = 4
-    # Async mode, a batch sampled with older weights than the trainer's: the most its
-    # behaviour importance weight (proximal / behaviour policy, per token) may count.
-    behaviour_weight_cap: float = 2.0
-    # "decoupled": a stale batch's ratio is clipped against the trainer's policy as the step
-    # begins (the proximal policy) and weighted by proximal / behaviour; "ppo": clipped against
-    # the behaviour policy, as a fresh batch's is.
-    stale_objective: str = "decoupled"
-    device: str = "cpu"  # "cpu", "cuda" or "auto" (cuda where available)
-
-    def _check(self) -> None:
-        super()._check()
-        need = self._need
-        need(self.device in DEVICES, "device", f"one of {list(DEVICES)}")
-        need(8 <= self.d_model <= 1024, "d_model", "an int in 8..1024")
-        need(
-            self.heads >= 1 and self.d_model % self.heads == 0,
-            "heads",
-            f"an int >= 1 that divides d_model ({self.d_model})",
-        )
-        need(
-            1.0 <= self.behaviour_weight_cap <= 100.0,
-            "behaviour_weight_cap",
-            "a float in [1, 100]",
-        )
-        need(
-            self.stale_objective in STALE_OBJECTIVES,
-            "stale_objective",
-            f"one of {list(STALE_OBJECTIVES)}",
-        )
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"{self.workload}: option 'device' = 'cuda' but CUDA is not available here; "
-                "use 'cpu' or 'auto'"
-            )
-
-    def torch_device(self) -> torch.device:
-        """The device the option names.
-
-        Returns:
-            ``cuda`` where ``auto`` finds CUDA, else ``cpu``; or ``device`` as given.
-        """
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
 
 
 # ---------------------------------------------------------------------------- the policy

@@ -23,18 +23,16 @@ changes is the model, and the sampler:
 from __future__ import annotations
 
 import copy
-import importlib.util
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.torch_backend import TorchBackend
 from timeslice.snapshot.vllm_backend import VllmSleepBackend
 from timeslice.workloads.base import JobSpec, PhaseContext
-from timeslice.workloads.grpo_toy import GrpoToyOptions, GrpoToyWorkload, _Rollout
+from timeslice.workloads.grpo_toy import GrpoToyWorkload, _Rollout
 from timeslice.workloads.hf_tiny import (
     BOS,
     SEP,
@@ -44,49 +42,10 @@ from timeslice.workloads.hf_tiny import (
     save_pretrained,
     vocabulary,
 )
+from timeslice.workloads.options import SAMPLERS, HfGrpoOptions, vllm_available
 from torch import nn
 
-SAMPLERS = ("auto", "torch", "vllm")
-
-
-@dataclass(frozen=True)
-class HfGrpoOptions(GrpoToyOptions):
-    """grpo-toy's options (``d_model`` is the hidden size, ``heads`` the attention heads),
-    with a head size of 64 by default, and the sampler's."""
-
-    workload: ClassVar[str] = "hf-grpo"
-
-    d_model: int = 128
-    heads: int = 2
-    sampler: str = "auto"
-    vllm_memory: float = 0.2  # the engine's share of the device memory (gpu_memory_utilization)
-
-    def _check(self) -> None:
-        super()._check()
-        if self.digits != 10:
-            raise ValueError(
-                f"{self.workload}: option 'digits' must be 10 (the tokenizer's alphabet)"
-            )
-        self._need(self.sampler in SAMPLERS, "sampler", f"one of {list(SAMPLERS)}")
-        self._need(0.01 <= self.vllm_memory <= 0.95, "vllm_memory", "a float in [0.01, 0.95]")
-        if self.sampler == "vllm" and not vllm_available():
-            raise ValueError(
-                f"{self.workload}: option 'sampler' = 'vllm' needs vLLM and a CUDA device "
-                "(pip install 'timeslice[vllm]'); use 'torch' or 'auto'"
-            )
-
-    def use_vllm(self) -> bool:
-        """Whether the sampler is a vLLM engine.
-
-        Returns:
-            True for ``vllm``, and for ``auto`` where vLLM imports and CUDA is present.
-        """
-        return self.sampler == "vllm" or (self.sampler == "auto" and vllm_available())
-
-
-def vllm_available() -> bool:
-    """vLLM importable and a CUDA device present (the vLLM sampler needs both)."""
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+__all__ = ["SAMPLERS", "HfGrpoOptions", "HfGrpoWorkload", "create", "vllm_available"]
 
 
 class _Logits(nn.Module):

@@ -27,45 +27,13 @@ from typing import Any
 from timeslice.snapshot.base import SnapshotBackend
 from timeslice.snapshot.simulated import SimulatedBackend
 from timeslice.workloads.base import AsyncWorkload, JobSpec, PhaseContext
-
-DEFAULTS: dict[str, float] = {
-    "sample_s": 1.0,
-    "reward_s": 1.5,
-    "train_s": 0.5,
-    "state_bytes": 0,
-    "snapshot_s": 0.0,
-    "sync_s": 0.0,
-    "load_s": 0.0,
-}
-
-
-SHARED_STATE = "shared_state"
+from timeslice.workloads.options import SimulatedOptions
 
 
 def parse_options(options: dict[str, Any]) -> dict[str, float]:
-    """The options with their defaults (the module's doc lists them); ValueError naming an
-    unknown option or a value that is not a number >= 0."""
-    known = {*DEFAULTS, "restore_s", "sync_bytes", SHARED_STATE}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"simulated workload: unknown option(s) {unknown}; known: {sorted(known)}")
-    shared = options.get(SHARED_STATE, False)
-    if not isinstance(shared, bool):
-        raise ValueError(f"simulated workload: option {SHARED_STATE} must be true or false")
-    values: dict[str, float] = {
-        **DEFAULTS,
-        "restore_s": options.get("snapshot_s", 0.0),
-        "sync_bytes": options.get("state_bytes", 0),
-    }
-    for key, value in options.items():
-        if key == SHARED_STATE:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ValueError(
-                f"simulated workload: option {key} must be a number >= 0, not {value!r}"
-            )
-        values[key] = float(value)
-    return values
+    """The options with their defaults (:class:`~timeslice.workloads.options.SimulatedOptions`
+    lists them); ValueError naming an unknown option or a value that is not a number >= 0."""
+    return SimulatedOptions.parse(options).seconds_and_bytes()
 
 
 class SimulatedWorkload(AsyncWorkload):
@@ -73,6 +41,7 @@ class SimulatedWorkload(AsyncWorkload):
     that switches move by :class:`~timeslice.snapshot.simulated.SimulatedBackend`."""
 
     name = "simulated"
+    options_type = SimulatedOptions
     sampler_backends = ("sampler",)
     trainer_backends = ("trainer",)
 
@@ -102,8 +71,7 @@ class SimulatedWorkload(AsyncWorkload):
         Raises:
             ValueError: An unknown option or a bad value (from :func:`parse_options`).
         """
-        parse_options(options)
-        if options.get(SHARED_STATE, False):
+        if SimulatedOptions.parse(options).shared_state:
             return ("simulated",), ("simulated",)
         return self.sampler_backends, self.trainer_backends
 

@@ -51,6 +51,9 @@ class Lease:
     key: str = field(default="", repr=False)
     revoked_reason: str | None = None
     released: bool = False
+    # A release of it is on its way to the group: a renewal the group answers after that
+    # release found the lease ended by it, which is no revocation.
+    releasing: bool = False
     # Local validity is conservative from the first moment: it runs from the grant's own time
     # (never past the group's deadline for confirming it), then from when each renewal was
     # *sent*, so it always ends before the group's own expiry (docs/architecture.md).

@@ -851,6 +851,7 @@ class LeaseSession:
         spans = self._spans.get(lease.group_id)
         attempts = 0
         sent = time.monotonic()
+        lease.releasing = True
 
         async def call() -> ReturnAnswer:
             nonlocal attempts
@@ -890,6 +891,7 @@ class LeaseSession:
             self._drop(lease)
         else:
             lease.valid_until = sent + lease.ttl_s  # kept: the group renewed it
+            lease.releasing = False
         return answer
 
     def forget(self, lease: Lease) -> None:
@@ -947,6 +949,9 @@ class LeaseSession:
                     RenewResult,
                 )
             except Exception as err:  # any failure to renew is retried until the lease runs out
+                if lease.releasing:
+                    wait = interval  # the release decides; it ends this task if it ends the lease
+                    continue
                 if time.monotonic() >= lease.valid_until:
                     lease.revoked_reason = f"could not renew before the TTL ran out ({err})"
                     log.error("lease on %s lost: %s", lease.group_id, lease.revoked_reason)
@@ -955,6 +960,14 @@ class LeaseSession:
                 wait = min(interval, 1.0)
                 continue
             if not result.valid:
+                if lease.releasing:
+                    # This process's own release reached the group first (a renewal racing its
+                    # release): no revocation. The release's answer says what became of it.
+                    log.debug(
+                        "renewal on %s crossed its release: %s", lease.group_id, result.reason
+                    )
+                    wait = interval
+                    continue
                 lease.revoked_reason = result.reason
                 log.error("lease on %s revoked: %s", lease.group_id, result.reason)
                 return

@@ -57,6 +57,7 @@ RAISE_NOTHING = {
     "jobs.job_failure",
     "jobs.describe_progress",
     "jobs.describe_async_progress",
+    "jobs.no_control_worker",
 }
 
 

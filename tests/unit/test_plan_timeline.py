@@ -44,6 +44,12 @@ def test_simulated_run_becomes_a_report() -> None:
     assert len(leases) == outcome.groups["g"].leases
     job_b = next(j for j in report.jobs if j.job_id == "b")
     assert job_b.wall_s == pytest.approx(outcome.jobs["b"].completion_s)
+    # The plan's own figure, while jobs ran (it once printed 0.0% of 0.0 s), and the
+    # simulated baseline of the slowdown, said so.
+    assert report.simulated
+    assert str(group.while_jobs_ran) == str(outcome.groups["g"].while_jobs_ran)
+    assert group.while_jobs_ran.window_s > 0
+    assert job_b.dedicated_from == "simulated"
 
 
 def test_write_timeline(tmp_path: Path) -> None:
@@ -58,4 +64,9 @@ def test_write_timeline(tmp_path: Path) -> None:
     assert {r["job"] for r in rows} == {"a", "b"}
     assert {"phase", "lease"} <= {r["kind"] for r in rows}
     assert all(r["end"] >= r["start"] for r in rows)
-    assert "simulated by timeslice plan" in html_path.read_text()
+    page = html_path.read_text()
+    assert "simulated by timeslice plan" in page
+    assert "<title>timeslice plan · a simulated run (predicted from profiles, not measured)" in page
+    assert "seconds from the start of the simulated run" in page
+    assert "0.0% of 0.0 s while jobs ran" not in page and "% of " in page
+    assert (tmp_path / "plotly.min.js").exists()

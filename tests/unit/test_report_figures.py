@@ -145,7 +145,8 @@ def test_job_lane_and_figures_come_from_the_phases_own_intervals():
     assert figures.waiting_s == pytest.approx(0.2)
     assert figures.switching_s == pytest.approx(0.1)
     assert figures.wall_s == 8.0 and figures.own_s == 3.0
-    assert figures.slowdown == pytest.approx(8.0 / 3.0)  # no measured baseline: own phases
+    # No run alone was measured: no slowdown (its own phase time is no run alone).
+    assert figures.slowdown is None
     assert job_figures(job, spans, dedicated_s=4.0).slowdown == 2.0  # measured baseline
     assert (figures.reward_first, figures.reward_last) == (0.1, 0.4)
 
@@ -280,8 +281,35 @@ def test_text_tables_name_every_figure_and_line_up():
     assert len(lines[header]) == len(lines[header + 1]) == len(row)
     job = next(line for line in lines if line.startswith("a "))
     assert job.split()[:11] == [
-        "a", "completed", "2/2", "1.00", "1.00", "1.00", "0.20", "0.10", "8.0", "3.0", "2.67x",
+        "a", "completed", "2/2", "1.00", "1.00", "1.00", "0.20", "0.10", "8.0", "-", "-",
     ]  # fmt: skip
+    assert "slowdown = wall time / the same job's wall time alone, only where" in text
+
+
+def test_a_slowdown_says_its_baseline_and_a_failure_its_reason():
+    job = job_a()
+    job.status, job.failure, job.earlier_runs = "failed", "InvalidConfig: bad lr", 1
+    spans = job_spans(job)
+    measured = job_figures(job, spans, dedicated_s=4.0)
+    text = format_text(Report(generated_at=at(10.0), groups=[], jobs=[measured], lanes=[]))
+    row = next(line for line in text.splitlines() if line.startswith("a "))
+    assert row.split()[9:11] == ["4.0", "2.00x"]
+    assert "alone: 4.0 s measured" in text
+    assert "failed: InvalidConfig: bad lr" in text
+    assert "the latest run of this job id; 1 earlier run(s) left out" in text
+    simulated = measured.model_copy(update={"dedicated_from": "simulated"})
+    assert "alone: 4.0 s simulated" in format_text(
+        Report(generated_at=at(10.0), groups=[], jobs=[simulated], lanes=[])
+    )
+
+
+def test_the_picture_legend_lists_only_the_kinds_drawn():
+    from timeslice.report.picture import legend_kinds
+
+    r = report()
+    drawn = {s.kind for s in r.spans}
+    assert set(legend_kinds(r)) == drawn - {"lease"}
+    assert legend_kinds(Report(generated_at=T0, groups=[], jobs=[])) == []
 
 
 def test_picture_and_table_cover_one_window_and_the_idle_time_shows():
@@ -353,8 +381,13 @@ def test_files_are_written_and_the_page_is_self_contained(tmp_path: Path):
     assert json.loads(files.trace.read_text())["traceEvents"]
     page = files.html.read_text()
     assert page.startswith("<!doctype html>") and "timeline" in page
-    # plotly.js is inlined: the page loads no script, style or font from the network.
-    assert not re.search(r"<script[^>]*\bsrc=|<link\b|@import", page)
+    # plotly.js is written once beside the page and loaded from there: the page loads
+    # nothing else, and nothing from the network.
+    scripts = re.findall(r"<script[^>]*\bsrc=\"([^\"]+)\"", page)
+    assert scripts == ["plotly.min.js"]
+    assert not re.search(r"<link\b|@import|https?://[^\s\"]*\.js", page)
+    assert (tmp_path / "out" / "plotly.min.js").stat().st_size > 1_000_000
+    assert len(page) < 100_000  # its own data, not plotly.js (4.8 MB)
     assert "a (job)" in page and "g (group)" in page
 
 
