@@ -106,9 +106,7 @@ class WarmProcess:
         code = self._process.exitcode
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        if self.stdout is not None:
-            self.stdout.close()
-        return code
+        return code  # its stdout stays open, as Popen's does: what it printed is still to read
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
