@@ -207,9 +207,14 @@ def _boundary(
     for name, (t0, t1) in zip(STEPS, itertools.pairwise(marks), strict=True):
         steps[name] = max(0.0, t1 - t0)
     waited = 0.0
-    if granted is not None and after.request_id in waits:
+    # The request the phase ran under: a v6 sample may run under its or_else, not the order
+    # its input names first. A lease carried from the phase before was granted before this
+    # boundary: its wait (for the group's answer to the carry) is the boundary's own.
+    ran_under = after.result.get("request_id") or after.request_id
+    carried = ran_under is not None and ran_under == before.request_id
+    if granted is not None and not carried and ran_under in waits:
         # The group's wait for this request, ending at the grant, clipped to the gap.
-        wait_from = granted - waits[after.request_id]
+        wait_from = granted - waits[ran_under]
         waited = max(0.0, granted - max(wait_from, ended))
     restore = sum(float(r.get("seconds") or 0.0) for r in after.result.get("restored") or [])
     kind = f"{PHASE_OF[before.name]}→{PHASE_OF[after.name]}"
