@@ -60,6 +60,7 @@ sys.path.insert(0, str(REPO))
 from timeslice.protocol import utilization as one_definition  # noqa: E402
 from timeslice.protocol.group import DEFAULT_GRANT_POLICY, GrantPolicy  # noqa: E402
 
+from bench import boundary  # noqa: E402
 from bench.handoff import cpu_model, percentile  # noqa: E402
 
 WHILE_JOBS_RAN = one_definition.WHILE_JOBS_RAN
@@ -151,6 +152,14 @@ def async_demand_bound(configs: list[dict[str, Any]]) -> dict[str, float]:
         ):
             demand[group] = demand.get(group, 0.0) + seconds / period
     return {g: min(1.0, d) for g, d in demand.items()}
+
+
+def switches_per_job_epoch(holds: list[Any], jobs: int) -> float:
+    """Changes of holder between consecutive GPU phases on a group, per job and epoch (the
+    records each result keeps)."""
+    switches = sum(a != b for (a, _), (b, _) in itertools.pairwise(holds))
+    epochs = len({(job, h.epoch) for job, h in holds})
+    return switches / epochs if epochs else 0.0
 
 
 def switch_overheads(holds: list[Any], both_fit: bool) -> list[float]:
@@ -263,6 +272,11 @@ def main() -> None:
         help="do not declare group memory for two jobs' states (evict, then restore)",
     )
     p.add_argument(
+        "--memory-bytes",
+        type=int,
+        help="the memory every group declares (default: room for two jobs' states there)",
+    )
+    p.add_argument(
         "--policy",
         choices=POLICIES,
         default=POLICIES[0],
@@ -277,6 +291,7 @@ def main() -> None:
     p.add_argument("--epochs-per-job", type=_ints, help="per-job epochs (async: steps), e.g. 30,20")
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     p.add_argument("--records", type=Path, help="write every job's result here (JSON)")
+    p.add_argument("--histories", type=Path, help="also write every workflow history here")
     args = p.parse_args()
     if args.jobs < 1 or args.epochs < 1:
         raise SystemExit("--jobs and --epochs must be >= 1")
@@ -333,7 +348,9 @@ def main() -> None:
         states = 1 if args.shared_state or separate else 2
         footprint[c["sampler_group"]] = states * args.state_bytes
         footprint[c["trainer_group"]] = states * args.state_bytes
-    memory = {g: None if args.no_overlap else 2 * b for g, b in footprint.items()}
+    memory = {
+        g: None if args.no_overlap else args.memory_bytes or 2 * b for g, b in footprint.items()
+    }
 
     with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
         stack.control_worker()
@@ -346,8 +363,12 @@ def main() -> None:
         started = time.monotonic()
         results = asyncio.run(run_jobs(stack.address, configs, memory, args.policy))
         elapsed = time.monotonic() - started
+        job_histories, group_histories = asyncio.run(
+            boundary.fetch(stack.address, stamp, args.histories)
+        )
 
     by_group = holds_by_group(results)
+    boundaries = boundary.summary(boundary.boundaries(job_histories, group_histories))
     if args.mode == "async":
         report_async(args, configs, results, by_group, memory, elapsed)
         return
@@ -369,6 +390,7 @@ def main() -> None:
             "demand_bound": round(bounds[group], 4),
             "of_demand_bound": round(measured["utilization"] / bounds[group], 4),
             "phases": len(holds),
+            "switches_per_job_epoch": round(switches_per_job_epoch(holds, args.jobs), 3),
         }
         print(
             f"{group}: utilization {measured['utilization']:.1%} of {measured['wall_s']:.1f} s "
@@ -401,8 +423,10 @@ def main() -> None:
         "job_completion_s": {r.job_id: round(r_s, 1) for r, r_s in _completions(results)},
         "run_s": round(elapsed, 1),
         "rewinds": sum(r.rewinds for r in results),
+        "phase_boundaries": boundaries,
     }
     print(json.dumps(result, indent=2))
+    print(boundary.table(boundaries), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.records:

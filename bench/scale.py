@@ -43,6 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import boundary  # noqa: E402
 from bench.handoff import cpu_model, percentile  # noqa: E402
 from bench.history_cost import (  # noqa: E402
     HistoryCost,
@@ -162,6 +163,7 @@ async def history_costs(address: str, stamp: str, keep: Path | None) -> dict[str
     jobs = await histories("WorkflowType = 'RLJobWorkflow'")
     prepared = steady_epochs(jobs)
     return {
+        "phase_boundaries": boundary.summary(boundary.boundaries(jobs, groups)),
         "group": group_cost(groups),
         "job": rl_job_cost(jobs),
         "group_updates": dict(update_names(groups)),
@@ -184,6 +186,12 @@ def cost_figures(cost: HistoryCost, unit: str) -> dict[str, Any]:
         f"actions_per_{unit}": round(cost.actions_per_unit, 2),
         "events_by_type": cost.by_type,
     }
+
+
+def offered_phases_per_s(args: argparse.Namespace) -> float:
+    """GPU phases per second the jobs would run if nothing waited: each job's two GPU phases
+    per epoch over its epoch alone."""
+    return args.jobs * 2 / (args.sample_s + args.reward_s + args.train_s)
 
 
 def main() -> None:
@@ -313,6 +321,10 @@ def main() -> None:
         },
         "gpu_phases": phases,
         "gpu_phases_per_s": round(phases / span, 2),
+        # What the jobs ask for: each job's GPU phases over its epoch alone (sample + rewards
+        # + train), summed; and what the groups could serve (each at most 100% busy).
+        "offered_gpu_phases_per_s": round(offered_phases_per_s(args), 2),
+        "gpu_capacity_phases_per_s": round(args.groups * 2 / (args.sample_s + args.train_s), 2),
         "run_s": round(run_s, 1),
         "epochs_done": sum(r.epochs_done for r in results),
         "epochs_asked": args.jobs * args.epochs,
@@ -337,6 +349,7 @@ def main() -> None:
             "server": round(cpu_server / phases, 4),
         },
         "cpu_s": {"control_worker": round(cpu_worker, 1), "server": round(cpu_server, 1)},
+        "phase_boundaries": costs["phase_boundaries"],
     }
     print(
         f"utilization mean {figures['utilization_mean']:.1%} (ideal {figures['ideal_mean']:.1%}, "
@@ -357,6 +370,14 @@ def main() -> None:
         flush=True,
     )
     print(json.dumps(figures, indent=2))
+    print(boundary.table(costs["phase_boundaries"]), flush=True)
+    print(
+        f"offered {figures['offered_gpu_phases_per_s']} GPU phases/s (the groups could serve "
+        f"{figures['gpu_capacity_phases_per_s']}); served {figures['gpu_phases_per_s']}; CPU s "
+        f"per GPU phase: control worker {figures['cpu_s_per_gpu_phase']['control_worker']}, "
+        f"server {figures['cpu_s_per_gpu_phase']['server']}",
+        flush=True,
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
 

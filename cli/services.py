@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import IO, Any, TypeAlias
 
 from timeslice.cli import warm_start
 from timeslice.errors import TimesliceError
@@ -55,10 +56,18 @@ def spawn_service(args: Sequence[str], log: Path, *, append: bool = True) -> Ser
 
 
 def wait_until_serving(
-    proc: ServiceProcess, service: Service, *, echo: bool = False
+    proc: ServiceProcess, service: Service, *, echo: bool = False, drain: bool = True
 ) -> ServiceProcess:
     """Wait for the first line of ``proc`` (started as ``service``); kill it and raise
-    :class:`ServiceStartError` unless that line says it serves."""
+    :class:`ServiceStartError` unless that line says it serves.
+
+    With ``drain`` (the default) whatever it writes to stdout after that line is copied to its
+    log by a thread of this process; without it the caller reads ``proc.stdout`` itself and
+    must keep reading it. Why the drain: a pipe holds 64 KiB, and a process whose stdout is a
+    pipe nobody reads blocks in its next write once that fills, whatever thread writes. The
+    Temporal SDK's core logs its own warnings to stdout (a workflow task over 5 s, under load),
+    so a control worker left that way stopped in the middle of a workflow task and every group
+    and job it served stalled for good (bench/scale.py, 200 jobs on a loaded machine)."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if service.ready not in line:
@@ -69,18 +78,59 @@ def wait_until_serving(
         )
     if echo:
         print(f"  {line.strip()}", flush=True)
+    if drain:
+        assert proc.stdout is not None
+        threading.Thread(
+            target=_copy_lines,
+            args=(proc.stdout, service.log),
+            name=f"drain {service.log.name}",
+            daemon=True,
+        ).start()
     return proc
 
 
 def start_service(
-    args: list[str], ready: str, log: Path, *, append: bool = True, echo: bool = False
+    args: list[str],
+    ready: str,
+    log: Path,
+    *,
+    append: bool = True,
+    echo: bool = False,
+    drain: bool = True,
 ) -> ServiceProcess:
     """Start `timeslice ARGS` and wait for its first line, which must contain ``ready``.
 
     Its stderr goes to ``log`` (appended, or truncated with ``append=False``); ``echo`` prints
-    the ready line."""
+    the ready line; ``drain``: see :func:`wait_until_serving`."""
     service = Service(tuple(args), ready, log)
-    return wait_until_serving(spawn_service(args, log, append=append), service, echo=echo)
+    return wait_until_serving(
+        spawn_service(args, log, append=append), service, echo=echo, drain=drain
+    )
+
+
+def start_process(
+    command: list[str], ready: str, log: Path, *, append: bool = True
+) -> ServiceProcess:
+    """Start ``command`` (any program, not a `timeslice` one) as :func:`start_service` starts a
+    `timeslice` command: its stderr to ``log``, its first line ``ready``, the rest drained."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab" if append else "wb") as stderr:
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return wait_until_serving(proc, Service(tuple(command), ready, log))
+
+
+def _copy_lines(source: IO[str], log: Path) -> None:
+    """Copy ``source`` to the end of ``log`` until it ends (the process exited)."""
+    with log.open("a") as sink:
+        for line in source:
+            sink.write(line)
+            sink.flush()
 
 
 def start_services(

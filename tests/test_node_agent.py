@@ -267,6 +267,7 @@ def test_agent_reports_backend_health_at_start(address, tmp_path):
         ["agent", "--node", "health-check", "--address", address, "--simulated-bytes", "1"],
         "node agent on task queue",
         tmp_path / "agent.log",
+        drain=False,  # its next lines are read here
     )
     try:
         lines = [agent.stdout.readline() for _ in range(2)]

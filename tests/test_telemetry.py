@@ -434,6 +434,6 @@ def test_acquire_phase_release_span_tree(
     assert asked and released
     assert max(s.end_time for s in asked) <= phase.start_time < phase.end_time
     assert phase.end_time <= min(s.start_time for s in released)
-    # Preparing took the job's groups through the workflow's own requests (a local activity).
+    # Preparing took the job's groups through the workflow's own requests (an activity).
     assert f"StartActivity:{REQUEST_GROUP_ACTIVITY}" in names
     assert "timeslice.phase.prepare" in names and "timeslice.phase.train" in names

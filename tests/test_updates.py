@@ -148,3 +148,42 @@ def test_an_answer_from_another_release_is_a_version_mismatch_not_a_pydantic_err
     assert isinstance(err, VersionMismatchError), repr(err)
     assert "added_in_a_newer_release" in str(err) and "upgrade" in str(err)
     assert "ReturnAnswer" in str(err)
+
+
+def test_an_update_the_workflow_is_slow_to_take_is_sent_less_and_less_often(address: str) -> None:
+    """Nothing takes the workflow's tasks for 8 s (a control plane past its capacity looks the
+    same from here): each attempt that times out doubles the next one's time, so the update is
+    sent a handful of times, not every quarter second (more RPCs the later the answer came)."""
+
+    async def scenario() -> tuple[str, int, float]:
+        client = await connect(connect_config(address))
+        task_queue = f"raw-{uuid.uuid4().hex[:8]}"
+        workflow_id = f"raw-{uuid.uuid4().hex[:8]}"
+        service = client.workflow_service
+        real = service.update_workflow_execution
+        sent: list[float] = []
+
+        async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            sent.append(asyncio.get_running_loop().time())
+            return await real(*args, **kwargs)
+
+        service.update_workflow_execution = counted  # type: ignore[method-assign]
+        await client.start_workflow("RawWorkflow", id=workflow_id, task_queue=task_queue)
+        seen: list[str] = []
+        sending = asyncio.ensure_future(send_update(client, workflow_id, "echo", "late", str))
+        try:
+            await asyncio.sleep(8.0)  # no worker yet: every attempt times out
+            before_worker = len(sent)
+            worker = asyncio.create_task(_raw_worker(client, task_queue, seen))
+            answer = await asyncio.wait_for(sending, timeout=60)
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+        finally:
+            await client.get_workflow_handle(workflow_id).terminate("test over")
+        return answer, before_worker, sent[-1] - sent[0]
+
+    answer, attempts, _ = asyncio.run(scenario())
+    assert answer == "late"
+    # 0.25 + 0.5 + 1 + 2 + 4 s of attempts and their pauses fill the 8 s: at most 6 (every
+    # 0.25 s, with the pauses, was 15-20).
+    assert attempts <= 6, f"{attempts} attempts in 8 s"

@@ -1,17 +1,21 @@
-"""Workflows as requesters: grant by signal, renewal by timer, creation by local activity."""
+"""Workflows as requesters: grant by signal, renewal by timer, request and creation by activity."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
 from timeslice.protocol.group import (
     RENEW_LEASE_ACTIVITY,
+    REQUEST_GROUP_ACTIVITY,
+    GroupRequest,
     LeaseOutcome,
     LeaseRenewal,
     RenewResult,
@@ -82,6 +86,51 @@ def test_workflow_acquire_timeout_never_leaks(address, group, make_client):
     again = holder.acquire(group, timeout=30)
     status = holder.group_status(group)
     assert [r.job_id for r in status.history] == ["holder"]  # wf-late was never granted
+    holder.release(again)
+
+
+def test_a_request_whose_activity_failed_is_taken_back(address, group, make_client):
+    """The request reached the group, then its activity failed (here: it raises after queueing
+    it). The requester takes it back: before, its grant came later, the workflow dropped it as
+    one it did not make, and the group stayed held by nobody for a TTL (bench/scale.py at 200
+    jobs, where requests timed out under load)."""
+    holder = make_client(job_id="holder")
+    lease = holder.acquire(group)
+
+    @activity.defn(name=REQUEST_GROUP_ACTIVITY)
+    async def queue_then_fail(req: GroupRequest) -> None:
+        await request_group(req)
+        raise ApplicationError("lost on the way back", non_retryable=True)
+
+    async def go() -> None:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        queue = f"{QUEUE}-{uuid.uuid4().hex[:8]}"
+        async with Worker(
+            client,
+            task_queue=queue,
+            workflows=[LeaseTakingWorkflow],
+            activities=[queue_then_fail, draw_secret, renew_lease],
+            workflow_runner=workflow_runner(),
+        ):
+            handle = await client.start_workflow(
+                LeaseTakingWorkflow.run,
+                args=["wf-unlucky", group, 1, 0.1, None],
+                id=f"lease-taker-{uuid.uuid4().hex[:8]}",
+                task_queue=queue,
+            )
+            with contextlib.suppress(WorkflowFailureError):
+                await handle.result()
+
+    asyncio.run(go())
+    wait_for(
+        lambda: holder.group_status(group).stats.cancelled == 1,
+        what="the failed request taken back",
+    )
+    holder.release(lease)
+    again = holder.acquire(group, timeout=30)  # nobody else is queued: granted at once
+    status = holder.group_status(group)
+    assert [r.job_id for r in status.history] == ["holder"]  # wf-unlucky was never granted
+    assert status.stats.leases == 2 and not status.queue
     holder.release(again)
 
 

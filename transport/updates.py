@@ -40,6 +40,12 @@ TRACE_HEADER = "_tracer-data"
 
 # How long one attempt may take before it is sent again, and the pauses between attempts.
 UPDATE_ATTEMPT_S = 0.25
+# An attempt that timed out gives the next one twice as long, up to this: an update waits for
+# the workflow's next task, and a busy control plane takes longer to run one than 0.25 s. Sent
+# every 0.25 s regardless, each waiting update cost the server an RPC per quarter second for as
+# long as the overload lasted, more the later its answer came. An attempt that fails at once (a
+# continue-as-new under way) is sent again just as soon as before.
+UPDATE_ATTEMPT_MAX_S = 4.0
 _RESEND_DELAYS_S = (0.005, 0.02, 0.05, 0.1, 0.2, 0.5)
 # Pauses between polls for an accepted update's result after a poll failed (a server restart).
 _REPOLL_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0)
@@ -93,9 +99,10 @@ async def send_update(
     """Send an update to the workflow's current run and return its result.
 
     Sent by hand, without the SDK's own retries: an attempt that fails transiently, or is not
-    accepted within ``UPDATE_ATTEMPT_S``, is sent again after a short pause, with the same
-    update id. With ``wait_for_completion`` False an attempt waits only until the update is
-    accepted, and the result is then awaited without a limit (an update that parks).
+    accepted within ``UPDATE_ATTEMPT_S`` (doubled after each attempt that timed out, up to
+    ``UPDATE_ATTEMPT_MAX_S``), is sent again after a short pause, with the same update id.
+    With ``wait_for_completion`` False an attempt waits only until the update is accepted, and
+    the result is then awaited without a limit (an update that parks).
     ``on_slow`` runs once if the update is still not accepted after ``slow_after_s`` (it may
     raise, e.g. when no worker serves the workflow at all). ``on_accepted`` runs once the
     workflow took the update (a worker ran it)."""
@@ -142,13 +149,15 @@ async def _send(
     deadline = started + give_up_after_s
     attempt = 0
     unprocessed = 0
+    attempt_s = UPDATE_ATTEMPT_S
     while True:
         if on_slow is not None and time.monotonic() - started >= slow_after_s:
             await on_slow()
             on_slow = None
+        sent = time.monotonic()
         try:
             response = await client.workflow_service.update_workflow_execution(
-                request, retry=False, timeout=timedelta(seconds=UPDATE_ATTEMPT_S)
+                request, retry=False, timeout=timedelta(seconds=attempt_s)
             )
             if response.stage >= _ACCEPTED and not _unprocessed(response):
                 break
@@ -166,6 +175,8 @@ async def _send(
             log.debug(
                 "update %s of %s: %s (%s); sending it again", name, workflow_id, err, err.status
             )
+            if time.monotonic() - sent >= attempt_s * 0.9:  # it timed out: the workflow is slow
+                attempt_s = min(2 * attempt_s, UPDATE_ATTEMPT_MAX_S)
         # Transient, or only admitted so far (the run was closing): send it again.
         await asyncio.sleep(_RESEND_DELAYS_S[min(attempt, len(_RESEND_DELAYS_S) - 1)])
         attempt += 1

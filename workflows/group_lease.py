@@ -1,13 +1,15 @@
 """Acquire and release GPU groups from inside a workflow (the RL job workflow's side).
 
 The group grants a workflow requester by a ``timeslice_grant`` signal; the requester renews on a
-durable timer and releases by signal. A renewal goes as the group's ``renew`` update, through the
-``timeslice.renew_lease`` local activity, so it is answered: a lease the group no longer holds
-(it expired while the control worker was down, say) is *lost*, and the requester learns it
+durable timer and releases by signal. A request goes as the group's ``acquire`` update (not
+parked) through the ``timeslice.request_group`` activity, which creates a missing group by
+signal-with-start (a client call). A renewal goes as the group's ``renew`` update, through the
+``timeslice.renew_lease`` activity, so it is answered: a lease the group no longer holds (it
+expired while the control worker was down, say) is *lost*, and the requester learns it
 (:meth:`GroupLeases.lost`, :meth:`GroupLeases.any_lost`) instead of working on under a lease
-someone else now holds. A missing group is created by the ``timeslice.request_group`` local
-activity (signal-with-start is a client call). The worker running the requester must register
-both activities (the control worker does).
+someone else now holds. Both are activities of their own, not local activities, so the
+requester's workflow task never waits for the group's (``GROUP_CALLS_AS_ACTIVITIES``). The
+worker running the requester must register both activities (the control worker does).
 """
 
 from __future__ import annotations
@@ -56,9 +58,22 @@ ANSWERED_RENEWALS = "answered-lease-renewals"
 # renewer carried on, and the release (or continue-as-new) awaiting it waited forever, holding
 # the group (bench/scale.py, 200 jobs on 50 groups: 124 never ended).
 RENEWER_OBEYS_CANCEL = "renewer-obeys-cancel"
+# workflow.patched id: a request and a renewal go to the group as activities of their own, not
+# local activities. A local activity keeps its workflow task (and the worker's task slot) open
+# until it ends, and these wait for the group's workflow task: with more requesters than task
+# slots (200 jobs preparing at once on 100 slots), or any task queued past its time-out, the
+# requesters' tasks timed out, their runs were evicted and replayed, and the control plane did
+# less the more it was asked (bench/scale.py at 200 x 50 stalled at 24 jobs done). An activity
+# waits in an activity slot, and its workflow task completes at once. From the same patch on,
+# a request whose activity failed is taken back (it may have reached the group), where before
+# its grant came later, was dropped, and held the group for a TTL.
+GROUP_CALLS_AS_ACTIVITIES = "group-calls-as-activities"
 # A renewal that failed (no answer: the group's worker is down, the server unreachable) is tried
 # again this soon, until the lease's TTL since the last answered renewal runs out.
 _RENEW_RETRY_S = 1.0
+# How long a request's activity may try to reach the group (sent again, same request id, while
+# it is not answered: the group takes a request once).
+_REQUEST_TIMEOUT = timedelta(seconds=60)
 
 
 async def end_order(order: LeaseOrder) -> None:
@@ -113,6 +128,7 @@ class GroupLeases:
             workflow.set_signal_handler(GRANT_SIGNAL, self.on_grant)
         # Decided once, as the requester starts (before any other command of its run).
         self._answered_renewals = workflow.patched(ANSWERED_RENEWALS)
+        self._calls_as_activities = workflow.patched(GROUP_CALLS_AS_ACTIVITIES)
 
     async def draw_secret(self, carried: str | None = None) -> str:
         """The secret lease keys derive from: ``carried`` (from the previous run of a
@@ -213,17 +229,16 @@ class GroupLeases:
         rid = request.request_id
         # Known before the request goes out: its grant may arrive with the request's answer.
         self._keys[rid] = key
+        cancel = CancelRequest(request_id=rid, key=key)
         try:
-            await workflow.execute_local_activity(
-                REQUEST_GROUP_ACTIVITY,
-                GroupRequest(group_id=group_id, request=request),
-                start_to_close_timeout=timedelta(seconds=30),
-                summary=f"request {group_id}",
-            )
+            await self._request(group_id, request)
         except BaseException:
+            if self._calls_as_activities:
+                # It may have reached the group: take it back, or its grant holds the group
+                # for a TTL with nobody to use it.
+                await self._signal(group_id, GroupSignal.CANCEL, cancel)
             del self._keys[rid]
             raise
-        cancel = CancelRequest(request_id=rid, key=key)
         try:
             await workflow.wait_condition(lambda: rid in self._grants, timeout=timeout)
         except asyncio.CancelledError:
@@ -242,6 +257,25 @@ class GroupLeases:
             raise ApplicationError(notice.fault, type="JobFaulted", non_retryable=True)
         self._renewers[rid] = asyncio.create_task(self._renew(group_id, notice))
         return notice
+
+    async def _request(self, group_id: str, request: AcquireRequest) -> None:
+        """Queue ``request`` at the group (creating the group if it does not exist)."""
+        call = GroupRequest(group_id=group_id, request=request)
+        summary = f"request {group_id}"
+        if self._calls_as_activities:
+            await workflow.execute_activity(
+                REQUEST_GROUP_ACTIVITY,
+                call,
+                start_to_close_timeout=_REQUEST_TIMEOUT,
+                summary=summary,
+            )
+        else:
+            await workflow.execute_local_activity(
+                REQUEST_GROUP_ACTIVITY,
+                call,
+                start_to_close_timeout=timedelta(seconds=30),
+                summary=summary,
+            )
 
     async def _renew(self, group_id: str, notice: GrantNotice) -> None:
         rid = notice.request_id
@@ -280,14 +314,29 @@ class GroupLeases:
         self, group_id: str, renew: RenewRequest, interval: float
     ) -> RenewResult | str:
         """The group's answer to one renewal, or why none came."""
+        renewal = LeaseRenewal(group_id=group_id, renew=renew, give_up_after_s=max(1.0, interval))
+        within = timedelta(seconds=max(2.0, interval + 1.0))
+        once = RetryPolicy(maximum_attempts=1)
+        summary = f"renew {group_id}"
         try:
+            if self._calls_as_activities:
+                # The answer's window counts from the scheduling: a renewal that waited for a
+                # worker is as unanswered as one that waited for the group.
+                return await workflow.execute_activity(
+                    RENEW_LEASE_ACTIVITY,
+                    renewal,
+                    schedule_to_close_timeout=within,
+                    retry_policy=once,
+                    result_type=RenewResult,
+                    summary=summary,
+                )
             return await workflow.execute_local_activity(
                 RENEW_LEASE_ACTIVITY,
-                LeaseRenewal(group_id=group_id, renew=renew, give_up_after_s=max(1.0, interval)),
-                start_to_close_timeout=timedelta(seconds=max(2.0, interval + 1.0)),
-                retry_policy=RetryPolicy(maximum_attempts=1),
+                renewal,
+                start_to_close_timeout=within,
+                retry_policy=once,
                 result_type=RenewResult,
-                summary=f"renew {group_id}",
+                summary=summary,
             )
         except ActivityError as err:
             if isinstance(err.cause, CancelledError) and workflow.patched(RENEWER_OBEYS_CANCEL):
