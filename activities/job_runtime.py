@@ -74,6 +74,7 @@ from timeslice.session.lease import Lease
 from timeslice.session.lease_session import LeaseSession, SessionSettings
 from timeslice.session.snapshot_activities import SnapshotActivities
 from timeslice.snapshot.base import registered_bytes
+from timeslice.snapshot.device_room import DeviceRooms
 from timeslice.transport.telemetry import meter, span
 from timeslice.transport.updates import send_update
 from timeslice.workflows.job_leases import process_lease_source, process_prefetches
@@ -108,7 +109,10 @@ class JobRuntime:
         workload_ref: str,
         checkpoint_dir: Path,
         keep_checkpoints: int = 3,
+        rooms: DeviceRooms | None = None,
     ) -> None:
+        """``rooms``: the node's device rooms, which the job's streaming states move through
+        (default: ``$TIMESLICE_ROOM_DIR``'s, see ``snapshot/device_room.py``)."""
         if keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, not {keep_checkpoints}")
         self.job_id = job_id
@@ -125,6 +129,8 @@ class JobRuntime:
         self._all_backends = list(
             dict.fromkeys([*workload.sampler_backends, *workload.trainer_backends])
         )
+        # phase -> the states it uses (a phase brings these in first; see StateHomes.using)
+        self._phase_states: dict[str, list[str]] = {}
         # The same lease session as the embedded client's, hosted on this worker's event loop:
         # it asks groups for leases, renews them and releases them; its inbox takes grants that
         # come as activities on this rank's queue, which this worker serves.
@@ -135,7 +141,9 @@ class JobRuntime:
                 task_queue=job_task_queue(job_id, rank),
             )
         )
-        self.homes = StateHomes(job_id, self.session.report_moved)
+        self.homes = StateHomes(
+            job_id, self.session.report_moved, rooms if rooms is not None else DeviceRooms()
+        )
         self.snapshots = SnapshotActivities(None, self.homes, job_id=job_id)
         # Restores done under a lease this process keeps, reported when it is released.
         self._unreported: dict[str, list[SnapshotReport]] = {}
@@ -242,6 +250,7 @@ class JobRuntime:
         except ValueError as err:
             raise ApplicationError(str(err), type="InvalidConfig", non_retryable=True) from None
         self._all_backends = list(dict.fromkeys([*sampler, *trainer]))
+        self._phase_states = {"sample": list(sampler), "train": list(trainer)}
         return DescribeResult(
             workload=self.workload_ref,
             sampler_backends=list(sampler),
@@ -344,7 +353,7 @@ class JobRuntime:
         try:
             fences = self._fences(inp.lease, lease)
             await _confirm(self, fences)
-            async with _keep_alive(), self.homes.using(inp.backends, group_id):
+            async with _keep_alive(), self.homes.using(inp.backends, group_id) as restored:
                 self._expect(inp.epochs_done)
 
                 def save() -> None:
@@ -360,7 +369,8 @@ class JobRuntime:
                 ctx = PhaseContext(inp.epochs_done, "checkpoint")
                 await self._supervise(save, ctx, fences, _check_every(fences))
                 if lease is not None:
-                    self._yield_in_background(lease, inp.backends, [])
+                    # A state the last phase did not use may have come back for the checkpoint.
+                    self._yield_in_background(lease, inp.backends, restored)
                     lease = None
         finally:
             if lease is not None:  # failed: the group must not wait for this lease's TTL
@@ -394,12 +404,21 @@ class JobRuntime:
                 # Only GPU phases use the state: the rewards phase runs while other jobs hold
                 # the group, and a switch that evicts this job must not wait for it.
                 names = inp.group_backends if order is not None else []
-                async with self.homes.using(names, inp.group_id) as restored:
+                # The phase waits only for its own states; the job's others on this group
+                # come in behind it when its next phase follows here under this lease.
+                uses = [n for n in names if n in self._phase_states.get(inp.phase, names)]
+                async with self.homes.using(
+                    names, inp.group_id, first=uses, ahead=inp.carry_into is not None
+                ) as restored:
                     started = time.monotonic()
                     metrics = await self._run_step(inp, step, fences, token)
                     ended = time.monotonic()
+                    # Reported with this lease (the next phase's bytes, moved under it).
+                    ahead = await self.homes.brought_ahead(inp.group_id)
                     released_at = time.monotonic()
-                    released, kept, carry = await self._hand_back(lease, inp, names, restored)
+                    released, kept, carry = await self._hand_back(
+                        lease, inp, names, [*restored, *ahead]
+                    )
                     lease = None
             finally:
                 if lease is not None:  # the phase failed: hand the group on now, not at its TTL
@@ -524,7 +543,13 @@ class JobRuntime:
                 request_id=order.request_id,
                 key=order.key,
                 snapshot=SnapshotTarget(
-                    queues=[QueueTarget(task_queue=self.session.task_queue, backends=names)]
+                    queues=[
+                        QueueTarget(
+                            task_queue=self.session.task_queue,
+                            backends=names,
+                            room=self.homes.room_id(names),
+                        )
+                    ]
                 )
                 if names
                 else None,
@@ -535,6 +560,8 @@ class JobRuntime:
             raise ApplicationError(
                 f"job {self.job_id}: {err}", type=type(err).__name__, non_retryable=True
             ) from None
+        # What the group's device room holds this job's restores to (streamed switches).
+        self.homes.set_memory(order.group_id, lease.memory_bytes)
         return lease, asked, time.monotonic()
 
     def _fences(self, order: LeaseOrder | None, lease: Lease | None) -> list[LeaseFence]:
@@ -645,10 +672,11 @@ class JobRuntime:
         if not answer.valid:
             self._unreported.pop(lease.request_id, None)
             return False, False, ""
-        if not answer.released:
-            self._unreported.setdefault(lease.request_id, []).extend(restored or [])
-            return False, True, answer.reason[:MAX_CARRY_REASON]
+        # Valid, kept or not: the group counted what this release reported (kept, it would
+        # count them a second time at the next one).
         self._unreported.pop(lease.request_id, None)
+        if not answer.released:
+            return False, True, answer.reason[:MAX_CARRY_REASON]
         if answer.evict:
             # The copy runs after this activity returns: the job's next step (rewards, or a
             # phase on another group) does not wait for it; the next use of this state does.

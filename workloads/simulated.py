@@ -3,7 +3,9 @@
 For benchmarks and utilization studies: nothing is computed, but each phase takes its configured
 duration, and every switch moves a simulated state of configured size and time. Options (all
 optional): ``sample_s`` 1.0, ``reward_s`` 1.5, ``train_s`` 0.5, ``state_bytes`` 0 (per state),
-``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``), ``shared_state`` false.
+``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``), ``shared_state`` false,
+``chunk_bytes`` (a move's chunk, 64 MiB), ``residency_trace`` (a file each chunk's arrival on
+and departure from a device is appended to, for tests: ``SimulatedBackend``'s ``trace``).
 
 It also runs as an async job (``"mode": "async"``): the sampler holds its lease ``sample_s`` per
 batch, scoring takes ``reward_s``, the trainer holds its lease ``train_s`` per step; publishing
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from timeslice.snapshot.base import SnapshotBackend
-from timeslice.snapshot.simulated import SimulatedBackend
+from timeslice.snapshot.simulated import DEFAULT_CHUNK_BYTES, SimulatedBackend
 from timeslice.workloads.base import AsyncWorkload, JobSpec, PhaseContext
 
 DEFAULTS: dict[str, float] = {
@@ -40,31 +42,38 @@ DEFAULTS: dict[str, float] = {
 
 
 SHARED_STATE = "shared_state"
+RESIDENCY_TRACE = "residency_trace"
 
 
 def parse_options(options: dict[str, Any]) -> dict[str, float]:
     """The options with their defaults (the module's doc lists them); ValueError naming an
     unknown option or a value that is not a number >= 0."""
-    known = {*DEFAULTS, "restore_s", "sync_bytes", SHARED_STATE}
+    known = {*DEFAULTS, "restore_s", "sync_bytes", "chunk_bytes", SHARED_STATE, RESIDENCY_TRACE}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"simulated workload: unknown option(s) {unknown}; known: {sorted(known)}")
     shared = options.get(SHARED_STATE, False)
     if not isinstance(shared, bool):
         raise ValueError(f"simulated workload: option {SHARED_STATE} must be true or false")
+    trace = options.get(RESIDENCY_TRACE, "")
+    if not isinstance(trace, str):
+        raise ValueError(f"simulated workload: option {RESIDENCY_TRACE} must be a file's path")
     values: dict[str, float] = {
         **DEFAULTS,
         "restore_s": options.get("snapshot_s", 0.0),
         "sync_bytes": options.get("state_bytes", 0),
+        "chunk_bytes": DEFAULT_CHUNK_BYTES,
     }
     for key, value in options.items():
-        if key == SHARED_STATE:
+        if key in (SHARED_STATE, RESIDENCY_TRACE):
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ValueError(
                 f"simulated workload: option {key} must be a number >= 0, not {value!r}"
             )
         values[key] = float(value)
+    if values["chunk_bytes"] < 1:
+        raise ValueError("simulated workload: option chunk_bytes must be >= 1")
     return values
 
 
@@ -116,11 +125,14 @@ class SimulatedWorkload(AsyncWorkload):
         self._options = parse_options(spec.options)
         self._spec = spec
         sampler, trainer = self.state_names(spec.options)
+        trace = spec.options.get(RESIDENCY_TRACE)
         self._backends = {
             name: SimulatedBackend(
                 nbytes=int(self._options["state_bytes"]),
                 snapshot_s=self._options["snapshot_s"],
                 restore_s=self._options["restore_s"],
+                chunk_bytes=int(self._options["chunk_bytes"]),
+                trace=Path(trace) if trace else None,
             )
             for name in dict.fromkeys([*sampler, *trainer])
         }
