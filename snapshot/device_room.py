@@ -390,16 +390,25 @@ class _Doorbell:
 
     @staticmethod
     def ring(path: Path) -> None:
+        """Wake the bell's waiter; never fails (a waiter that is gone needs no waking)."""
         try:
             fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
         except OSError as err:
             if err.errno == errno.ENXIO:  # nobody reads it: its waiter died
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-            return
+            return  # or it was just closed and removed (ENOENT)
+        try:
+            _Doorbell.knock(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def knock(fd: int) -> None:
+        """Write the byte that wakes the waiter, on a bell opened for writing."""
         try:
             os.write(fd, b"!")
         except BlockingIOError:
             pass  # full: it is rung already
-        finally:
-            os.close(fd)
+        except BrokenPipeError:
+            pass  # its waiter closed it between the open and this write: it is awake

@@ -5,6 +5,7 @@ longer of an eviction and a restore at once, and the sum of two the same way."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from timeslice.snapshot.base import SnapshotError, SnapshotRequest
-from timeslice.snapshot.device_room import DeviceRoom, DeviceRooms
+from timeslice.snapshot.device_room import DeviceRoom, DeviceRooms, _Doorbell
 from timeslice.snapshot.simulated import SimulatedBackend
 
 from tests.helpers import wait_for
@@ -107,6 +108,22 @@ def test_rooms_of_one_directory_share_an_id_and_give_never_goes_below_zero(
     room.take(10)  # no capacity known: nothing to wait for
     room.give(25)
     assert room.status().used == 0
+
+
+def test_ringing_a_bell_whose_waiter_just_left_is_not_an_error(tmp_path: Path) -> None:
+    """A give rings every waiter; one that took its room and closed its bell between the give's
+    open and write must not fail the give (it failed a whole eviction once)."""
+    fifo = tmp_path / "bell"
+    os.mkfifo(fifo)
+    waiter = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    ringer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    os.close(waiter)
+    try:
+        _Doorbell.knock(ringer)
+    finally:
+        os.close(ringer)
+    _Doorbell.ring(fifo)  # nobody reads it now: the stale bell goes
+    assert not fifo.exists()
 
 
 def _resident_peak(trace: Path) -> tuple[int, list[tuple[int, int, int]]]:
