@@ -131,6 +131,9 @@ class JobRuntime:
         )
         # phase -> the states it uses (a phase brings these in first; see StateHomes.using)
         self._phase_states: dict[str, list[str]] = {}
+        # step -> the GPU phase after it: an epoch alternates sample and train, and a
+        # checkpoint is followed by the next sample (an async job's loops say nothing here).
+        self._next_phase = {"sample": "train", "train": "sample", "checkpoint": "sample"}
         # The same lease session as the embedded client's, hosted on this worker's event loop:
         # it asks groups for leases, renews them and releases them; its inbox takes grants that
         # come as activities on this rank's queue, which this worker serves.
@@ -376,7 +379,7 @@ class JobRuntime:
             if lease is not None:  # failed: the group must not wait for this lease's TTL
                 await self._abandon(lease)
         if inp.prefetch is not None:
-            self._prefetch(inp.prefetch, inp.prefetch_backends)
+            self._prefetch(inp.prefetch, inp.prefetch_backends, self._phase_after("checkpoint"))
         log.info("checkpoint after %d epochs: %s", inp.epochs_done, epoch_dir)
         return CheckpointRef(epochs_done=inp.epochs_done, path=str(epoch_dir.resolve()))
 
@@ -425,7 +428,9 @@ class JobRuntime:
                     await self._abandon(lease)
             asked_ahead = None
             if inp.prefetch is not None:
-                asked_ahead = self._prefetch(inp.prefetch, inp.prefetch_backends)
+                asked_ahead = self._prefetch(
+                    inp.prefetch, inp.prefetch_backends, self._phase_after(inp.phase)
+                )
         log.info(
             "epoch %d %s: %.2f s %s",
             inp.epoch,
@@ -601,19 +606,35 @@ class JobRuntime:
             )
         return lease
 
-    def _prefetch(self, order: LeaseOrder, names: list[str]) -> bool:
+    def _phase_after(self, step: str) -> str | None:
+        """The GPU phase a lease asked for ahead after ``step`` is for (None: not known)."""
+        return self._next_phase.get(step)
+
+    def _prefetch(self, order: LeaseOrder, names: list[str], phase: str | None = None) -> bool:
         """Ask for the job's next GPU phase's lease now, as this step ends: the request
         reaches the group one workflow round trip sooner than if the next phase's activity
         asked when it starts, and the grant waits in this process for that activity. The
         workflow cancels the request if the phase never comes. Returns whether the acquire
         went out (now or before): not while this process still holds the group, whose lease
-        the next phase carries; the workflow then forgets the order rather than cancel it."""
+        the next phase carries; the workflow then forgets the order rather than cancel it.
+
+        Once granted, the states that phase (``phase``) uses come in at once: a grant that
+        arrives while the job is still off the GPU (its rewards) finds the switch's restore
+        done when the phase starts, instead of starting it then."""
         if process_prefetches(
             order,
             asked=order.request_id in self._prefetched,
             holds_group=order.group_id in self.session.held,
         ):
-            asking = asyncio.ensure_future(self._acquire_order(order, names))
+            uses = [n for n in names if n in self._phase_states.get(phase or "", [])]
+
+            async def ask() -> tuple[Lease, float, float]:
+                granted = await self._acquire_order(order, names)
+                if uses:
+                    self.homes.bring_early(uses, order.group_id)
+                return granted
+
+            asking = asyncio.ensure_future(ask())
             # Retrieved by the phase; a failure is raised there (or the workflow cancels it).
             asking.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._prefetched[order.request_id] = asking

@@ -60,6 +60,8 @@ class StateHomes:
         self._uses = itertools.count()
         # group id -> the restore running behind a phase there (the rest of the job's states)
         self._ahead: dict[str, asyncio.Task[list[SnapshotReport]]] = {}
+        # group id -> what came in at a grant, before the phase it is for began (bring_early)
+        self._early: dict[str, list[SnapshotReport]] = {}
         # backend name -> the group whose device holds its state; None: host memory
         self._home: dict[str, str | None] = {}
         # name -> uses in progress (a phase, a checkpoint, a move, an eviction in the background)
@@ -134,7 +136,7 @@ class StateHomes:
         behind: asyncio.Task[list[SnapshotReport]] | None = None
         try:
             needed = sorted(wanted if first is None else wanted & set(first))
-            restored = await self._bring(needed, group_id)
+            restored = [*self._early.pop(group_id or "", []), *await self._bring(needed, group_id)]
             for name in needed:
                 self._used_at[name] = next(self._uses)
             rest = sorted(wanted - set(needed))
@@ -148,6 +150,32 @@ class StateHomes:
                 if self._ahead.get(group_id or "") is behind:
                     del self._ahead[group_id or ""]
             await self._done_with(wanted)
+
+    def bring_early(self, names: list[str], group_id: str) -> None:
+        """Bring the named states to ``group_id``'s device now, in the background: the job was
+        granted the group before the phase that uses them began (its lease was asked for ahead,
+        and it is still off the GPU). The phase then finds them there, and reports them as its
+        restores. States in use (an eviction still under way) are left for the phase to move.
+
+        Args:
+            names: The states the next phase there uses.
+            group_id: The group granted.
+        """
+        wanted = {n for n in names if n in self.backends}
+        if not wanted or any(self._busy[n] for n in wanted):
+            return
+        self._busy.update(wanted)  # before the phase can take them: it waits for this
+
+        async def bring() -> None:
+            try:
+                reports = await self._bring(sorted(wanted), group_id)
+                self._early.setdefault(group_id, []).extend(reports)
+            except SnapshotError as err:  # the phase moves them itself, or fails there
+                log.warning("early restore of %s for %s failed: %s", self.job_id, group_id, err)
+            finally:
+                await self._done_with(wanted)
+
+        self._spawn(bring())
 
     async def brought_ahead(self, group_id: str | None) -> list[SnapshotReport]:
         """Wait for the states a phase on ``group_id`` brings in behind it (``using``'s

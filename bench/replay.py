@@ -34,10 +34,12 @@ Figures (docs/report.md defines them the same way):
   the previous one released): previous release sent → next phase started, minus the state
   moves on that path (the next job's restore, and the previous job's eviction when the group's
   memory does not hold both states);
-- **switch time** = for the same hand-offs: previous release sent → next phase started, whole,
-  against one direction's copy of one state (``--restore-s``: every phase here uses one state),
-  split into the wait for the grant (the protocol, and the eviction where the group waits for
-  it) and the restore before the phase (its own clock: grant → phase start).
+- **switch time** = for the same hand-offs: previous release sent → the next phase's state in
+  (the wait for the grant: the protocol, and the eviction where the group waits for it; then
+  the restores the phase's process reports for it, their own durations, waits for room
+  included), against one direction's copy of one state (``--restore-s``: every phase here
+  uses one state); ``gap_s`` is release → next phase start, which also holds any time the next
+  job was still off the GPU (its rewards) when granted.
 
 ``--room-for-one`` declares group memory for one job's states (two states per job unless
 ``--shared-state``): a switch cannot keep both jobs' whole states on the device.
@@ -184,11 +186,14 @@ def switch_times(holds: list[Any]) -> list[dict[str, float]]:
             continue
         if nxt.asked_mono >= prev.released_mono or nxt.granted_mono is None:
             continue
+        grant_wait = nxt.granted_mono - prev.released_mono
+        restore = sum(r.seconds for r in nxt.restored)
         times.append(
             {
-                "switch_s": nxt.mono_start - prev.released_mono,
-                "grant_wait_s": nxt.granted_mono - prev.released_mono,
-                "restore_s": nxt.mono_start - nxt.granted_mono,
+                "switch_s": grant_wait + restore,
+                "grant_wait_s": grant_wait,
+                "restore_s": restore,
+                "gap_s": nxt.mono_start - prev.released_mono,
                 "bytes_in": sum(r.bytes for r in nxt.restored),
             }
         )
@@ -200,7 +205,7 @@ def switch_summary(times: list[dict[str, float]], one_direction_s: float) -> dic
     if not times:
         return None
     summary: dict[str, Any] = {"switches": len(times), "one_direction_s": one_direction_s}
-    for part in ("switch_s", "grant_wait_s", "restore_s"):
+    for part in ("switch_s", "grant_wait_s", "restore_s", "gap_s"):
         values = [t[part] for t in times]
         summary[part] = {
             "p50": round(statistics.median(values), 4),
