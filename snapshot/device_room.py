@@ -332,7 +332,8 @@ class DeviceRoom:
 
     def _ring(self) -> None:
         for bell in self._bells.iterdir():
-            _Doorbell.ring(bell)
+            if not bell.name.startswith("."):  # one being made is not waited on yet
+                _Doorbell.ring(bell)
 
     # ------------------------------------------------------------ the copy engines
 
@@ -371,11 +372,16 @@ class _Doorbell:
     """A FIFO one waiting thread sleeps on; ``ring`` wakes it (a byte written, never blocking)."""
 
     def __init__(self, directory: Path) -> None:
-        self.path = directory / f"{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}"
-        os.mkfifo(self.path, 0o600)
+        name = f"{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}"
+        self.path = directory / name
+        # Made under a hidden name and opened before it takes its own: a ringer takes a bell
+        # with no reader for one whose waiter died, and would remove one not yet opened.
+        making = directory / f".{name}"
+        os.mkfifo(making, 0o600)
         # Read-write: the FIFO always has a writer, so it never reads as hung up (EOF) and
         # select wakes only when a byte comes.
-        self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+        self._fd = os.open(making, os.O_RDWR | os.O_NONBLOCK)
+        os.rename(making, self.path)
 
     def wait(self, timeout_s: float) -> None:
         readable, _, _ = select.select([self._fd], [], [], max(0.0, timeout_s))
@@ -384,9 +390,9 @@ class _Doorbell:
                 os.read(self._fd, 4096)
 
     def close(self) -> None:
-        os.close(self._fd)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            os.unlink(self.path)  # first: a visible bell always has its reader
+        os.close(self._fd)
 
     @staticmethod
     def ring(path: Path) -> None:

@@ -126,6 +126,16 @@ def test_ringing_a_bell_whose_waiter_just_left_is_not_an_error(tmp_path: Path) -
     assert not fifo.exists()
 
 
+def test_a_bell_being_made_is_never_taken_for_a_dead_waiters(tmp_path: Path) -> None:
+    """A give that rings while a waiter has made its FIFO but not opened it yet must leave it
+    be (it once removed it, and the waiter's open failed its restore)."""
+    room = DeviceRooms(tmp_path).room(GROUP)
+    making = room._bells / ".0-0-made-not-opened"
+    os.mkfifo(making)
+    room.give(0)  # rings every bell
+    assert making.exists()
+
+
 def _resident_peak(trace: Path) -> tuple[int, list[tuple[int, int, int]]]:
     """The most bytes resident at once by the backends' own trace, and the trace."""
     events = []
