@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from timeslice.protocol.group import SnapshotReport
 
@@ -180,12 +180,18 @@ def streams(backend: SnapshotBackend) -> bool:
     Raises:
         SnapshotError: It declares ``STREAMS`` but has no ``hold_in``.
     """
-    if Capability.STREAMS not in backend.capabilities:
+    return _declares(backend, Capability.STREAMS, StreamingBackend, "hold_in")
+
+
+def _declares(backend: SnapshotBackend, capability: Capability, kind: type, what: str) -> bool:
+    """Whether ``backend`` declares ``capability``; a ``SnapshotError`` if it does without
+    being a ``kind`` (the protocol that has ``what``)."""
+    if capability not in backend.capabilities:
         return False
-    if not isinstance(backend, StreamingBackend):
+    if not isinstance(backend, kind):
         raise SnapshotError(
-            f"snapshot backend {backend.name!r} declares {Capability.STREAMS.value!r} but has "
-            "no hold_in: implement it (StreamingBackend) or drop the capability"
+            f"snapshot backend {backend.name!r} declares {capability.value!r} but has no "
+            f"{what}: implement it ({kind.__name__}) or drop the capability"
         )
     return True
 
@@ -288,14 +294,9 @@ def registered_bytes(backend: SnapshotBackend) -> int | None:
     Raises:
         SnapshotError: The backend declares ``KNOWS_SIZE`` but has no ``registered_bytes``.
     """
-    if Capability.KNOWS_SIZE not in backend.capabilities:
+    if not _declares(backend, Capability.KNOWS_SIZE, SizedSnapshotBackend, "registered_bytes"):
         return None
-    if not isinstance(backend, SizedSnapshotBackend):
-        raise SnapshotError(
-            f"snapshot backend {backend.name!r} declares {Capability.KNOWS_SIZE.value!r} but "
-            "has no registered_bytes: implement it (SizedSnapshotBackend) or drop the capability"
-        )
-    return int(backend.registered_bytes)
+    return int(cast(SizedSnapshotBackend, backend).registered_bytes)
 
 
 def resolve_backends(
