@@ -35,6 +35,18 @@ for line in sys.stdin:
 """
 
 
+# A process that takes and gives one chunk at a time, many times over (a stream in and out).
+CHURN = """
+import sys
+from pathlib import Path
+from timeslice.snapshot.device_room import DeviceRooms
+room = DeviceRooms(Path(sys.argv[1])).room(sys.argv[2])
+for _ in range(int(sys.argv[3])):
+    room.take(10, timeout_s=60)
+    room.give(10)
+"""
+
+
 def _holder(directory: Path, nbytes: int) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(directory), GROUP, str(nbytes)],
@@ -124,6 +136,25 @@ def test_ringing_a_bell_whose_waiter_just_left_is_not_an_error(tmp_path: Path) -
         os.close(ringer)
     _Doorbell.ring(fifo)  # nobody reads it now: the stale bell goes
     assert not fifo.exists()
+
+
+def test_processes_taking_and_giving_at_once_never_overfill_the_room(tmp_path: Path) -> None:
+    """Four processes stream chunks through a room with space for one more: every take waits
+    its turn (doorbells made, rung and closed under one another's feet), none fails, and the
+    room never held more than it has."""
+    room = DeviceRooms(tmp_path).room(GROUP)
+    room.set_capacity(20)
+    room.hold(10)  # this process's state stays: the four share the room for one chunk
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), GROUP, "80"])
+        for _ in range(4)
+    ]
+    assert [proc.wait(timeout=120) for proc in procs] == [0, 0, 0, 0]
+    status = room.status()
+    assert status.peak == 20 and status.used == 10
+    room.give(10)
+    assert room.status().used == 0
+    assert not _bells(room)
 
 
 def test_a_bell_being_made_is_never_taken_for_a_dead_waiters(tmp_path: Path) -> None:
