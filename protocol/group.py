@@ -416,6 +416,8 @@ def check_id(kind: str, value: object) -> str:
 # A group or job id a message may carry: checked as it is read (``check_id``).
 GroupId = Annotated[str, AfterValidator(lambda v: check_id("group id", v))]
 JobId = Annotated[str, AfterValidator(lambda v: check_id("job id", v))]
+# A group's declared device memory, as its config has it and as a grant passes it on.
+DeviceMemory = Annotated[int, Field(gt=0, le=MAX_STATE_BYTES)]
 
 
 def group_workflow_id(group_id: str) -> str:
@@ -460,12 +462,11 @@ class GroupConfig(_Model):
         description="lease and switch records kept (at most what the carried state fits)",
     )
     wait_samples_keep: int = Field(512, ge=1, le=MAX_WAIT_SAMPLES_KEEP)
-    memory_bytes: int | None = Field(
+    memory_bytes: DeviceMemory | None = Field(
         None,
-        gt=0,
-        le=MAX_STATE_BYTES,
         description="device memory of the group: when the resident job's and the "
-        "next job's declared state both fit, eviction and restore run at the same time",
+        "next job's declared state both fit, or both jobs' moves stream through one device "
+        "room and the next job's state fits, eviction and restore run at the same time",
     )
     grant_policy: GrantPolicy = Field(
         DEFAULT_GRANT_POLICY,
@@ -704,14 +705,10 @@ class GrantNotice(_Model):
         "and the lease's TTL count from, so a process that takes the grant late knows it is "
         "late (docs/architecture.md, local validity)",
     )
-    memory_bytes: int | None = Field(
-        None,
-        gt=0,
-        le=MAX_STATE_BYTES,
-        description="the group's declared device memory, for a request whose snapshot target "
-        "names a device room: what the room holds the holder's restores to while another job's "
-        "eviction streams out (absent when None, so every other notice encodes as before)",
-    )
+    # Only a request whose snapshot target names a device room is told: the room holds its
+    # restores to it while another job's eviction streams out. Absent when None, so every other
+    # notice encodes as before.
+    memory_bytes: DeviceMemory | None = Field(None, description="the group's declared memory")
 
     @model_serializer(mode="wrap")
     def _omit_no_memory(self, handler: SerializerFunctionWrapHandler) -> Any:
