@@ -68,6 +68,7 @@ from timeslice.workflows.group_patches import (
     FAULT_ONLY_ASKED_EVICTION,
     ONE_DEADLINE_TIMER,
     PHASE_AWARE_GRANTS,
+    STREAMED_SWITCHES,
 )
 from timeslice.workflows.group_switch import GroupSwitch
 from timeslice.workflows.inputs import fail_on_bad_input, parse_input, parses
@@ -159,6 +160,7 @@ class GpuGroupWorkflow:
             self._metrics,
         )
         self._book.policy_gate = lambda: workflow.patched(PHASE_AWARE_GRANTS)
+        self._book.residency.stream_gate = lambda: workflow.patched(STREAMED_SWITCHES)
         self._wake = False
         # Fault notices live nowhere else, so they hold up continue-as-new; so does any
         # delivery activity (its completion arriving during continue-as-new would fail it).

@@ -240,7 +240,13 @@ class GroupBook:
         self.leases.remember_key(request.job_id, request.key_hash, self._tracked_jobs)
         self.accounts.granted(request, waiter.enqueued_at, holder.waited_s)
         return self.leases.notice(
-            request, holder.token, holder.waited_s, None, parked=parked, granted_at=now
+            request,
+            holder.token,
+            holder.waited_s,
+            None,
+            parked=parked,
+            granted_at=now,
+            memory_bytes=self.residency.memory_for(request),
         )
 
     def refuse(self, waiter: Waiter, fault: str, now: datetime) -> GrantNotice:

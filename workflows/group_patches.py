@@ -25,3 +25,8 @@ PHASE_AWARE_GRANTS = "phase-aware-grants"
 # expiry, grant confirmation, waiter and park time-outs, an eviction report) instead of a timer
 # started and cancelled by every wait; groups that started before it replay as they ran.
 ONE_DEADLINE_TIMER = "one-deadline-timer"
+# workflow.patched id: a switch between two jobs whose moves go through one device room on the
+# node streams (the grant does not wait for the eviction, and the group's own eviction runs
+# beside it) even when the group's memory holds only one of their states; groups that started
+# before it replay waiting for the eviction, as they ran.
+STREAMED_SWITCHES = "streamed-switches"

@@ -235,6 +235,7 @@ class LeaseLedger(BookPiece):
         *,
         parked: bool,
         granted_at: datetime | None = None,
+        memory_bytes: int | None = None,
     ) -> GrantNotice:
         """The grant notice for ``request``, signed with its key hash, which only this group
         and the requester know: a notice anyone else sends (``status`` shows request ids and
@@ -247,6 +248,8 @@ class LeaseLedger(BookPiece):
             fault: why it was refused (its job is faulted), or None for a grant.
             parked: it goes as a parked update's result.
             granted_at: the group's time of the grant, which the client's validity counts from.
+            memory_bytes: the group's declared memory, for a requester whose moves go through
+                a device room (``Residency.memory_for``).
 
         Returns:
             The notice with its proof.
@@ -267,6 +270,7 @@ class LeaseLedger(BookPiece):
             if parked or request.reply_task_queue is not None
             else None,
             granted_at=granted_at,
+            memory_bytes=memory_bytes,
         )
         return prove_notice(notice, request.key_hash)
 

@@ -33,6 +33,8 @@ class Lease:
         valid_until: Until when it is held for certain (``time.monotonic()``): from the grant's
             own time, then from when each renewal was sent, so it always ends before the
             group's own expiry (docs/architecture.md, "Local validity").
+        memory_bytes: The group's declared device memory, if the request named a device room
+            (what the room holds this holder's restores to); None otherwise.
     """
 
     group_id: str
@@ -58,6 +60,7 @@ class Lease:
     # (never past the group's deadline for confirming it), then from when each renewal was
     # *sent*, so it always ends before the group's own expiry (docs/architecture.md).
     valid_until: float = 0.0
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.valid_until:

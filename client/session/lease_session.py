@@ -450,6 +450,7 @@ class LeaseSession:
             confirm_within_s=notice.confirm_within_s,
             asked_at=asked,
             key=key,
+            memory_bytes=notice.memory_bytes,
         )
         valid_until = validity_if_fresh(grant, notice.ttl_s)
         if valid_until is not None:
