@@ -814,8 +814,9 @@ class RLJobProgress(_Model):
     )
     forged_notices: int = Field(
         0,
-        description="grant and fault notices this run dropped: their proof was missing or "
-        "wrong, so no group made them (docs/security.md)",
+        description="grant and fault notices this run dropped as no group's to this job: their "
+        "proof was missing or wrong, or they named a request the job never made, or the job's "
+        "process refused a grant that its group never made (docs/security.md)",
     )
 
     @classmethod

@@ -148,11 +148,15 @@ def test_a_queued_rl_job_drops_forged_grants_and_faults_and_takes_the_real_grant
         )
         for forged in forgeries(notice):
             await handle.signal(GRANT_SIGNAL, forged)
+        # And one for a request the job never made: dropped, and counted as forged too (it
+        # used to be dropped uncounted).
+        never_made = notice.model_copy(update={"request_id": f"{job}:never-made"})
+        await handle.signal(GRANT_SIGNAL, never_made)
 
         async def counted() -> RLJobProgress | None:
             seen = await handle.query("progress", result_type=RLJobProgress)
             done_waiting = not seen.phase.startswith("waiting for")
-            return seen if seen.forged_notices >= 3 or done_waiting else None
+            return seen if seen.forged_notices >= 4 or done_waiting else None
 
         seen = await eventually(counted, "the job to count the forged notices")
         # Still waiting, still queued: no forgery consumed the wait or failed the job.
@@ -161,7 +165,7 @@ def test_a_queued_rl_job_drops_forged_grants_and_faults_and_takes_the_real_grant
         return queued[0].request_id, seen
 
     _, seen = asyncio.run(forge())
-    assert seen.forged_notices == 3
+    assert seen.forged_notices == 4
     assert seen.status != "failed" and seen.phase == f"waiting for {group} (prepare)"
     assert seen.phase_s.get("prepare", 0.0) == 0.0  # prepare did not run in the holder's lease
 

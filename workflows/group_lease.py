@@ -107,7 +107,8 @@ class GroupLeases:
         # Drawn once by a local activity (recorded in the history, so replay-safe): lease keys
         # derive from it, not from the workflow's randomness, which its run id reproduces.
         self.secret: str | None = None
-        # Grant and fault notices dropped because their proof was missing or wrong.
+        # Grant and fault notices dropped because their proof was missing or wrong, or because
+        # they named a request this workflow never made.
         self.forged_notices = 0
         if register_grant_signal:
             workflow.set_signal_handler(GRANT_SIGNAL, self.on_grant)
@@ -151,10 +152,19 @@ class GroupLeases:
             return
         key = self._keys.get(notice.request_id)
         if key is None:
+            # A request this workflow made and let go (a grant that raced its give-up) is
+            # proven under the key its secret gives; any other notice is no group's to it.
+            late = self.secret is not None and notice_is_proven(
+                notice, lease_key_hash(self.new_key(notice.request_id))
+            )
+            if not late:
+                self.forged_notices += 1
             workflow.logger.warning(
-                "job %s dropped a grant for request %r, which it did not make",
+                "job %s dropped a %s for request %r, %s",
                 self.job_id,
+                "fault notice" if notice.fault is not None else "grant",
                 notice.request_id,
+                "which it had given up" if late else "which it did not make (counted as forged)",
             )
             return
         # Histories from before grants carried proofs replay as they ran (their grants have

@@ -115,6 +115,12 @@ def _orphan_withdraw_s(timeout: float | None) -> float:
     )
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a task's outcome as read: what it ended with is of no interest to anyone."""
+    if not task.cancelled():
+        task.exception()
+
+
 # How long close() waits for acquires that other threads are waiting in to end.
 CLOSE_ACQUIRES_S = WITHDRAW_S + 2.0
 
@@ -757,7 +763,11 @@ class LeaseSession:
                 ),
                 within_s,
             )
-        except (RPCError, TimesliceError, WorkflowUpdateFailedError, TimeoutError) as err:
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:
+                log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)
+            # No such group: the request never reached one (closed while it was created).
+        except (TimesliceError, WorkflowUpdateFailedError, TimeoutError) as err:
             log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)
 
     def resolve_lease(self, lease: Lease | None) -> Lease:
@@ -814,14 +824,24 @@ class LeaseSession:
         )
         if answer.valid and not answer.released:
             return True
-        if lease.revoked_reason is None and not answer.valid:
+        if answer.valid and not lease.revoked_by_group:
+            # The group held the lease until this release, whatever this process's renewals
+            # met meanwhile (a storm, a control worker down): released, not revoked.
+            if lease.revoked_reason is not None:
+                log.warning(
+                    "released %s (token %s), which the group still held though this process "
+                    "had stopped renewing it: %s",
+                    lease.group_id,
+                    lease.token,
+                    lease.revoked_reason,
+                )
+            return False
+        if lease.revoked_reason is None:
             lease.revoked_reason = "the group no longer held it when it was released"
-        if lease.revoked_reason is not None:
-            raise LeaseRevokedError(
-                f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "
-                f"{lease.revoked_reason}"
-            )
-        return False
+        raise LeaseRevokedError(
+            f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "
+            f"{lease.revoked_reason}"
+        )
 
     async def release_lease(
         self,
@@ -956,6 +976,7 @@ class LeaseSession:
                 continue
             if not result.valid:
                 lease.revoked_reason = result.reason
+                lease.revoked_by_group = True
                 log.error("lease on %s revoked: %s", lease.group_id, result.reason)
                 return
             lease.valid_until = sent + result.ttl_s
@@ -1003,6 +1024,9 @@ class LeaseSession:
                 task.cancel()
         for ask in list(self._asks):
             ask.cancel()  # a parked wait nobody awaits any more
+            # Its end is nobody's news: the SDK ends a cancelled poll for an update's result
+            # with an error, which asyncio would print as never retrieved.
+            ask.add_done_callback(_retrieved)
         for lease in list(self.held.values()):
             try:
                 await asyncio.wait_for(self.release(lease), timeout=5)
