@@ -64,6 +64,7 @@ from timeslice.workflows.deadline_timer import DeadlineTimer
 from timeslice.workflows.group_book import GroupBook
 from timeslice.workflows.group_patches import (
     AUTHENTICATED_GRANT_ANSWERS,
+    BOUNDED_GRANT_DELIVERY,
     CONFIRMED_GRANT_OUTLIVES_DELIVERY,
     FAULT_ONLY_ASKED_EVICTION,
     ONE_DEADLINE_TIMER,
@@ -324,6 +325,7 @@ class GpuGroupWorkflow:
 
     async def _deliver(self, notice: GrantNotice) -> None:
         outcome: LeaseOutcome | None = None
+        bounded = False  # a delivery by signal: its outcome is the server's, never forged
         # The process's answer, if it presented the request's key (see GrantAck).
         answer_key: str | None = None
         answered = False
@@ -340,6 +342,11 @@ class GpuGroupWorkflow:
                 )
                 outcome = LeaseOutcome.DEAD
         else:
+            # A lost waiter (its process took the task and stopped) holds the group for the
+            # confirmation window counted from the grant, not for a 30-s delivery and a
+            # window after it (docs/architecture.md, "Limits").
+            bounded = workflow.patched(BOUNDED_GRANT_DELIVERY)
+            ack_timeout = timedelta(seconds=self._config.grant_ack_timeout_s)
             try:
                 # Results are validated here, not by the converter: a malformed reply from one
                 # process must not fail the group's workflow task.
@@ -347,8 +354,8 @@ class GpuGroupWorkflow:
                     DELIVER_GRANT_ACTIVITY,
                     notice,
                     task_queue=notice.reply_task_queue,
-                    schedule_to_start_timeout=timedelta(seconds=self._config.grant_ack_timeout_s),
-                    start_to_close_timeout=_DELIVERY_START_TO_CLOSE,
+                    schedule_to_start_timeout=ack_timeout,
+                    start_to_close_timeout=ack_timeout if bounded else _DELIVERY_START_TO_CLOSE,
                     retry_policy=RetryPolicy(maximum_attempts=1),
                     summary=f"grant {self._config.group_id} to {notice.job_id} · "
                     f"token {notice.token}",
@@ -382,7 +389,7 @@ class GpuGroupWorkflow:
             # holder's renewal or release confirms the lease, or it ends as dead.
             if answered:
                 self._book.leases.forged_answer()
-            self._book.leases.unconfirmed(notice.token, now)
+            self._book.leases.unconfirmed(notice.token, now, from_grant=bounded)
         elif outcome is None:
             self._book.leases.confirm(notice.token, now)
         elif holder.delivered and workflow.patched(CONFIRMED_GRANT_OUTLIVES_DELIVERY):

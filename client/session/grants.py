@@ -100,13 +100,27 @@ def _grant_from_activity(notice: GrantNotice, info: activity.Info) -> Grant:
     mono_now, wall_now = time.monotonic(), datetime.now(UTC)
     made = notice.granted_at or info.current_attempt_scheduled_time
     granted = local_time_of(made, wall_now=wall_now, mono_now=mono_now)
-    # The group counts the grant taken once this activity completes; it ends it as undelivered
-    # if the activity times out first, at its start-to-close time.
-    confirm_by = None
+    # The group counts the grant taken once this activity completes with this process's
+    # answer, or once the holder renews; it may end it as undelivered when the activity times
+    # out (its start-to-close time), and when the grant is confirm_within_s old without
+    # either (an outcome anyone could have sent ends nothing sooner): the earlier bounds it.
+    bounds = []
     if info.start_to_close_timeout is not None:
         started = local_time_of(info.started_time, wall_now=wall_now, mono_now=mono_now)
-        confirm_by = started + info.start_to_close_timeout.total_seconds()
+        bounds.append(started + info.start_to_close_timeout.total_seconds())
+    if notice.confirm_within_s is not None:
+        bounds.append(granted + notice.confirm_within_s)
+    confirm_by = min(bounds) if bounds else None
     return Grant(notice=notice, taken_at=mono_now, granted_at=granted, confirm_by=confirm_by)
+
+
+def delivery_margin(grant: Grant) -> float:
+    """How long before its ``confirm_by`` a grant taken by activity is declined rather than
+    used: its answer might reach the group too late. ``DELIVERY_MARGIN_S``, or a third of the
+    grant's window where that is shorter (a group with a short ``grant_ack_timeout_s``)."""
+    if grant.granted_at is None or grant.confirm_by is None:
+        return DELIVERY_MARGIN_S
+    return min(DELIVERY_MARGIN_S, max(0.0, grant.confirm_by - grant.granted_at) / 3)
 
 
 def with_ask_bound(grant: Grant, asked: float) -> Grant:
@@ -291,7 +305,7 @@ class GrantInbox:
             key is not None
             and notice.fault is None
             and grant.confirm_by is not None
-            and grant.taken_at > grant.confirm_by - DELIVERY_MARGIN_S
+            and grant.taken_at > grant.confirm_by - delivery_margin(grant)
         ):
             # This process was paused (or stalled) while the task waited for it: its answer
             # might reach the group after the activity timed out, when the group has already
