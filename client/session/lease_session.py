@@ -458,7 +458,11 @@ class LeaseSession:
             key=key,
         )
         valid_until = validity_if_fresh(grant, notice.ttl_s)
-        if valid_until is not None:
+        if grant.confirmed_until is not None:
+            # Confirmed by a renewal as it was taken (a grant by activity): held until then.
+            lease.valid_until = grant.confirmed_until
+            lease.confirm_within_s = None
+        elif valid_until is not None:
             # The fast path: no round trip. Valid from the grant's own time, and never past
             # the group's deadline for confirming it (the first renewal comes well before).
             lease.valid_until = valid_until
