@@ -206,6 +206,7 @@ class LeaseSession:
         # group id -> until when (monotonic) it told this process to send it nothing it could
         # refuse (per-caller fairness): every thread's calls wait, a try-lock raises.
         self._quiet_until: dict[str, float] = {}
+        self._quiet_why: dict[str, str] = {}  # the group's word for it, repeated to every call
         self._gates: dict[str, asyncio.Semaphore] = {}
         self._closed = False
         # group id -> its lease's (timeslice.lease, timeslice.hold) spans, ended by release
@@ -749,7 +750,9 @@ class LeaseSession:
         wait_s = details[0] if details and isinstance(details[0], int | float) else 1.0
         wait_s = min(max(float(wait_s), 0.0), 60.0)
         until = time.monotonic() + wait_s
-        self._quiet_until[group_id] = max(self._quiet_until.get(group_id, 0.0), until)
+        if until > self._quiet_until.get(group_id, 0.0):
+            self._quiet_until[group_id] = until
+            self._quiet_why[group_id] = cause.message
         return RateLimitedError(cause.message, retry_after_s=wait_s)
 
     async def _quiet(
@@ -763,9 +766,8 @@ class LeaseSession:
             return
         if fail or (deadline is not None and time.monotonic() + left > deadline):
             raise RateLimitedError(
-                f"group {group_id!r} asked job {self.job_id} to send it nothing it could "
-                f"refuse for {left:.2f} s more: this job sent it more updates than its rate "
-                "allows (docs/security.md, per-caller fairness)",
+                f"not sent: {left:.2f} s more to wait for group {group_id!r}, which said: "
+                f"{self._quiet_why.get(group_id, 'send less')}",
                 retry_after_s=left,
             )
         await asyncio.sleep(left)
