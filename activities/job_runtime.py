@@ -51,6 +51,7 @@ from timeslice.protocol.group import (
 from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
+    GRANT_NOT_HELD,
     JOB_PROTOCOL_VERSION,
     LEASE_REVOKED,
     MAX_CARRY_REASON,
@@ -982,10 +983,10 @@ class WorkflowLeaseFence(LeaseFence):
             else:
                 why = _not_this_lease(holder, self.token, self.order.key)
                 if why is not None:
-                    raise self._refusal(why)
+                    raise self._refusal(why, not_held=True)
                 await self.check(runtime, timeout_s)
                 if self.revoked is not None:
-                    raise self._refusal(self.revoked)
+                    raise self._refusal(self.revoked, not_held=True)
                 if self._held_until > time.monotonic():
                     return
                 problem = "its renewal was not answered"
@@ -993,10 +994,13 @@ class WorkflowLeaseFence(LeaseFence):
                 raise self._refusal(problem)
             await asyncio.sleep(min(1.0, timeout_s))
 
-    def _refusal(self, why: str) -> ApplicationError:
+    def _refusal(self, why: str, *, not_held: bool = False) -> ApplicationError:
+        """Why no work starts: the group says the lease is not its holder's (``not_held``:
+        ``GrantNotHeld``, nothing ran, the workflow asks again), or it could not be confirmed
+        in time (``LeaseRevoked``)."""
         return ApplicationError(
             f"{self.name}, handed to this process, is not held: {why}; not starting",
-            type=LEASE_REVOKED,
+            type=GRANT_NOT_HELD if not_held else LEASE_REVOKED,
             non_retryable=True,
         )
 

@@ -163,6 +163,20 @@ KEY_RULE = "16-200 characters"
 MAX_WAITERS = 1000
 MAX_QUEUE_BYTES = 512 * 1024
 MAX_REQUEST_BYTES = 64 * 1024
+# Per-caller fairness (workflows/caller_budget.py): the updates one caller may send a group,
+# as a token bucket (a sustained rate and a burst). A caller is the job a message proves it
+# speaks for by its lease key, or, for one that proves nothing (a new acquire names any job it
+# likes), the job it claims; every unproven message also draws on one budget all of them share.
+# An update past its budget is refused by the group's validator: nothing enters the history,
+# and the caller is told the limit and when to send again (RATE_LIMITED). The holder's own
+# renewals and releases of its lease are never refused. What a job sends in a phase (an
+# acquire, a cancel, a report; renewals and releases are the holder's) is a few updates.
+CALLER_UPDATES_PER_S = 20.0
+CALLER_UPDATE_BURST = 40
+UNPROVEN_UPDATES_PER_S = 80.0
+UNPROVEN_UPDATE_BURST = 160
+# The error type of an update refused for its caller's rate (its details: seconds to wait).
+RATE_LIMITED = "RateLimited"
 
 # ---- What a group carries into its next run, and why it always fits.
 # Temporal refuses a payload over 2 MiB (the server's blob size limit); a continue-as-new whose
@@ -974,6 +988,10 @@ class GroupStats(_Model):
     """Signals dropped because they were not a valid message."""
     refused_requests: int = 0
     """Requests refused because the queue was full (MAX_WAITERS, bytes)."""
+    rate_limited: int = 0
+    """Updates refused because their caller had sent past its rate (CALLER_UPDATES_PER_S):
+    refused by the validator, so they left no history; counted by the worker that refused them
+    (one that reloads the run from its history does not see those before)."""
     expired: int = 0
     """Leases revoked because their holder stopped renewing."""
     cancelled: int = 0

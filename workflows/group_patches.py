@@ -30,3 +30,8 @@ ONE_DEADLINE_TIMER = "one-deadline-timer"
 # beside it) even when the group's memory holds only one of their states; groups that started
 # before it replay waiting for the eviction, as they ran.
 STREAMED_SWITCHES = "streamed-switches"
+# workflow.patched id: a grant's delivery activity has grant_ack_timeout_s to run (not 30 s),
+# and a delivery that ends without the process's keyed answer leaves its holder until the grant
+# is grant_ack_timeout_s old (not that long after the delivery ended): a lost waiter holds the
+# group grant_ack_timeout_s, not 45 s. Groups that started before it replay as they ran.
+BOUNDED_GRANT_DELIVERY = "bounded-grant-delivery"
