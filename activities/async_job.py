@@ -80,6 +80,7 @@ class AsyncJobRuntime(JobRuntime):
         """``describe`` for an async job: refused (``InvalidConfig``) by a sync-only workload."""
         self._check_job(inp.job_id)
         self._async_workload()
+        self._next_phase = {}  # each loop asks ahead for its own next step
         return await self.describe(inp)
 
     @activity.defn(name=PREPARE_ACTIVITY)

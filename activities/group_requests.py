@@ -38,19 +38,20 @@ async def draw_secret() -> str:
 
 
 @activity.defn(name=REQUEST_GROUP_ACTIVITY)
-async def request_group(req: GroupRequest) -> None:
+async def request_group(req: GroupRequest) -> AcquireAnswer | None:
     """Queue a requester workflow's request: an update to a running group (one that meets the
-    group's continue-as-new is retried on the next run), signal-with-start of a new one."""
+    group's continue-as-new is retried on the next run), signal-with-start of a new one. The
+    group's answer says where the request stands (queued, granted — the notice — or gone);
+    None for a group started with it. Asking again is safe: a request is queued once."""
     client = activity.client()
     try:
-        await send_update(
+        return await send_update(
             client,
             group_workflow_id(req.group_id),
             GroupUpdate.ACQUIRE,
             AcquireCall(request=req.request, park=False),
             AcquireAnswer,
         )
-        return
     except RPCError as err:
         if err.status != RPCStatusCode.NOT_FOUND:
             raise
@@ -60,6 +61,7 @@ async def request_group(req: GroupRequest) -> None:
         start_signal=GroupSignal.REQUEST,
         start_signal_args=[req.request],
     )
+    return None
 
 
 @activity.defn(name=RENEW_LEASE_ACTIVITY)

@@ -51,6 +51,7 @@ from timeslice.protocol.group import (
 from timeslice.protocol.rl_job import (
     CHECKPOINT_ACTIVITY,
     DESCRIBE_ACTIVITY,
+    GRANT_NOT_HELD,
     JOB_PROTOCOL_VERSION,
     LEASE_REVOKED,
     MAX_CARRY_REASON,
@@ -73,7 +74,8 @@ from timeslice.protocol.rl_job import (
 from timeslice.session.lease import Lease
 from timeslice.session.lease_session import LeaseSession, SessionSettings
 from timeslice.session.snapshot_activities import SnapshotActivities
-from timeslice.snapshot.base import registered_bytes
+from timeslice.snapshot.base import SnapshotError, registered_bytes
+from timeslice.snapshot.device_room import DeviceRooms
 from timeslice.transport.telemetry import meter, span
 from timeslice.transport.updates import send_update
 from timeslice.workflows.job_leases import process_lease_source, process_prefetches
@@ -121,7 +123,10 @@ class JobRuntime:
         workload_ref: str,
         checkpoint_dir: Path,
         keep_checkpoints: int = 3,
+        rooms: DeviceRooms | None = None,
     ) -> None:
+        """``rooms``: the node's device rooms, which the job's streaming states move through
+        (default: ``$TIMESLICE_ROOM_DIR``'s, see ``snapshot/device_room.py``)."""
         if keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, not {keep_checkpoints}")
         self.job_id = job_id
@@ -138,6 +143,11 @@ class JobRuntime:
         self._all_backends = list(
             dict.fromkeys([*workload.sampler_backends, *workload.trainer_backends])
         )
+        # phase -> the states it uses (a phase brings these in first; see StateHomes.using)
+        self._phase_states: dict[str, list[str]] = {}
+        # step -> the GPU phase after it: an epoch alternates sample and train, and a
+        # checkpoint is followed by the next sample (an async job's loops say nothing here).
+        self._next_phase = {"sample": "train", "train": "sample", "checkpoint": "sample"}
         # The same lease session as the embedded client's, hosted on this worker's event loop:
         # it asks groups for leases, renews them and releases them; its inbox takes grants that
         # come as activities on this rank's queue, which this worker serves.
@@ -148,7 +158,9 @@ class JobRuntime:
                 task_queue=job_task_queue(job_id, rank),
             )
         )
-        self.homes = StateHomes(job_id, self.session.report_moved)
+        self.homes = StateHomes(
+            job_id, self.session.report_moved, rooms if rooms is not None else DeviceRooms()
+        )
         self.snapshots = SnapshotActivities(None, self.homes, job_id=job_id)
         # Restores done under a lease this process keeps, reported when it is released.
         self._unreported: dict[str, list[SnapshotReport]] = {}
@@ -256,6 +268,7 @@ class JobRuntime:
         except ValueError as err:
             raise refusal(str(err), "InvalidConfig") from None
         self._all_backends = list(dict.fromkeys([*sampler, *trainer]))
+        self._phase_states = {"sample": list(sampler), "train": list(trainer)}
         return DescribeResult(
             workload=self.workload_ref,
             sampler_backends=list(sampler),
@@ -357,7 +370,7 @@ class JobRuntime:
         try:
             fences = self._fences(inp.lease, lease)
             await _confirm(self, fences)
-            async with _keep_alive(), self.homes.using(inp.backends, group_id):
+            async with _keep_alive(), self.homes.using(inp.backends, group_id) as restored:
                 self._expect(inp.epochs_done)
 
                 def save() -> None:
@@ -373,13 +386,14 @@ class JobRuntime:
                 ctx = PhaseContext(inp.epochs_done, "checkpoint")
                 await self._supervise(save, ctx, fences, _check_every(fences))
                 if lease is not None:
-                    self._yield_in_background(lease, inp.backends, [])
+                    # A state the last phase did not use may have come back for the checkpoint.
+                    self._yield_in_background(lease, inp.backends, restored)
                     lease = None
         finally:
             if lease is not None:  # failed: the group must not wait for this lease's TTL
                 await self._abandon(lease)
         if inp.prefetch is not None:
-            self._prefetch(inp.prefetch, inp.prefetch_backends)
+            self._prefetch(inp.prefetch, inp.prefetch_backends, self._phase_after("checkpoint"))
         log.info("checkpoint after %d epochs: %s", inp.epochs_done, epoch_dir)
         return CheckpointRef(epochs_done=inp.epochs_done, path=str(epoch_dir.resolve()))
 
@@ -407,19 +421,30 @@ class JobRuntime:
                 # Only GPU phases use the state: the rewards phase runs while other jobs hold
                 # the group, and a switch that evicts this job must not wait for it.
                 names = inp.group_backends if order is not None else []
-                async with self.homes.using(names, inp.group_id) as restored:
+                # The phase waits only for its own states; the job's others on this group
+                # come in behind it when its next phase follows here under this lease.
+                uses = [n for n in names if n in self._phase_states.get(inp.phase, names)]
+                async with self.homes.using(
+                    names, inp.group_id, first=uses, ahead=inp.carry_into is not None
+                ) as restored:
                     started = time.monotonic()
                     metrics = await self._run_step(inp, step, fences, token)
                     ended = time.monotonic()
+                    # Reported with this lease (the next phase's bytes, moved under it).
+                    ahead = await self.homes.brought_ahead(inp.group_id)
                     released_at = time.monotonic()
-                    released, kept, carry = await self._hand_back(lease, inp, names, restored)
+                    released, kept, carry = await self._hand_back(
+                        lease, inp, names, [*restored, *ahead]
+                    )
                     lease = None
             finally:
                 if lease is not None:  # the phase failed: hand the group on now, not at its TTL
                     await self._abandon(lease)
             asked_ahead = None
             if inp.prefetch is not None:
-                asked_ahead = self._prefetch(inp.prefetch, inp.prefetch_backends)
+                asked_ahead = self._prefetch(
+                    inp.prefetch, inp.prefetch_backends, self._phase_after(inp.phase)
+                )
         log.info(
             "epoch %d %s: %.2f s %s",
             inp.epoch,
@@ -537,7 +562,13 @@ class JobRuntime:
                 request_id=order.request_id,
                 key=order.key,
                 snapshot=SnapshotTarget(
-                    queues=[QueueTarget(task_queue=self.session.task_queue, backends=names)]
+                    queues=[
+                        QueueTarget(
+                            task_queue=self.session.task_queue,
+                            backends=names,
+                            room=self.homes.room_id(names),
+                        )
+                    ]
                 )
                 if names
                 else None,
@@ -548,6 +579,8 @@ class JobRuntime:
             raise ApplicationError(
                 f"job {self.job_id}: {err}", type=type(err).__name__, non_retryable=True
             ) from None
+        # What the group's device room holds this job's restores to (streamed switches).
+        self.homes.set_memory(order.group_id, lease.memory_bytes)
         return lease, asked, time.monotonic()
 
     def _fences(self, order: LeaseOrder | None, lease: Lease | None) -> list[LeaseFence]:
@@ -561,11 +594,17 @@ class JobRuntime:
         return []
 
     async def depart(self, timeout_s: float = 10.0) -> None:
-        """A normal exit: hand back what this process still holds and tell each group the job
-        was resident on that its state leaves the device with the process — so the group's
-        next holder does not wait for an eviction nobody picks up."""
+        """A normal exit: move the job's states off the groups' devices through their rooms,
+        hand back what this process still holds and tell each group the job was resident on
+        that it left — so the group's next holder does not wait for an eviction nobody picks
+        up, nor for this process's exit to free its room."""
         if self._background:
             await asyncio.wait(self._background, timeout=timeout_s)
+        try:
+            # Off the devices before any group hears the job left (StateHomes.vacate).
+            await asyncio.wait_for(self.homes.vacate(), timeout_s)
+        except (TimeoutError, SnapshotError) as err:  # the rooms reclaim them on our exit
+            log.warning("job %s left state on a device: %s", self.job_id, err or "timed out")
         for lease in list(self.session.held.values()):
             await self._abandon(lease)
         groups = list(self.session.last_keys)
@@ -587,19 +626,35 @@ class JobRuntime:
             )
         return lease
 
-    def _prefetch(self, order: LeaseOrder, names: list[str]) -> bool:
+    def _phase_after(self, step: str) -> str | None:
+        """The GPU phase a lease asked for ahead after ``step`` is for (None: not known)."""
+        return self._next_phase.get(step)
+
+    def _prefetch(self, order: LeaseOrder, names: list[str], phase: str | None = None) -> bool:
         """Ask for the job's next GPU phase's lease now, as this step ends: the request
         reaches the group one workflow round trip sooner than if the next phase's activity
         asked when it starts, and the grant waits in this process for that activity. The
         workflow cancels the request if the phase never comes. Returns whether the acquire
         went out (now or before): not while this process still holds the group, whose lease
-        the next phase carries; the workflow then forgets the order rather than cancel it."""
+        the next phase carries; the workflow then forgets the order rather than cancel it.
+
+        Once granted, the states that phase (``phase``) uses come in at once: a grant that
+        arrives while the job is still off the GPU (its rewards) finds the switch's restore
+        done when the phase starts, instead of starting it then."""
         if process_prefetches(
             order,
             asked=order.request_id in self._prefetched,
             holds_group=order.group_id in self.session.held,
         ):
-            asking = asyncio.ensure_future(self._acquire_order(order, names))
+            uses = [n for n in names if n in self._phase_states.get(phase or "", [])]
+
+            async def ask() -> tuple[Lease, float, float]:
+                granted = await self._acquire_order(order, names)
+                if uses:
+                    self.homes.bring_early(uses, order.group_id)
+                return granted
+
+            asking = asyncio.ensure_future(ask())
             # Retrieved by the phase; a failure is raised there (or the workflow cancels it).
             asking.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._prefetched[order.request_id] = asking
@@ -658,10 +713,11 @@ class JobRuntime:
         if not answer.valid:
             self._unreported.pop(lease.request_id, None)
             return False, False, ""
-        if not answer.released:
-            self._unreported.setdefault(lease.request_id, []).extend(restored or [])
-            return False, True, answer.reason[:MAX_CARRY_REASON]
+        # Valid, kept or not: the group counted what this release reported (kept, it would
+        # count them a second time at the next one).
         self._unreported.pop(lease.request_id, None)
+        if not answer.released:
+            return False, True, answer.reason[:MAX_CARRY_REASON]
         if answer.evict:
             # The copy runs after this activity returns: the job's next step (rewards, or a
             # phase on another group) does not wait for it; the next use of this state does.
@@ -933,10 +989,10 @@ class WorkflowLeaseFence(LeaseFence):
             else:
                 why = _not_this_lease(holder, self.token, self.order.key)
                 if why is not None:
-                    raise self._refusal(why)
+                    raise self._refusal(why, not_held=True)
                 await self.check(runtime, timeout_s)
                 if self.revoked is not None:
-                    raise self._refusal(self.revoked)
+                    raise self._refusal(self.revoked, not_held=True)
                 if self._held_until > time.monotonic():
                     return
                 problem = "its renewal was not answered"
@@ -944,10 +1000,13 @@ class WorkflowLeaseFence(LeaseFence):
                 raise self._refusal(problem)
             await asyncio.sleep(min(1.0, timeout_s))
 
-    def _refusal(self, why: str) -> ApplicationError:
+    def _refusal(self, why: str, *, not_held: bool = False) -> ApplicationError:
+        """Why no work starts: the group says the lease is not its holder's (``not_held``:
+        ``GrantNotHeld``, nothing ran, the workflow asks again), or it could not be confirmed
+        in time (``LeaseRevoked``)."""
         return ApplicationError(
             f"{self.name}, handed to this process, is not held: {why}; not starting",
-            type=LEASE_REVOKED,
+            type=GRANT_NOT_HELD if not_held else LEASE_REVOKED,
             non_retryable=True,
         )
 

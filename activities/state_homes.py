@@ -10,18 +10,34 @@ other group to end (the cross-group serialisation a single lock per state caused
 
 Uses of a state (a phase, a checkpoint, a move) exclude each other; an eviction for group G
 waits only while the state is in use *on G*.
+
+A switch moves only what it must (docs/architecture.md, "Streamed switches"): a phase brings in
+the states it uses before it starts, and the rest of the job's states on its group behind it
+while it runs, only when its next phase follows there under the same lease; an eviction moves
+the most recently used state out first (phases alternate, so the one used last is the one the
+job's next phase here does not use). Every move of a streaming backend goes through the group's
+device room on this node, so the next job's restore and this job's eviction run at once within
+the group's declared memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from timeslice.protocol.group import SnapshotReport
-from timeslice.snapshot.base import SnapshotBackend, SnapshotError, SnapshotRequest
+from timeslice.snapshot.base import (
+    SnapshotBackend,
+    SnapshotError,
+    SnapshotRequest,
+    StreamingBackend,
+    streams,
+)
+from timeslice.snapshot.device_room import DeviceRoom, DeviceRooms
 
 log = logging.getLogger("timeslice.job")
 
@@ -30,10 +46,22 @@ TellMoved = Callable[[str, list[SnapshotReport], str | None], Awaitable[None]]
 
 
 class StateHomes:
-    def __init__(self, job_id: str, tell_moved: TellMoved) -> None:
+    def __init__(
+        self, job_id: str, tell_moved: TellMoved, rooms: DeviceRooms | None = None
+    ) -> None:
+        """``rooms``: this node's device rooms, which streaming backends move through (None:
+        every move goes as fast as it can, and the job's requests name no room)."""
         self.job_id = job_id
         self.backends: dict[str, SnapshotBackend] = {}
         self._tell_moved = tell_moved
+        self._rooms = rooms
+        # name -> when a phase last used it (a count): evictions move the latest first
+        self._used_at: dict[str, int] = {}
+        self._uses = itertools.count()
+        # group id -> the restore running behind a phase there (the rest of the job's states)
+        self._ahead: dict[str, asyncio.Task[list[SnapshotReport]]] = {}
+        # group id -> what came in at a grant, before the phase it is for began (bring_early)
+        self._early: dict[str, list[SnapshotReport]] = {}
         # backend name -> the group whose device holds its state; None: host memory
         self._home: dict[str, str | None] = {}
         # name -> uses in progress (a phase, a checkpoint, a move, an eviction in the background)
@@ -47,25 +75,127 @@ class StateHomes:
         return self._home.get(name)
 
     def settle(self, backends: dict[str, SnapshotBackend], homes: dict[str, str | None]) -> None:
-        """After the job's state was (re)built: which backends exist and where each lives."""
+        """After the job's state was (re)built: which backends exist and where each lives
+        (counted in its group's device room: it was built there)."""
         self.backends = backends
         self._home = {name: homes.get(name) for name in backends}
+        for name, group_id in self._home.items():
+            room = self._room_for(name, group_id)
+            backend = backends[name]
+            if room is not None and isinstance(backend, StreamingBackend):
+                backend.hold_in(room)
+
+    def room_id(self, names: list[str]) -> str | None:
+        """The device rooms the named states move through, for the job's snapshot target: only
+        if every one of them streams (else the group must wait for this job's evictions).
+
+        Args:
+            names: State names.
+
+        Returns:
+            The rooms' id, or None.
+        """
+        moved = [self.backends[n] for n in names if n in self.backends]
+        if self._rooms is None or not moved or not all(streams(b) for b in moved):
+            return None
+        return self._rooms.id
+
+    def set_memory(self, group_id: str, memory_bytes: int | None) -> None:
+        """The group's declared memory, from its grant: what the room holds restores to."""
+        if self._rooms is not None and memory_bytes is not None:
+            self._rooms.room(group_id).set_capacity(memory_bytes)
+
+    def _room_for(self, name: str, group_id: str | None) -> DeviceRoom | None:
+        if self._rooms is None or group_id is None or not streams(self.backends[name]):
+            return None
+        return self._rooms.room(group_id)
+
+    def _request(self, name: str, group_id: str, reason: str) -> SnapshotRequest:
+        return SnapshotRequest(self.job_id, group_id, reason, room=self._room_for(name, group_id))
 
     @contextlib.asynccontextmanager
     async def using(
-        self, names: list[str], group_id: str | None
+        self,
+        names: list[str],
+        group_id: str | None,
+        *,
+        first: list[str] | None = None,
+        ahead: bool = False,
     ) -> AsyncIterator[list[SnapshotReport]]:
-        """Exclusive use of the named states, on ``group_id``'s device (moved there first;
-        None: wherever they are, nothing moves). Yields what was restored."""
+        """Exclusive use of the named states, on ``group_id``'s device (None: wherever they
+        are, nothing moves). Yields what was restored before the work starts.
+
+        ``first``: the states the work uses (default: all), brought in before it starts; with
+        ``ahead``, the rest of ``names`` follow behind it while it runs (the job's next phase
+        here uses them, under the same lease): :meth:`brought_ahead` has their reports. Without
+        it they stay where they are, and move when a phase uses them."""
         wanted = {n for n in names if n in self.backends}
         async with self._changed:
             await self._changed.wait_for(lambda: not any(self._busy[n] for n in wanted))
             self._busy.update(wanted)
+        behind: asyncio.Task[list[SnapshotReport]] | None = None
         try:
-            restored = await self._bring(sorted(wanted), group_id)
+            needed = sorted(wanted if first is None else wanted & set(first))
+            restored = [*self._early.pop(group_id or "", []), *await self._bring(needed, group_id)]
+            for name in needed:
+                self._used_at[name] = next(self._uses)
+            rest = sorted(wanted - set(needed))
+            if ahead and rest and group_id is not None:
+                behind = asyncio.ensure_future(self._bring(rest, group_id))
+                self._ahead[group_id] = behind
             yield restored
         finally:
+            if behind is not None:  # nothing may move these states while it runs
+                await asyncio.gather(behind, return_exceptions=True)
+                if self._ahead.get(group_id or "") is behind:
+                    del self._ahead[group_id or ""]
             await self._done_with(wanted)
+
+    def bring_early(self, names: list[str], group_id: str) -> None:
+        """Bring the named states to ``group_id``'s device now, in the background: the job was
+        granted the group before the phase that uses them began (its lease was asked for ahead,
+        and it is still off the GPU). The phase then finds them there, and reports them as its
+        restores. States in use (an eviction still under way) are left for the phase to move.
+
+        Args:
+            names: The states the next phase there uses.
+            group_id: The group granted.
+        """
+        wanted = {n for n in names if n in self.backends}
+        if not wanted or any(self._busy[n] for n in wanted):
+            return
+        self._busy.update(wanted)  # before the phase can take them: it waits for this
+
+        async def bring() -> None:
+            try:
+                reports = await self._bring(sorted(wanted), group_id)
+                self._early.setdefault(group_id, []).extend(reports)
+            except SnapshotError as err:  # the phase moves them itself, or fails there
+                log.warning("early restore of %s for %s failed: %s", self.job_id, group_id, err)
+            finally:
+                await self._done_with(wanted)
+
+        self._spawn(bring())
+
+    async def brought_ahead(self, group_id: str | None) -> list[SnapshotReport]:
+        """Wait for the states a phase on ``group_id`` brings in behind it (``using``'s
+        ``ahead``), and what they moved. A failed restore is left for the next phase that
+        uses the state to do again (and to fail there, if it must).
+
+        Args:
+            group_id: The phase's group.
+
+        Returns:
+            Their reports (none if nothing was brought ahead, or it failed).
+        """
+        behind = self._ahead.get(group_id or "")
+        if behind is None:
+            return []
+        try:
+            return await asyncio.shield(behind)
+        except SnapshotError as err:
+            log.warning("bringing %s's next state to %s failed: %s", self.job_id, group_id, err)
+            return []
 
     async def _done_with(self, names: set[str]) -> None:
         async with self._changed:
@@ -95,15 +225,11 @@ class StateHomes:
                 continue
             backend = self.backends[name]
             if home is not None:  # on another group's device: take it from there first
-                report = await backend.snapshot(
-                    SnapshotRequest(self.job_id, home, f"move to {group_id}")
-                )
+                report = await backend.snapshot(self._request(name, home, f"move to {group_id}"))
                 moved_out.setdefault(home, []).append(report)
                 self._home[name] = None
             restored.append(
-                await backend.restore(
-                    SnapshotRequest(self.job_id, group_id, f"restore for {group_id}")
-                )
+                await backend.restore(self._request(name, group_id, f"restore for {group_id}"))
             )
             self._home[name] = group_id
         if moved_out:
@@ -129,13 +255,15 @@ class StateHomes:
             await self._done_with(set(here))
 
     async def move_out(self, names: list[str], group_id: str, reason: str) -> list[SnapshotReport]:
-        """Snapshot the named states off ``group_id``'s device to host memory; the caller holds
+        """Snapshot the named states off ``group_id``'s device to host memory, the most
+        recently used first (phases alternate, so it is the one the job's next phase here uses
+        last, and the room it frees is what the next job's first phase takes); the caller holds
         their use."""
         reports = []
-        request = SnapshotRequest(self.job_id, group_id, reason)
-        for name in names:
+        for name in sorted(names, key=lambda n: -self._used_at.get(n, -1)):
             if self._home.get(name) is None:
                 continue
+            request = self._request(name, group_id, reason)
             reports.append(await self.backends[name].snapshot(request))
             self._home[name] = None
         return reports
@@ -181,6 +309,42 @@ class StateHomes:
         """Wait for evictions running in the background (before the process exits)."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def vacate(self) -> list[SnapshotReport]:
+        """Before the process leaves: move every state still on a group's device out through
+        that group's room (and report it there), so the room is free when the group hears the
+        job left.
+
+        A departed job is no longer resident for its group, whose next holder then streams
+        its restore in without waiting for an eviction. Left on the device, this process's
+        states would keep their share of the room until the process is found dead (a child
+        nobody reaps never is: the next holder's restore waited out the room's 120 s), and
+        the device would hold them beside what the next holder brings in meanwhile. States
+        that stream through no room are left to go with the process, as before.
+
+        Returns:
+            What moved out.
+        """
+        await self.settled()
+        async with self._changed:
+            await self._changed.wait_for(lambda: all(count <= 0 for count in self._busy.values()))
+            here = {
+                name: group_id
+                for name, group_id in self._home.items()
+                if group_id is not None and self._room_for(name, group_id) is not None
+            }
+            self._busy.update(set(here))
+        try:
+            reports: list[SnapshotReport] = []
+            for group_id in sorted(set(here.values())):
+                names = [n for n, g in here.items() if g == group_id]
+                moved = await self.move_out(names, group_id, f"leave {group_id}")
+                if moved:  # the group counts every byte moved off its device
+                    await self._tell_moved(group_id, moved, None)
+                reports += moved
+            return reports
+        finally:
+            await self._done_with(set(here))
 
     def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         async def run() -> None:

@@ -33,7 +33,16 @@ Figures (docs/report.md defines them the same way):
 - **switch overhead** = for every hand-off between jobs on a group (the next job asked before
   the previous one released): previous release sent → next phase started, minus the state
   moves on that path (the next job's restore, and the previous job's eviction when the group's
-  memory does not hold both states).
+  memory does not hold both states);
+- **switch time** = for the same hand-offs: previous release sent → the next phase's state in
+  (the wait for the grant: the protocol, and the eviction where the group waits for it; then
+  the restores the phase's process reports for it, their own durations, waits for room
+  included), against one direction's copy of one state (``--restore-s``: every phase here
+  uses one state); ``gap_s`` is release → next phase start, which also holds any time the next
+  job was still off the GPU (its rewards) when granted.
+
+``--room-for-one`` declares group memory for one job's states (two states per job unless
+``--shared-state``): a switch cannot keep both jobs' whole states on the device.
 
     .venv/bin/python bench/replay.py --layout one-group --jobs 2 --epochs 20 [--policy fifo]
 """
@@ -177,6 +186,51 @@ def switch_overheads(holds: list[Any], both_fit: bool) -> list[float]:
     return overheads
 
 
+def switch_times(holds: list[Any]) -> list[dict[str, float]]:
+    """Per hand-off between jobs (the next job asked before the previous one released): the
+    previous release sent → the next phase started, and its two parts."""
+    times = []
+    for (prev_job, prev), (next_job, nxt) in itertools.pairwise(holds):
+        if prev_job == next_job or prev.released_mono is None or nxt.asked_mono is None:
+            continue
+        if nxt.asked_mono >= prev.released_mono or nxt.granted_mono is None:
+            continue
+        grant_wait = nxt.granted_mono - prev.released_mono
+        restore = sum(r.seconds for r in nxt.restored)
+        times.append(
+            {
+                "switch_s": grant_wait + restore,
+                "grant_wait_s": grant_wait,
+                "restore_s": restore,
+                "gap_s": nxt.mono_start - prev.released_mono,
+                "bytes_in": sum(r.bytes for r in nxt.restored),
+            }
+        )
+    return times
+
+
+def switch_summary(times: list[dict[str, float]], one_direction_s: float) -> dict[str, Any] | None:
+    """p50 / p99 of each part of the switches, and the whole against one direction's copy."""
+    if not times:
+        return None
+    summary: dict[str, Any] = {"switches": len(times), "one_direction_s": one_direction_s}
+    for part in ("switch_s", "grant_wait_s", "restore_s", "gap_s"):
+        values = [t[part] for t in times]
+        summary[part] = {
+            "p50": round(statistics.median(values), 4),
+            "p99": round(percentile(values, 0.99), 4),
+        }
+    summary["bytes_in_p50"] = statistics.median(t["bytes_in"] for t in times)
+    if one_direction_s > 0:
+        summary["switch_over_one_direction_p50"] = round(
+            summary["switch_s"]["p50"] / one_direction_s, 3
+        )
+        summary["restore_over_one_direction_p50"] = round(
+            summary["restore_s"]["p50"] / one_direction_s, 3
+        )
+    return summary
+
+
 def demand_bound(configs: list[dict[str, Any]], profile: dict[str, float]) -> dict[str, float]:
     """Per group: the jobs' GPU seconds per epoch there over their epoch alone, summed, capped
     at 1 (every job here runs ``profile``)."""
@@ -277,6 +331,11 @@ def main() -> None:
         help="the memory every group declares (default: room for two jobs' states there)",
     )
     p.add_argument(
+        "--room-for-one",
+        action="store_true",
+        help="declare group memory for one job's states, not two",
+    )
+    p.add_argument(
         "--policy",
         choices=POLICIES,
         default=POLICIES[0],
@@ -348,8 +407,10 @@ def main() -> None:
         states = 1 if args.shared_state or separate else 2
         footprint[c["sampler_group"]] = states * args.state_bytes
         footprint[c["trainer_group"]] = states * args.state_bytes
+    jobs_room = 1 if args.room_for_one else 2
     memory = {
-        g: None if args.no_overlap else args.memory_bytes or 2 * b for g, b in footprint.items()
+        g: None if args.no_overlap else args.memory_bytes or jobs_room * b
+        for g, b in footprint.items()
     }
 
     with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
@@ -379,6 +440,9 @@ def main() -> None:
         for group, holds in by_group.items()
         for o in switch_overheads(holds, both_fit=memory[group] is not None)
     ]
+    switches = switch_summary(
+        [t for holds in by_group.values() for t in switch_times(holds)], restore_s
+    )
     groups = {}
     for group, holds in sorted(by_group.items()):
         measured = utilization(holds)
@@ -411,7 +475,9 @@ def main() -> None:
         "alone (sample + rewards + train), capped at 100%",
         "profile": {**options, "jobs": args.jobs, "epochs": args.epochs},
         "group_memory_declared": not args.no_overlap,
+        "group_memory_bytes": memory,
         "groups": groups,
+        "switch_time": switches,
         "switches": len(overheads),
         "switch_overhead_ms": None
         if not overheads

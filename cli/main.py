@@ -18,6 +18,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from timeslice.cli import groups as groups_cli
 from timeslice.cli.server import DEFAULT_DB, EmbeddedServer, ensure_writable_dir
 from timeslice.errors import TimesliceError
+from timeslice.files import read_small_file
 from timeslice.plan import cli as plan_cli
 from timeslice.transport.connection import connect, connect_config
 from timeslice.workloads.registry import BUILTIN
@@ -391,10 +392,9 @@ def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
     if args.config is not None:
         try:
             loaded = json.loads(
-                _read_small_file(args.config, "--config"), parse_constant=_refuse_non_finite
+                read_small_file(args.config, "--config", MAX_CONFIG_BYTES),
+                parse_constant=_refuse_non_finite,
             )
-        except OSError as err:
-            raise TimesliceError(f"--config {args.config}: {err.strerror}") from err
         except json.JSONDecodeError as err:
             raise TimesliceError(f"--config {args.config}: not valid JSON ({err})") from err
         except ValueError as err:
@@ -428,24 +428,6 @@ def _check_writable_dir(path: Path, flag: str) -> None:
         raise TimesliceError(
             f"{flag} {path}: cannot write there ({err.strerror}); pick a writable folder"
         ) from err
-
-
-def _read_small_file(path: Path, flag: str) -> str:
-    """A regular file's text, at most MAX_CONFIG_BYTES (not a device or a FIFO that never
-    ends)."""
-    import stat
-
-    mode = path.stat().st_mode
-    if not stat.S_ISREG(mode):
-        raise TimesliceError(f"{flag} {path}: not a regular file")
-    with path.open("rb") as f:
-        data = f.read(MAX_CONFIG_BYTES + 1)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise TimesliceError(f"{flag} {path}: larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        return data.decode()
-    except UnicodeDecodeError as err:
-        raise TimesliceError(f"{flag} {path}: not UTF-8 text ({err})") from err
 
 
 def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:

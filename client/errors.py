@@ -57,6 +57,17 @@ class VersionMismatchError(TimesliceError):
     releases of Timeslice (docs/upgrading.md says which processes upgrade together)."""
 
 
+class RateLimitedError(TimesliceError):
+    """The group refused the call: this job (or whatever the call claimed to speak for) sent
+    it more updates than its rate allows (docs/security.md, per-caller fairness). Nothing was
+    recorded; the client waits ``retry_after_s`` before it sends this group anything that
+    could be refused again, and a try-lock (``timeout=0``) raises this at once meanwhile."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class GroupNotAnsweringError(TimesliceError):
     """The group's workflow took no update within the time allowed (its workflow task is
     failing, or no control worker runs it): see the control worker's log."""

@@ -413,6 +413,9 @@ class TimeSliceOrchestratorClient(_ClientBase):
         Raises:
             InvalidArgumentError: No group given, or a malformed argument; nothing was sent.
             AcquireTimeoutError: Not granted within ``timeout``; the request was withdrawn.
+            RateLimitedError: A try-lock (``timeout=0``) while this job sends the group more
+                updates than its rate allows (it says when to try again); any other acquire
+                waits that out instead.
             GrantLostError: The group gave the grant up before this process took it (it was
                 paused or did not answer in time); nothing is held, acquire again.
             JobFaultedError: The group could not restore (or evict) this job's state.

@@ -12,13 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from timeslice.errors import InvalidArgumentError
-from timeslice.protocol.group import DEFAULT_AGING_S, DEFAULT_GRANT_POLICY, GrantPolicy
+from timeslice.protocol.group import (
+    DEFAULT_AGING_S,
+    DEFAULT_GRANT_POLICY,
+    MAX_STATE_BYTES,
+    GrantPolicy,
+    check_id,
+)
 from timeslice.protocol.utilization import WHILE_JOBS_RAN
 
 if TYPE_CHECKING:
@@ -335,17 +342,44 @@ def load_all(items: list[str]) -> list[JobProfile]:
     return profiles
 
 
+# The most groups a layout may name: the search's work grows with them, and a planned pool
+# larger than this is not one the planner's model was measured on.
+MAX_GROUPS = 256
+
+
 def _names(value: str, flag: str, prefix: str) -> tuple[str, ...]:
+    """``value`` as group names: N (a whole number, 1..MAX_GROUPS: N groups named
+    ``prefix-1`` ...), or the names, comma-separated, each a valid group id."""
     value = value.strip()
-    if value.isdigit():
+    if re.fullmatch(r"[+-]?\d+", value):
         n = int(value)
-        if n < 1:
-            raise InvalidArgumentError(f"{flag} must be at least 1")
+        if not 1 <= n <= MAX_GROUPS:
+            raise InvalidArgumentError(
+                f"{flag} {value}: a number of groups is 1..{MAX_GROUPS}, not {n}"
+            )
         return tuple(f"{prefix}-{i + 1}" for i in range(n))
     names = tuple(v.strip() for v in value.split(",") if v.strip())
     if not names:
         raise InvalidArgumentError(f"{flag}: give a number of groups or their names")
+    if len(names) > MAX_GROUPS:
+        raise InvalidArgumentError(f"{flag}: {len(names)} groups, more than {MAX_GROUPS}")
+    for name in names:
+        try:
+            check_id("group name", name)
+        except ValueError as err:
+            raise InvalidArgumentError(f"{flag}: {err}") from None
     return names
+
+
+# GroupConfig's bound on aging_s.
+MAX_AGING_S = 366 * 86_400.0
+
+
+def _within(flag: str, value: float, low: float, high: float) -> float:
+    """``value`` if ``low <= value <= high``; else InvalidArgumentError naming ``flag``."""
+    if not low <= value <= high:
+        raise InvalidArgumentError(f"{flag} {value:g}: must be within {low:g}..{high:g}")
+    return value
 
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
@@ -365,11 +399,9 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
         )
     memory = None
     if args.group_memory is not None:
-        if args.group_memory <= 0:
-            raise InvalidArgumentError("--group-memory must be > 0 bytes")
-        memory = int(args.group_memory)
-    if args.aging <= 0:
-        raise InvalidArgumentError("--aging must be > 0 seconds")
+        memory = int(_within("--group-memory", args.group_memory, 1, MAX_STATE_BYTES))
+    _within("--aging", args.aging, 1e-3, MAX_AGING_S)
+    _within("--gpus-per-group", args.gpus_per_group, 1, 1024)
     try:
         policy = GroupSpec(grant_policy=getattr(args, "policy", DEFAULT_GRANT_POLICY))
         if pooled:
@@ -459,10 +491,9 @@ def _plan(args: argparse.Namespace) -> int:
     layout = layout_from_args(args)
     default, per_job = _limits(args.max_slowdown)
     overheads, origin = pick_overheads(profiles, args.overheads)
-    if args.move_gbps <= 0:
-        raise InvalidArgumentError("--move-gbps must be > 0")
-    if args.top < 1 or args.time_limit <= 0:
-        raise InvalidArgumentError("--top must be >= 1 and --time-limit > 0")
+    _within("--move-gbps", args.move_gbps, 1e-3, 1e4)
+    _within("--top", args.top, 1, 1000)
+    _within("--time-limit", args.time_limit, 1e-3, 3600)
     try:
         planner = Planner(
             profiles,

@@ -48,6 +48,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from timeslice.errors import InvalidArgumentError
+from timeslice.files import read_small_file
 from timeslice.protocol.staleness import sync_every_problem
 
 PROFILE_VERSION = 1
@@ -392,11 +393,7 @@ def parse_profile(data: Any, where: str) -> JobProfile:
 
 def load_profiles(path: Path) -> list[JobProfile]:
     """Profiles in a YAML or JSON file: one mapping, or a list of them."""
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise InvalidArgumentError(f"{path}: cannot read ({err.strerror})") from None
-    data = _decode(text, path)
+    data = _decode(read_small_file(path, "profile"), path)
     items = data if isinstance(data, list) else [data]
     if not items:
         raise InvalidArgumentError(f"{path}: no profile in the file")
@@ -439,11 +436,7 @@ def _decode(text: str, path: Path) -> Any:
 
 def load_overheads(path: Path) -> Overheads:
     """The protocol's costs from a YAML / JSON file (the fields of :class:`Overheads`)."""
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise InvalidArgumentError(f"{path}: cannot read ({err.strerror})") from None
-    data = _decode(text, path)
+    data = _decode(read_small_file(path, "overheads"), path)
     if not isinstance(data, dict):
         raise InvalidArgumentError(f"{path}: overheads are a mapping (request_s, grant_s, ...)")
     try:

@@ -111,6 +111,12 @@ class AsyncRLJobState(RLJobState):
         max_length=MAX_STALENESS + 1,
         description="steps trained at each staleness (index = staleness)",
     )
+    staleness_at_checkpoint: list[int] | None = Field(
+        None,
+        max_length=MAX_STALENESS + 1,
+        description="staleness_counts as the last checkpoint left them: what a rewind to it "
+        "goes back to (None: a checkpoint taken before this was kept)",
+    )
     syncs: int = Field(0, description="weight publications: trainer -> host, trainer lease")
     sync_bytes: int = 0
     sync_s: float = 0.0
@@ -123,6 +129,16 @@ class AsyncRLJobState(RLJobState):
         while len(self.staleness_counts) <= staleness:
             self.staleness_counts.append(0)
         self.staleness_counts[staleness] += 1
+
+    def checkpointed(self) -> None:
+        """A checkpoint holds every step counted so far: a rewind comes back to these counts."""
+        self.staleness_at_checkpoint = list(self.staleness_counts)
+
+    def rewound(self) -> None:
+        """A rewind to the last checkpoint: the steps trained since no longer count (they
+        are trained again)."""
+        if self.staleness_at_checkpoint is not None:
+            self.staleness_counts = list(self.staleness_at_checkpoint)
 
 
 class AsyncRLJobInput(RLJobInput):

@@ -163,6 +163,20 @@ KEY_RULE = "16-200 characters"
 MAX_WAITERS = 1000
 MAX_QUEUE_BYTES = 512 * 1024
 MAX_REQUEST_BYTES = 64 * 1024
+# Per-caller fairness (workflows/caller_budget.py): the updates one caller may send a group,
+# as a token bucket (a sustained rate and a burst). A caller is the job a message proves it
+# speaks for by its lease key, or, for one that proves nothing (a new acquire names any job it
+# likes), the job it claims; every unproven message also draws on one budget all of them share.
+# An update past its budget is refused by the group's validator: nothing enters the history,
+# and the caller is told the limit and when to send again (RATE_LIMITED). The holder's own
+# renewals and releases of its lease are never refused. What a job sends in a phase (an
+# acquire, a cancel, a report; renewals and releases are the holder's) is a few updates.
+CALLER_UPDATES_PER_S = 20.0
+CALLER_UPDATE_BURST = 40
+UNPROVEN_UPDATES_PER_S = 80.0
+UNPROVEN_UPDATE_BURST = 160
+# The error type of an update refused for its caller's rate (its details: seconds to wait).
+RATE_LIMITED = "RateLimited"
 
 # ---- What a group carries into its next run, and why it always fits.
 # Temporal refuses a payload over 2 MiB (the server's blob size limit); a continue-as-new whose
@@ -416,6 +430,8 @@ def check_id(kind: str, value: object) -> str:
 # A group or job id a message may carry: checked as it is read (``check_id``).
 GroupId = Annotated[str, AfterValidator(lambda v: check_id("group id", v))]
 JobId = Annotated[str, AfterValidator(lambda v: check_id("job id", v))]
+# A group's declared device memory, as its config has it and as a grant passes it on.
+DeviceMemory = Annotated[int, Field(gt=0, le=MAX_STATE_BYTES)]
 
 
 def group_workflow_id(group_id: str) -> str:
@@ -460,12 +476,11 @@ class GroupConfig(_Model):
         description="lease and switch records kept (at most what the carried state fits)",
     )
     wait_samples_keep: int = Field(512, ge=1, le=MAX_WAIT_SAMPLES_KEEP)
-    memory_bytes: int | None = Field(
+    memory_bytes: DeviceMemory | None = Field(
         None,
-        gt=0,
-        le=MAX_STATE_BYTES,
         description="device memory of the group: when the resident job's and the "
-        "next job's declared state both fit, eviction and restore run at the same time",
+        "next job's declared state both fit, or both jobs' moves stream through one device "
+        "room and the next job's state fits, eviction and restore run at the same time",
     )
     grant_policy: GrantPolicy = Field(
         DEFAULT_GRANT_POLICY,
@@ -513,12 +528,35 @@ BackendName = Annotated[str, StringConstraints(min_length=1, max_length=100)]
 LeaseKey = Annotated[str, StringConstraints(min_length=16, max_length=200)]
 
 
+def _omit_none(data: Any, model: BaseModel, names: tuple[str, ...]) -> Any:
+    """``data`` (a model's encoding) without the named fields while they are None: a message
+    that does not use a field added later encodes as an older release's did, so an older
+    reader (whose models refuse unknown fields) still takes it."""
+    if isinstance(data, dict):
+        for name in names:
+            if getattr(model, name) is None:
+                data.pop(name, None)
+    return data
+
+
 class QueueTarget(_Model):
     """One task queue that snapshots part of a job: a rank's process or a node agent."""
 
     task_queue: TaskQueueName
     backends: list[BackendName] = Field(min_length=1, max_length=MAX_BACKENDS)
     processes: list[ProcessRef] = Field(default_factory=list, max_length=MAX_PROCESSES)
+    room: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="the node's device rooms (snapshot/device_room.py) this queue's backends "
+        "move through, chunk by chunk: a switch between two jobs whose queues all name the same "
+        "one streams (the next job's restore runs beside this eviction, taking only the room it "
+        "frees) when the group declared its memory; absent when None",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_room(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _omit_none(handler(self), self, ("room",))
 
 
 class SnapshotTarget(_Model):
@@ -681,6 +719,14 @@ class GrantNotice(_Model):
         "and the lease's TTL count from, so a process that takes the grant late knows it is "
         "late (docs/architecture.md, local validity)",
     )
+    # Only a request whose snapshot target names a device room is told: the room holds its
+    # restores to it while another job's eviction streams out. Absent when None, so every other
+    # notice encodes as before.
+    memory_bytes: DeviceMemory | None = Field(None, description="the group's declared memory")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_memory(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _omit_none(handler(self), self, ("memory_bytes",))
 
 
 # What a notice's proof is computed over starts with this, so that no other MAC made under a
@@ -942,6 +988,10 @@ class GroupStats(_Model):
     """Signals dropped because they were not a valid message."""
     refused_requests: int = 0
     """Requests refused because the queue was full (MAX_WAITERS, bytes)."""
+    rate_limited: int = 0
+    """Updates refused because their caller had sent past its rate (CALLER_UPDATES_PER_S):
+    refused by the validator, so they left no history; counted by the worker that refused them
+    (one that reloads the run from its history does not see those before)."""
     expired: int = 0
     """Leases revoked because their holder stopped renewing."""
     cancelled: int = 0
@@ -957,7 +1007,10 @@ class GroupStats(_Model):
     carried: int = 0
     """Leases kept past waiters into their holder's next phase (grant policy)."""
     overlapped_switches: int = 0
-    """Switches whose eviction and restore ran at once (the memory allowed)."""
+    """Switches whose eviction and restore ran at once (the memory allowed, or they streamed)."""
+    streamed_switches: int = 0
+    """Switches whose eviction and restore ran at once although the device holds only one of
+    the two jobs' states: the restore took room as the eviction freed it (device rooms)."""
     evictions: int = 0
     """Job states moved off the device."""
     preemptions: int = 0

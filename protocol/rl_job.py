@@ -68,6 +68,11 @@ CHECKPOINT_ACTIVITY = "timeslice.job.save_checkpoint"
 # Error types a job process raises; the workflow rewinds to its last checkpoint on any of them.
 STATE_LOST = "JobStateLost"
 LEASE_REVOKED = "LeaseRevoked"
+# A lease the workflow handed over is not the group's holder, as the group itself says (its
+# holder query or a renewal's answer), found before any work began: a grant the group never
+# made (forged with a valid-looking proof), or one that ended before the process took it.
+# Nothing ran, so the workflow asks the group about the request again rather than rewind.
+GRANT_NOT_HELD = "GrantNotHeld"
 
 Phase = Literal["sample", "rewards", "train"]
 
@@ -814,8 +819,9 @@ class RLJobProgress(_Model):
     )
     forged_notices: int = Field(
         0,
-        description="grant and fault notices this run dropped: their proof was missing or "
-        "wrong, so no group made them (docs/security.md)",
+        description="grant and fault notices this run dropped as no group's to this job: their "
+        "proof was missing or wrong, or they named a request the job never made, or the job's "
+        "process refused a grant that its group never made (docs/security.md)",
     )
 
     @classmethod

@@ -11,11 +11,12 @@ import asyncio
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from timeslice.protocol.group import SnapshotReport
 
-if TYPE_CHECKING:  # processes.py builds on this module
+if TYPE_CHECKING:  # processes.py and device_room.py build on this module
+    from timeslice.snapshot.device_room import DeviceRoom
     from timeslice.snapshot.processes import ProcessIdentity
 
 
@@ -42,6 +43,13 @@ class Capability(StrEnum):
     #: the request's ``processes``, which the agent fills from the processes that registered
     #: themselves there, never from what a caller claims.
     WHOLE_PROCESS = "whole-process"
+    #: Moves chunk by chunk through the device's room (``SnapshotRequest.room``): takes room
+    #: for each chunk before it comes onto the device, gives it back as each chunk leaves, and
+    #: counts state built on the device with ``hold_in`` (:class:`StreamingBackend`). A job
+    #: process whose states on a group all stream lets the group run the next job's restore
+    #: at the same time as this job's eviction, even when the device holds only one of them
+    #: (``snapshot/device_room.py``).
+    STREAMS = "streams"
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,9 @@ class SnapshotRequest:
     #: For a ``WHOLE_PROCESS`` backend: the job's processes on this node (a PID and its start
     #: time each, so a reused PID is never mistaken for the process that registered).
     processes: tuple[ProcessIdentity, ...] = ()
+    #: For a ``STREAMS`` backend: the group's device room on this node, or None (no one to
+    #: share the device with: move as fast as the copy goes).
+    room: DeviceRoom | None = None
 
 
 @runtime_checkable
@@ -139,6 +150,50 @@ class SizedSnapshotBackend(SnapshotBackend, Protocol):
     def registered_bytes(self) -> int:
         """The bytes of device state an eviction would move now (also while it is out)."""
         ...
+
+
+@runtime_checkable
+class StreamingBackend(SnapshotBackend, Protocol):
+    """A backend that moves through the device's room (``Capability.STREAMS``): its restore
+    takes room for each chunk before the chunk comes in, its eviction gives room back as each
+    chunk leaves (``SnapshotRequest.room``)."""
+
+    def hold_in(self, room: DeviceRoom) -> None:
+        """Count the state that is on the device now in ``room`` (it was built there, not
+        moved in): called once the state is set up on the group's device.
+
+        Args:
+            room: The group's device room.
+        """
+        ...
+
+
+def streams(backend: SnapshotBackend) -> bool:
+    """Whether ``backend`` moves through the device's room.
+
+    Args:
+        backend: Any backend.
+
+    Returns:
+        True if it declares ``Capability.STREAMS`` and has ``hold_in``.
+
+    Raises:
+        SnapshotError: It declares ``STREAMS`` but has no ``hold_in``.
+    """
+    return _declares(backend, Capability.STREAMS, StreamingBackend, "hold_in")
+
+
+def _declares(backend: SnapshotBackend, capability: Capability, kind: type, what: str) -> bool:
+    """Whether ``backend`` declares ``capability``; a ``SnapshotError`` if it does without
+    being a ``kind`` (the protocol that has ``what``)."""
+    if capability not in backend.capabilities:
+        return False
+    if not isinstance(backend, kind):
+        raise SnapshotError(
+            f"snapshot backend {backend.name!r} declares {capability.value!r} but has no "
+            f"{what}: implement it ({kind.__name__}) or drop the capability"
+        )
+    return True
 
 
 class BlockingBackend:
@@ -239,14 +294,9 @@ def registered_bytes(backend: SnapshotBackend) -> int | None:
     Raises:
         SnapshotError: The backend declares ``KNOWS_SIZE`` but has no ``registered_bytes``.
     """
-    if Capability.KNOWS_SIZE not in backend.capabilities:
+    if not _declares(backend, Capability.KNOWS_SIZE, SizedSnapshotBackend, "registered_bytes"):
         return None
-    if not isinstance(backend, SizedSnapshotBackend):
-        raise SnapshotError(
-            f"snapshot backend {backend.name!r} declares {Capability.KNOWS_SIZE.value!r} but "
-            "has no registered_bytes: implement it (SizedSnapshotBackend) or drop the capability"
-        )
-    return int(backend.registered_bytes)
+    return int(cast(SizedSnapshotBackend, backend).registered_bytes)
 
 
 def resolve_backends(

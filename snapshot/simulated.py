@@ -2,15 +2,30 @@
 
 For CPU-only clusters, tests and utilization studies: nothing moves, but the group sees a switch
 of realistic duration and size (e.g. 16 GiB at 25 GB/s).
+
+It streams as a real copy does: chunk by chunk, each taking its share of the move's time. Given
+the group's device room (``SnapshotRequest.room``, ``snapshot/device_room.py``), a restore takes
+room for each chunk before it comes in and an eviction gives it back as each chunk leaves, and
+each chunk holds one direction of the device's link while it copies: so an eviction and a
+restore at once take the longer of their times (PCIe is full duplex), limited by the memory the
+eviction has freed so far, and two moves the same way take the sum of theirs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from timeslice.protocol.group import SnapshotReport
 from timeslice.snapshot.base import Capability, Health, SnapshotRequest, move_report
+from timeslice.snapshot.device_room import DeviceRoom, Direction
+
+#: The default chunk: 64 chunks for a 4 GiB state.
+DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
 class SimulatedBackend:
@@ -20,25 +35,41 @@ class SimulatedBackend:
         nbytes: The bytes each eviction and restore reports (its ``registered_bytes``).
         snapshot_s: Seconds an eviction takes.
         restore_s: Seconds a restore takes (None: as long as an eviction).
+        chunk_bytes: A move goes this many bytes at a time.
+        trace: A file to append each chunk's arrival on the device (``+bytes``) and departure
+            (``-bytes``) to, one line each: the monotonic time (ns), this process's id, the
+            bytes, and ``move`` (or ``hold``: state counted where it was built, ``hold_in``).
+            A witness of what was resident when, independent of the room's own ledger (the
+            tests sum it).
 
     Raises:
-        ValueError: A negative size or duration.
+        ValueError: A negative size or duration, or a chunk size that is not positive.
     """
 
     name = "simulated"
-    capabilities = frozenset({Capability.KNOWS_SIZE})
+    capabilities = frozenset({Capability.KNOWS_SIZE, Capability.STREAMS})
 
     def __init__(
-        self, *, nbytes: int = 0, snapshot_s: float = 0.0, restore_s: float | None = None
+        self,
+        *,
+        nbytes: int = 0,
+        snapshot_s: float = 0.0,
+        restore_s: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        trace: Path | None = None,
     ) -> None:
         for label, value in (("nbytes", nbytes), ("snapshot_s", snapshot_s)):
             if value < 0:
                 raise ValueError(f"{label} must be >= 0, not {value}")
         if restore_s is not None and restore_s < 0:
             raise ValueError(f"restore_s must be >= 0, not {restore_s}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
         self.nbytes = nbytes
         self.snapshot_s = snapshot_s
         self.restore_s = snapshot_s if restore_s is None else restore_s
+        self.chunk_bytes = chunk_bytes
+        self.trace = trace
         self._out: set[str] = set()  # jobs whose (simulated) state is in host memory
 
     @property
@@ -59,18 +90,22 @@ class SimulatedBackend:
         """
         return Health(self.name, True, f"{self.nbytes} bytes in {self.snapshot_s} s per switch")
 
-    async def _pretend(self, job_id: str, seconds: float, moves: bool) -> SnapshotReport:
-        # Like a real backend, moving state that is already where it should be is free.
-        started = time.perf_counter()
-        if moves:
-            await asyncio.sleep(seconds)  # stands in for the copy, by design
-        return move_report(self.name, job_id, "simulated", self.nbytes if moves else 0, started)
-
-    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
-        """Sleep ``snapshot_s`` as if ``nbytes`` were copied out, and mark the job's state out.
+    def hold_in(self, room: DeviceRoom) -> None:
+        """Count the state in ``room``: it was built on that device, not moved there.
 
         Args:
-            request: The job whose (simulated) state leaves the device.
+            room: The device's room.
+        """
+        if not self._out and self.nbytes:
+            self._witness(self.nbytes, "hold")
+            room.hold(self.nbytes)
+
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
+        """Take ``snapshot_s`` as if ``nbytes`` were copied out chunk by chunk (giving each
+        chunk's room back as it leaves), and mark the job's state out.
+
+        Args:
+            request: The job whose (simulated) state leaves the device, and its room.
 
         Returns:
             Mode ``simulated``: ``nbytes`` in ``snapshot_s`` seconds, or 0 bytes at once when the
@@ -79,18 +114,84 @@ class SimulatedBackend:
         job_id = request.job_id
         moves = job_id not in self._out
         self._out.add(job_id)
-        return await self._pretend(job_id, self.snapshot_s, moves)
+        return await self._pretend(request, "out", self.snapshot_s, moves)
 
     async def restore(self, request: SnapshotRequest) -> SnapshotReport:
-        """Sleep ``restore_s`` as if the state came back, and mark it in.
+        """Take ``restore_s`` as if the state came back chunk by chunk (each once there is room
+        for it), and mark it in.
 
         Args:
-            request: The job whose state returns.
+            request: The job whose state returns, and its room.
 
         Returns:
-            ``nbytes`` in ``restore_s`` seconds; 0 bytes at once if nothing was out.
+            ``nbytes`` in ``restore_s`` seconds (and any wait for room); 0 bytes at once if
+            nothing was out.
         """
         job_id = request.job_id
         moves = job_id in self._out
         self._out.discard(job_id)
-        return await self._pretend(job_id, self.restore_s, moves)
+        return await self._pretend(request, "in", self.restore_s, moves)
+
+    async def _pretend(
+        self, request: SnapshotRequest, direction: Direction, seconds: float, moves: bool
+    ) -> SnapshotReport:
+        # Like a real backend, moving state that is already where it should be is free.
+        started = time.perf_counter()
+        if moves:
+            # A thread, as a real copy blocks one: waits for room or for the link block it.
+            await asyncio.to_thread(self._copy, request.room, direction, seconds)
+        return move_report(
+            self.name, request.job_id, "simulated", self.nbytes if moves else 0, started
+        )
+
+    def _copy(self, room: DeviceRoom | None, direction: Direction, seconds: float) -> None:
+        """Each chunk takes its share of ``seconds`` once it may start: when the previous
+        chunk's copy ends, and (given a room) when there is room for it and the link's
+        direction is free. A chunk that may start at once starts when the previous one ended
+        on the schedule, not when this thread got round to it, so the bookkeeping between
+        chunks does not add up to time the copy engine would not spend."""
+        sizes = self._chunk_sizes()
+        per_chunk = seconds / len(sizes)
+        scheduled = time.monotonic()  # when the previous chunk's copy ended
+        for size in sizes:
+            ready = scheduled
+            if room is not None and direction == "in" and room.take(size) > 0:
+                ready = max(ready, time.monotonic())
+            if direction == "in":
+                self._witness(size)
+            with room.link(direction) if room is not None else _no_wait() as waited:
+                if waited:  # another copy the same way had the link
+                    ready = max(ready, time.monotonic())
+                scheduled = ready + per_chunk
+                _sleep_until(scheduled)
+            if direction == "out":
+                self._witness(-size)
+                if room is not None:
+                    room.give(size)
+
+    def _chunk_sizes(self) -> list[int]:
+        if self.nbytes == 0:
+            return [0]
+        whole, rest = divmod(self.nbytes, self.chunk_bytes)
+        return [self.chunk_bytes] * whole + ([rest] if rest else [])
+
+    def _witness(self, delta: int, kind: str = "move") -> None:
+        if self.trace is None or delta == 0:
+            return
+        line = f"{time.monotonic_ns()} {os.getpid()} {delta:+d} {kind}\n".encode()
+        fd = os.open(self.trace, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _no_wait() -> Iterator[bool]:
+    yield False
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left > 0:
+        time.sleep(left)  # stands in for the copy, by design

@@ -7,7 +7,11 @@ hook captured) stays the same Python object. Snapshot copies each storage into a
 side stream; ``reserve_host_buffers`` prepares the arena before the first switch), then
 shrinks the storage to zero bytes, which frees the device memory; restore grows it back and
 copies the bytes home. Work goes chunk by chunk, freeing as it goes, so peak memory never holds
-a second full copy of the state.
+a second full copy of the state. Given the group's device room (``SnapshotRequest.room``), the
+chunks stream: a snapshot gives each chunk's room back as soon as its memory is freed (on CUDA,
+handed back to the driver), and a restore takes room for each chunk before it grows it, so one
+job's eviction and the next job's restore run at once (PCIe is full duplex) within the group's
+declared memory (``snapshot/device_room.py``).
 
 On a machine without CUDA the same code runs on CPU tensors, which is how the tests run it.
 """
@@ -31,6 +35,7 @@ from timeslice.snapshot.base import (
     SnapshotRequest,
     move_report,
 )
+from timeslice.snapshot.device_room import DeviceRoom
 from timeslice.snapshot.hugepages import advise_huge_pages
 
 try:
@@ -78,7 +83,8 @@ class TorchBackend(BlockingBackend):
             of what moves; with neither ``include`` nor ``exclude``, everything registered.
         exclude: Patterns of names that stay where they are.
         chunk_bytes: Storages are moved and freed this many bytes at a time, so peak memory
-            never holds a second full copy of the state.
+            never holds a second full copy of the state (and a restore beside another job's
+            eviction follows it this many bytes behind).
         keep_host_buffers: Which storages keep their host buffer between switches, in one host
             arena made once (pinned for CUDA state): ``"cuda"`` (device state; CPU state's
             buffer is freed at each restore, since CPU memory is what the state is made of) or
@@ -89,7 +95,7 @@ class TorchBackend(BlockingBackend):
     """
 
     name = "torch"
-    capabilities = frozenset({Capability.KNOWS_SIZE})
+    capabilities = frozenset({Capability.KNOWS_SIZE, Capability.STREAMS})
 
     def __init__(
         self,
@@ -301,13 +307,18 @@ class TorchBackend(BlockingBackend):
                 if unbuffered:  # no reservation came first (or it did not fit)
                     self._make_arena(unbuffered)
             moved = 0
+            cuda = any(e.device.type == "cuda" for e in entries)
             for chunk in self._chunks(entries):
                 if self.mode == "offload":
                     moved += self._copy(chunk, to_host=True)
                 for e in chunk:
                     e.storage.resize_(0)
                     e.evicted = True
-            if any(e.device.type == "cuda" for e in entries):
+                if request.room is not None:
+                    if cuda:  # the next job's restore can use it only once the driver has it
+                        torch.cuda.empty_cache()
+                    request.room.give(sum(e.nbytes for e in chunk))
+            if cuda:
                 torch.cuda.empty_cache()  # hand the memory back to the driver for the next job
             freed = sum(e.nbytes for e in entries)
         freed_or_moved = moved if self.mode == "offload" else freed
@@ -328,6 +339,8 @@ class TorchBackend(BlockingBackend):
             entries = [e for e in self._plan() if e.evicted]
             moved = 0
             for chunk in self._chunks(entries):
+                if request.room is not None:  # waits while the device has no room for it
+                    request.room.take(sum(e.nbytes for e in chunk))
                 for e in chunk:
                     e.storage.resize_(e.nbytes)
                     if e.device.type == "cpu":
@@ -340,6 +353,15 @@ class TorchBackend(BlockingBackend):
                         e.host = None  # CPU state needs no pool: give the memory back now
         back = moved if self.mode == "offload" else sum(e.nbytes for e in entries)
         return move_report(self.name, request.job_id, self.mode, back, started)
+
+    def hold_in(self, room: DeviceRoom) -> None:
+        """Count the selected storages that are on the device now in ``room``.
+
+        Args:
+            room: The group's device room.
+        """
+        with self._lock:
+            room.hold(sum(e.nbytes for e in self._plan() if not e.evicted))
 
     @property
     def evicted(self) -> bool:

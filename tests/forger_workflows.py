@@ -10,6 +10,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
 from timeslice.protocol.group import (
     DELIVER_GRANT_ACTIVITY,
     AcquireAnswer,
@@ -77,3 +78,31 @@ class RogueGroupWorkflow:
     @workflow.query(name="answered")
     def answered_acquires(self) -> int:
         return self.answered
+
+
+@workflow.defn(name="SilentGroupWorkflow")
+class SilentGroupWorkflow:
+    """Stands at a group's workflow id, takes every acquire and never answers it, and refuses
+    every cancel: a group that a closing client cannot withdraw its request from."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: False)
+
+    @workflow.update(name=GroupUpdate.ACQUIRE)
+    async def acquire(self, call: AcquireCall) -> AcquireAnswer:
+        del call
+        self.asked += 1
+        await workflow.wait_condition(lambda: False)
+        raise AssertionError("unreachable")
+
+    @workflow.query(name="asked")
+    def acquires_parked(self) -> int:
+        return self.asked
+
+    @workflow.update(name=GroupUpdate.CANCEL)
+    def cancel_request(self, cancel: CancelRequest) -> None:
+        raise ApplicationError(f"not cancelling {cancel.request_id}", non_retryable=True)

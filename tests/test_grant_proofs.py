@@ -46,6 +46,7 @@ from timeslice.protocol.group import (
     group_workflow_id,
     job_task_queue,
     lease_key_hash,
+    prove_notice,
 )
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
 from timeslice.snapshot import NoopBackend
@@ -148,11 +149,15 @@ def test_a_queued_rl_job_drops_forged_grants_and_faults_and_takes_the_real_grant
         )
         for forged in forgeries(notice):
             await handle.signal(GRANT_SIGNAL, forged)
+        # And one for a request the job never made: dropped, and counted as forged too (it
+        # used to be dropped uncounted).
+        never_made = notice.model_copy(update={"request_id": f"{job}:never-made"})
+        await handle.signal(GRANT_SIGNAL, never_made)
 
         async def counted() -> RLJobProgress | None:
             seen = await handle.query("progress", result_type=RLJobProgress)
             done_waiting = not seen.phase.startswith("waiting for")
-            return seen if seen.forged_notices >= 3 or done_waiting else None
+            return seen if seen.forged_notices >= 4 or done_waiting else None
 
         seen = await eventually(counted, "the job to count the forged notices")
         # Still waiting, still queued: no forgery consumed the wait or failed the job.
@@ -161,7 +166,7 @@ def test_a_queued_rl_job_drops_forged_grants_and_faults_and_takes_the_real_grant
         return queued[0].request_id, seen
 
     _, seen = asyncio.run(forge())
-    assert seen.forged_notices == 3
+    assert seen.forged_notices == 4
     assert seen.status != "failed" and seen.phase == f"waiting for {group} (prepare)"
     assert seen.phase_s.get("prepare", 0.0) == 0.0  # prepare did not run in the holder's lease
 
@@ -179,6 +184,111 @@ def test_a_queued_rl_job_drops_forged_grants_and_faults_and_takes_the_real_grant
     jobs = [r for r in history if r.job_id == job]
     assert jobs and all(r.start >= first.end and r.token > first.token for r in jobs)
     assert all(r.outcome is LeaseOutcome.RELEASED for r in history)
+
+
+async def request_in_history(client: Client, group: str, job: str) -> AcquireRequest:
+    """The job's request as the group's history holds it (with its key hash): what any reader
+    of the namespace's histories sees, unless payloads are encrypted."""
+    handle = client.get_workflow_handle(group_workflow_id(group))
+    async for event in handle.fetch_history_events():
+        if not event.HasField("workflow_execution_update_accepted_event_attributes"):
+            continue
+        accepted = event.workflow_execution_update_accepted_event_attributes.accepted_request
+        if accepted.input.name != "acquire":
+            continue
+        [payload] = accepted.input.args.payloads
+        call = AcquireCall.model_validate_json(payload.data)
+        if call.request.job_id == job:
+            return call.request
+    raise AssertionError(f"no request of {job} in the history of {group}")
+
+
+async def _request_of(address: str, group: str, job: str) -> AcquireRequest:
+    return await request_in_history(await _connect(address), group, job)
+
+
+FORGERIES = 20
+
+
+def test_forged_grants_with_a_proof_read_off_the_history_cost_a_job_nothing(
+    address: str, job_process: Callable[[str], None], group: str, make_client: Callable[..., Any]
+) -> None:
+    """A namespace reader lifts a queued RL job's key hash from the group's history and signs
+    grants with it: the job takes each (the proof holds), its process refuses it before any
+    work (the group's holder is another), and the job asks the group again, finds its request
+    still queued, counts the grant as forged and waits for the real one. It used to cost a
+    rewind each, and with max_failures=0 the first one failed the job; so did a fault notice
+    so signed."""
+    job = unique("proven-forgeries")
+    job_process(job)
+    holder = make_client(job_id=unique("holder"))
+    held = holder.acquire(group, timeout=60)
+    config = {
+        "job_id": job,
+        "workload": "simulated",
+        "workload_options": FAST,
+        "sampler_group": group,
+        "epochs": 1,
+        "max_failures": 0,
+    }
+
+    async def forge() -> RLJobProgress:
+        client = await _connect(address)
+        handle = await start_rl_job(client, parse_job_config(config))
+        group_handle = client.get_workflow_handle(group_workflow_id(group))
+
+        async def queued() -> bool:
+            with contextlib.suppress(RPCError):
+                status = await group_handle.query("status", result_type=GroupStatus)
+                return any(w.job_id == job for w in status.queue)
+            return False
+
+        await eventually(queued, "the job's request in the queue")
+        request = await request_in_history(client, group, job)
+        for i in range(1, FORGERIES + 1):
+            notice = GrantNotice(
+                group_id=group,
+                request_id=request.request_id,
+                job_id=job,
+                reply_workflow_id=rl_job_workflow_id(job),
+                token=held.token,  # what `timeslice status` shows
+                ttl_s=20.0,
+                waited_s=1.0,
+            )
+            await handle.signal(GRANT_SIGNAL, prove_notice(notice, request.key_hash))
+
+            async def counted(i: int = i) -> RLJobProgress | None:
+                seen = await handle.query("progress", result_type=RLJobProgress)
+                return seen if seen.forged_notices >= i else None
+
+            await eventually(counted, f"forgery {i} refused and counted")
+        # And a fault notice so signed: it used to fail the job (JobFaulted) at once.
+        fault = notice.model_copy(update={"fault": f"job {job}: restore failed (forged)"})
+        await handle.signal(GRANT_SIGNAL, prove_notice(fault, request.key_hash))
+
+        async def fault_counted() -> RLJobProgress | None:
+            seen = await handle.query("progress", result_type=RLJobProgress)
+            return seen if seen.forged_notices > FORGERIES else None
+
+        await eventually(fault_counted, "the forged fault dropped and counted")
+        return await handle.query("progress", result_type=RLJobProgress)
+
+    seen = asyncio.run(forge())
+    assert seen.forged_notices == FORGERIES + 1 and seen.status == "running"
+    assert seen.rewinds == 0 and seen.phase_s.get("prepare", 0.0) == 0.0
+    holder.release(held)
+
+    async def finish() -> RLJobResult:
+        client = await _connect(address)
+        handle = client.get_workflow_handle(rl_job_workflow_id(job), result_type=RLJobResult)
+        return await handle.result()
+
+    done = asyncio.run(finish())
+    print(f"\n{FORGERIES} proven forgeries: {done.rewinds} rewinds, epochs {done.epochs_done}")
+    assert done.epochs_done == 1 and done.rewinds == 0
+    history = holder.group_status(group).history
+    first = lease_of(history, holder.job_id)
+    assert all(r.start >= first.end for r in history if r.job_id == job)
 
 
 async def _deliver(address: str, task_queue: str, notices: list[GrantNotice]) -> list[GrantAck]:
@@ -221,9 +331,17 @@ def test_a_client_waiting_for_a_group_declines_forged_grant_activities(
             ttl_s=20.0,
             waited_s=1.0,
         )
-        acks = asyncio.run(_deliver(address, waiter.task_queue, forgeries(notice)))
-        assert [a.accepted for a in acks] == [False, False, False]
-        assert waiter._engine.session.inbox.forged == 3
+        # And signed with the request's key hash, as a reader of the group's history can: the
+        # process asks the group before it uses either (the group holds neither).
+        request = asyncio.run(_request_of(address, group, waiter.job_id))
+        proven = [
+            prove_notice(n, request.key_hash)
+            for n in (notice, notice.model_copy(update={"fault": "restore failed (forged)"}))
+        ]
+        acks = asyncio.run(_deliver(address, waiter.task_queue, [*forgeries(notice), *proven]))
+        assert [a.accepted for a in acks] == [False] * 5 and all(a.key is None for a in acks)
+        inbox = waiter._engine.session.inbox
+        assert (inbox.forged, inbox.not_held) == (4, 1)
         assert not pending.done()  # neither granted nor failed by a forged fault
         assert [w.request_id for w in holder.group_status(group).queue] == [queued.request_id]
         holder.release(held)

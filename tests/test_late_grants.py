@@ -15,10 +15,24 @@ import time
 from pathlib import Path
 
 import pytest
-from timeslice import GrantLostError
-from timeslice.protocol.group import LeaseOutcome, job_task_queue
+from temporalio import activity
+from temporalio.worker import Worker
+from timeslice import GrantLostError, Lease
+from timeslice.protocol.group import (
+    DELIVER_GRANT_ACTIVITY,
+    AcquireAnswer,
+    AcquireCall,
+    AcquireRequest,
+    GrantAck,
+    GrantNotice,
+    LeaseOutcome,
+    group_workflow_id,
+    job_task_queue,
+    lease_key_hash,
+)
 from timeslice.session.lease_session import REASK_QUEUED_S, LeaseSession, SessionSettings
 from timeslice.transport.connection import connect, connect_config
+from timeslice.transport.updates import send_update
 
 from tests.helpers import (
     assert_no_overlap,
@@ -174,3 +188,58 @@ def test_waiter_whose_grant_activity_nobody_polls_is_told(address, group, make_c
     # Given up after GRANT_ACK_S, learnt at the next re-ask: well before the 120-s time-out.
     assert took < GRANT_ACK_S + REASK_QUEUED_S + 10, f"told after {took:.0f} s"
     assert ("unserved", LeaseOutcome.DEAD) in _outcomes(holder, group)
+
+
+def test_a_lost_waiter_holds_the_group_for_its_confirmation_window(address, group, make_client):
+    """A waiter whose process took its grant's delivery and then stopped (paused, hung): the
+    activity never completes and no renewal comes. The group gives the grant up when it is
+    grant_ack_timeout_s old and grants the next waiter; it used to wait out the delivery's
+    30-s start-to-close time and a confirmation window after it (35 s here, 45 s at the
+    default 15 s), while docs/architecture.md said 15."""
+    holder = make_client(job_id="holder")
+    assert holder.create_group(group, grant_ack_timeout_s=GRANT_ACK_S, max_parked_waits=0)
+    lease = holder.acquire(group)
+    lost, key = f"lost-{os.getpid()}", "the-lost-process's-own-key-0123"
+    took = asyncio.Event()
+
+    # The lost process: its worker takes the delivery, and its handler never answers.
+    @activity.defn(name=DELIVER_GRANT_ACTIVITY)
+    async def deliver_grant(notice: GrantNotice) -> GrantAck:
+        took.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def scenario() -> tuple[float, Lease]:
+        client = await connect(connect_config(address))
+        async with Worker(client, task_queue=job_task_queue(lost), activities=[deliver_grant]):
+            request = AcquireRequest(
+                request_id=f"{lost}:r",
+                key_hash=lease_key_hash(key),
+                job_id=lost,
+                reply_task_queue=job_task_queue(lost),
+            )
+            call = AcquireCall(request=request, park=False)
+            await send_update(client, group_workflow_id(group), "acquire", call, AcquireAnswer)
+            await asyncio.to_thread(
+                wait_for, lambda: _queued(holder, group) == [lost], what="the lost waiter queued"
+            )
+            nxt = asyncio.create_task(asyncio.to_thread(make_client(job_id="next").acquire, group))
+            await asyncio.to_thread(
+                wait_for, lambda: _queued(holder, group) == [lost, "next"], what="next queued"
+            )
+            await asyncio.to_thread(holder.release, lease)
+            released = time.monotonic()
+            await asyncio.wait_for(took.wait(), 60)
+            granted = await asyncio.wait_for(nxt, 120)
+            return time.monotonic() - released, granted
+
+    waited, granted = asyncio.run(scenario())
+    history = holder.group_status(group).history
+    [dead] = [r for r in history if r.job_id == lost]
+    idle = (dead.end - dead.start).total_seconds()
+    print(
+        f"\nlost waiter held the group {idle:.1f} s (next waited {waited:.1f} s after the release)"
+    )
+    assert dead.outcome is LeaseOutcome.DEAD
+    assert GRANT_ACK_S - 0.5 <= idle <= GRANT_ACK_S + 5.0, idle
+    assert granted.token > dead.token

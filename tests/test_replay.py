@@ -17,6 +17,7 @@ from timeslice.workflows.group_patches import (
     BOUNDED_EVICTION_REPORT_WAIT,
     FORGET_GONE_EVICTOR,
     ONE_DEADLINE_TIMER,
+    STREAMED_SWITCHES,
 )
 from timeslice.workflows.rl_job import JOB_PROTOCOL_V5, SEARCHED_STATES_ONLY
 
@@ -61,13 +62,14 @@ def _patch_markers(text: str) -> set[str]:
         BOUNDED_EVICTION_REPORT_WAIT,
         FORGET_GONE_EVICTOR,
         ONE_DEADLINE_TIMER,
+        STREAMED_SWITCHES,
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
     ],
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):
     """A history recorded after the patch (tests/histories/record_eviction_wait.py,
-    record_one_timer.py, record_rl_states.py, record_rl_v5.py), so the replay above runs the
-    new branch too, not only the old one."""
+    record_one_timer.py, record_streamed.py, record_rl_states.py, record_rl_v5.py), so the
+    replay above runs the new branch too, not only the old one."""
     recorded = {path.name for path in HISTORIES if patch in _patch_markers(path.read_text())}
     assert recorded, f"no stored history records the {patch!r} patch"

@@ -283,3 +283,37 @@ def test_a_registration_after_the_reservation_gets_one_arena_for_the_whole_state
     assert made.bytes == page_offsets([w.untyped_storage().nbytes() for w in reference])[1]
     backend.restore_sync(SnapshotRequest("job"))
     assert all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True))
+
+
+def test_a_restore_streams_behind_another_jobs_eviction_within_the_room(tmp_path):
+    """Two jobs' tensors, room for one: the restore grows each chunk only once the eviction
+    has given its room back, the room never holds more than declared, and every byte comes back
+    bit-identical."""
+    from timeslice.snapshot.device_room import DeviceRooms
+
+    def state(seed: int) -> tuple[TorchBackend, list[torch.Tensor]]:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = [torch.randn(64 * 1024, generator=gen) for _ in range(8)]  # 256 KiB each
+        backend = TorchBackend(chunk_bytes=256 * 1024)
+        for i, t in enumerate(tensors):
+            backend.register_tensor(f"t{i}", t)
+        return backend, tensors
+
+    room = DeviceRooms(tmp_path).room("g")
+    (out, out_tensors), (back, back_tensors) = state(1), state(2)
+    expected = [t.clone() for t in back_tensors]
+    back.snapshot_sync(SnapshotRequest("b"))  # out earlier, through no room
+    room.set_capacity(out.registered_bytes)  # one job's state
+    out.hold_in(room)
+
+    async def swap() -> None:
+        await asyncio.gather(
+            back.restore(SnapshotRequest("b", "g", room=room)),
+            out.snapshot(SnapshotRequest("a", "g", room=room)),
+        )
+
+    asyncio.run(asyncio.wait_for(swap(), timeout=60))
+    status = room.status()
+    assert status.peak <= out.registered_bytes and status.used == back.registered_bytes
+    assert all(t.untyped_storage().nbytes() == 0 for t in out_tensors)
+    assert all(torch.equal(t, e) for t, e in zip(back_tensors, expected, strict=True))

@@ -38,9 +38,10 @@ from timeslice.protocol.async_rl_job import (
     QueuedBatch,
     StepRecord,
 )
-from timeslice.protocol.rl_job import JOB_PROTOCOL_VERSION, PrepareResult
+from timeslice.protocol.rl_job import JOB_PROTOCOL_VERSION, LeaseOrder, PrepareResult
 from timeslice.workflows.async_pipeline import Pipeline
 from timeslice.workflows.job_base import JOB_PROTOCOL_V5, JobWorkflowBase
+from timeslice.workflows.job_failures import PhaseFailed
 
 # The error type a worker answers for an activity it does not have.
 _NOT_REGISTERED = "NotFoundError"
@@ -122,6 +123,11 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
         self._drop_pipeline()
         super()._rewind()
         self._state.published = self._state.epochs_done
+        self._state.rewound()
+
+    async def _checkpoint(self, epochs_done: int, lease: LeaseOrder, **kwargs: Any) -> None:
+        await super()._checkpoint(epochs_done, lease, **kwargs)
+        self._state.checkpointed()
 
     # ---------------------------------------------------------------- the two loops
 
@@ -186,6 +192,9 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
                 self._budget("sample", order),
                 f"batch {batch} · sample · {cfg.sampler_group} · weights v{version}",
             )
+            self._check_result(
+                pipeline.sampled_problem(sampled, state, batch=batch, asked=version), "sample"
+            )
             await self._settle(order, sampled.phase)
             if sampled.load_bytes or sampled.load_s:
                 state.loads += 1
@@ -199,6 +208,7 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
                 cfg.reward_timeout_s,
                 f"batch {batch} · rewards · no GPU",
             )
+            self._check_result(pipeline.scored_problem(scored, batch=batch), "rewards")
             pipeline.hand_over(
                 QueuedBatch(
                     batch=batch,
@@ -231,12 +241,12 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
         cfg, state, pipeline = self._config, self._state, self._pipeline
         step = state.epochs_done
         batch, staleness = pipeline.take(state)
-        if staleness > cfg.max_staleness:  # the staleness gate makes this unreachable
+        if not 0 <= staleness <= cfg.max_staleness:  # unreachable: the gate, the checks
             pipeline.discard()
             state.stale_dropped += 1
             state.dropped_batches += 1
             workflow.logger.warning(
-                "job %s dropped batch %d: staleness %d > %d",
+                "job %s dropped batch %d: staleness %d outside 0..%d",
                 cfg.job_id,
                 batch.batch,
                 staleness,
@@ -262,6 +272,12 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
             f"step {step} · train · batch {batch.batch} (weights v{batch.weights_version}, "
             f"staleness {staleness}) · {cfg.trainer}",
         )
+        self._check_result(
+            pipeline.trained_problem(
+                trained, step=step, batch=batch.batch, publish=done if publish else None
+            ),
+            "train",
+        )
         await self._settle(order, trained.phase)
         pipeline.trained(state, published=publish)
         self._done_this_run += 1
@@ -277,6 +293,17 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
             if held is not None:
                 await self._checkpoint(done, held)
         self._publish_details()
+
+    def _check_result(self, problem: str | None, phase: str) -> None:
+        """A result that does not fit what was asked touches nothing: the phase fails (the
+        job rewinds, or fails once past max_failures), where using it could have failed the
+        workflow's task on every replay (a negative staleness, say)."""
+        if problem is not None:
+            raise PhaseFailed(
+                f"InvalidResult: the job process's {phase} result does not fit what it was "
+                f"asked: {problem}; is something that is no job process of this job polling "
+                "its task queue?"
+            )
 
     def _record(
         self, step: int, batch: QueuedBatch, trained: AsyncPhaseResult, staleness: int

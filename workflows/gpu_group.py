@@ -32,6 +32,7 @@ from timeslice.protocol.group import (
     DELIVER_GRANT_ACTIVITY,
     GRANT_SIGNAL,
     GROUP_WORKFLOW_TYPE,
+    RATE_LIMITED,
     AcquireAnswer,
     AcquireCall,
     AcquireOutcome,
@@ -61,16 +62,18 @@ from timeslice.protocol.group import (
 )
 from timeslice.protocol.group import GROUP_MESSAGE_ABOUT as ABOUT
 from timeslice.workflows.deadline_timer import DeadlineTimer
-from timeslice.workflows.group_book import GroupBook
+from timeslice.workflows.group_book import GroupBook, GroupMessage
 from timeslice.workflows.group_patches import (
     AUTHENTICATED_GRANT_ANSWERS,
+    BOUNDED_GRANT_DELIVERY,
     CONFIRMED_GRANT_OUTLIVES_DELIVERY,
     FAULT_ONLY_ASKED_EVICTION,
     ONE_DEADLINE_TIMER,
     PHASE_AWARE_GRANTS,
+    STREAMED_SWITCHES,
 )
 from timeslice.workflows.group_switch import GroupSwitch
-from timeslice.workflows.inputs import fail_on_bad_input, parse_input, parses
+from timeslice.workflows.inputs import fail_on_bad_input, parse_input
 
 _DELIVERY_START_TO_CLOSE = timedelta(seconds=30)
 _PARK_TIMEOUT_S = 120.0
@@ -108,6 +111,10 @@ class _GroupMetrics:
         self._revoked = meter.create_counter(
             "timeslice_leases_revoked", "leases revoked because they expired unrenewed"
         )
+        self.rate_limited = meter.create_counter(
+            "timeslice_rate_limited_updates",
+            "updates refused because their caller sent past its rate (no history kept)",
+        )
         self._stale = {
             "release": meter.create_counter(
                 "timeslice_stale_releases", "releases naming a lease the group does not know"
@@ -141,6 +148,16 @@ class _GroupMetrics:
         self._switch.record(seconds)
 
 
+def _parses_within_budget(model: type[GroupMessage], what: str) -> Callable[..., None]:
+    """An update validator (as ``inputs.parses``) that also refuses a caller past its rate."""
+
+    # Its parameters must be the update method's, annotations included (Temporal checks).
+    def validate(self, *raw: Any) -> None:
+        self._within_budget(parse_message(model, raw, what))
+
+    return validate
+
+
 @workflow.defn(name=GROUP_WORKFLOW_TYPE)
 class GpuGroupWorkflow:
     @workflow.init
@@ -159,6 +176,7 @@ class GpuGroupWorkflow:
             self._metrics,
         )
         self._book.policy_gate = lambda: workflow.patched(PHASE_AWARE_GRANTS)
+        self._book.residency.stream_gate = lambda: workflow.patched(STREAMED_SWITCHES)
         self._wake = False
         # Fault notices live nowhere else, so they hold up continue-as-new; so does any
         # delivery activity (its completion arriving during continue-as-new would fail it).
@@ -324,6 +342,7 @@ class GpuGroupWorkflow:
 
     async def _deliver(self, notice: GrantNotice) -> None:
         outcome: LeaseOutcome | None = None
+        bounded = False  # a delivery by signal: its outcome is the server's, never forged
         # The process's answer, if it presented the request's key (see GrantAck).
         answer_key: str | None = None
         answered = False
@@ -340,6 +359,11 @@ class GpuGroupWorkflow:
                 )
                 outcome = LeaseOutcome.DEAD
         else:
+            # A lost waiter (its process took the task and stopped) holds the group for the
+            # confirmation window counted from the grant, not for a 30-s delivery and a
+            # window after it (docs/architecture.md, "Limits").
+            bounded = workflow.patched(BOUNDED_GRANT_DELIVERY)
+            ack_timeout = timedelta(seconds=self._config.grant_ack_timeout_s)
             try:
                 # Results are validated here, not by the converter: a malformed reply from one
                 # process must not fail the group's workflow task.
@@ -347,8 +371,8 @@ class GpuGroupWorkflow:
                     DELIVER_GRANT_ACTIVITY,
                     notice,
                     task_queue=notice.reply_task_queue,
-                    schedule_to_start_timeout=timedelta(seconds=self._config.grant_ack_timeout_s),
-                    start_to_close_timeout=_DELIVERY_START_TO_CLOSE,
+                    schedule_to_start_timeout=ack_timeout,
+                    start_to_close_timeout=ack_timeout if bounded else _DELIVERY_START_TO_CLOSE,
                     retry_policy=RetryPolicy(maximum_attempts=1),
                     summary=f"grant {self._config.group_id} to {notice.job_id} · "
                     f"token {notice.token}",
@@ -382,7 +406,7 @@ class GpuGroupWorkflow:
             # holder's renewal or release confirms the lease, or it ends as dead.
             if answered:
                 self._book.leases.forged_answer()
-            self._book.leases.unconfirmed(notice.token, now)
+            self._book.leases.unconfirmed(notice.token, now, from_grant=bounded)
         elif outcome is None:
             self._book.leases.confirm(notice.token, now)
         elif holder.delivered and workflow.patched(CONFIRMED_GRANT_OUTLIVES_DELIVERY):
@@ -407,6 +431,7 @@ class GpuGroupWorkflow:
     async def acquire(self, *raw: Any) -> AcquireAnswer:
         book = self._book
         call = parse_message(AcquireCall, raw, "the acquire update")
+        self._spend(call)
         request = call.request
         refusal = book.refusal(request)
         if refusal is not None:  # the validator refuses it first; a replay finds the same
@@ -463,9 +488,25 @@ class GpuGroupWorkflow:
     @acquire.validator
     def _validate_acquire(self, *raw: Any) -> None:
         call = parse_message(AcquireCall, raw, "the acquire update")
+        self._within_budget(call)
         refusal = self._book.refusal(call.request)
         if refusal is not None:
             raise ValueError(refusal)
+
+    def _within_budget(self, message: GroupMessage) -> None:
+        """Refuse an update whose caller has sent past its rate (validators only)."""
+        over = self._book.over_budget(message, workflow.now())
+        if over is not None:
+            self._metrics.rate_limited.add(1)
+            raise ApplicationError(
+                over.explain(self._config.group_id),
+                over.wait_s,
+                type=RATE_LIMITED,
+                non_retryable=True,
+            )
+
+    def _spend(self, message: GroupMessage) -> None:
+        self._book.spend_budget(message, workflow.now())
 
     def _obey(self, message: M, act: Callable[[M, datetime], R]) -> R:
         """Have the book act on a valid message now, and wake the main loop to follow up."""
@@ -476,33 +517,39 @@ class GpuGroupWorkflow:
     @workflow.update(name=GroupUpdate.RELEASE, description=ABOUT[GroupUpdate.RELEASE])
     def release_lease(self, *raw: Any) -> ReturnAnswer:
         ret = parse_message(LeaseReturn, raw, "the release_lease update")
+        self._spend(ret)
         return self._obey(ret, self._book.release)
 
-    release_lease.validator(parses(LeaseReturn, "the release_lease update"))
+    release_lease.validator(_parses_within_budget(LeaseReturn, "the release_lease update"))
 
     @workflow.update(name=GroupUpdate.RENEW, description=ABOUT[GroupUpdate.RENEW])
     def renew(self, *raw: Any) -> RenewResult:
-        return self._obey(parse_message(RenewRequest, raw, "the renew update"), self._book.renew)
+        renew = parse_message(RenewRequest, raw, "the renew update")
+        self._spend(renew)
+        return self._obey(renew, self._book.renew)
 
     @renew.validator
     def _validate_renew(self, *raw: Any) -> None:
         renew = parse_message(RenewRequest, raw, "the renew update")
         if renew.token <= 0:
             raise ValueError(f"invalid fencing token {renew.token}")
+        self._within_budget(renew)
 
     @workflow.update(name=GroupUpdate.CANCEL, description=ABOUT[GroupUpdate.CANCEL])
     def cancel_request(self, *raw: Any) -> None:
         cancel = parse_message(CancelRequest, raw, "the cancel_request update")
+        self._spend(cancel)
         self._obey(cancel, self._cancel)
 
     def _cancel(self, cancel: CancelRequest, now: datetime) -> None:
         self._book.cancel(cancel.request_id, cancel.key, now)
 
-    cancel_request.validator(parses(CancelRequest, "the cancel_request update"))
+    cancel_request.validator(_parses_within_budget(CancelRequest, "the cancel_request update"))
 
     @workflow.update(name=GroupUpdate.MOVED, description=ABOUT[GroupUpdate.MOVED])
     def report_moved(self, *raw: Any) -> None:
         report = parse_message(MovedReport, raw, "the report_moved update")
+        self._spend(report)
         awaited = report.job_id == self._switch.awaiting_eviction_of
         asked_only = report.error is None or workflow.patched(FAULT_ONLY_ASKED_EVICTION)
         self._book.moved(
@@ -510,14 +557,15 @@ class GpuGroupWorkflow:
         )
         self._wake = True
 
-    report_moved.validator(parses(MovedReport, "the report_moved update"))
+    report_moved.validator(_parses_within_budget(MovedReport, "the report_moved update"))
 
     @workflow.update(name=GroupUpdate.DEPART, description=ABOUT[GroupUpdate.DEPART])
     def depart_job(self, *raw: Any) -> bool:
         depart = parse_message(DepartRequest, raw, "the depart_job update")
+        self._spend(depart)
         return self._obey(depart, lambda d, _: self._book.depart(d.job_id, d.key))
 
-    depart_job.validator(parses(DepartRequest, "the depart_job update"))
+    depart_job.validator(_parses_within_budget(DepartRequest, "the depart_job update"))
 
     # ---------------------------------------------------------------- signals (workflows)
 

@@ -213,6 +213,8 @@ class GroupAccounts(BookPiece):
             stats.switches += 1
         if plan.overlapped:
             stats.overlapped_switches += 1
+        if plan.streamed:
+            stats.streamed_switches += 1
         if plan.moves or waited_for is not None:
             seconds = (done.ended - done.started).total_seconds()
             stats.switching_s += seconds
@@ -286,11 +288,11 @@ class GroupAccounts(BookPiece):
             excess = size - CARRIED_STATE_BUDGET_BYTES
             if excess <= 0 or not (state.history or state.switch_history):
                 break
-            shed += self._shed_history(excess)
-        if shed:  # the count travels with the state (a few bytes more)
-            state.stats.shed_records += shed
-            carried = GroupInput(config=self.config, state=state).model_dump(mode="json")
-            size = encoded_size(carried)
+            dropped = self._shed_history(excess)
+            shed += dropped
+            # The count travels with the state: its digits are measured on the next pass (so
+            # they can never take it past the budget).
+            state.stats.shed_records += dropped
         return carried, size, shed
 
     def next_run_input(self) -> dict[str, Any]:

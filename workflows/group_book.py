@@ -27,7 +27,10 @@ from datetime import datetime
 from timeslice.protocol.group import (
     JOB_KEYS_KEEP,
     RECENT_DONE_KEEP,
+    AcquireCall,
     AcquireRequest,
+    CancelRequest,
+    DepartRequest,
     GrantNotice,
     GroupConfig,
     GroupState,
@@ -49,6 +52,7 @@ from timeslice.protocol.group import (
     lease_key_hash,
 )
 from timeslice.workflows.book_piece import Observer, SilentObserver
+from timeslice.workflows.caller_budget import Caller, CallerBudgets, OverBudget
 from timeslice.workflows.grant_policy import CarryLimits, decide_carry
 from timeslice.workflows.group_accounts import GroupAccounts, percentile
 from timeslice.workflows.lease_ledger import LeaseLedger
@@ -56,6 +60,11 @@ from timeslice.workflows.residency import Residency, SwitchDone, SwitchPlan
 from timeslice.workflows.waiter_queue import WaiterQueue
 
 __all__ = ["JOB_KEYS_KEEP", "RECENT_DONE_KEEP", "GroupBook", "SwitchDone", "SwitchPlan"]
+
+# What the group's updates carry (per-caller fairness reads who sent it).
+GroupMessage = (
+    AcquireCall | LeaseReturn | RenewRequest | CancelRequest | MovedReport | DepartRequest
+)
 
 
 class GroupBook:
@@ -71,6 +80,8 @@ class GroupBook:
         self.leases = LeaseLedger(config, state, self.observer)
         self.residency = Residency(config, state)
         self.accounts = GroupAccounts(config, state, self.observer)
+        # Not part of the carried state: a run's own (caller_budget.py).
+        self.budgets = CallerBudgets()
         # The request a switch is running for (taken off the queue, not yet the holder).
         self.switching_for: str | None = None
         self.switching_key_hash: str | None = None
@@ -218,6 +229,77 @@ class GroupBook:
                 state.stats.cancelled += 1
         self.leases.remember_done(request_id)
 
+    # ------------------------------------------------------------------ callers
+
+    def caller_of(self, message: GroupMessage) -> Caller | None:
+        """Who sent an update, as far as its message proves (per-caller fairness): None for
+        the holder's own renewal or release of its lease, which no budget limits.
+
+        A message that presents a lease key the group knows — the holder's, a queued or
+        switched-to request's, the job's last lease's — is that job's (``proven``: no one
+        without the key spends its budget); one that proves nothing counts against the job it
+        names (a new acquire, a report with another key) or, naming no request the group
+        knows, against ``unknown``. Reads only: validators ask it.
+
+        Args:
+            message: The update's message.
+
+        Returns:
+            The caller, or None.
+        """
+        if isinstance(message, AcquireCall):
+            return Caller(f"job {message.request.job_id} (claimed)", proven=False)
+        if isinstance(message, (MovedReport, DepartRequest)):
+            if self.state.job_keys.get(message.job_id) == lease_key_hash(message.key):
+                return Caller(f"job {message.job_id}", proven=True)
+            return Caller(f"job {message.job_id} (claimed)", proven=False)
+        hashed = lease_key_hash(message.key)
+        holder = self.state.holder
+        if (
+            holder is not None
+            and holder.request.request_id == message.request_id
+            and holder.request.key_hash == hashed
+        ):
+            lease_message = isinstance(message, RenewRequest | LeaseReturn)
+            if lease_message and message.token == holder.token:
+                return None  # the holder keeps or hands back its lease: never limited
+            return Caller(f"job {holder.request.job_id}", proven=True)
+        for waiter in self.waiters.waiting(message.request_id):
+            if waiter.request.key_hash == hashed:
+                return Caller(f"job {waiter.request.job_id}", proven=True)
+        if message.request_id == self.switching_for and hashed == self.switching_key_hash:
+            return Caller("the job switched to", proven=True)
+        return Caller("unknown", proven=False)
+
+    def over_budget(self, message: GroupMessage, now: datetime) -> OverBudget | None:
+        """Whether an update's caller has sent past its budget (validators ask; a refusal
+        leaves no history). Counts the refusal in ``stats.rate_limited``: the worker that
+        refused it counts it, one that reloads the run from its history never sees it.
+
+        Args:
+            message: The update's message.
+            now: When it is judged.
+
+        Returns:
+            Why it is refused, or None to take it.
+        """
+        caller = self.caller_of(message)
+        over = None if caller is None else self.budgets.over(caller, now)
+        if over is not None:
+            self.state.stats.rate_limited += 1
+        return over
+
+    def spend_budget(self, message: GroupMessage, now: datetime) -> None:
+        """An update was taken: one of its caller's budget (handlers; a replay repeats it).
+
+        Args:
+            message: The update's message.
+            now: When it was taken.
+        """
+        caller = self.caller_of(message)
+        if caller is not None:
+            self.budgets.spend(caller, now)
+
     # ------------------------------------------------------------------ leases
 
     def grant(self, waiter: Waiter, now: datetime, *, parked: bool) -> GrantNotice:
@@ -240,7 +322,13 @@ class GroupBook:
         self.leases.remember_key(request.job_id, request.key_hash, self._tracked_jobs)
         self.accounts.granted(request, waiter.enqueued_at, holder.waited_s)
         return self.leases.notice(
-            request, holder.token, holder.waited_s, None, parked=parked, granted_at=now
+            request,
+            holder.token,
+            holder.waited_s,
+            None,
+            parked=parked,
+            granted_at=now,
+            memory_bytes=self.residency.memory_for(request),
         )
 
     def refuse(self, waiter: Waiter, fault: str, now: datetime) -> GrantNotice:

@@ -21,6 +21,7 @@ import hmac
 from datetime import timedelta
 from typing import Any
 
+from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
@@ -29,6 +30,8 @@ from timeslice.protocol.group import (
     GRANT_SIGNAL,
     RENEW_LEASE_ACTIVITY,
     REQUEST_GROUP_ACTIVITY,
+    AcquireAnswer,
+    AcquireOutcome,
     AcquireRequest,
     CancelRequest,
     GrantNotice,
@@ -68,6 +71,9 @@ RENEWER_OBEYS_CANCEL = "renewer-obeys-cancel"
 # a request whose activity failed is taken back (it may have reached the group), where before
 # its grant came later, was dropped, and held the group for a TTL.
 GROUP_CALLS_AS_ACTIVITIES = "group-calls-as-activities"
+# workflow.patched id: a fault notice (whose proof a reader of the group's history can make) is
+# checked by asking the group about the request again before it fails the job.
+FAULTS_ASKED_AGAIN = "fault-notices-asked-again"
 # A renewal that failed (no answer: the group's worker is down, the server unreachable) is tried
 # again this soon, until the lease's TTL since the last answered renewal runs out.
 _RENEW_RETRY_S = 1.0
@@ -119,10 +125,15 @@ class GroupLeases:
         self._lost: dict[str, str] = {}
         # request id -> its lease key (drawn from the workflow's deterministic randomness)
         self._keys: dict[str, str] = {}
+        # request id -> the request (asked again when its process refuses the grant)
+        self._requests: dict[str, tuple[str, AcquireRequest]] = {}
+        # requests whose lease a renewal of this workflow's confirmed at the group
+        self._confirmed: set[str] = set()
         # Drawn once by a local activity (recorded in the history, so replay-safe): lease keys
         # derive from it, not from the workflow's randomness, which its run id reproduces.
         self.secret: str | None = None
-        # Grant and fault notices dropped because their proof was missing or wrong.
+        # Grant and fault notices dropped because their proof was missing or wrong, or because
+        # they named a request this workflow never made.
         self.forged_notices = 0
         if register_grant_signal:
             workflow.set_signal_handler(GRANT_SIGNAL, self.on_grant)
@@ -167,10 +178,19 @@ class GroupLeases:
             return
         key = self._keys.get(notice.request_id)
         if key is None:
+            # A request this workflow made and let go (a grant that raced its give-up) is
+            # proven under the key its secret gives; any other notice is no group's to it.
+            late = self.secret is not None and notice_is_proven(
+                notice, lease_key_hash(self.new_key(notice.request_id))
+            )
+            if not late:
+                self.forged_notices += 1
             workflow.logger.warning(
-                "job %s dropped a grant for request %r, which it did not make",
+                "job %s dropped a %s for request %r, %s",
                 self.job_id,
+                "fault notice" if notice.fault is not None else "grant",
                 notice.request_id,
+                "which it had given up" if late else "which it did not make (counted as forged)",
             )
             return
         # Histories from before grants carried proofs replay as they ran (their grants have
@@ -231,7 +251,7 @@ class GroupLeases:
         self._keys[rid] = key
         cancel = CancelRequest(request_id=rid, key=key)
         try:
-            await self._request(group_id, request)
+            await self._ask(group_id, request)
         except BaseException:
             if self._calls_as_activities:
                 # It may have reached the group: take it back, or its grant holds the group
@@ -239,6 +259,39 @@ class GroupLeases:
                 await self._signal(group_id, GroupSignal.CANCEL, cancel)
             del self._keys[rid]
             raise
+        self._requests[rid] = (group_id, request)
+        return await self._granted(group_id, rid, timeout)
+
+    async def _ask(self, group_id: str, request: AcquireRequest) -> AcquireAnswer | None:
+        """Queue ``request`` at the group (creating the group if it does not exist): the
+        ``request_group`` activity (a local one in runs from before
+        ``group-calls-as-activities``). The group's answer, or None where the answer was not
+        kept (a group it started, a history from before answers were read)."""
+        call = GroupRequest(group_id=group_id, request=request)
+        summary = f"request {group_id}"
+        if self._calls_as_activities:
+            raw = await workflow.execute_activity(
+                REQUEST_GROUP_ACTIVITY,
+                call,
+                start_to_close_timeout=_REQUEST_TIMEOUT,
+                summary=summary,
+            )
+        else:
+            raw = await workflow.execute_local_activity(
+                REQUEST_GROUP_ACTIVITY,
+                call,
+                start_to_close_timeout=timedelta(seconds=30),
+                summary=summary,
+            )
+        try:
+            return None if raw is None else AcquireAnswer.model_validate(raw)
+        except ValidationError:
+            return None
+
+    async def _granted(self, group_id: str, rid: str, timeout: float | None) -> GrantNotice:
+        """Wait for the grant of the request ``rid`` asked for; renew it once taken."""
+        key = self._keys[rid]
+        cancel = CancelRequest(request_id=rid, key=key)
         try:
             await workflow.wait_condition(lambda: rid in self._grants, timeout=timeout)
         except asyncio.CancelledError:
@@ -254,28 +307,32 @@ class GroupLeases:
             ) from None
         notice = self._grants.pop(rid)
         if notice.fault is not None:
+            if await self._fault_is_forged(group_id, rid):
+                return await self._granted(group_id, rid, timeout)
             raise ApplicationError(notice.fault, type="JobFaulted", non_retryable=True)
         self._renewers[rid] = asyncio.create_task(self._renew(group_id, notice))
         return notice
 
-    async def _request(self, group_id: str, request: AcquireRequest) -> None:
-        """Queue ``request`` at the group (creating the group if it does not exist)."""
-        call = GroupRequest(group_id=group_id, request=request)
-        summary = f"request {group_id}"
-        if self._calls_as_activities:
-            await workflow.execute_activity(
-                REQUEST_GROUP_ACTIVITY,
-                call,
-                start_to_close_timeout=_REQUEST_TIMEOUT,
-                summary=summary,
-            )
-        else:
-            await workflow.execute_local_activity(
-                REQUEST_GROUP_ACTIVITY,
-                call,
-                start_to_close_timeout=timedelta(seconds=30),
-                summary=summary,
-            )
+    async def _fault_is_forged(self, group_id: str, rid: str) -> bool:
+        """Whether a fault notice for ``rid`` is none of the group's: its proof holds, but a
+        reader of the group's history can make that (docs/security.md), and a fault fails the
+        job. The group is asked about the request again: one it refused is gone, one it still
+        queues (or holds) was never refused. Runs from before this take the fault as it is."""
+        if rid not in self._requests or not workflow.patched(FAULTS_ASKED_AGAIN):
+            return False
+        answer = await self._ask(*self._requests[rid])
+        if answer is None or answer.outcome is AcquireOutcome.GONE:
+            return False
+        self.forged_notices += 1
+        workflow.logger.warning(
+            "job %s dropped a fault notice of %s: the group still has its request (%s)",
+            self.job_id,
+            group_id,
+            answer.outcome.value,
+        )
+        if answer.notice is not None:
+            self.on_grant(answer.notice)  # granted meanwhile: taken with its proof
+        return True
 
     async def _renew(self, group_id: str, notice: GrantNotice) -> None:
         rid = notice.request_id
@@ -294,6 +351,7 @@ class GroupLeases:
             answer = await self._renew_once(group_id, renew, interval)
             if isinstance(answer, RenewResult) and answer.valid:
                 held_until = sent + timedelta(seconds=answer.ttl_s)
+                self._confirmed.add(rid)
                 wait = interval
                 continue
             if isinstance(answer, RenewResult):
@@ -348,6 +406,64 @@ class GroupLeases:
         self._renewers.pop(request_id, None)
         workflow.logger.warning("job %s lost its lease on %s: %s", self.job_id, group_id, why)
 
+    def confirmed(self, lease: GrantNotice) -> bool:
+        """Whether a renewal of this workflow's found ``lease`` held at the group (else the
+        grant is still only as good as its proof, which a reader of the group's history can
+        make: docs/security.md)."""
+        return lease.request_id in self._confirmed
+
+    async def recheck(self, lease: GrantNotice, timeout: float | None) -> GrantNotice | None:
+        """Ask the group about ``lease``'s request again, after the job's process refused the
+        lease (the group's holder is another): still queued, the grant was none of the
+        group's (counted in ``forged_notices``) and the real one is waited for, up to
+        ``timeout``; held, it is the group's; gone, it ended before it was used (None).
+
+        Args:
+            lease: The grant this workflow took.
+            timeout: How long to wait for the real grant (None: as long as it takes).
+
+        Returns:
+            The lease the group granted the request (renewed from now on), or None.
+
+        Raises:
+            ApplicationError: ``AcquireTimeout``, the real grant did not come in time.
+        """
+        rid = lease.request_id
+        renewer = self._renewers.pop(rid, None)
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+        self._lost.pop(rid, None)
+        if rid not in self._requests:
+            return None  # asked by another run: nothing to ask again with
+        group_id, request = self._requests[rid]
+        answer = await self._ask(group_id, request)
+        outcome = None if answer is None else answer.outcome
+        if outcome is AcquireOutcome.GRANTED and answer is not None and answer.notice is not None:
+            self.on_grant(answer.notice)  # taken only with its proof, as every notice
+        elif outcome is AcquireOutcome.QUEUED:
+            self.forged_notices += 1
+            workflow.logger.warning(
+                "job %s: its process refused the grant of %s (token %s), and the group still "
+                "has the request queued: no group made that grant; waiting for the real one",
+                self.job_id,
+                group_id,
+                lease.token,
+            )
+        else:
+            workflow.logger.warning(
+                "job %s: its process refused the grant of %s (token %s), which the group no "
+                "longer holds (%s)",
+                self.job_id,
+                group_id,
+                lease.token,
+                "gone" if outcome is None else outcome.value,
+            )
+            self._forget_request(rid)
+            return None
+        return await self._granted(group_id, rid, timeout)
+
     def lost(self, lease: GrantNotice) -> str | None:
         """Why ``lease`` was lost, or None while it is (as far as this workflow knows) held."""
         return self._lost.get(lease.request_id)
@@ -360,10 +476,15 @@ class GroupLeases:
                 return f"the lease on {lease.group_id} (token {lease.token}) was lost: {why}"
         return None
 
+    def _forget_request(self, rid: str) -> None:
+        self._keys.pop(rid, None)
+        self._lost.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._confirmed.discard(rid)
+
     async def forget(self, lease: GrantNotice) -> None:
         """Stop renewing ``lease`` without releasing it (someone else already released it)."""
-        self._keys.pop(lease.request_id, None)
-        self._lost.pop(lease.request_id, None)
+        self._forget_request(lease.request_id)
         renewer = self._renewers.pop(lease.request_id, None)
         if renewer is not None:
             renewer.cancel()

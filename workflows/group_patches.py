@@ -25,3 +25,13 @@ PHASE_AWARE_GRANTS = "phase-aware-grants"
 # expiry, grant confirmation, waiter and park time-outs, an eviction report) instead of a timer
 # started and cancelled by every wait; groups that started before it replay as they ran.
 ONE_DEADLINE_TIMER = "one-deadline-timer"
+# workflow.patched id: a switch between two jobs whose moves go through one device room on the
+# node streams (the grant does not wait for the eviction, and the group's own eviction runs
+# beside it) even when the group's memory holds only one of their states; groups that started
+# before it replay waiting for the eviction, as they ran.
+STREAMED_SWITCHES = "streamed-switches"
+# workflow.patched id: a grant's delivery activity has grant_ack_timeout_s to run (not 30 s),
+# and a delivery that ends without the process's keyed answer leaves its holder until the grant
+# is grant_ack_timeout_s old (not that long after the delivery ended): a lost waiter holds the
+# group grant_ack_timeout_s, not 45 s. Groups that started before it replay as they ran.
+BOUNDED_GRANT_DELIVERY = "bounded-grant-delivery"

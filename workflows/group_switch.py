@@ -2,9 +2,10 @@
 
 ``GpuGroupWorkflow`` calls :meth:`GroupSwitch.switch_to` before each grant. It waits for a
 previous holder's report of its own eviction (or evicts it with the group's own activity when
-the report does not come), evicts the resident job (beside the grant when both states fit),
-restores the next one, and tells the book what happened (``workflows/group_book.py``): the book
-decides, this runs the activities.
+the report does not come), evicts the resident job (beside the grant when both states fit, or
+when the two jobs' moves stream through one device room on their node), restores the next one,
+and tells the book what happened (``workflows/group_book.py``): the book decides, this runs the
+activities.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class GroupSwitch:
         self._wake = wake
         self._one_timer = one_timer
         self._set_timer = set_timer
-        # Evictions running beside the holder's lease (both states fit).
+        # Evictions running beside the holder's lease (both states fit, or they stream).
         self.evictions: set[asyncio.Task[None]] = set()
         # A switch waiting for the previous holder's report of its own eviction: the report's
         # bytes belong to that switch's mark on the timeline.
@@ -69,7 +70,8 @@ class GroupSwitch:
 
     async def switch_to(self, request: AcquireRequest) -> str | None:
         """Evict the resident job if another job takes the group, then restore the new one
-        (both at once when the group's memory holds both), and count the switch.
+        (both at once when the group's memory holds both, or when they stream), and count the
+        switch.
 
         Args:
             request: the request about to be granted (taken off the queue).
@@ -105,7 +107,8 @@ class GroupSwitch:
         return fault
 
     async def _await_own_eviction(self, request: AcquireRequest) -> ResidentJob | None:
-        """A previous holder still moving its state out: wait for its report unless both fit.
+        """A previous holder still moving its state out: wait for its report unless both fit
+        or the two stream (``Residency.overlaps``).
 
         If the report does not come in time, the group evicts it through its own snapshot
         activity. Returns the job waited for, if any."""
@@ -153,8 +156,9 @@ class GroupSwitch:
 
     def _evict_beside(self, plan: SwitchPlan) -> None:
         """Evict the previous resident while the next holder is granted and works: both
-        states fit in the group's declared memory. The copy's bytes get a mark of no width
-        (it overlapped the holder's lease, which is not switching time)."""
+        states fit in the group's declared memory, or the next holder's restore takes room on
+        the node only as this eviction frees it (a streamed switch). The copy's bytes get a mark
+        of no width (it overlapped the holder's lease, which is not switching time)."""
         resident = plan.evict
         assert resident is not None and resident.snapshot is not None
         target = resident.snapshot

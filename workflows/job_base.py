@@ -72,10 +72,12 @@ from timeslice.protocol.rl_job import (
 )
 from timeslice.workflows.group_lease import GroupLeases, end_order
 from timeslice.workflows.job_failures import (
+    GrantRefused,
     InvalidResult,
     PhaseFailed,
     ending_the_job,
     failure_text,
+    refused_grant,
     validated,
 )
 from timeslice.workflows.job_leases import JobLeases, Release
@@ -87,6 +89,9 @@ from timeslice.workflows.job_leases import JobLeases, Release
 # for a request it never had (two events and a workflow task of the job an epoch, and the
 # group's signal and task).
 JOB_PROTOCOL_V5 = "job-protocol-v5"
+# workflow.patched id: a lease of the workflow's that every rank refused before any work
+# (GrantNotHeld) is asked for again and the activity run again, instead of a rewind.
+REFUSED_GRANTS_ASKED_AGAIN = "refused-grants-asked-again"
 
 _NO_RETRY = RetryPolicy(maximum_attempts=1)
 # A phase that waits for its lease without a limit still needs an activity time-out; its
@@ -715,10 +720,27 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
         """Run ``activity`` on every rank's process at once; any failure fails the phase, and
         so does the loss of a lease this workflow holds (the work stops before it goes on).
 
+        A lease of this workflow's that every rank refused before any work (``GrantNotHeld``:
+        the group's holder is another) costs no failure: the workflow asks the group about
+        its request again (a grant the group never made is counted as forged, and the real
+        one waited for; one that ended is asked for anew) and runs the activity again, under
+        the leases it holds now (``_with_current_leases``).
+
         Raises:
             PhaseFailed: A rank failed, its result did not parse, or a held lease was lost.
             ApplicationError: A failure in ``_ENDS_THE_JOB``: the job fails.
         """
+        while True:
+            try:
+                return await self._on_all_ranks_once(activity, arg, result_type, timeout_s, summary)
+            except GrantRefused:
+                await self._ask_again_for_refused_leases()
+                arg = self._with_current_leases(arg)
+
+    async def _on_all_ranks_once(
+        self, activity: str, arg: Any, result_type: type[R], timeout_s: float, summary: str
+    ) -> list[R]:
+        """One run of ``activity`` on every rank (``_on_all_ranks``)."""
         cfg = self._config
         tasks = [
             asyncio.ensure_future(
@@ -742,6 +764,15 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
         try:
             lost = await self._first_lost(gathered, held)
             if lost is not None:
+                # Lost before any renewal found it held: perhaps a grant no group made, which
+                # the processes refuse before any work (their refusal may come second).
+                never_held = all(
+                    not self._leases.confirmed(lease)
+                    for lease in held
+                    if self._leases.lost(lease) is not None
+                )
+                if never_held and await self._every_rank_refused(tasks):
+                    raise GrantRefused(lost)
                 await self._cancel_all(tasks, gathered)
                 raise PhaseFailed(f"{lost}; the job's work under it was stopped")
             raws = await gathered
@@ -750,6 +781,8 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
                 await self._cancel_all(tasks, gathered)
             raise
         except ActivityError as err:
+            if held and refused_grant(err) and await self._every_rank_refused(tasks):
+                raise GrantRefused(failure_text(err)) from None
             await self._cancel_all(tasks, gathered)
             ending = ending_the_job(err, cfg.job_id)
             if ending is not None:
@@ -762,6 +795,52 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
             ]
         except InvalidResult as err:
             raise PhaseFailed(f"InvalidResult: {err}") from None
+
+    async def _every_rank_refused(self, tasks: list[asyncio.Future[Any]]) -> bool:
+        """Whether every rank refused a lease of this workflow's before any work
+        (``GrantNotHeld``), waiting for each: a rank that ran, or failed otherwise, makes it a
+        failure of the phase. Histories from before this replay as they ran (a rewind)."""
+        if not workflow.patched(REFUSED_GRANTS_ASKED_AGAIN):
+            return False
+        await workflow.wait(tasks)  # a forged grant is refused by every rank at once
+        refused = all(
+            not t.cancelled() and refused_grant(t.exception())  # type: ignore[arg-type]
+            for t in tasks
+        )
+        return refused
+
+    async def _ask_again_for_refused_leases(self) -> None:
+        """After its processes refused a lease of this workflow's (``GrantRefused``): ask the
+        group again about each lease no renewal has confirmed; one still queued waits for its
+        real grant, one that ended is asked for anew."""
+        for group_id, lease in list(self._ledger.held.items()):
+            if self._leases.confirmed(lease):
+                continue
+            checked = await self._leases.recheck(lease, self._config.acquire_timeout_s)
+            if checked is not None:
+                self._ledger.hold(checked, key=self._leases.key_of(checked), now=workflow.now())
+                continue
+            self._ledger.released(group_id)
+            await self._acquire(group_id, "the lease again")
+
+    def _with_current_leases(self, value: Any) -> Any:
+        """``value`` (an activity's input) with each lease of this workflow's it names
+        replaced by the one the workflow holds on that group now."""
+        if isinstance(value, LeaseOrder):
+            current = self._ledger.held_order(value.group_id)
+            return current if value.held_by == "workflow" and current is not None else value
+        if isinstance(value, list):
+            return [self._with_current_leases(item) for item in value]
+        if not isinstance(value, BaseModel):
+            return value
+        changed = {
+            name: new
+            for name in type(value).model_fields
+            if (new := self._with_current_leases(getattr(value, name))) is not getattr(value, name)
+        }
+        if isinstance(value, PrepareInput):
+            changed["lease_keys"] = self._ledger.held_keys()
+        return value.model_copy(update=changed) if changed else value
 
     async def _first_lost(self, work: asyncio.Future[Any], held: list[GrantNotice]) -> str | None:
         """Wait for ``work``; if one of the ``held`` leases is lost first, why (else None)."""

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from timeslice.protocol.group import explain_validation_error
+from timeslice.protocol.rl_job import GRANT_NOT_HELD
 
 # Failures that waiting or rewinding would not change (a phase's own acquire timing out, a
 # faulted job, a bad config, a job process of another release): the job fails at once, with
@@ -63,6 +64,25 @@ class PhaseFailed(Exception):
     checkpoint."""
 
 
+class GrantRefused(PhaseFailed):
+    """Every rank refused a lease of the workflow's before any work (``GrantNotHeld``): the
+    group's holder is another. Nothing ran; the workflow asks the group again."""
+
+
+def refused_grant(err: BaseException | None) -> bool:
+    """Whether ``err`` is an activity's refusal of the lease it was handed, before any work
+    (``GRANT_NOT_HELD``).
+
+    Args:
+        err: What an activity ended in (None: it completed).
+
+    Returns:
+        True for an ``ActivityError`` whose cause is a ``GrantNotHeld`` failure.
+    """
+    cause = err.cause if isinstance(err, ActivityError) else None
+    return isinstance(cause, ApplicationError) and cause.type == GRANT_NOT_HELD
+
+
 class InvalidResult(Exception):
     """An activity's result did not parse."""
 
@@ -99,9 +119,11 @@ def validated(model: type[R], raw: Any, what: str) -> R:
 
 
 __all__ = [
+    "GrantRefused",
     "InvalidResult",
     "PhaseFailed",
     "ending_the_job",
     "failure_text",
+    "refused_grant",
     "validated",
 ]

@@ -235,6 +235,7 @@ class LeaseLedger(BookPiece):
         *,
         parked: bool,
         granted_at: datetime | None = None,
+        memory_bytes: int | None = None,
     ) -> GrantNotice:
         """The grant notice for ``request``, signed with its key hash, which only this group
         and the requester know: a notice anyone else sends (``status`` shows request ids and
@@ -247,6 +248,8 @@ class LeaseLedger(BookPiece):
             fault: why it was refused (its job is faulted), or None for a grant.
             parked: it goes as a parked update's result.
             granted_at: the group's time of the grant, which the client's validity counts from.
+            memory_bytes: the group's declared memory, for a requester whose moves go through
+                a device room (``Residency.memory_for``).
 
         Returns:
             The notice with its proof.
@@ -267,6 +270,7 @@ class LeaseLedger(BookPiece):
             if parked or request.reply_task_queue is not None
             else None,
             granted_at=granted_at,
+            memory_bytes=memory_bytes,
         )
         return prove_notice(notice, request.key_hash)
 
@@ -319,7 +323,7 @@ class LeaseLedger(BookPiece):
             and hmac.compare_digest(lease_key_hash(key), holder.request.key_hash)
         )
 
-    def unconfirmed(self, token: int, now: datetime) -> None:
+    def unconfirmed(self, token: int, now: datetime, *, from_grant: bool = False) -> None:
         """A grant whose delivery ended in an outcome anyone could have sent (a failure, an
         answer without the key): it may have been taken, so the lease is not ended on that
         word; the holder confirms it by renewing or releasing within ``grant_ack_timeout_s``,
@@ -328,10 +332,16 @@ class LeaseLedger(BookPiece):
         Args:
             token: the fencing token the grant was issued under.
             now: when its delivery ended.
+            from_grant: the window counts from the grant (a process bounds its use of a grant
+                taken by activity by the grant's time plus ``confirm_within_s``), so a
+                delivery that ran out adds nothing; False: from ``now`` (groups that started
+                before ``bounded-grant-delivery``).
         """
         holder = self.state.holder
         if holder is not None and holder.token == token and not holder.delivered:
-            holder.confirm_by = now + timedelta(seconds=self.config.grant_ack_timeout_s)
+            window = timedelta(seconds=self.config.grant_ack_timeout_s)
+            start = holder.granted_at if from_grant else now
+            holder.confirm_by = max(now, start + window)
 
     def deadline(self) -> datetime | None:
         """The earliest time the lease runs out or its grant goes unconfirmed too long.

@@ -8,7 +8,8 @@ needs the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from timeslice.protocol.group import (
@@ -34,8 +35,12 @@ class SwitchPlan:
     restore: bool = False
     restores_itself: bool = False
     # The resident's eviction runs beside the grant (both states fit in the group's declared
-    # memory): nobody waits for it, and a later request that does not fit beside it does.
+    # memory, or the switch streams): nobody waits for it, and a later request that does not
+    # fit beside it (and does not stream) does.
     overlapped: bool = False
+    # The grant does not wait for an eviction although the device cannot hold both jobs'
+    # states: the next job's restore takes room on the node as the eviction frees it.
+    streamed: bool = False
 
     @property
     def moves(self) -> bool:
@@ -57,8 +62,23 @@ class SwitchDone:
     waited_for: ResidentJob | None
 
 
+def _always() -> bool:
+    """A gate outside a workflow (unit tests, the planner): every decision is the new one.
+
+    Returns:
+        True.
+    """
+    return True
+
+
+@dataclass(eq=False)
 class Residency(BookPiece):
     """The group's device: the resident job, an eviction under way, saved and faulted jobs."""
+
+    # Asked before a switch streams (a decision that differs from waiting for the eviction):
+    # the workflow answers with workflow.patched, so groups that started before streamed
+    # switches replay as they ran.
+    stream_gate: Callable[[], bool] = field(default=_always, repr=False)
 
     def is_resident(self, job_id: str) -> bool:
         """Whether the job's state is on the device (and no eviction of it is under way).
@@ -126,6 +146,72 @@ class Residency(BookPiece):
             and resident.state_bytes + request.state_bytes <= memory
         )
 
+    def room_of(self, request: AcquireRequest) -> str | None:
+        """The device room every queue of the request's snapshot target moves through.
+
+        Args:
+            request: A request.
+
+        Returns:
+            The room's id, or None if it names none or more than one.
+        """
+        target = request.snapshot
+        rooms = {q.room for q in target.queues} if target is not None else set()
+        return rooms.pop() if len(rooms) == 1 else None
+
+    def streams(self, resident: ResidentJob | None, request: AcquireRequest) -> bool:
+        """Whether ``resident``'s eviction and ``request``'s restore may run at once although
+        the device does not hold both: every queue of both jobs moves through one device room
+        (``snapshot/device_room.py``: the restore takes room chunk by chunk as the eviction
+        frees it, never past the group's declared memory), and the request's state fits in
+        that memory alone.
+
+        Args:
+            resident: the job on the device (or on its way out).
+            request: the request to be granted.
+
+        Returns:
+            True if so (only for groups that started with streamed switches or after).
+        """
+        memory = self.config.memory_bytes
+        room = self.room_of(request)
+        if (
+            memory is None
+            or room is None
+            or resident is None
+            or resident.snapshot is None
+            or request.state_bytes is None
+            or request.state_bytes > memory
+            or {q.room for q in resident.snapshot.queues} != {room}
+        ):
+            return False
+        return self.stream_gate()
+
+    def overlaps(self, resident: ResidentJob | None, request: AcquireRequest) -> bool:
+        """Whether ``resident``'s eviction may run beside ``request``'s grant and restore:
+        both states fit, or the switch streams.
+
+        Args:
+            resident: the job on the device (or on its way out).
+            request: the request to be granted.
+
+        Returns:
+            True if nobody need wait for the eviction.
+        """
+        return self.both_fit(resident, request) or self.streams(resident, request)
+
+    def memory_for(self, request: AcquireRequest) -> int | None:
+        """What a grant tells ``request`` of the group's memory: the declared bytes if its
+        target names a device room (the room holds its restores to them), else nothing.
+
+        Args:
+            request: The request granted.
+
+        Returns:
+            Bytes, or None.
+        """
+        return self.config.memory_bytes if self.room_of(request) is not None else None
+
     def eviction_to_await(self, request: AcquireRequest) -> ResidentJob | None:
         """A previous holder still moving its state out, that ``request`` must wait for.
 
@@ -140,7 +226,7 @@ class Residency(BookPiece):
             return None
         if evicting.job_id == request.job_id:
             return evicting  # its own state is still on its way out: restore after
-        if self.both_fit(evicting, request):
+        if self.overlaps(evicting, request):
             return None
         return evicting
 
@@ -169,7 +255,15 @@ class Residency(BookPiece):
             # Granted at once; the holder restores its own state before it uses the group.
             state.evicted_jobs.remove(request.job_id)
             restore = False
-        overlapped = evict is not None and state.evicting is None and self.both_fit(evict, request)
+        overlapped = evict is not None and state.evicting is None and self.overlaps(evict, request)
+        # Streamed: beside the resident's eviction here, or a holder's own still under way.
+        beside = evict if overlapped else state.evicting
+        streamed = (
+            beside is not None
+            and beside.job_id != request.job_id
+            and not self.both_fit(beside, request)
+            and self.streams(beside, request)
+        )
         if overlapped:
             assert evict is not None
             state.evicting = evict
@@ -177,7 +271,11 @@ class Residency(BookPiece):
             state.resident = None
             self.note_evicted(evict.job_id)
         return SwitchPlan(
-            evict=evict, restore=restore, restores_itself=restores_itself, overlapped=overlapped
+            evict=evict,
+            restore=restore,
+            restores_itself=restores_itself,
+            overlapped=overlapped,
+            streamed=streamed,
         )
 
     def settle(self, request: AcquireRequest, fault: str | None) -> None:

@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+from timeslice.snapshot.simulated import DEFAULT_CHUNK_BYTES
+
 if TYPE_CHECKING:
     import torch
 
@@ -421,24 +423,32 @@ class SimulatedOptions(WorkloadOptions):
     sync_bytes: float | None = option(
         None, "async mode: bytes a weights sync moves (default: state_bytes)"
     )
+    chunk_bytes: float = option(
+        DEFAULT_CHUNK_BYTES, "bytes a move streams at a time through a device room, >= 1"
+    )
+    residency_trace: str = option(
+        "", "a file each chunk's arrival on and departure from the device is appended to"
+    )
 
     def _check(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float | int) and not isinstance(value, bool):
                 self._need(math.isfinite(value) and value >= 0, f.name, "a finite number >= 0")
+        self._need(self.chunk_bytes >= 1, "chunk_bytes", "a number >= 1")
 
     def seconds_and_bytes(self) -> dict[str, float]:
         """Every number, defaults filled in (``restore_s`` from ``snapshot_s``, ``sync_bytes``
         from ``state_bytes``).
 
         Returns:
-            Option name to value, for every option but ``shared_state``.
+            Option name to value, for every option but ``shared_state`` and
+            ``residency_trace``.
         """
         values = {
             f.name: float(getattr(self, f.name))
             for f in dataclasses.fields(self)
-            if f.name not in ("shared_state", "restore_s", "sync_bytes")
+            if f.name not in ("shared_state", "residency_trace", "restore_s", "sync_bytes")
         }
         values["restore_s"] = self.snapshot_s if self.restore_s is None else self.restore_s
         values["sync_bytes"] = self.state_bytes if self.sync_bytes is None else self.sync_bytes

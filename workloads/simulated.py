@@ -3,7 +3,9 @@
 For benchmarks and utilization studies: nothing is computed, but each phase takes its configured
 duration, and every switch moves a simulated state of configured size and time. Options (all
 optional): ``sample_s`` 1.0, ``reward_s`` 1.5, ``train_s`` 0.5, ``state_bytes`` 0 (per state),
-``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``), ``shared_state`` false.
+``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``), ``shared_state`` false,
+``chunk_bytes`` (a move's chunk, 64 MiB), ``residency_trace`` (a file each chunk's arrival on
+and departure from a device is appended to, for tests: ``SimulatedBackend``'s ``trace``).
 
 It also runs as an async job (``"mode": "async"``): the sampler holds its lease ``sample_s`` per
 batch, scoring takes ``reward_s``, the trainer holds its lease ``train_s`` per step; publishing
@@ -34,6 +36,9 @@ def parse_options(options: dict[str, Any]) -> dict[str, float]:
     """The options with their defaults (:class:`~timeslice.workloads.options.SimulatedOptions`
     lists them); ValueError naming an unknown option or a value that is not a number >= 0."""
     return SimulatedOptions.parse(options).seconds_and_bytes()
+
+
+RESIDENCY_TRACE = "residency_trace"
 
 
 class SimulatedWorkload(AsyncWorkload):
@@ -84,11 +89,14 @@ class SimulatedWorkload(AsyncWorkload):
         self._options = parse_options(spec.options)
         self._spec = spec
         sampler, trainer = self.state_names(spec.options)
+        trace = spec.options.get(RESIDENCY_TRACE)
         self._backends = {
             name: SimulatedBackend(
                 nbytes=int(self._options["state_bytes"]),
                 snapshot_s=self._options["snapshot_s"],
                 restore_s=self._options["restore_s"],
+                chunk_bytes=int(self._options["chunk_bytes"]),
+                trace=Path(trace) if trace else None,
             )
             for name in dict.fromkeys([*sampler, *trainer])
         }

@@ -34,9 +34,16 @@ from timeslice.protocol.group import (
     DELIVER_GRANT_ACTIVITY,
     GrantAck,
     GrantNotice,
+    GroupQuery,
+    GroupStatus,
+    GroupUpdate,
+    RenewRequest,
+    RenewResult,
+    group_workflow_id,
     lease_key_hash,
     notice_is_proven,
 )
+from timeslice.transport.updates import send_update
 
 log = logging.getLogger("timeslice.grants")
 
@@ -51,6 +58,55 @@ LATE_GRANT_S = 1.0
 # An activity that reaches its handler with less than this left of its start-to-close time may
 # complete too late for the group to count it: it is declined instead of used.
 DELIVERY_MARGIN_S = 5.0
+
+
+async def _ask_the_group(
+    notice: GrantNotice, key: str, grant: Grant
+) -> tuple[bool | None, float | None]:
+    """Whether the group itself holds what a proven ``notice`` says, asked before the notice
+    is used: a notice's proof is made from the request's key hash, which a reader of the
+    group's history sees (docs/security.md). A grant: a renewal under ``key`` (which also
+    confirms it at the group: the lease is then valid until the renewal's sending plus its
+    TTL). A fault: is the job faulted there? None (and the notice is taken on its proof, as
+    before) when the group does not answer within what is left of the delivery's window.
+
+    Returns:
+        (held, the lease's local validity from the renewal, if one was answered)
+    """
+    workflow_id = group_workflow_id(notice.group_id)
+    within_s = 2.0
+    if grant.confirm_by is not None:
+        within_s = grant.confirm_by - delivery_margin(grant) - time.monotonic()
+    if within_s < 0.2:
+        return None, None
+    sent = time.monotonic()
+    try:
+        client = activity.client()
+        if notice.fault is not None:
+            status = await asyncio.wait_for(
+                client.get_workflow_handle(workflow_id).query(
+                    GroupQuery.STATUS, result_type=GroupStatus
+                ),
+                within_s,
+            )
+            return notice.job_id in status.faulted_jobs, None
+        renewed = await asyncio.wait_for(
+            send_update(
+                client,
+                workflow_id,
+                GroupUpdate.RENEW,
+                RenewRequest(request_id=notice.request_id, token=notice.token, key=key),
+                RenewResult,
+                give_up_after_s=within_s,
+            ),
+            within_s,
+        )
+    except Exception as err:  # no answer proves nothing: the grant is taken on its proof
+        log.warning("could not ask group %r about its grant: %s", notice.group_id, err)
+        return None, None
+    if not renewed.valid:
+        return False, None
+    return True, sent + renewed.ttl_s
 
 
 def local_time_of(instant: datetime, *, wall_now: datetime, mono_now: float) -> float:
@@ -73,6 +129,9 @@ class Grant:
     taken_at: float
     granted_at: float | None
     confirm_by: float | None
+    # A renewal this process sent as it took the grant found it held: valid until then, with
+    # no confirmation to wait for (a grant taken by activity: see GrantInbox.deliver_grant).
+    confirmed_until: float | None = None
 
     @property
     def age_s(self) -> float | None:
@@ -100,13 +159,27 @@ def _grant_from_activity(notice: GrantNotice, info: activity.Info) -> Grant:
     mono_now, wall_now = time.monotonic(), datetime.now(UTC)
     made = notice.granted_at or info.current_attempt_scheduled_time
     granted = local_time_of(made, wall_now=wall_now, mono_now=mono_now)
-    # The group counts the grant taken once this activity completes; it ends it as undelivered
-    # if the activity times out first, at its start-to-close time.
-    confirm_by = None
+    # The group counts the grant taken once this activity completes with this process's
+    # answer, or once the holder renews; it may end it as undelivered when the activity times
+    # out (its start-to-close time), and when the grant is confirm_within_s old without
+    # either (an outcome anyone could have sent ends nothing sooner): the earlier bounds it.
+    bounds = []
     if info.start_to_close_timeout is not None:
         started = local_time_of(info.started_time, wall_now=wall_now, mono_now=mono_now)
-        confirm_by = started + info.start_to_close_timeout.total_seconds()
+        bounds.append(started + info.start_to_close_timeout.total_seconds())
+    if notice.confirm_within_s is not None:
+        bounds.append(granted + notice.confirm_within_s)
+    confirm_by = min(bounds) if bounds else None
     return Grant(notice=notice, taken_at=mono_now, granted_at=granted, confirm_by=confirm_by)
+
+
+def delivery_margin(grant: Grant) -> float:
+    """How long before its ``confirm_by`` a grant taken by activity is declined rather than
+    used: its answer might reach the group too late. ``DELIVERY_MARGIN_S``, or a third of the
+    grant's window where that is shorter (a group with a short ``grant_ack_timeout_s``)."""
+    if grant.granted_at is None or grant.confirm_by is None:
+        return DELIVERY_MARGIN_S
+    return min(DELIVERY_MARGIN_S, max(0.0, grant.confirm_by - grant.granted_at) / 3)
 
 
 def with_ask_bound(grant: Grant, asked: float) -> Grant:
@@ -168,8 +241,12 @@ class GrantInbox:
         # declined with the key, so the group ends it at once.
         self._withdrawn: OrderedDict[str, str] = OrderedDict()
         self._closed: BaseException | None = None
-        # Notices dropped because their proof was missing or wrong.
+        # Notices dropped because their proof was missing or wrong (or, for a fault, because
+        # the group had not faulted the job).
         self.forged = 0
+        # Grants with a good proof that the group did not hold when they came: made by a reader
+        # of the group's history (docs/security.md), or given up by the group meanwhile.
+        self.not_held = 0
 
     def expect(self, request_id: str, key: str) -> asyncio.Future[Grant]:
         """Wait for the grant of ``request_id``, whose lease key is ``key``: only a notice
@@ -272,6 +349,30 @@ class GrantInbox:
             return None
         return key
 
+    def _waits_for(self, notice: GrantNotice) -> bool:
+        expected = self._waiting.get(notice.request_id)
+        return expected is not None and not expected.future.done()
+
+    def _not_the_groups(self, notice: GrantNotice) -> GrantAck:
+        """A proven notice the group itself disowns (its holder is another, or the job is not
+        faulted there): dropped, never answered with the key; the wait goes on."""
+        if notice.fault is not None:
+            self.forged += 1  # a group that refused a job faults it first: no group made it
+        else:
+            self.not_held += 1
+        log.warning(
+            "dropped a %s of group %r for request %r (token %s): its proof holds, but the "
+            "group %s; still waiting for the request's own grant",
+            "fault notice" if notice.fault is not None else "grant",
+            notice.group_id,
+            notice.request_id,
+            notice.token,
+            "has not faulted this job"
+            if notice.fault is not None
+            else "does not hold it (a grant no group made, or one it has given up)",
+        )
+        return GrantAck(accepted=False)
+
     def lose(self, request_id: str, why: str) -> None:
         """End the wait for ``request_id``: its grant came, but too late to be used."""
         expected = self._waiting.get(request_id)
@@ -291,7 +392,7 @@ class GrantInbox:
             key is not None
             and notice.fault is None
             and grant.confirm_by is not None
-            and grant.taken_at > grant.confirm_by - DELIVERY_MARGIN_S
+            and grant.taken_at > grant.confirm_by - delivery_margin(grant)
         ):
             # This process was paused (or stalled) while the task waited for it: its answer
             # might reach the group after the activity timed out, when the group has already
@@ -312,6 +413,12 @@ class GrantInbox:
                 "waiter; acquire again",
             )
             return GrantAck(accepted=False, key=key)
+        if key is not None and self._waits_for(notice):
+            held, confirmed_until = await _ask_the_group(notice, key, grant)
+            if held is False:
+                return self._not_the_groups(notice)
+            if confirmed_until is not None:
+                grant = dataclasses.replace(grant, confirmed_until=confirmed_until)
         delivery = self.accept(grant)
         if delivery is Delivery.UNWANTED and notice.fault is None:
             activity.logger.info(

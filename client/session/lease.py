@@ -28,11 +28,15 @@ class Lease:
         confirm_within_s: For a grant taken from a parked update: the group takes the holder
             for dead unless a renewal or the release comes within this many seconds.
         asked_at: When the request was sent (``time.monotonic()``).
-        revoked_reason: Why the group revoked it, once it did; None while it did not.
+        revoked_reason: Why it is lost: the group revoked it, or this process could not renew
+            it before its local validity ran out (the group may then still hold it until its
+            TTL, and a release ends it as usual); None while neither happened.
         released: Whether this process let it go (released, or gave it up).
         valid_until: Until when it is held for certain (``time.monotonic()``): from the grant's
             own time, then from when each renewal was sent, so it always ends before the
             group's own expiry (docs/architecture.md, "Local validity").
+        memory_bytes: The group's declared device memory, if the request named a device room
+            (what the room holds this holder's restores to); None otherwise.
     """
 
     group_id: str
@@ -50,6 +54,9 @@ class Lease:
     # The secret the lease's release and renewals present; never shown.
     key: str = field(default="", repr=False)
     revoked_reason: str | None = None
+    # The group itself said the lease is gone (a renewal answered not valid), as opposed to
+    # renewals that went unanswered here.
+    revoked_by_group: bool = field(default=False, repr=False)
     released: bool = False
     # A release of it is on its way to the group: a renewal the group answers after that
     # release found the lease ended by it, which is no revocation.
@@ -58,6 +65,7 @@ class Lease:
     # (never past the group's deadline for confirming it), then from when each renewal was
     # *sent*, so it always ends before the group's own expiry (docs/architecture.md).
     valid_until: float = 0.0
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.valid_until:

@@ -44,6 +44,7 @@ from timeslice.errors import (
     LeaseRevokedError,
     NoControlWorkerError,
     NotHolderError,
+    RateLimitedError,
     ServerUnreachableError,
     SnapshotFailedError,
     TimesliceError,
@@ -52,6 +53,7 @@ from timeslice.errors import (
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
     GROUP_KEY,
+    RATE_LIMITED,
     AcquireAnswer,
     AcquireCall,
     AcquireOutcome,
@@ -114,6 +116,15 @@ def _orphan_withdraw_s(timeout: float | None) -> float:
         ORPHAN_WITHDRAW_S if timeout is None else max(WITHDRAW_S, min(timeout, ORPHAN_WITHDRAW_S))
     )
 
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a task's outcome as read: what it ended with is of no interest to anyone."""
+    if not task.cancelled():
+        task.exception()
+
+
+# Updates of this process on their way into one group at once (see LeaseSession._gate).
+UPDATES_ENTERING = 2
 
 # How long close() waits for acquires that other threads are waiting in to end.
 CLOSE_ACQUIRES_S = WITHDRAW_S + 2.0
@@ -192,6 +203,11 @@ class LeaseSession:
         # Acquires under way: close() ends them (ClientClosedError) and waits for them.
         self._acquiring: set[asyncio.Task[Any]] = set()
         self._known_groups: set[str] = set()
+        # group id -> until when (monotonic) it told this process to send it nothing it could
+        # refuse (per-caller fairness): every thread's calls wait, a try-lock raises.
+        self._quiet_until: dict[str, float] = {}
+        self._quiet_why: dict[str, str] = {}  # the group's word for it, repeated to every call
+        self._gates: dict[str, asyncio.Semaphore] = {}
         self._closed = False
         # group id -> its lease's (timeslice.lease, timeslice.hold) spans, ended by release
         self._spans: dict[str, tuple[Span, Span]] = {}
@@ -423,12 +439,14 @@ class LeaseSession:
             raise await self._not_answering(
                 group_id, f"acquire {group_id}: the group took no request in {timeout} s"
             )
-        await self._withdraw(group_id, rid)
         if timeout == 0:
+            # A try-lock the group answered without a grant queued nothing (only_if_free):
+            # nothing to withdraw, and one update a try-lock, not two.
             raise AcquireTimeoutError(
                 f"group {group_id!r} is held or has waiters: not granted to job "
                 f"{self.job_id} (timeout=0 only takes a free group)"
             )
+        await self._withdraw(group_id, rid)
         raise AcquireTimeoutError(
             f"group {group_id!r} was not granted to job {self.job_id} within {timeout} s; "
             "the request was withdrawn"
@@ -450,9 +468,14 @@ class LeaseSession:
             confirm_within_s=notice.confirm_within_s,
             asked_at=asked,
             key=key,
+            memory_bytes=notice.memory_bytes,
         )
         valid_until = validity_if_fresh(grant, notice.ttl_s)
-        if valid_until is not None:
+        if grant.confirmed_until is not None:
+            # Confirmed by a renewal as it was taken (a grant by activity): held until then.
+            lease.valid_until = grant.confirmed_until
+            lease.confirm_within_s = None
+        elif valid_until is not None:
             # The fast path: no round trip. Valid from the grant's own time, and never past
             # the group's deadline for confirming it (the first renewal comes well before).
             lease.valid_until = valid_until
@@ -523,6 +546,10 @@ class LeaseSession:
         while not granted.done():
             try:
                 answer = await self._send_ask(group_id, call, accepted)
+            except RateLimitedError:
+                if call.only_if_free:
+                    raise  # a try-lock is told at once: the group wants no more of them now
+                continue  # the next ask waits out the group's quiet time
             except RPCError as err:
                 if granted.done():
                     # The grant came another way (its activity) while this ask was in flight:
@@ -543,7 +570,21 @@ class LeaseSession:
         self, group_id: str, call: AcquireCall, accepted: asyncio.Event
     ) -> AcquireAnswer:
         """One ``acquire`` update, parked until the group answers. A refusal by the group
-        becomes a typed error; an RPC failure is raised as it came, for :meth:`_ask`."""
+        becomes a typed error; an RPC failure is raised as it came, for :meth:`_ask`. While
+        the group wants nothing more of this caller, a try-lock is refused here, without a
+        call, and any other ask waits."""
+        await self._quiet(group_id, fail=call.only_if_free)
+        gate = self._gate(group_id)
+        await gate.acquire()
+        admitted = False
+
+        def taken() -> None:  # a parked ask leaves the gate once the group took it
+            nonlocal admitted
+            accepted.set()
+            if not admitted:
+                admitted = True
+                gate.release()
+
         try:
             return await send_update(
                 self._client_now(),
@@ -553,9 +594,12 @@ class LeaseSession:
                 AcquireAnswer,
                 wait_for_completion=False,  # it parks until granted
                 on_slow=self._check_control_worker,
-                on_accepted=accepted.set,
+                on_accepted=taken,
             )
         except WorkflowUpdateFailedError as err:
+            limited = self._limited(err, group_id)
+            if limited is not None:
+                raise limited from err
             cause = err.cause
             if isinstance(cause, ApplicationError) and cause.type == UNPROCESSED_UPDATE:
                 raise GroupNotAnsweringError(
@@ -565,6 +609,21 @@ class LeaseSession:
             raise InvalidArgumentError(
                 f"group {group_id!r} refused the request: {err.cause or err}"
             ) from err
+        finally:
+            if not admitted:
+                admitted = True
+                gate.release()
+
+    def _gate(self, group_id: str) -> asyncio.Semaphore:
+        """What bounds this process's updates on their way into ``group_id`` (every one but
+        the holder's renewals and releases): ``UPDATES_ENTERING``. Temporal takes at most 10
+        updates in flight per workflow and refuses the rest, which then retry: a process that
+        sent more from many threads would crowd out everyone else's, a holder's renewals
+        among them (docs/security.md, per-caller fairness)."""
+        gate = self._gates.get(group_id)
+        if gate is None:
+            gate = self._gates[group_id] = asyncio.Semaphore(UPDATES_ENTERING)
+        return gate
 
     async def _answered(
         self,
@@ -654,18 +713,65 @@ class LeaseSession:
         *,
         give_up_after_s: float | None = None,
     ) -> T:
-        return await self.retries.call(
-            what,
-            lambda: send_update(
-                self._client_now(),
-                group_workflow_id(group_id),
-                name,
-                arg,
-                result_type,
-                give_up_after_s=give_up_after_s or UPDATE_GIVE_UP_S,
-            ),
-            group_id=group_id,
-        )
+        """Send an update (retried as ``retries`` says); one the group refuses for this
+        caller's rate is sent again once its quiet time is over, within ``give_up_after_s``."""
+        give_up_s = give_up_after_s or UPDATE_GIVE_UP_S
+        deadline = time.monotonic() + give_up_s
+        gate = self._gate(group_id)
+
+        async def send() -> T:
+            async with gate:
+                return await send_update(
+                    self._client_now(),
+                    group_workflow_id(group_id),
+                    name,
+                    arg,
+                    result_type,
+                    give_up_after_s=give_up_s,
+                )
+
+        while True:
+            await self._quiet(group_id, deadline=deadline)
+            try:
+                return await self.retries.call(what, send, group_id=group_id)
+            except WorkflowUpdateFailedError as err:
+                limited = self._limited(err, group_id)
+                if limited is None:
+                    raise
+                if time.monotonic() + limited.retry_after_s > deadline:
+                    raise limited from err
+
+    def _limited(self, err: WorkflowUpdateFailedError, group_id: str) -> RateLimitedError | None:
+        """The group's refusal of an update for this caller's rate, as a typed error (and
+        the group's quiet time noted), or None for any other failure."""
+        cause = err.cause
+        if not (isinstance(cause, ApplicationError) and cause.type == RATE_LIMITED):
+            return None
+        details = cause.details
+        wait_s = details[0] if details and isinstance(details[0], int | float) else 1.0
+        wait_s = min(max(float(wait_s), 0.0), 60.0)
+        until = time.monotonic() + wait_s
+        if until > self._quiet_until.get(group_id, 0.0):
+            self._quiet_until[group_id] = until
+            self._quiet_why[group_id] = cause.message
+        return RateLimitedError(cause.message, retry_after_s=wait_s)
+
+    async def _quiet(
+        self, group_id: str, *, fail: bool = False, deadline: float | None = None
+    ) -> None:
+        """Wait out the quiet time ``group_id`` asked of this caller (none: return at once);
+        with ``fail``, raise ``RateLimitedError`` instead of waiting, and past ``deadline``
+        too."""
+        left = self._quiet_until.get(group_id, 0.0) - time.monotonic()
+        if left <= 0:
+            return
+        if fail or (deadline is not None and time.monotonic() + left > deadline):
+            raise RateLimitedError(
+                f"not sent: {left:.2f} s more to wait for group {group_id!r}, which said: "
+                f"{self._quiet_why.get(group_id, 'send less')}",
+                retry_after_s=left,
+            )
+        await asyncio.sleep(left)
 
     async def _depart(self, group_id: str) -> None:
         key = self.last_keys.get(group_id)
@@ -757,7 +863,11 @@ class LeaseSession:
                 ),
                 within_s,
             )
-        except (RPCError, TimesliceError, WorkflowUpdateFailedError, TimeoutError) as err:
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:
+                log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)
+            # No such group: the request never reached one (closed while it was created).
+        except (TimesliceError, WorkflowUpdateFailedError, TimeoutError) as err:
             log.warning("could not withdraw request %s from %s: %s", request_id, group_id, err)
 
     def resolve_lease(self, lease: Lease | None) -> Lease:
@@ -814,14 +924,24 @@ class LeaseSession:
         )
         if answer.valid and not answer.released:
             return True
-        if lease.revoked_reason is None and not answer.valid:
+        if answer.valid and not lease.revoked_by_group:
+            # The group held the lease until this release, whatever this process's renewals
+            # met meanwhile (a storm, a control worker down): released, not revoked.
+            if lease.revoked_reason is not None:
+                log.warning(
+                    "released %s (token %s), which the group still held though this process "
+                    "had stopped renewing it: %s",
+                    lease.group_id,
+                    lease.token,
+                    lease.revoked_reason,
+                )
+            return False
+        if lease.revoked_reason is None:
             lease.revoked_reason = "the group no longer held it when it was released"
-        if lease.revoked_reason is not None:
-            raise LeaseRevokedError(
-                f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "
-                f"{lease.revoked_reason}"
-            )
-        return False
+        raise LeaseRevokedError(
+            f"the lease on {lease.group_id!r} (token {lease.token}) was revoked while held: "
+            f"{lease.revoked_reason}"
+        )
 
     async def release_lease(
         self,
@@ -856,13 +976,21 @@ class LeaseSession:
         async def call() -> ReturnAnswer:
             nonlocal attempts
             attempts += 1
-            return await send_update(
-                self._client_now(),
-                group_workflow_id(lease.group_id),
-                GroupUpdate.RELEASE,
-                ret,
-                ReturnAnswer,
-            )
+            try:
+                return await send_update(
+                    self._client_now(),
+                    group_workflow_id(lease.group_id),
+                    GroupUpdate.RELEASE,
+                    ret,
+                    ReturnAnswer,
+                )
+            except WorkflowUpdateFailedError as err:
+                # A holder's release is never refused for its rate; one of a lease the group
+                # no longer holds may be.
+                limited = self._limited(err, lease.group_id)
+                if limited is None:
+                    raise
+                raise limited from err
 
         try:
             with (
@@ -969,6 +1097,7 @@ class LeaseSession:
                     wait = interval
                     continue
                 lease.revoked_reason = result.reason
+                lease.revoked_by_group = True
                 log.error("lease on %s revoked: %s", lease.group_id, result.reason)
                 return
             lease.valid_until = sent + result.ttl_s
@@ -1016,6 +1145,9 @@ class LeaseSession:
                 task.cancel()
         for ask in list(self._asks):
             ask.cancel()  # a parked wait nobody awaits any more
+            # Its end is nobody's news: the SDK ends a cancelled poll for an update's result
+            # with an error, which asyncio would print as never retrieved.
+            ask.add_done_callback(_retrieved)
         for lease in list(self.held.values()):
             try:
                 await asyncio.wait_for(self.release(lease), timeout=5)

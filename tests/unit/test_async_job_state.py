@@ -16,6 +16,7 @@ from timeslice.protocol import group as g
 from timeslice.protocol import rl_job as r
 from timeslice.protocol.async_rl_job import (
     MAX_STALENESS,
+    AsyncPhaseResult,
     AsyncRLJobConfig,
     AsyncRLJobInput,
     AsyncRLJobProgress,
@@ -24,7 +25,14 @@ from timeslice.protocol.async_rl_job import (
     StepRecord,
     carried_async_input,
 )
-from timeslice.protocol.rl_job import CheckpointRef, EpochTotals, RLJobConfig, RLJobResult
+from timeslice.protocol.rl_job import (
+    CheckpointRef,
+    EpochTotals,
+    PhaseResult,
+    RLJobConfig,
+    RLJobResult,
+)
+from timeslice.workflows.async_pipeline import Pipeline
 
 from tests.unit.test_state_budget import BIG, HUGE, WORST, converted, encrypted, worst_record
 
@@ -120,6 +128,7 @@ def worst_async_input() -> AsyncRLJobInput:
         dropped_batches=LARGE,
         stale_dropped=LARGE,
         staleness_counts=[LARGE] * (MAX_STALENESS + 1),
+        staleness_at_checkpoint=[LARGE] * (MAX_STALENESS + 1),
         syncs=LARGE,
         sync_bytes=LARGE,
         sync_s=HUGE,
@@ -283,3 +292,42 @@ def test_the_async_replay_gives_each_dedicated_job_two_groups_and_bounds_the_tra
     assert bound == pytest.approx({"s0": 1.0, "s1": 1.0, "t": 1.0})
     configs[1]["workload_options"]["sample_s"] = 6.0
     assert replay.async_demand_bound(configs)["t"] == pytest.approx(0.5 + 0.25)
+
+
+def _sampled(batch: int, version: int | None) -> AsyncPhaseResult:
+    phase = PhaseResult(
+        epoch=batch, phase="sample", metrics={}, seconds=0.1, mono_start=0.0, mono_end=0.1
+    )
+    return AsyncPhaseResult(phase=phase, batch=batch, weights_version=version)
+
+
+def test_a_sample_may_use_the_weights_the_step_in_training_publishes_and_no_newer() -> None:
+    """The process may load the weights the trainer's step in hand publishes before the
+    workflow hears the step is done; nothing newer, nothing older than asked, exists."""
+    pipeline = Pipeline(max_staleness=2, sync_every=1, steps=10)
+    state = AsyncRLJobState(epochs_done=3, published=3)
+    assert pipeline.sampled_problem(_sampled(5, 3), state, batch=5, asked=3) is None
+    assert "outside 3..3" in str(pipeline.sampled_problem(_sampled(5, 4), state, batch=5, asked=3))
+    pipeline.training = True  # step 3 in hand publishes version 4
+    assert pipeline.sampled_problem(_sampled(5, 4), state, batch=5, asked=3) is None
+    assert "outside 3..4" in str(pipeline.sampled_problem(_sampled(5, 5), state, batch=5, asked=3))
+    assert "outside 3..4" in str(pipeline.sampled_problem(_sampled(5, 2), state, batch=5, asked=3))
+    assert "batch 6 is not" in str(
+        pipeline.sampled_problem(_sampled(6, 3), state, batch=5, asked=3)
+    )
+    rare = Pipeline(max_staleness=2, sync_every=3, steps=10)  # step 3 publishes nothing
+    rare.training = True
+    assert "outside 3..3" in str(rare.sampled_problem(_sampled(5, 4), state, batch=5, asked=3))
+
+
+def test_a_rewind_takes_back_the_staleness_of_the_steps_it_undid() -> None:
+    state = AsyncRLJobState()
+    state.count_staleness(0)
+    state.checkpointed()
+    state.count_staleness(1)
+    state.count_staleness(0)
+    state.rewound()  # the two steps after the checkpoint are trained again
+    assert state.staleness_counts == [1]
+    legacy = AsyncRLJobState(staleness_counts=[3])  # carried from before the snapshot was kept
+    legacy.rewound()
+    assert legacy.staleness_counts == [3]

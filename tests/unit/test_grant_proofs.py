@@ -209,8 +209,15 @@ def test_the_inbox_drops_a_forged_grant_and_still_takes_the_real_one() -> None:
     asyncio.run(go())
 
 
+def fresh_grant() -> GrantNotice:
+    """A grant made just now (a delivery checks it against its window from the grant's time)."""
+    now = datetime.now(UTC)
+    b = GroupBook(GroupConfig(group_id="g"), GroupState(stats=GroupStats(created_at=now)))
+    return granted(b, request("a"), now)
+
+
 def test_the_inbox_activity_declines_a_forged_grant() -> None:
-    real = granted(new_book(), request("a"), at(0))
+    real = fresh_grant()
 
     async def go() -> None:
         inbox = GrantInbox()
@@ -225,7 +232,7 @@ def test_the_inbox_activity_declines_a_forged_grant() -> None:
 
 def test_the_inbox_answers_with_the_key_only_a_notice_its_group_made() -> None:
     """The key makes an answer the process's own; a forger must never learn it from one."""
-    real = granted(new_book(), request("a"), at(0))
+    real = fresh_grant()
 
     async def go() -> None:
         inbox = GrantInbox()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from datetime import UTC, datetime, timedelta
 
+from temporalio import activity
+from temporalio.testing import ActivityEnvironment
 from timeslice.protocol.group import GrantNotice, lease_key_hash, prove_notice
 from timeslice.session.grants import (
     CLOCK_SKEW_S,
@@ -13,6 +16,8 @@ from timeslice.session.grants import (
     Delivery,
     Grant,
     GrantInbox,
+    _grant_from_activity,
+    delivery_margin,
     grant_from_update,
     local_time_of,
     validity_if_fresh,
@@ -120,3 +125,24 @@ def test_the_ask_bounds_the_grant_time_without_any_clock_agreement():
     # When the group's time is the earlier bound, it stays.
     early = grant_from_update(_notice(granted_at=datetime.now(UTC), confirm_within_s=15.0))
     assert with_ask_bound(early, time.monotonic() + 5.0) is early
+
+
+def test_a_grant_by_activity_is_bounded_by_its_confirmation_window_too():
+    """The group may end a grant taken by activity when the activity times out, and, once an
+    outcome anyone could send left it unconfirmed, when the grant is confirm_within_s old: the
+    process's bound is the earlier of the two (bounded-grant-delivery)."""
+    now = datetime.now(UTC)
+    info: activity.Info = ActivityEnvironment().info
+    info = dataclasses.replace(
+        info,
+        current_attempt_scheduled_time=now,
+        started_time=now,
+        start_to_close_timeout=timedelta(seconds=30),
+    )
+    granted_at = now - timedelta(seconds=2)
+    grant = _grant_from_activity(_notice(granted_at=granted_at, confirm_within_s=4.0), info)
+    assert grant.granted_at is not None and grant.confirm_by is not None
+    assert grant.confirm_by - grant.granted_at == 4.0  # the window, not the 30-s activity
+    assert delivery_margin(grant) == 4.0 / 3  # a short window's margin is a third of it
+    legacy = _grant_from_activity(_notice(granted_at=granted_at), info)  # no window told
+    assert legacy.confirm_by is not None and legacy.confirm_by - legacy.granted_at > 29

@@ -586,3 +586,69 @@ def test_a_preemption_is_the_groups_eviction_of_a_holder_that_never_yielded(
     b.enqueue(request("a", "a:3", snapshot=target("a"), state_bytes=400), at(8))
     assert switch_as_the_group_does(b, at(8)) == "a"
     assert (b.state.stats.evictions, b.state.stats.preemptions) == (2, preemptions)
+
+
+# ---------------------------------------------------------------------------- streamed switches
+
+ROOM = "0123456789abcdef0123456789abcdef"
+
+
+def roomed(job: str, room: str | None = ROOM) -> SnapshotTarget:
+    return SnapshotTarget(queues=[QueueTarget(task_queue=f"q-{job}", backends=["x"], room=room)])
+
+
+def test_a_holder_evicting_itself_is_not_waited_for_when_both_jobs_stream_through_one_room():
+    b = book(memory_bytes=400)  # room for one job's 400 bytes
+    b.enqueue(request("a", snapshot=roomed("a"), state_bytes=400), at(0))
+    grant_next(b, at(0))
+    nxt = request("b", snapshot=roomed("b"), state_bytes=400, restores_itself=True)
+    b.enqueue(nxt, at(1))
+    answer = b.release(
+        LeaseReturn(request_id="a:r", key=key("a:r"), token=1, evicts_itself=True), at(2)
+    )
+    assert answer.evict and b.state.evicting is not None
+    # 400 + 400 > 400, but the restore takes only the room a's eviction frees: no wait.
+    assert b.residency.eviction_to_await(nxt) is None
+    plan = b.residency.plan_switch(nxt)
+    assert plan.streamed and plan.evict is None
+    b.finish_switch(SwitchDone(plan, nxt, at(2), at(2), moved_bytes=0, waited_for=None))
+    assert b.state.stats.streamed_switches == 1
+    # The grant tells the holder the memory its room is held to.
+    waiter = b.take_next(at(2))
+    assert waiter is not None and b.grant(waiter, at(2), parked=False).memory_bytes == 400
+    # Not for another room, a queue of no room, a job too big for the device, or a group
+    # that started before streamed switches (its gate says no).
+    assert b.residency.eviction_to_await(request("c", snapshot=roomed("c", "f" * 32),
+                                                 state_bytes=400)) is not None  # fmt: skip
+    assert b.residency.eviction_to_await(request("c", snapshot=roomed("c", None),
+                                                 state_bytes=400)) is not None  # fmt: skip
+    assert b.residency.eviction_to_await(request("c", snapshot=roomed("c"),
+                                                 state_bytes=500)) is not None  # fmt: skip
+    b.residency.stream_gate = lambda: False
+    assert b.residency.eviction_to_await(request("c", snapshot=roomed("c"),
+                                                 state_bytes=400)) is not None  # fmt: skip
+
+
+def test_the_groups_own_eviction_runs_beside_a_streamed_grant():
+    b = book(memory_bytes=400)
+    b.enqueue(request("a", snapshot=roomed("a"), state_bytes=400), at(0))
+    grant_next(b, at(0))
+    b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(1))  # sticky
+    plan = b.residency.plan_switch(request("b", snapshot=roomed("b"), state_bytes=400))
+    assert plan.evict is not None and plan.evict.job_id == "a"
+    assert plan.overlapped and plan.streamed and b.state.evicting is not None
+    # Both fitting is no stream (and without a room, the grant waits for the eviction).
+    wide = book(memory_bytes=800)
+    wide.enqueue(request("a", snapshot=roomed("a"), state_bytes=400), at(0))
+    grant_next(wide, at(0))
+    wide.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(1))
+    plan = wide.residency.plan_switch(request("b", snapshot=roomed("b"), state_bytes=400))
+    assert plan.overlapped and not plan.streamed
+    narrow = book(memory_bytes=400)
+    narrow.enqueue(request("a", snapshot=target("a"), state_bytes=400), at(0))
+    grant_next(narrow, at(0))
+    narrow.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(1))
+    plan = narrow.residency.plan_switch(request("b", snapshot=roomed("b"), state_bytes=400))
+    assert not plan.overlapped and not plan.streamed
+    grant = narrow.leases.notice(request("b", snapshot=target("b")), 2, 0.0, None, parked=False)
+    assert "memory_bytes" not in grant.model_dump(mode="json")  # encodes as before
