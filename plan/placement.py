@@ -1,10 +1,11 @@
 """Where a pool puts a job (docs/pools.md, "The decision rule"): the planner's simulator, asked
 about each place the job could go.
 
-A job with a profile goes where the pool's predicted GPU-phase utilization is highest among the
-places where every profiled job's predicted slowdown (its simulated completion beside the others
-over its alone) stays within the pool's bound; with no such place it waits in the pool's queue,
-unless it asked to be placed anyway (then: the place whose worst slowdown is least). A job
+A job with a profile goes where the pool's predicted GPU-phase utilization (the mean over the
+groups in use, as ``timeslice plan`` scores an assignment) is highest among the places where
+every profiled job's predicted slowdown (its simulated completion beside the others over its
+alone) stays within the pool's bound; with no such place it waits in the pool's queue, unless
+it asked to be placed anyway (then: the place whose worst slowdown is least). A job
 without a profile goes where it disturbs least: the place with the least predicted demand. Each
 simulation runs every job for at most ``SIM_EPOCHS`` epochs from the same start: a steady-state
 estimate, not a forecast of the jobs' remaining work.
@@ -43,8 +44,8 @@ class InvalidProfile(ValueError):
 @dataclass(frozen=True)
 class Prediction:
     """One place's simulated figures: the pool's GPU-phase utilization (the mean over its groups
-    of each group's GPU-phase share while its jobs ran; an idle group's is 0) and each profiled
-    job's slowdown."""
+    in use of each group's GPU-phase share while its jobs ran) and each profiled job's
+    slowdown."""
 
     placement: Placement
     utilization: float
@@ -124,8 +125,10 @@ class Predictor:
         }
         placement = extra[-1][1] if extra else jobs[-1][1]
         # Each group's GPU-phase share while its jobs ran (`timeslice status`'s definition),
-        # averaged over every group of the pool (a group with no job counts 0).
-        share = sum(g.utilization for g in outcome.groups.values()) / len(self.specs)
+        # averaged over the groups in use, as `timeslice plan` scores an assignment: packing
+        # jobs onto fewer groups within the bound scores higher than spreading them thin.
+        used = [g.utilization for g in outcome.groups.values()]
+        share = sum(used) / len(used) if used else 0.0
         return Prediction(placement, share, slowdowns)
 
 
