@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from temporalio import activity
 from temporalio.client import WorkflowUpdateFailedError
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.protocol.pool import (
     CLAIM_GROUPS_ACTIVITY,
@@ -66,5 +66,9 @@ async def request_pool_placement(call: PlacementCall) -> Placement:
             non_retryable=True,
         ) from None
     if answer.placement is None:
-        raise ApplicationError(f"waiting in pool {pool!r}'s queue: {answer.queued_because}")
+        raise ApplicationError(
+            f"waiting in pool {pool!r}'s queue: {answer.queued_because}",
+            type="Queued",
+            category=ApplicationErrorCategory.BENIGN,  # the worker logs it at debug, not warning
+        )
     return answer.placement

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from timeslice.protocol.group import MAX_STATE_BYTES, check_id
 
 POOL_WORKFLOW = "PoolWorkflow"
@@ -69,6 +69,16 @@ def parse_memory(text: str) -> int:
     return int(value)
 
 
+def _checked(kind: str) -> AfterValidator:
+    return AfterValidator(lambda v: check_id(kind, v))
+
+
+GroupId = Annotated[str, _checked("group id")]
+NodeName = Annotated[str, _checked("node")]
+PoolName = Annotated[str, _checked("pool name")]
+JobId = Annotated[str, _checked("job id")]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -77,19 +87,9 @@ class PoolGroup(_Model):
     """One GPU group of a pool: its declared device memory (what the placement simulates) and
     the node it is on."""
 
-    name: str
+    name: GroupId
     memory_bytes: int | None = Field(None, gt=0, le=MAX_STATE_BYTES)
-    node: str | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return check_id("group id", v)
-
-    @field_validator("node")
-    @classmethod
-    def _node(cls, v: str | None) -> str | None:
-        return None if v is None else check_id("node", v)
+    node: NodeName | None = None
 
     @field_validator("memory_bytes", mode="before")
     @classmethod
@@ -114,7 +114,7 @@ class PoolConfig(_Model):
     """A pool's input: ``timeslice pool create``, ``create_pool`` or ``temporal workflow start
     --type PoolWorkflow --workflow-id timeslice-pool-NAME --input '{...}'``."""
 
-    pool: str
+    pool: PoolName
     groups: list[PoolGroup] = Field(max_length=MAX_POOL_GROUPS)
     max_slowdown: float = Field(
         DEFAULT_MAX_SLOWDOWN,
@@ -122,11 +122,6 @@ class PoolConfig(_Model):
         le=100.0,
         description="no job is placed where its predicted slowdown (vs alone) exceeds this",
     )
-
-    @field_validator("pool")
-    @classmethod
-    def _pool(cls, v: str) -> str:
-        return check_id("pool name", v)
 
     @model_validator(mode="after")
     def _groups(self) -> PoolConfig:
@@ -140,29 +135,24 @@ class PoolConfig(_Model):
 
 
 class ClaimRequest(_Model):
-    pool: str
-    groups: list[str]
+    pool: PoolName
+    groups: list[GroupId]
 
 
 class PlaceRequest(_Model):
     """A job's request for groups (``PoolUpdate.PLACE``). ``profile``: a ``JobProfile`` as JSON
     (plan/profile.py; checked where placement runs), or None for a job without one."""
 
-    job_id: str
+    job_id: JobId
     mode: Literal["sync", "async"] = "sync"
     profile: dict[str, Any] | None = None
     place_anyway: bool = False
-
-    @field_validator("job_id")
-    @classmethod
-    def _job_id(cls, v: str) -> str:
-        return check_id("job id", v)
 
 
 class PlacementCall(_Model):
     """The job workflow's request activity's input: which pool, and the request."""
 
-    pool: str
+    pool: PoolName
     request: PlaceRequest
 
 
