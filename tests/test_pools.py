@@ -19,8 +19,9 @@ import pytest
 from temporalio.client import Client, WorkflowFailureError
 from timeslice.cli.stack import JobWorker, Stack
 from timeslice.errors import InvalidArgumentError
-from timeslice.jobs import parse_job_config, start_rl_job
+from timeslice.jobs import parse_any_job_config, parse_job_config, start_any_rl_job, start_rl_job
 from timeslice.pools import PoolConfig, PoolGroup, create_pool, pool_status
+from timeslice.protocol.async_rl_job import AsyncRLJobResult
 from timeslice.protocol.group import CONTROL_TASK_QUEUE
 from timeslice.protocol.pool import POOL_WORKFLOW, pool_workflow_id
 from timeslice.protocol.rl_job import RL_JOB_WORKFLOW_TYPE, RLJobResult, rl_job_workflow_id
@@ -125,6 +126,35 @@ def test_a_full_pool_queues_a_job_until_another_ends(stack: Stack, address: str)
     assert shown.returncode == 0, shown.stderr
     assert f"queued {jobs[2]}: no group takes it within the pool's bound 1.25x" in shown.stdout
     assert "node-a" in shown.stdout and "1.0 GiB" in shown.stdout
+
+
+def test_an_async_job_is_placed_on_two_groups_of_its_pool(stack: Stack, address: str) -> None:
+    """An async job without a profile: its sampler and trainer on two different groups of the
+    pool (the least demand), every step once, and the pool told when it ended."""
+    pool, uid = f"apool-{_uid()}", _uid()
+    groups = [f"ag1-{uid}", f"ag2-{uid}", f"ag3-{uid}"]
+    job = f"aj-{uid}"
+    stack.job_workers(JobWorker((job,), "simulated", ("--threads", "1")))
+
+    async def run() -> tuple[AsyncRLJobResult, Any]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=g) for g in groups]))
+        config = parse_any_job_config(
+            _job(job, pool, mode="async", max_staleness=1, epochs=4, checkpoint_every=4)
+        )
+        handle = await start_any_rl_job(client, config)
+        result = await handle.result()
+        return AsyncRLJobResult.model_validate(result.model_dump()), await pool_status(client, pool)
+
+    result, status = asyncio.run(run())
+    assert result.epochs_done == 4
+    assert [r.epoch for r in result.records] == list(range(4))
+    sample = {h.group_id for r in result.records for h in r.holds if h.phase == "sample"}
+    train = {h.group_id for r in result.records for h in r.holds if h.phase == "train"}
+    assert len(sample) == len(train) == 1 and sample != train and sample | train <= set(groups)
+    assert status.jobs == []
+    assert any(d.reason.startswith(f"placed {job} on ") and "(sampler)" in d.reason
+               for d in status.decisions), status.decisions  # fmt: skip
 
 
 async def _wait_async(probe: Any, timeout: float = 30.0) -> None:
