@@ -127,6 +127,15 @@ def check_workload(ref: str) -> str:
     )
 
 
+def json_size(value: Any, problem: str) -> int:
+    """The length of ``value`` as JSON; ValueError starting with ``problem`` if it is not
+    plain JSON (finite numbers)."""
+    try:
+        return len(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{problem} ({err})") from None
+
+
 def check_workload_options(options: dict[str, Any]) -> dict[str, Any]:
     """Return ``options`` if they are plain JSON (finite numbers), at most MAX_OPTIONS_DEPTH
     deep and MAX_OPTIONS_BYTES long; else ValueError saying which rule they break."""
@@ -144,10 +153,7 @@ def check_workload_options(options: dict[str, Any]) -> dict[str, Any]:
                 walk(item, depth + 1)
 
     walk(options, 1)
-    try:
-        size = len(json.dumps(options, allow_nan=False))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"workload options must be JSON values ({err})") from None
+    size = json_size(options, "workload options must be JSON values")
     if size > MAX_OPTIONS_BYTES:
         raise ValueError(f"workload options take {size} bytes as JSON; at most {MAX_OPTIONS_BYTES}")
     return options
@@ -278,10 +284,7 @@ class RLJobConfig(_Model):
         # phases and states; plan/placement.py checks the rest).
         if v is None:
             return v
-        try:
-            size = len(json.dumps(v, allow_nan=False))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"profile: not plain JSON ({err})") from None
+        size = json_size(v, "profile: not plain JSON")
         if size > MAX_PROFILE_CHARS:
             raise ValueError(f"profile: {size} characters of JSON; at most {MAX_PROFILE_CHARS}")
         return v
