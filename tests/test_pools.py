@@ -76,7 +76,6 @@ def test_a_full_pool_queues_a_job_until_another_ends(stack: Stack, address: str)
     created = _cli(address, "pool", "create", pool, "--group", f"{groups[0]}:1GiB:node-a",
                    "--group", groups[1])  # fmt: skip
     assert created.returncode == 0, created.stderr
-    stack.job_workers(*(JobWorker((job,), "simulated", ("--threads", "1")) for job in jobs))
 
     async def run() -> tuple[list[RLJobResult], Any]:
         client = await connect(connect_config(address))
@@ -87,6 +86,11 @@ def test_a_full_pool_queues_a_job_until_another_ends(stack: Stack, address: str)
             )
             if len(handles) == 2:  # both placed before the third asks: the third must queue
                 await _wait_async(lambda: _placed(client, pool, 2))
+        await _wait_async(lambda: _known(client, pool, 3))
+        # Their processes start only now: no job can end before the third is in the queue.
+        await asyncio.to_thread(
+            stack.job_workers, *(JobWorker((j,), "simulated", ("--threads", "1")) for j in jobs)
+        )
         results = list(await asyncio.gather(*(h.result() for h in handles)))
         return results, await pool_status(client, pool)
 
@@ -155,6 +159,68 @@ def test_an_async_job_is_placed_on_two_groups_of_its_pool(stack: Stack, address:
     assert status.jobs == []
     assert any(d.reason.startswith(f"placed {job} on ") and "(sampler)" in d.reason
                for d in status.decisions), status.decisions  # fmt: skip
+
+
+def test_a_job_that_fails_tells_its_pool(address: str) -> None:
+    """A placed job that fails (no process ever serves it) frees its group: the job queued
+    behind it is placed there."""
+    pool, uid = f"fpool-{_uid()}", _uid()
+    first, second = f"fj1-{uid}", f"fj2-{uid}"
+
+    async def run() -> list[str]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=f"fg-{uid}")]))
+        # No job process serves them: each fails once it waited process_wait_s for one; the
+        # first waits long enough for the second to be queued behind it.
+        lonely = {"profile": PROFILE, "process_wait_s": 1.5}
+        config = _job(first, pool, **{**lonely, "process_wait_s": 4.0})
+        handle = await start_rl_job(client, parse_job_config(config))
+        await _wait_async(lambda: _placed(client, pool, 1))
+        behind = await start_rl_job(client, parse_job_config(_job(second, pool, **lonely)))
+        await _wait_async(lambda: _known(client, pool, 2))
+        for job in (handle, behind):
+            with pytest.raises(WorkflowFailureError):
+                await job.result()
+        status = await pool_status(client, pool)
+        assert status.jobs == []
+        return [d.reason for d in status.decisions]
+
+    reasons = asyncio.run(run())
+    order = [
+        next(i for i, r in enumerate(reasons) if r.startswith(prefix))
+        for prefix in (f"placed {first}", f"queued {second}", f"{first} failed",
+                       f"placed {second}", f"{second} failed")
+    ]  # fmt: skip
+    assert order == sorted(order), reasons
+
+
+def test_a_cancelled_job_leaves_its_pool(address: str) -> None:
+    """A job cancelled while it waits in the queue, and one cancelled while placed, both leave
+    the pool's record."""
+    pool, uid = f"cpool-{_uid()}", _uid()
+    jobs = [f"cj1-{uid}", f"cj2-{uid}"]
+
+    async def run() -> list[str]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=f"cg-{uid}")]))
+        handles = []
+        for job in jobs:  # no process serves them: the first waits for one, placed
+            config = _job(job, pool, profile=PROFILE, process_wait_s=120)
+            handles.append(await start_rl_job(client, parse_job_config(config)))
+            await _wait_async(lambda: _known(client, pool, len(handles)))
+        for left, handle in enumerate(reversed(handles)):  # the queued one first
+            await handle.cancel()
+            await _wait_async(lambda left=left: _known(client, pool, len(handles) - 1 - left))
+        return [d.reason for d in (await pool_status(client, pool)).decisions]
+
+    reasons = asyncio.run(run())
+    assert reasons[1].startswith(f"queued {jobs[1]}"), reasons
+    assert reasons[2:] == [f"{jobs[1]} cancelled: its groups are free",
+                           f"{jobs[0]} cancelled: its groups are free"], reasons  # fmt: skip
+
+
+async def _known(client: Client, pool: str, n: int) -> bool:
+    return len((await pool_status(client, pool)).jobs) == n
 
 
 async def _wait_async(probe: Any, timeout: float = 30.0) -> None:

@@ -11,7 +11,12 @@ from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    FailureError,
+    is_cancelled_exception,
+)
 from timeslice.protocol.async_rl_job import AsyncRLJobConfig
 from timeslice.protocol.pool import (
     REQUEST_PLACEMENT_ACTIVITY,
@@ -75,6 +80,8 @@ async def placed(config: C) -> C:
             retry_policy=_ASK_AGAIN,
         )
     except ActivityError as err:
+        if is_cancelled_exception(err):  # the job was cancelled while it waited
+            raise
         cause = err.cause
         why = cause.message if isinstance(cause, ApplicationError) else str(err)
         raise ApplicationError(why, type="PoolRefused", non_retryable=True) from None
@@ -111,8 +118,9 @@ async def ended_in_pool(config: RLJobConfig, run: Awaitable[R]) -> R:
     except workflow.ContinueAsNewError:
         outcome = ""
         raise
-    except asyncio.CancelledError:
-        outcome = "cancelled"
+    except BaseException as err:
+        if isinstance(err, asyncio.CancelledError) or is_cancelled_exception(err):
+            outcome = "cancelled"
         raise
     finally:
         if outcome:
