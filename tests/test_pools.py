@@ -13,6 +13,7 @@ import asyncio
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,7 +70,9 @@ def _cli(address: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_full_pool_queues_a_job_until_another_ends(stack: Stack, address: str) -> None:
+def test_a_full_pool_queues_a_job_until_another_ends(
+    stack: Stack, address: str, tmp_path: Path
+) -> None:
     pool, uid = f"pool-{_uid()}", _uid()
     groups = [f"pg1-{uid}", f"pg2-{uid}"]
     jobs = [f"pj{i}-{uid}" for i in range(3)]
@@ -130,6 +133,9 @@ def test_a_full_pool_queues_a_job_until_another_ends(stack: Stack, address: str)
     assert shown.returncode == 0, shown.stderr
     assert f"queued {jobs[2]}: no group takes it within the pool's bound 1.25x" in shown.stdout
     assert "node-a" in shown.stdout and "1.0 GiB" in shown.stdout
+    # The report reads a job whose first input named a pool, not groups.
+    report = _cli(address, "report", "--job", jobs[2], "--text-only", "--out", str(tmp_path))
+    assert report.returncode == 0, report.stderr
 
 
 def test_an_async_job_is_placed_on_two_groups_of_its_pool(stack: Stack, address: str) -> None:
