@@ -10,6 +10,7 @@ two holds of a group overlapping) and on the pool's decisions.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import uuid
@@ -136,6 +137,12 @@ def test_a_full_pool_queues_a_job_until_another_ends(
     # The report reads a job whose first input named a pool, not groups.
     report = _cli(address, "report", "--job", jobs[2], "--text-only", "--out", str(tmp_path))
     assert report.returncode == 0, report.stderr
+    # So does `timeslice plan profile`: its profile says where its pool ran it.
+    profiled = _cli(address, "plan", "profile", jobs[2], "--out", str(tmp_path), "--format",
+                    "json")  # fmt: skip
+    assert profiled.returncode == 0, profiled.stderr
+    source = json.loads((tmp_path / f"{jobs[2]}.json").read_text())["source"]
+    assert source["sampler_group"] == source["trainer_group"] in ender_group
 
 
 def test_an_async_job_is_placed_on_two_groups_of_its_pool(stack: Stack, address: str) -> None:
