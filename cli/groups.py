@@ -129,6 +129,8 @@ async def new_group_notes(client: Client, config: RLJobConfig) -> list[str]:
     Returns:
         One line per group that does not exist yet.
     """
+    if config.sampler_group is None:
+        return []  # its pool places it, on the pool's groups
     existing = await running_groups(client)
     notes = []
     for group in dict.fromkeys([config.sampler_group, config.trainer]):

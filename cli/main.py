@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.cli import groups as groups_cli
+from timeslice.cli import pools as pools_cli
 from timeslice.cli.server import DEFAULT_DB, EmbeddedServer, ensure_writable_dir
 from timeslice.errors import TimesliceError
 from timeslice.files import read_small_file
@@ -98,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     plan_cli.add_parser(sub)
     _add_reading_parsers(sub)
     _add_connection_args(groups_cli.add_parser(sub))
+    pools_cli.add_parser(sub, _add_connection_args)
     return parser
 
 
@@ -333,6 +335,21 @@ def _add_job_start_parser(jobs: argparse._SubParsersAction) -> None:  # type: ig
     start.add_argument(
         "--trainer-group", help="the group training runs on (default: the sampler's)"
     )
+    start.add_argument(
+        "--pool", help="a pool (`timeslice pool create`) that places the job, instead of groups"
+    )
+    start.add_argument(
+        "--job-profile",
+        type=Path,
+        dest="profile_file",
+        help="with --pool: the job's declared profile, YAML or JSON (`timeslice plan schema`)",
+    )
+    start.add_argument(
+        "--place-anyway",
+        action="store_true",
+        default=None,
+        help="with --pool: the least bad group instead of the pool's queue when none fits",
+    )
     start.add_argument("--epochs", type=int, help="epochs to run (sample, reward, train)")
     start.add_argument("--batch-size", type=int, help="prompts per epoch")
     start.add_argument("--group-size", type=int, help="completions per prompt (GRPO group)")
@@ -375,6 +392,8 @@ _START_FIELDS = (
     "workload",
     "sampler_group",
     "trainer_group",
+    "pool",
+    "place_anyway",
     "epochs",
     "batch_size",
     "group_size",
@@ -406,6 +425,12 @@ def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
         value = getattr(args, name)
         if value is not None:
             data[name] = value
+    if args.profile_file is not None:
+        from timeslice.plan.profile import load_profile
+
+        data["profile"] = load_profile(args.profile_file).model_dump(
+            mode="json", exclude={"job_id"}
+        )
     if args.option:
         options = dict(data.get("workload_options") or {})  # type: ignore[call-overload]
         options.update(_key_json_pairs("--option", args.option))
@@ -720,6 +745,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 async def _run_worker(args: argparse.Namespace) -> int:
+    from timeslice.plan.placement import place_pool_job
     from timeslice.transport.telemetry import worker_telemetry
     from timeslice.workers.control import (
         STICKY_TIMEOUT_S,
@@ -732,7 +758,9 @@ async def _run_worker(args: argparse.Namespace) -> int:
         client = await connect(config, runtime=metrics.runtime if metrics else None)
         await check_search_attributes(client)
         worker = build_control_worker(
-            client, sticky_timeout_s=args.sticky_timeout or STICKY_TIMEOUT_S
+            client,
+            sticky_timeout_s=args.sticky_timeout or STICKY_TIMEOUT_S,
+            extra_activities=[place_pool_job],
         )
         print(
             f"control worker on task queue 'timeslice' at {config['target_host']} "
@@ -861,6 +889,11 @@ async def _run_report(args: argparse.Namespace) -> int:
 async def _run_groups(args: argparse.Namespace) -> int:
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     return await groups_cli.run(args, client, _connection_flags(args))
+
+
+async def _run_pool(args: argparse.Namespace) -> int:
+    config = connect_config(args.address, args.namespace, profile=args.profile)
+    return await pools_cli.run(args, lambda: connect(config), _connection_flags(args))
 
 
 async def _run_backends(args: argparse.Namespace) -> int:
@@ -992,6 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
             "backends": _run_backends,
             "report": _run_report,
             "groups": _run_groups,
+            "pool": _run_pool,
             "plan": plan_cli.run,
         }[args.command]
         with contextlib.suppress(KeyboardInterrupt):

@@ -23,6 +23,7 @@ from temporalio.common import (
 )
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from timeslice.errors import InvalidArgumentError
+from timeslice.pools import require_pool
 from timeslice.protocol.async_rl_job import (
     ASYNC_RL_JOB_WORKFLOW_TYPE,
     AsyncRLJobConfig,
@@ -186,7 +187,11 @@ async def start_async_rl_job(
         ASYNC_RL_JOB_WORKFLOW_TYPE,
         AsyncRLJobResult,
         summary=f"async RL job {config.job_id}: {config.workload}, {config.epochs} steps, "
-        f"sample on {config.sampler_group}, train on {config.trainer}",
+        + (
+            f"placed by pool {config.pool}"
+            if config.sampler_group is None
+            else f"sample on {config.sampler_group}, train on {config.trainer}"
+        ),
         length=f"**steps**: {config.epochs} · max staleness {config.max_staleness} · "
         f"sync every {config.sync_every}",
     )
@@ -206,7 +211,11 @@ async def start_rl_job(client: Client, config: RLJobConfig) -> WorkflowHandle[An
         InvalidArgumentError: A workload option its workload refuses, or the job id was used
             already (its run is going on, or ended).
     """
-    groups = ", ".join(dict.fromkeys([config.sampler_group, config.trainer]))
+    groups = (
+        f"pool {config.pool}"
+        if config.sampler_group is None
+        else ", ".join(dict.fromkeys([config.sampler_group, config.trainer]))
+    )
     return await _start_job(
         client,
         config,
@@ -230,6 +239,7 @@ async def _start_job(
     ``summary`` and ``length`` (how long it runs, in the mode's terms) are what the Web UI shows
     of it."""
     check_options(config)
+    await _check_pool(client, config)
     try:
         return await client.start_workflow(
             workflow_type,
@@ -242,13 +252,25 @@ async def _start_job(
             search_attributes=TypedSearchAttributes([SearchAttributePair(JOB_KEY, config.job_id)]),
             static_summary=summary,
             static_details=(
-                f"**workload**: {config.workload}\n\n**sampler group**: {config.sampler_group}"
-                f"\n\n**trainer group**: {config.trainer}\n\n{length} · "
+                f"**workload**: {config.workload}\n\n**sampler group**: "
+                f"{config.sampler_group or '(its pool places it)'}\n\n**trainer group**: "
+                f"{config.trainer or '(its pool places it)'}\n\n{length} · "
                 f"batch {config.batch_size}, group size {config.group_size} · seed {config.seed}"
             ),
         )
     except WorkflowAlreadyStartedError as err:
         raise InvalidArgumentError(await _used_id_message(client, config.job_id)) from err
+
+
+async def _check_pool(client: Client, config: RLJobConfig) -> None:
+    """A job started with a pool: the pool runs, and the job names no groups of its own."""
+    if config.pool is None:
+        return
+    if config.sampler_group is not None:
+        raise InvalidArgumentError(
+            f"job {config.job_id}: give a pool or groups (sampler_group, trainer_group), not both"
+        )
+    await require_pool(client, config.pool)
 
 
 async def _used_id_message(client: Client, job_id: str) -> str:

@@ -186,6 +186,15 @@ async def decode_runs(
                     (describe,) = await converter.decode(payloads, [DescribeResult])
     if config is None:
         raise TimesliceError(f"{workflow_id}: no start event in its history")
+    if config.sampler_group is None:  # started with a pool: its phases say where it ran
+        ran_on = {p.phase: p.group_id for p in phases if p.group_id}
+        if "sample" in ran_on:
+            config = config.model_copy(
+                update={
+                    "sampler_group": ran_on["sample"],
+                    "trainer_group": ran_on.get("train", ran_on["sample"]),
+                }
+            )
     return RLJobRun(
         workflow_id=workflow_id,
         config=config,

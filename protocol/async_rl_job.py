@@ -57,7 +57,9 @@ class AsyncRLJobConfig(RLJobConfig):
 
     @model_validator(mode="after")
     def _async_rules(self) -> AsyncRLJobConfig:
-        if self.trainer_group is None or self.trainer_group == self.sampler_group:
+        if self.sampler_group is None:
+            pass  # its pool places it on two groups (workflows/pool_job.py)
+        elif self.trainer_group is None or self.trainer_group == self.sampler_group:
             raise ValueError(
                 "an async job's sampler and trainer run at once, so they need two groups: give "
                 "a trainer_group other than the sampler_group (or run the job in sync mode)"

@@ -132,6 +132,15 @@ def check_workload(ref: str) -> str:
     )
 
 
+def json_size(value: Any, problem: str) -> int:
+    """The length of ``value`` as JSON; ValueError starting with ``problem`` if it is not
+    plain JSON (finite numbers)."""
+    try:
+        return len(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{problem} ({err})") from None
+
+
 def check_workload_options(options: dict[str, Any]) -> dict[str, Any]:
     """Return ``options`` if they are plain JSON (finite numbers), at most MAX_OPTIONS_DEPTH
     deep and MAX_OPTIONS_BYTES long; else ValueError saying which rule they break."""
@@ -149,13 +158,13 @@ def check_workload_options(options: dict[str, Any]) -> dict[str, Any]:
                 walk(item, depth + 1)
 
     walk(options, 1)
-    try:
-        size = len(json.dumps(options, allow_nan=False))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"workload options must be JSON values ({err})") from None
+    size = json_size(options, "workload options must be JSON values")
     if size > MAX_OPTIONS_BYTES:
         raise ValueError(f"workload options take {size} bytes as JSON; at most {MAX_OPTIONS_BYTES}")
     return options
+
+
+MAX_PROFILE_CHARS = 16_384
 
 
 def rl_job_workflow_id(job_id: str) -> str:
@@ -209,8 +218,19 @@ class RLJobConfig(_Model):
         "job process must have been started with the same",
     )
     workload_options: dict[str, Any] = Field(default_factory=dict)
-    sampler_group: str
+    sampler_group: str | None = Field(
+        None, description="the group sample runs on (leave out with pool: the pool places the job)"
+    )
     trainer_group: str | None = Field(None, description="default: the sampler group")
+    pool: str | None = Field(
+        None, description="a pool (docs/pools.md) that places the job, instead of its groups"
+    )
+    profile: dict[str, Any] | None = Field(
+        None, description="with pool: the job's declared profile (plan/profile.py's JobProfile)"
+    )
+    place_anyway: bool = Field(
+        False, description="with pool: the least bad group rather than the queue when none fits"
+    )
     epochs: int = Field(ge=1, le=1_000_000)
     batch_size: int = Field(16, ge=1, le=65_536)
     group_size: int = Field(8, ge=1, le=1024, description="completions per prompt (GRPO group)")
@@ -257,20 +277,63 @@ class RLJobConfig(_Model):
     def _group_id(cls, v: str | None) -> str | None:
         return None if v is None else check_id("group id", v)
 
+    @field_validator("pool")
+    @classmethod
+    def _pool(cls, v: str | None) -> str | None:
+        return None if v is None else check_id("pool name", v)
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Carried with the config across continue-as-new: kept small (a profile is a few
+        # phases and states; plan/placement.py checks the rest).
+        if v is None:
+            return v
+        size = json_size(v, "profile: not plain JSON")
+        if size > MAX_PROFILE_CHARS:
+            raise ValueError(f"profile: {size} characters of JSON; at most {MAX_PROFILE_CHARS}")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _omit_pool_fields(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A job without a pool encodes as before pools existed (an older reader, which refuses
+        # unknown fields, still takes it).
+        data = handler(self)
+        if isinstance(data, dict) and self.pool is None:
+            for name in ("pool", "profile", "place_anyway"):
+                data.pop(name, None)
+        return data
+
     @model_validator(mode="after")
     def _groups(self) -> RLJobConfig:
+        if self.sampler_group is None:
+            if self.pool is None:
+                raise ValueError(
+                    "give sampler_group (and trainer_group) for the job's groups, or pool for a "
+                    "pool to place it"
+                )
+            if self.trainer_group is not None:
+                raise ValueError("trainer_group without sampler_group: a pool places the job")
+            return self  # placed by its pool when it starts (workflows/pool_job.py)
+        if self.pool is None and (self.profile is not None or self.place_anyway):
+            raise ValueError("profile and place_anyway are for a job started with pool")
         if self.trainer_group is None:
             self.trainer_group = self.sampler_group
         return self
 
     @property
     def trainer(self) -> str:
-        """The group the ``train`` phase runs on."""
-        return self.trainer_group or self.sampler_group
+        """The group the ``train`` phase runs on ("" until a pool placed the job)."""
+        return self.trainer_group or self.sampler_group or ""
+
+    @property
+    def sampler(self) -> str:
+        """The group the ``sample`` phase runs on ("" until a pool placed the job)."""
+        return self.sampler_group or ""
 
     def groups(self) -> list[str]:
         """The job's groups in the one order every job acquires them in (no deadlock)."""
-        return sorted({self.sampler_group, self.trainer})
+        return sorted({self.sampler, self.trainer})
 
 
 class JobSpecModel(_Model):

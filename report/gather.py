@@ -329,7 +329,8 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
                     # report of the others. (pydantic's ValidationError is a ValueError.)
                     record.note = "refused its config (invalid input)"
                     return
-                record.groups = sorted({config.sampler_group, config.trainer})
+                # A job started with a pool names no groups: its phases do (below).
+                record.groups = sorted({g for g in (config.sampler_group, config.trainer) if g})
                 record.epochs = config.epochs
         elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
             attrs = event.activity_task_scheduled_event_attributes
@@ -362,3 +363,5 @@ async def _read_run(client: Client, events: Any, record: JobRecord) -> None:
                 continue
             record.phases.append(phase)
             record.completed_at.append(event.event_time.ToDatetime(tzinfo=UTC))
+            if phase.group_id and phase.group_id not in record.groups:  # a pool's placement
+                record.groups = sorted([*record.groups, phase.group_id])

@@ -128,6 +128,9 @@ def test_group_workflow_with_bad_input_fails_without_retrying(address):
     assert "invalid group id" in cause.message
 
 
+POOL_JOB = ["job", "start", "--job-id", "j", "--workload", "simulated", "--epochs", "2"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -173,6 +176,14 @@ def test_group_workflow_with_bad_input_fails_without_retrying(address):
         (["job", "worker", "--job-id", "j", "--workload", "os:getcwd"], "not a timeslice"),
         (["job", "progress", "bad id!"], "invalid job id"),
         (["job", "start", "--config", "/dev/zero"], "not a regular file"),
+        # Pools: checked before any server is reached (docs/pools.md, "Bad input").
+        (["pool", "create", "p"], "pool 'p' has no groups"),
+        (["pool", "create", "p", "--group", "g:80Q"], "invalid memory size '80Q'"),
+        (["pool", "create", "p", "--group", "g", "--group", "g"], "groups named twice"),
+        (["pool", "create", "p", "--group", "g", "--max-slowdown", "0.5"], "max_slowdown"),
+        (["pool", "status", "bad pool"], "invalid pool name"),
+        ([*POOL_JOB, "--pool", "p", "--job-profile", "/nonexistent.yaml"], "cannot read"),
+        ([*POOL_JOB, "--sampler-group", "g", "--place-anyway"], "for a job started with pool"),
         (["job", "worker", "--job-id", "j", "--workload", "simulated", "--threads", "0"], ">= 1"),
         (["job", "worker", "--job-id", "j", "--workload", "simulated", "--rank", "-1"], ">= 0"),
         (["agent", "--node", "n1", "--lock-timeout", "0"], "must be > 0, not 0"),

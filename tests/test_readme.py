@@ -195,7 +195,7 @@ def check_after(block: Block, printed: str, services: list[Service], cwd: Path) 
         assert (cwd / ".timeslice" / "report" / "plotly.min.js").exists()
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/report.md", "docs/plan.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/report.md", "docs/plan.md", "docs/pools.md"])
 def test_python_snippets_compile_as_scripts(doc: str) -> None:
     """A snippet a reader pastes into a file runs as a script: no top-level ``await``."""
     text = (REPO / doc).read_text()

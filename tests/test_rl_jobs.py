@@ -598,7 +598,7 @@ def test_job_continues_as_new_and_keeps_its_records(
     ("config", "complaint"),
     [
         ({"workload": "simulated", "sampler_group": "g", "epochs": 0}, "epochs"),
-        ({"workload": "simulated", "epochs": 2}, "sampler_group: Field required"),
+        ({"workload": "simulated", "epochs": 2}, "give sampler_group"),
         ({"workload": "simulated", "sampler_group": "bad group", "epochs": 2}, "group id"),
         ({"workload": "simulated", "sampler_group": "g", "epochs": 2, "colour": 1}, "colour"),
         ({"workload": "simulated", "sampler_group": "g", "epochs": 2, "ranks": 0}, "ranks"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +20,7 @@ from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 from timeslice.activities.group_requests import draw_secret, renew_lease, request_group
+from timeslice.activities.pool_requests import claim_pool_groups, request_pool_placement
 from timeslice.errors import TimesliceError
 from timeslice.protocol.group import (
     CONTROL_TASK_QUEUE,
@@ -31,10 +32,18 @@ from timeslice.transport.connection import control_workers_polling
 from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.async_rl_job import AsyncRLJobWorkflow
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
+from timeslice.workflows.pool import PoolClaimWorkflow, PoolWorkflow
 from timeslice.workflows.rl_job import RLJobWorkflow
 from timeslice.workflows.snapshot_job import SnapshotJobWorkflow
 
-WORKFLOWS = [GpuGroupWorkflow, SnapshotJobWorkflow, RLJobWorkflow, AsyncRLJobWorkflow]
+WORKFLOWS = [
+    GpuGroupWorkflow,
+    SnapshotJobWorkflow,
+    RLJobWorkflow,
+    AsyncRLJobWorkflow,
+    PoolWorkflow,
+    PoolClaimWorkflow,
+]
 
 _TYPES = {
     "Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
@@ -176,7 +185,11 @@ STICKY_TIMEOUT_S = 3.0
 
 
 def build_control_worker(
-    client: Client, *, max_cached_workflows: int = 1000, sticky_timeout_s: float = STICKY_TIMEOUT_S
+    client: Client,
+    *,
+    max_cached_workflows: int = 1000,
+    sticky_timeout_s: float = STICKY_TIMEOUT_S,
+    extra_activities: Sequence[Callable[..., Any]] = (),
 ) -> Worker:
     """The control worker: the group and RL-job workflows and their activities, on
     ``CONTROL_TASK_QUEUE``.
@@ -187,6 +200,8 @@ def build_control_worker(
         max_cached_workflows: Workflows kept in memory between their tasks.
         sticky_timeout_s: How long a workflow's task waits for this worker on its sticky queue
             before any control worker may take it (``STICKY_TIMEOUT_S``).
+        extra_activities: Activities of the layers above (``timeslice worker`` passes the
+            pools' placement, plan/placement.py, which this layer may not import).
 
     Raises:
         ValueError: ``sticky_timeout_s`` is not > 0.
@@ -199,7 +214,14 @@ def build_control_worker(
         Client(**config),
         task_queue=CONTROL_TASK_QUEUE,
         workflows=WORKFLOWS,
-        activities=[request_group, draw_secret, renew_lease],
+        activities=[
+            request_group,
+            draw_secret,
+            renew_lease,
+            claim_pool_groups,
+            request_pool_placement,
+            *extra_activities,
+        ],
         max_cached_workflows=max_cached_workflows,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=sticky_timeout_s),
         workflow_runner=workflow_runner(),

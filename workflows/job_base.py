@@ -81,6 +81,7 @@ from timeslice.workflows.job_failures import (
     validated,
 )
 from timeslice.workflows.job_leases import JobLeases, Release
+from timeslice.workflows.pool_job import ended_in_pool, needs_placement, placed
 
 # workflow.patched id of job protocol v5 (see JOB_PROTOCOL_VERSION), which both job kinds speak:
 # a phase's result says whether the process sent the acquire of the order it was told to ask
@@ -252,10 +253,16 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
         if not self._searched_states_only or searched(JOB_KEY) != cfg.job_id:
             workflow.upsert_search_attributes([JOB_KEY.value_set(cfg.job_id)])
         try:
-            return await self._run()
+            return await ended_in_pool(cfg, self._placed_and_run())
         except asyncio.CancelledError:
             await self._release_all()
             raise
+
+    async def _placed_and_run(self) -> RLJobResult:
+        if needs_placement(self._config):  # a job started with a pool: it asks for groups
+            self._phase = f"waiting for pool {self._config.pool} to place it"
+            self._config = self._ledger.config = await placed(self._config)
+        return await self._run()
 
     async def _run(self) -> RLJobResult:
         cfg, state = self._config, self._state

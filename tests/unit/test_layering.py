@@ -101,7 +101,13 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"session": ("timeslice.session",), "workloads": ("timeslice.workloads",)},
     # The user API; the job runtime and the activities (a job process is a client of the engine).
     {
-        "user API": ("timeslice", "timeslice.jobs", "timeslice.orchestrator", "timeslice.files"),
+        "user API": (
+            "timeslice",
+            "timeslice.jobs",
+            "timeslice.orchestrator",
+            "timeslice.files",
+            "timeslice.pools",
+        ),
         "activities": ("timeslice.activities",),
     },
     # The processes users run; the integrations with other libraries' trainers.

@@ -1,0 +1,120 @@
+"""Pools of GPU groups from Python (what ``timeslice pool`` does; docs/pools.md).
+
+from timeslice.pools import PoolConfig, PoolGroup, create_pool
+await create_pool(client, PoolConfig(pool="p", groups=[PoolGroup(name="g1"),
+                                                      PoolGroup(name="g2", memory_bytes="80GiB")]))
+# then: start_rl_job(client, RLJobConfig(job_id="j1", pool="p", ...))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+from timeslice.errors import InvalidArgumentError
+from timeslice.protocol.group import CONTROL_TASK_QUEUE, explain_validation_error
+from timeslice.protocol.pool import (
+    POOL_WORKFLOW,
+    PoolConfig,
+    PoolGroup,
+    PoolQuery,
+    PoolStatus,
+    PoolUpdate,
+    pool_workflow_id,
+)
+from timeslice.session.pool_claims import group_owner
+
+__all__ = [
+    "PoolConfig",
+    "PoolGroup",
+    "create_pool",
+    "parse_pool_config",
+    "pool_status",
+    "require_pool",
+]
+
+
+def parse_pool_config(data: dict[str, Any]) -> PoolConfig:
+    """A pool's config, checked (``InvalidArgumentError`` naming each problem)."""
+    try:
+        return PoolConfig.model_validate(data)
+    except ValidationError as err:
+        why = explain_validation_error(err).replace("Value error, ", "")
+        raise InvalidArgumentError(f"invalid pool: {why}") from None
+
+
+async def _running(client: Client, pool: str) -> bool:
+    try:
+        described = await client.get_workflow_handle(pool_workflow_id(pool)).describe()
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return described.status == WorkflowExecutionStatus.RUNNING
+
+
+async def create_pool(client: Client, config: PoolConfig) -> WorkflowHandle[Any, Any]:
+    """Start the pool's workflow (id ``timeslice-pool-<pool>``) once its groups are checked;
+    return once it holds them.
+
+    Raises:
+        InvalidArgumentError: The pool runs already, or a group is in another running pool
+            (nothing is started). A pool created at the same moment elsewhere is caught by the
+            pool's own claim of its groups, which then fails it.
+    """
+    if await _running(client, config.pool):
+        raise InvalidArgumentError(
+            f"pool {config.pool!r} exists already: `timeslice pool status {config.pool}`"
+        )
+    taken = {g.name: await group_owner(client, g.name) for g in config.groups}
+    taken = {g: owner for g, owner in taken.items() if owner is not None}
+    if taken:
+        which = ", ".join(f"{g!r} (pool {owner!r})" for g, owner in sorted(taken.items()))
+        raise InvalidArgumentError(f"groups already in another pool: {which}; nothing started")
+    try:
+        handle = await client.start_workflow(
+            POOL_WORKFLOW,
+            config.model_dump(mode="json"),
+            id=pool_workflow_id(config.pool),
+            task_queue=CONTROL_TASK_QUEUE,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            static_summary=f"pool {config.pool}: " + ", ".join(g.name for g in config.groups),
+        )
+    except WorkflowAlreadyStartedError as err:
+        raise InvalidArgumentError(f"pool {config.pool!r} exists already") from err
+    try:
+        await handle.execute_update(PoolUpdate.READY)
+    except (WorkflowUpdateFailedError, RPCError):
+        try:
+            await handle.result()
+        except WorkflowFailureError as err:
+            why = getattr(err.cause, "message", None) or str(err.cause or err)
+            raise InvalidArgumentError(f"pool {config.pool!r} refused: {why}") from None
+        raise
+    return handle
+
+
+async def require_pool(client: Client, pool: str) -> None:
+    """Raise ``InvalidArgumentError`` if no pool of that name runs."""
+    if not await _running(client, pool):
+        raise InvalidArgumentError(
+            f"no pool {pool!r} runs: create it with `timeslice pool create {pool} --group NAME`"
+        )
+
+
+async def pool_status(client: Client, pool: str) -> PoolStatus:
+    """The pool's groups, jobs (placed and queued) and last decisions."""
+    await require_pool(client, pool)
+    return await client.get_workflow_handle(pool_workflow_id(pool)).query(
+        PoolQuery.STATUS, result_type=PoolStatus
+    )

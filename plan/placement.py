@@ -1,0 +1,215 @@
+"""Where a pool puts a job (docs/pools.md, "The decision rule"): the planner's simulator, asked
+about each place the job could go.
+
+A job with a profile goes where the pool's predicted GPU-phase utilization (the mean over the
+groups in use, as ``timeslice plan`` scores an assignment) is highest among the places where
+every profiled job's predicted slowdown (its simulated completion beside the others over its
+alone) stays within the pool's bound; with no such place it waits in the pool's queue, unless
+it asked to be placed anyway (then: the place whose worst slowdown is least). A job
+without a profile goes where it disturbs least: the place with the least predicted demand. Each
+simulation runs every job for at most ``SIM_EPOCHS`` epochs from the same start: a steady-state
+estimate, not a forecast of the jobs' remaining work.
+
+``place_pool_job`` is the pool workflow's activity; ``decide`` is the pure rule it runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+from timeslice.errors import InvalidArgumentError
+from timeslice.plan.profile import JobProfile, parse_profile
+from timeslice.plan.simulator import GroupSpec, Outcome, simulate
+from timeslice.plan.simulator import Placement as SimPlacement
+from timeslice.protocol.pool import (
+    PLACE_JOB_ACTIVITY,
+    PlaceInput,
+    Placement,
+    PlaceOutcome,
+    PoolJob,
+)
+from timeslice.protocol.utilization import demand_bound
+
+SIM_EPOCHS = 12
+
+
+class InvalidProfile(ValueError):
+    """A job's declared profile that cannot be placed (it says why)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One place's simulated figures: the pool's GPU-phase utilization (the mean over its groups
+    in use of each group's GPU-phase share while its jobs ran) and each profiled job's
+    slowdown."""
+
+    placement: Placement
+    utilization: float
+    slowdowns: dict[str, float]
+
+    @property
+    def worst(self) -> float:
+        return max(self.slowdowns.values(), default=1.0)
+
+
+def job_profile(job: PoolJob) -> JobProfile | None:
+    """The job's profile under its own id, checked; None if it has none."""
+    if job.profile is None:
+        return None
+    try:
+        profile = parse_profile({**job.profile, "job_id": job.job_id}, f"job {job.job_id}")
+    except (InvalidArgumentError, ValueError) as err:
+        raise InvalidProfile(str(err)) from None
+    if profile.mode != job.mode:
+        raise InvalidProfile(
+            f"job {job.job_id} runs {job.mode} but its profile says mode {profile.mode}"
+        )
+    return profile
+
+
+def candidates(groups: Sequence[str], mode: str) -> list[Placement]:
+    """Every place a job could run: one group (sync), or two different ones (async)."""
+    if mode == "sync":
+        return [Placement(sampler_group=g, trainer_group=g) for g in groups]
+    if len(groups) < 2:
+        raise InvalidProfile("an async job needs two groups (sampler and trainer); the pool has 1")
+    return [
+        Placement(sampler_group=s, trainer_group=t) for s, t in itertools.permutations(groups, 2)
+    ]
+
+
+def _groups_of(placement: Placement) -> set[str]:
+    return {placement.sampler_group, placement.trainer_group}
+
+
+class Predictor:
+    """Simulates the pool's profiled jobs (at most ``SIM_EPOCHS`` epochs each), caching each
+    job's run alone."""
+
+    def __init__(self, inp: PlaceInput) -> None:
+        self.specs = {g.name: GroupSpec(memory_bytes=g.memory_bytes) for g in inp.groups}
+        self.placed: list[tuple[JobProfile, Placement]] = []
+        for job in inp.placed:
+            profile = job_profile(job)
+            if profile is not None and job.placement is not None:
+                self.placed.append((profile, job.placement))
+        self._alone: dict[str, float] = {}
+
+    def _run(self, jobs: Sequence[tuple[JobProfile, Placement]], groups: set[str]) -> Outcome:
+        sims = [
+            SimPlacement(p, at.sampler_group, at.trainer_group, epochs=min(p.epochs, SIM_EPOCHS))
+            for p, at in jobs
+        ]
+        return simulate(sims, groups={g: self.specs.get(g, GroupSpec()) for g in groups})
+
+    def alone_s(self, profile: JobProfile) -> float:
+        if profile.job_id not in self._alone:
+            groups = ("alone-s", "alone-t") if profile.is_async else ("alone", "alone")
+            at = Placement(sampler_group=groups[0], trainer_group=groups[1])
+            outcome = self._run([(profile, at)], set(groups))
+            self._alone[profile.job_id] = outcome.jobs[profile.job_id].completion_s
+        return self._alone[profile.job_id]
+
+    def predict(self, extra: Sequence[tuple[JobProfile, Placement]]) -> Prediction | None:
+        jobs = [*self.placed, *extra]
+        if not jobs:
+            return None
+        outcome = self._run(jobs, set(self.specs))
+        slowdowns = {
+            p.job_id: outcome.jobs[p.job_id].completion_s / max(self.alone_s(p), 1e-9)
+            for p, _ in jobs
+        }
+        placement = extra[-1][1] if extra else jobs[-1][1]
+        # Each group's GPU-phase share while its jobs ran (`timeslice status`'s definition),
+        # averaged over the groups in use, as `timeslice plan` scores an assignment: packing
+        # jobs onto fewer groups within the bound scores higher than spreading them thin.
+        used = [g.utilization for g in outcome.groups.values()]
+        share = sum(used) / len(used) if used else 0.0
+        return Prediction(placement, share, slowdowns)
+
+
+def _demand(inp: PlaceInput, group: str) -> tuple[float, int]:
+    """A group's predicted demand (its profiled jobs' GPU shares there, summed) and how many
+    jobs of unknown demand (no profile) it holds."""
+    shares, unknown = [], 0
+    for job in inp.placed:
+        if job.placement is None or group not in _groups_of(job.placement):
+            continue
+        if job.demand is None:
+            unknown += 1
+        else:
+            shares.append(job.demand)
+    return demand_bound(shares), unknown
+
+
+def _without_profile(inp: PlaceInput, places: list[Placement]) -> PlaceOutcome:
+    def load(at: Placement) -> tuple[float, int, str]:
+        figures = [_demand(inp, g) for g in sorted(_groups_of(at))]
+        return sum(d for d, _ in figures), sum(u for _, u in figures), at.sampler_group
+
+    best = min(places, key=load)
+    demand, unknown, _ = load(best)
+    where = _where(best)
+    return PlaceOutcome(
+        placement=best,
+        reason=f"placed {inp.job.job_id} on {where} (no profile): least predicted demand there "
+        f"({demand:.2f}, {unknown} other jobs without a profile)",
+    )
+
+
+def _where(at: Placement) -> str:
+    if at.sampler_group == at.trainer_group:
+        return at.sampler_group
+    return f"{at.sampler_group} (sampler) + {at.trainer_group} (trainer)"
+
+
+def decide(inp: PlaceInput) -> PlaceOutcome:
+    """Where ``inp.job`` goes, or why it waits (``placement`` None). Raises ``InvalidProfile``."""
+    job = inp.job
+    places = candidates([g.name for g in inp.groups], job.mode)
+    profile = job_profile(job)
+    if profile is None:
+        return _without_profile(inp, places)
+    predictor = Predictor(inp)
+    before = predictor.predict([])
+    unknown = {g for g in (gr.name for gr in inp.groups) if _demand(inp, g)[1]}
+    # A group holding a job of unknown demand cannot be checked against the bound.
+    checkable = [at for at in places if not (_groups_of(at) & unknown)]
+    predictions = [predictor.predict([(profile, at)]) for at in checkable or places]
+    fits = [p for p in predictions if p is not None and p.worst <= inp.max_slowdown + 1e-9]
+    if fits and checkable:
+        best = max(fits, key=lambda p: (p.utilization, -p.worst))
+        verb = "placed"
+    elif job.place_anyway:
+        best = min((p for p in predictions if p is not None), key=lambda p: p.worst)
+        verb = "placed anyway"
+    else:
+        worst = min(p.worst for p in predictions if p is not None)
+        why = (
+            f"every group holds a job without a profile (pool bound {inp.max_slowdown:g}x)"
+            if not checkable
+            else f"no group takes it within the pool's bound {inp.max_slowdown:g}x (the best "
+            f"place predicts a job at {worst:.2f}x)"
+        )
+        return PlaceOutcome(placement=None, reason=f"queued {job.job_id}: {why}")
+    gain = (best.utilization - (before.utilization if before else 0.0)) * 100
+    return PlaceOutcome(
+        placement=best.placement,
+        demand=profile.duty,
+        reason=f"{verb} {job.job_id} on {_where(best.placement)}: pool utilization "
+        f"{gain:+.0f} points (to {best.utilization:.0%}), {job.job_id} "
+        f"{best.slowdowns[job.job_id]:.2f}x, worst job {best.worst:.2f}x",
+    )
+
+
+@activity.defn(name=PLACE_JOB_ACTIVITY)
+async def place_pool_job(inp: PlaceInput) -> PlaceOutcome:
+    """The pool's decision for one job; a profile that cannot be placed fails non-retryably."""
+    try:
+        return decide(inp)
+    except InvalidProfile as err:
+        raise ApplicationError(str(err), type="InvalidProfile", non_retryable=True) from None

@@ -1,0 +1,212 @@
+"""The contract of pools (docs/pools.md): a pool is a set of GPU groups that jobs are placed on.
+
+A pool is a ``PoolWorkflow`` whose id comes from its name (``pool_workflow_id``); each of its
+groups is claimed by a ``PoolClaimWorkflow`` whose id comes from the group's name
+(``claim_workflow_id``), so Temporal's one-open-run-per-id rule is what keeps a group in one
+pool. A job started with ``pool`` asks the pool for its groups (``PoolUpdate.PLACE``) and tells
+it when it ends (``PoolSignal.JOB_ENDED``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from timeslice.protocol.group import MAX_STATE_BYTES, check_id
+
+POOL_WORKFLOW = "PoolWorkflow"
+CLAIM_WORKFLOW = "PoolClaimWorkflow"
+CLAIM_GROUPS_ACTIVITY = "claim_pool_groups"
+PLACE_JOB_ACTIVITY = "place_pool_job"
+REQUEST_PLACEMENT_ACTIVITY = "request_pool_placement"
+DEFAULT_MAX_SLOWDOWN = 1.25
+MAX_POOL_GROUPS = 64
+DECISIONS_KEPT = 32
+
+
+class PoolUpdate(StrEnum):
+    PLACE = "place"
+    READY = "ready"
+
+
+class PoolSignal(StrEnum):
+    JOB_ENDED = "job_ended"
+
+
+class PoolQuery(StrEnum):
+    STATUS = "status"
+    OWNER = "owner"
+
+
+def pool_workflow_id(pool: str) -> str:
+    return f"timeslice-pool-{check_id('pool name', pool)}"
+
+
+def claim_workflow_id(group_id: str) -> str:
+    """The workflow whose existence says which pool holds the group."""
+    return f"timeslice-pool-group-{check_id('group id', group_id)}"
+
+
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_UNITS.update({"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40})
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]I?)?B?\s*$", re.I)
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from ``80GiB``, ``80G``, ``16e9`` or ``1024``; ValueError saying why otherwise."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(
+            f"invalid memory size {text!r}: give bytes (16e9) or a number with a unit "
+            "(80GiB, 80G, 512MiB)"
+        )
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+    if not math.isfinite(value) or value < 1 or value > MAX_STATE_BYTES:
+        raise ValueError(f"invalid memory size {text!r}: between 1 byte and {MAX_STATE_BYTES}")
+    return int(value)
+
+
+def _checked(kind: str) -> AfterValidator:
+    return AfterValidator(lambda v: check_id(kind, v))
+
+
+GroupId = Annotated[str, _checked("group id")]
+NodeName = Annotated[str, _checked("node")]
+PoolName = Annotated[str, _checked("pool name")]
+JobId = Annotated[str, _checked("job id")]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PoolGroup(_Model):
+    """One GPU group of a pool: its declared device memory (what the placement simulates) and
+    the node it is on."""
+
+    name: GroupId
+    memory_bytes: int | None = Field(None, gt=0, le=MAX_STATE_BYTES)
+    node: NodeName | None = None
+
+    @field_validator("memory_bytes", mode="before")
+    @classmethod
+    def _memory(cls, v: Any) -> Any:
+        return parse_memory(v) if isinstance(v, str) else v
+
+    @classmethod
+    def parse(cls, text: str) -> PoolGroup:
+        """``NAME[:MEMORY[:NODE]]``, as ``timeslice pool create --group`` takes it."""
+        parts = text.split(":")
+        if len(parts) > 3 or not parts[0]:
+            raise ValueError("give NAME[:MEMORY[:NODE]]")
+        name, memory, node = [*parts, None, None][:3]
+        return cls(
+            name=name,
+            memory_bytes=parse_memory(memory) if memory else None,
+            node=node or None,
+        )
+
+
+class PoolConfig(_Model):
+    """A pool's input: ``timeslice pool create``, ``create_pool`` or ``temporal workflow start
+    --type PoolWorkflow --workflow-id timeslice-pool-NAME --input '{...}'``."""
+
+    pool: PoolName
+    groups: list[PoolGroup] = Field(max_length=MAX_POOL_GROUPS)
+    max_slowdown: float = Field(
+        DEFAULT_MAX_SLOWDOWN,
+        ge=1.0,
+        le=100.0,
+        description="no job is placed where its predicted slowdown (vs alone) exceeds this",
+    )
+
+    @model_validator(mode="after")
+    def _groups(self) -> PoolConfig:
+        if not self.groups:
+            raise ValueError(f"pool {self.pool!r} has no groups: give at least one")
+        names = [g.name for g in self.groups]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"groups named twice in pool {self.pool!r}: {repeated}")
+        return self
+
+
+class ClaimRequest(_Model):
+    pool: PoolName
+    groups: list[GroupId]
+
+
+class PlaceRequest(_Model):
+    """A job's request for groups (``PoolUpdate.PLACE``). ``profile``: a ``JobProfile`` as JSON
+    (plan/profile.py; checked where placement runs), or None for a job without one."""
+
+    job_id: JobId
+    mode: Literal["sync", "async"] = "sync"
+    profile: dict[str, Any] | None = None
+    place_anyway: bool = False
+
+
+class PlacementCall(_Model):
+    """The job workflow's request activity's input: which pool, and the request."""
+
+    pool: PoolName
+    request: PlaceRequest
+
+
+class Placement(_Model):
+    """Where a job runs: one group (sync), or a sampler and a trainer group (async)."""
+
+    sampler_group: str
+    trainer_group: str
+
+
+class PlaceAnswer(_Model):
+    """The pool's answer: a placement, or a place in its queue and why."""
+
+    placement: Placement | None = None
+    queued_because: str | None = None
+
+
+class PoolJob(_Model):
+    job_id: str
+    mode: Literal["sync", "async"] = "sync"
+    profile: dict[str, Any] | None = None
+    place_anyway: bool = False
+    placement: Placement | None = None
+    # The job's predicted share of its groups' time in GPU phases (None: no profile).
+    demand: float | None = None
+    queued_because: str | None = None
+
+
+class Decision(_Model):
+    job_id: str
+    reason: str
+
+
+class PlaceInput(_Model):
+    """What the placement activity (plan/placement.py) decides from."""
+
+    groups: list[PoolGroup]
+    max_slowdown: float
+    placed: list[PoolJob]
+    job: PoolJob
+
+
+class PlaceOutcome(_Model):
+    placement: Placement | None
+    demand: float | None = None
+    reason: str
+
+
+class JobEnded(_Model):
+    job_id: str
+    outcome: str = "ended"
+
+
+class PoolStatus(_Model):
+    config: PoolConfig
+    jobs: list[PoolJob]
+    decisions: list[Decision] = Field(default_factory=list)

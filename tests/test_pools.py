@@ -1,0 +1,334 @@
+"""Pools (docs/pools.md): real jobs placed by a real pool, and the bad input it refuses.
+
+Three ``simulated`` jobs whose declared profiles are nearly all GPU (two on one group would run
+each ~1.8x slower than alone, past the pool's 1.25x bound) go to a pool of two groups: two are
+placed at once, one per group, and the third waits in the pool's queue until one of them ends,
+then runs on the group that one freed. Checked on the jobs' own records (every epoch once, no
+two holds of a group overlapping) and on the pool's decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError
+from timeslice.cli.stack import JobWorker, Stack
+from timeslice.errors import InvalidArgumentError
+from timeslice.jobs import parse_any_job_config, parse_job_config, start_any_rl_job, start_rl_job
+from timeslice.pools import PoolConfig, PoolGroup, create_pool, pool_status
+from timeslice.protocol.async_rl_job import AsyncRLJobResult
+from timeslice.protocol.group import CONTROL_TASK_QUEUE
+from timeslice.protocol.pool import POOL_WORKFLOW, pool_workflow_id
+from timeslice.protocol.rl_job import RL_JOB_WORKFLOW_TYPE, RLJobResult, rl_job_workflow_id
+from timeslice.transport.connection import connect, connect_config
+
+from tests.helpers import Interval, assert_no_overlap
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
+
+EPOCHS = 3
+OPTIONS = {"sample_s": 0.25, "reward_s": 0.02, "train_s": 0.25, "state_bytes": 1 << 16}
+# What the jobs declare: their phases as the options set them (the GPU ~95% of an epoch).
+PROFILE = {
+    "epochs": EPOCHS,
+    "phases": [
+        {"name": "sample", "gpu": True, "pool": "sampler", "seconds": 0.25},
+        {"name": "rewards", "gpu": False, "seconds": 0.02},
+        {"name": "train", "gpu": True, "pool": "trainer", "seconds": 0.25},
+    ],
+}
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _job(job_id: str, pool: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "workload": "simulated",
+        "workload_options": OPTIONS,
+        "pool": pool,
+        "epochs": EPOCHS,
+        "checkpoint_every": EPOCHS,
+        **extra,
+    }
+
+
+def _cli(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", *args, "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_full_pool_queues_a_job_until_another_ends(
+    stack: Stack, address: str, tmp_path: Path
+) -> None:
+    pool, uid = f"pool-{_uid()}", _uid()
+    groups = [f"pg1-{uid}", f"pg2-{uid}"]
+    jobs = [f"pj{i}-{uid}" for i in range(3)]
+    created = _cli(address, "pool", "create", pool, "--group", f"{groups[0]}:1GiB:node-a",
+                   "--group", groups[1])  # fmt: skip
+    assert created.returncode == 0, created.stderr
+
+    async def run() -> tuple[list[RLJobResult], Any]:
+        client = await connect(connect_config(address))
+        handles = []
+        for job in jobs:
+            handles.append(
+                await start_rl_job(client, parse_job_config(_job(job, pool, profile=PROFILE)))
+            )
+            if len(handles) == 2:  # both placed before the third asks: the third must queue
+                await _wait_async(lambda: _placed(client, pool, 2))
+        await _wait_async(lambda: _known(client, pool, 3))
+        # Their processes start only now: no job can end before the third is in the queue.
+        await asyncio.to_thread(
+            stack.job_workers, *(JobWorker((j,), "simulated", ("--threads", "1")) for j in jobs)
+        )
+        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        return results, await pool_status(client, pool)
+
+    results, status = asyncio.run(run())
+    for result in results:
+        assert result.epochs_done == EPOCHS
+        assert [r.epoch for r in result.records] == list(range(EPOCHS))  # every epoch once
+    holds = {
+        g: [
+            Interval(r.job_id, h.token or 0, h.mono_start, h.mono_end)
+            for r in results
+            for rec in r.records
+            for h in rec.holds
+            if h.group_id == g
+        ]
+        for g in groups
+    }
+    for intervals in holds.values():
+        assert_no_overlap(intervals)
+    used = {h.group_id for r in results for rec in r.records for h in rec.holds}
+    assert used == set(groups)
+    reasons = [d.reason for d in status.decisions]
+    queued = next(i for i, r in enumerate(reasons) if r.startswith(f"queued {jobs[2]}"))
+    placed = next(i for i, r in enumerate(reasons) if r.startswith(f"placed {jobs[2]} on "))
+    first_end = next(i for i, r in enumerate(reasons) if " completed: " in r)
+    assert queued < first_end < placed, reasons
+    # The third job ran on the group of the job that ended first, after that job's last hold.
+    ender = reasons[first_end].split(" ")[0]
+    ender_group = {h.group_id for r in results if r.job_id == ender for rec in r.records
+                   for h in rec.holds}  # fmt: skip
+    third = [h for r in results if r.job_id == jobs[2] for rec in r.records for h in rec.holds]
+    assert {h.group_id for h in third} == ender_group
+    ender_last = max(i.end for i in holds[next(iter(ender_group))] if i.job == ender)
+    assert min(h.mono_start for h in third) >= ender_last
+    assert status.jobs == []  # every job told the pool it ended
+    shown = _cli(address, "pool", "status", pool)
+    assert shown.returncode == 0, shown.stderr
+    assert f"queued {jobs[2]}: no group takes it within the pool's bound 1.25x" in shown.stdout
+    assert "node-a" in shown.stdout and "1.0 GiB" in shown.stdout
+    # The report reads a job whose first input named a pool, not groups.
+    report = _cli(address, "report", "--job", jobs[2], "--text-only", "--out", str(tmp_path))
+    assert report.returncode == 0, report.stderr
+    # So does `timeslice plan profile`: its profile says where its pool ran it.
+    profiled = _cli(address, "plan", "profile", jobs[2], "--out", str(tmp_path), "--format",
+                    "json")  # fmt: skip
+    assert profiled.returncode == 0, profiled.stderr
+    source = json.loads((tmp_path / f"{jobs[2]}.json").read_text())["source"]
+    assert source["sampler_group"] == source["trainer_group"] in ender_group
+
+
+def test_an_async_job_is_placed_on_two_groups_of_its_pool(stack: Stack, address: str) -> None:
+    """An async job without a profile: its sampler and trainer on two different groups of the
+    pool (the least demand), every step once, and the pool told when it ended."""
+    pool, uid = f"apool-{_uid()}", _uid()
+    groups = [f"ag1-{uid}", f"ag2-{uid}", f"ag3-{uid}"]
+    job = f"aj-{uid}"
+    stack.job_workers(JobWorker((job,), "simulated", ("--threads", "1")))
+
+    async def run() -> tuple[AsyncRLJobResult, Any]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=g) for g in groups]))
+        config = parse_any_job_config(
+            _job(job, pool, mode="async", max_staleness=1, epochs=4, checkpoint_every=4)
+        )
+        handle = await start_any_rl_job(client, config)
+        result = await handle.result()
+        return AsyncRLJobResult.model_validate(result.model_dump()), await pool_status(client, pool)
+
+    result, status = asyncio.run(run())
+    assert result.epochs_done == 4
+    assert [r.epoch for r in result.records] == list(range(4))
+    sample = {h.group_id for r in result.records for h in r.holds if h.phase == "sample"}
+    train = {h.group_id for r in result.records for h in r.holds if h.phase == "train"}
+    assert len(sample) == len(train) == 1 and sample != train and sample | train <= set(groups)
+    assert status.jobs == []
+    assert any(d.reason.startswith(f"placed {job} on ") and "(sampler)" in d.reason
+               for d in status.decisions), status.decisions  # fmt: skip
+
+
+def test_a_job_that_fails_tells_its_pool(address: str) -> None:
+    """A placed job that fails (no process ever serves it) frees its group: the job queued
+    behind it is placed there."""
+    pool, uid = f"fpool-{_uid()}", _uid()
+    first, second = f"fj1-{uid}", f"fj2-{uid}"
+
+    async def run() -> list[str]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=f"fg-{uid}")]))
+        # No job process serves them: each fails once it waited process_wait_s for one; the
+        # first waits long enough for the second to be queued behind it.
+        lonely = {"profile": PROFILE, "process_wait_s": 1.5}
+        config = _job(first, pool, **{**lonely, "process_wait_s": 4.0})
+        handle = await start_rl_job(client, parse_job_config(config))
+        await _wait_async(lambda: _placed(client, pool, 1))
+        behind = await start_rl_job(client, parse_job_config(_job(second, pool, **lonely)))
+        await _wait_async(lambda: _known(client, pool, 2))
+        for job in (handle, behind):
+            with pytest.raises(WorkflowFailureError):
+                await job.result()
+        status = await pool_status(client, pool)
+        assert status.jobs == []
+        return [d.reason for d in status.decisions]
+
+    reasons = asyncio.run(run())
+    order = [
+        next(i for i, r in enumerate(reasons) if r.startswith(prefix))
+        for prefix in (f"placed {first}", f"queued {second}", f"{first} failed",
+                       f"placed {second}", f"{second} failed")
+    ]  # fmt: skip
+    assert order == sorted(order), reasons
+
+
+def test_a_cancelled_job_leaves_its_pool(address: str) -> None:
+    """A job cancelled while it waits in the queue, and one cancelled while placed, both leave
+    the pool's record."""
+    pool, uid = f"cpool-{_uid()}", _uid()
+    jobs = [f"cj1-{uid}", f"cj2-{uid}"]
+
+    async def run() -> list[str]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=f"cg-{uid}")]))
+        handles = []
+        for job in jobs:  # no process serves them: the first waits for one, placed
+            config = _job(job, pool, profile=PROFILE, process_wait_s=120)
+            handles.append(await start_rl_job(client, parse_job_config(config)))
+            await _wait_async(lambda: _known(client, pool, len(handles)))
+        for left, handle in enumerate(reversed(handles)):  # the queued one first
+            await handle.cancel()
+            await _wait_async(lambda left=left: _known(client, pool, len(handles) - 1 - left))
+        return [d.reason for d in (await pool_status(client, pool)).decisions]
+
+    reasons = asyncio.run(run())
+    assert reasons[1].startswith(f"queued {jobs[1]}"), reasons
+    assert reasons[2:] == [f"{jobs[1]} cancelled: its groups are free",
+                           f"{jobs[0]} cancelled: its groups are free"], reasons  # fmt: skip
+
+
+async def _known(client: Client, pool: str, n: int) -> bool:
+    return len((await pool_status(client, pool)).jobs) == n
+
+
+async def _wait_async(probe: Any, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await probe():
+        assert loop.time() < deadline, "timed out waiting for the pool to place two jobs"
+        await asyncio.sleep(0.05)
+
+
+async def _placed(client: Client, pool: str, n: int) -> bool:
+    status = await pool_status(client, pool)
+    return sum(1 for j in status.jobs if j.placement is not None) >= n
+
+
+def test_bad_pools_and_pool_jobs_are_refused(address: str) -> None:
+    uid = _uid()
+
+    async def run() -> None:
+        client = await connect(connect_config(address))
+        await _refusals_before_anything_starts(client, uid)
+        await _refusals_of_workflows_started_by_hand(client, uid)
+
+    asyncio.run(run())
+
+
+async def _refusals_before_anything_starts(client: Client, uid: str) -> None:
+    taken = f"taken-{uid}"
+    await create_pool(client, PoolConfig(pool=f"first-{uid}", groups=[PoolGroup(name=taken)]))
+    second = f"second-{uid}"
+    with pytest.raises(InvalidArgumentError, match=f"'{taken}' \\(pool 'first-{uid}'\\)"):
+        await create_pool(client, PoolConfig(pool=second, groups=[PoolGroup(name=taken)]))
+    with pytest.raises(InvalidArgumentError, match="exists already"):
+        await create_pool(client, PoolConfig(pool=f"first-{uid}", groups=[PoolGroup(name="x")]))
+    unknown = parse_job_config(_job(f"nojob-{uid}", f"nopool-{uid}"))
+    with pytest.raises(InvalidArgumentError, match=f"no pool 'nopool-{uid}' runs"):
+        await start_rl_job(client, unknown)
+    both = parse_job_config(_job(f"both-{uid}", f"first-{uid}", sampler_group="g"))
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        await start_rl_job(client, both)
+    for job_id in (f"nojob-{uid}", f"both-{uid}"):  # nothing was started
+        with pytest.raises(Exception, match="not found"):
+            await client.get_workflow_handle(rl_job_workflow_id(job_id)).describe()
+    assert not await _exists(client, pool_workflow_id(second))
+
+
+async def _exists(client: Client, workflow_id: str) -> bool:
+    try:
+        await client.get_workflow_handle(workflow_id).describe()
+    except Exception:
+        return False
+    return True
+
+
+async def _failure(client: Client, workflow: str, workflow_id: str, arg: Any) -> str:
+    """Start ``workflow`` as the ``temporal`` CLI would (raw JSON) and return its failure."""
+    handle = await client.start_workflow(
+        workflow, arg, id=workflow_id, task_queue=CONTROL_TASK_QUEUE
+    )
+    with pytest.raises(WorkflowFailureError) as failed:
+        await handle.result()
+    cause = failed.value.cause
+    assert getattr(cause, "non_retryable", False), cause
+    return str(getattr(cause, "message", cause))
+
+
+async def _refusals_of_workflows_started_by_hand(client: Client, uid: str) -> None:
+    empty = f"empty-{uid}"
+    why = await _failure(
+        client, POOL_WORKFLOW, pool_workflow_id(empty), {"pool": empty, "groups": []}
+    )
+    assert "has no groups" in why
+    other = f"other-{uid}"
+    why = await _failure(
+        client, POOL_WORKFLOW, pool_workflow_id(other),
+        {"pool": other, "groups": [{"name": f"taken-{uid}"}]},
+    )  # fmt: skip
+    assert f"already in pool 'first-{uid}'" in why
+    memory = f"mem-{uid}"
+    why = await _failure(
+        client, POOL_WORKFLOW, pool_workflow_id(memory),
+        {"pool": memory, "groups": [{"name": f"m-{uid}", "memory_bytes": "80Q"}]},
+    )  # fmt: skip
+    assert "invalid memory size '80Q'" in why
+    job = f"lost-{uid}"
+    why = await _failure(
+        client, RL_JOB_WORKFLOW_TYPE, rl_job_workflow_id(job), _job(job, f"nopool-{uid}")
+    )
+    assert f"no pool 'nopool-{uid}' runs" in why
+    job = f"badprofile-{uid}"
+    bad = {**PROFILE, "phases": [{**PROFILE["phases"][0], "seconds": -1}]}
+    why = await _failure(
+        client, RL_JOB_WORKFLOW_TYPE, rl_job_workflow_id(job),
+        _job(job, f"first-{uid}", profile=bad),
+    )  # fmt: skip
+    assert "invalid profile" in why and "seconds" in why, why
+    status = await pool_status(client, f"first-{uid}")
+    assert status.jobs == []  # the refused job is not left in the pool
