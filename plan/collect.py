@@ -424,8 +424,11 @@ def _states(run: RLJobRun, notes: list[str]) -> list[StateProfile]:
     for name in trainer:
         pool_of[name] = "both" if pool_of.get(name) == "sampler" else "trainer"
     sizes = dict(run.prepare.backend_bytes) if run.prepare is not None else {}
-    # Which states a phase on a group uses: RLJobWorkflow._backends_for, sorted as the job
-    # process restores them; a phase that restored all of them maps report i to state i.
+    # Which states a phase on a group may restore: RLJobWorkflow._backends_for, sorted as the
+    # job process takes them, the phase's own states first (a sample's, a train's: the job
+    # process brings those in before the phase starts, and the group's others behind them).
+    # The reports name the backend's kind, not the state, so report i is mapped to state i of
+    # the phase's own states when that many came in, else of all of the group's.
     restores: dict[str, list[float]] = defaultdict(list)
     for p in run.phases:
         if not p.restored or p.group_id is None:
@@ -436,11 +439,16 @@ def _states(run: RLJobRun, notes: list[str]) -> list[StateProfile]:
         if p.group_id == cfg.trainer:
             names += [n for n in trainer if n not in names]
         names = sorted(set(names))
-        if len(names) == len(p.restored):
-            for name, report in zip(names, p.restored, strict=True):
+        own = [n for n in names if n in {"sample": sampler, "train": trainer}.get(p.phase, [])]
+        in_order = [*own, *(n for n in names if n not in own)]
+        for candidates in (own, in_order):
+            if len(candidates) != len(p.restored):
+                continue
+            for name, report in zip(candidates, p.restored, strict=True):
                 restores[name].append(report.seconds)
                 if report.bytes and sizes.get(name) is None:
                     sizes[name] = report.bytes
+            break
     states = []
     unmeasured = []
     for name, pool in pool_of.items():
