@@ -74,7 +74,7 @@ from timeslice.protocol.rl_job import (
 from timeslice.session.lease import Lease
 from timeslice.session.lease_session import LeaseSession, SessionSettings
 from timeslice.session.snapshot_activities import SnapshotActivities
-from timeslice.snapshot.base import SnapshotError, registered_bytes
+from timeslice.snapshot.base import registered_bytes
 from timeslice.snapshot.device_room import DeviceRooms
 from timeslice.transport.telemetry import meter, span
 from timeslice.transport.updates import send_update
@@ -594,17 +594,11 @@ class JobRuntime:
         return []
 
     async def depart(self, timeout_s: float = 10.0) -> None:
-        """A normal exit: move the job's states off the groups' devices through their rooms,
-        hand back what this process still holds and tell each group the job was resident on
-        that it left — so the group's next holder does not wait for an eviction nobody picks
-        up, nor for this process's exit to free its room."""
+        """A normal exit: hand back what this process still holds and tell each group the job
+        was resident on that its state leaves the device with the process — so the group's
+        next holder does not wait for an eviction nobody picks up."""
         if self._background:
             await asyncio.wait(self._background, timeout=timeout_s)
-        try:
-            # Off the devices before any group hears the job left (StateHomes.vacate).
-            await asyncio.wait_for(self.homes.vacate(), timeout_s)
-        except (TimeoutError, SnapshotError) as err:  # the rooms reclaim them on our exit
-            log.warning("job %s left state on a device: %s", self.job_id, err or "timed out")
         for lease in list(self.session.held.values()):
             await self._abandon(lease)
         groups = list(self.session.last_keys)

@@ -310,42 +310,6 @@ class StateHomes:
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def vacate(self) -> list[SnapshotReport]:
-        """Before the process leaves: move every state still on a group's device out through
-        that group's room (and report it there), so the room is free when the group hears the
-        job left.
-
-        A departed job is no longer resident for its group, whose next holder then streams
-        its restore in without waiting for an eviction. Left on the device, this process's
-        states would keep their share of the room until the process is found dead (a child
-        nobody reaps never is: the next holder's restore waited out the room's 120 s), and
-        the device would hold them beside what the next holder brings in meanwhile. States
-        that stream through no room are left to go with the process, as before.
-
-        Returns:
-            What moved out.
-        """
-        await self.settled()
-        async with self._changed:
-            await self._changed.wait_for(lambda: all(count <= 0 for count in self._busy.values()))
-            here = {
-                name: group_id
-                for name, group_id in self._home.items()
-                if group_id is not None and self._room_for(name, group_id) is not None
-            }
-            self._busy.update(set(here))
-        try:
-            reports: list[SnapshotReport] = []
-            for group_id in sorted(set(here.values())):
-                names = [n for n, g in here.items() if g == group_id]
-                moved = await self.move_out(names, group_id, f"leave {group_id}")
-                if moved:  # the group counts every byte moved off its device
-                    await self._tell_moved(group_id, moved, None)
-                reports += moved
-            return reports
-        finally:
-            await self._done_with(set(here))
-
     def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         async def run() -> None:
             await coro
