@@ -599,6 +599,7 @@ class JobRuntime:
         next holder does not wait for an eviction nobody picks up."""
         if self._background:
             await asyncio.wait(self._background, timeout=timeout_s)
+        self.homes.leaving()
         for lease in list(self.session.held.values()):
             await self._abandon(lease)
         groups = list(self.session.last_keys)

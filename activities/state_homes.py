@@ -305,6 +305,17 @@ class StateHomes:
 
         self._spawn(evict())
 
+    def leaving(self) -> None:
+        """The process is about to exit with the states still on a device: they go with it (its
+        device memory is freed at exit, and a device room takes their share back once it finds
+        the process gone), so nothing is copied out for nobody. A backend that keeps its own
+        record of what is on the device (``leaving(job_id)``: the simulated one's residency
+        trace) is told they left."""
+        for name, group_id in self._home.items():
+            hook = getattr(self.backends[name], "leaving", None)
+            if group_id is not None and callable(hook):
+                hook(self.job_id)
+
     async def settled(self) -> None:
         """Wait for evictions running in the background (before the process exits)."""
         while self._tasks:

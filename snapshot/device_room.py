@@ -83,13 +83,16 @@ def _start_time(pid: int) -> int | None:
 
 
 def _alive(key: str) -> bool:
+    """Whether the process ``pid:start time`` still runs. An exited process its parent has not
+    reaped yet (a zombie) holds no device memory: it counts as gone."""
     pid_text, _, start = key.partition(":")
     try:
         pid = int(pid_text)
-    except ValueError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (ValueError, OSError):
         return False
-    now = _start_time(pid)
-    return now is not None and str(now) == start
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0] not in ("Z", "X") and fields[19] == start
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,18 @@ class SimulatedBackend:
             self._witness(self.nbytes, "hold")
             room.hold(self.nbytes)
 
+    def leaving(self, job_id: str) -> None:
+        """The job's process exits with its state on the device, which its exit frees (a room
+        takes the share back once it finds the process gone): the trace records it leaving,
+        as ``exit``; nothing is copied.
+
+        Args:
+            job_id: The job whose state goes with its process.
+        """
+        if job_id not in self._out:
+            self._out.add(job_id)
+            self._witness(-self.nbytes, "exit")
+
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
         """Take ``snapshot_s`` as if ``nbytes`` were copied out chunk by chunk (giving each
         chunk's room back as it leaves), and mark the job's state out.

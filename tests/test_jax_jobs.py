@@ -97,8 +97,9 @@ def test_two_jax_jobs_time_slice_one_group_and_end_bit_identical_to_one_alone(
     assert_no_overlap([Interval(job, h.token or 0, h.mono_start, h.mono_end) for job, h in holds])
 
     # Every switch moved the state: each phase that follows the other job's on the group began
-    # by restoring this job's whole state (sampler + trainer) through the jax backend, as many
-    # bytes as the same workload built here registers (the two jobs' models are the same size).
+    # by restoring, through the jax backend, the states it uses (a phase brings in its own
+    # first, the job's others come in behind it): some of the bytes the same workload built
+    # here registers for its whole state, never more (the two jobs' models are the same size).
     state_bytes = _state_bytes()
     used: set[str] = set()
     switches = checked = 0
@@ -107,7 +108,7 @@ def test_two_jax_jobs_time_slice_one_group_and_end_bit_identical_to_one_alone(
             switches += 1
             if job in used:  # it ran here before, then the other job took the group
                 assert {r.backend for r in hold.restored} == {"jax"}, hold
-                assert sum(r.bytes for r in hold.restored) == state_bytes > 0, hold.restored
+                assert 0 < sum(r.bytes for r in hold.restored) <= state_bytes, hold.restored
                 checked += 1
         used.add(job)
     # Unchecked: at most each job's first phase (its state was built on the device).

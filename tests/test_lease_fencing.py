@@ -50,10 +50,10 @@ WORKLOAD = "tests.fenced_workload:create"
 FAST = {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05}
 
 
-def _job_worker(address: str, job: str, workload: str, tmp: Path) -> subprocess.Popen:
+def _job_worker(address: str, job: str, workload: str, tmp: Path, *extra: str) -> subprocess.Popen:
     return start_service(
         ["job", "worker", "--address", address, "--job-id", job, "--workload", workload,
-         "--checkpoint-dir", str(tmp / "checkpoints"), "--threads", "1"],
+         "--checkpoint-dir", str(tmp / "checkpoints"), "--threads", "1", *extra],
         f"job {job} rank 0",
         tmp / f"{job}.log",
     )  # fmt: skip
@@ -295,7 +295,9 @@ def test_job_worker_that_exits_departs_its_groups(
     """A job process that exits normally takes its state with it: it tells its group, and the
     group's next holder waits for no eviction nobody would pick up (15 s, grant_ack_timeout_s)."""
     job = f"exits-{uuid.uuid4().hex[:8]}"
-    proc = _job_worker(address, job, "simulated", tmp_path)
+    # --keep-serving: the test ends it itself (SIGTERM), after it saw the job resident; a job
+    # process that exits on its own when the run ends departs the same way (test_rl_jobs).
+    proc = _job_worker(address, job, "simulated", tmp_path, "--keep-serving")
     try:
         _start_job(address, {
             "job_id": job, "workload": "simulated", "sampler_group": group, "epochs": 1,
