@@ -237,3 +237,25 @@ def test_two_evictions_at_once_share_one_direction(tmp_path: Path) -> None:
     elapsed = asyncio.run(both_out())
     assert elapsed >= 0.95 * 2 * seconds, f"{elapsed:.2f} s: the link ran two copies one way"
     assert room.status().used == 0
+
+
+def test_a_holder_that_exited_unreaped_holds_no_room(tmp_path: Path) -> None:
+    """A job process that exits (its run ended) is a zombie until its parent reaps it, which
+    may be long after; it holds no device memory, so its bytes are free at once (they were
+    counted live, and the next job's restore waited out the room's time-out)."""
+    room = DeviceRooms(tmp_path).room(GROUP)
+    room.set_capacity(100)
+    holder = _holder(tmp_path, 100)
+    assert holder.stdin is not None
+    try:
+        holder.stdin.close()  # it exits; nobody reaps it until holder.wait() below
+
+        def a_zombie() -> bool:
+            stat = Path(f"/proc/{holder.pid}/stat").read_text()
+            return stat[stat.rindex(")") + 2] == "Z"
+
+        wait_for(a_zombie, timeout=30, what="the holder to exit")
+        assert room.take(100, timeout_s=10) == 0.0  # its 100 bytes are free at once
+        room.give(100)
+    finally:
+        holder.wait(timeout=30)
