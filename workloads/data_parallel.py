@@ -39,6 +39,7 @@ import torch.distributed as dist
 from timeslice.protocol.group import SnapshotReport
 from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotRequest
 from timeslice.snapshot.collectives import CollectivesBackend
+from timeslice.snapshot.device_room import DeviceRoom
 
 RANK_ENV = ("RANK", "WORLD_SIZE")
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT")
@@ -242,6 +243,15 @@ class RecordedBackend:
 
     def health(self) -> Any:
         return self.inner.health()
+
+    def hold_in(self, room: DeviceRoom) -> None:
+        """Count the state built on the device in ``room``, as ``inner`` does: this backend
+        declares ``inner``'s capabilities, streaming through a device room among them.
+
+        Args:
+            room: The group's device room.
+        """
+        self.inner.hold_in(room)  # type: ignore[attr-defined]
 
     async def snapshot(self, request: SnapshotRequest) -> SnapshotReport:
         started = time.monotonic()
