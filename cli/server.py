@@ -7,6 +7,7 @@ import concurrent.futures
 import errno
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -158,7 +159,16 @@ class EmbeddedServer:
                 self.stop()
                 raise TimesliceError(f"the Temporal dev server did not listen within {timeout} s")
             time.sleep(0.1)
-        _wait_until_serving(self.address, deadline)
+        process = self._process
+        try:
+            _wait_until_serving(self.address, deadline, process.poll)
+        except TimesliceError:
+            if process.poll() is None:
+                raise
+            raise TimesliceError(
+                f"the Temporal dev server exited with code {process.returncode} "
+                f"during start-up{self._log_hint()}"
+            ) from None
         return self
 
     def _log_hint(self) -> str:
@@ -195,8 +205,11 @@ class EmbeddedServer:
         self.stop()
 
 
-def _wait_until_serving(address: str, deadline: float) -> None:
-    """Wait until the frontend answers a namespace call (listening is not yet serving)."""
+def _wait_until_serving(
+    address: str, deadline: float, exit_code: Callable[[], int | None] = lambda: None
+) -> None:
+    """Wait until the frontend answers a namespace call (listening is not yet serving); give
+    up at once when ``exit_code()`` says the server process has exited."""
 
     async def probe() -> None:
         from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
@@ -210,7 +223,7 @@ def _wait_until_serving(address: str, deadline: float) -> None:
                 )
                 return
             except Exception as err:  # any failure here means "not ready yet"
-                if time.monotonic() > deadline:
+                if exit_code() is not None or time.monotonic() > deadline:
                     raise TimesliceError(f"the Temporal dev server is not serving: {err}") from err
                 await asyncio.sleep(0.2)
 
@@ -239,6 +252,29 @@ def _port_open(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free now, chosen below the kernel's ephemeral range where it can: a port the
+    kernel handed out (bind to 0) is one it may hand out again as the source port of any
+    outgoing connection before the server binds it, and a dev server that lost its port that
+    way exited during start-up (tests start dozens of servers beside thousands of connections)."""
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = random.randrange(FIRST_CHOSEN_PORT, low) if low > FIRST_CHOSEN_PORT + 100 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise TimesliceError(f"no free TCP port found on {host}")
+
+
+#: The lowest port free_port picks (below it: well-known services' registered ports).
+FIRST_CHOSEN_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 by default; 0 elsewhere: any port)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0

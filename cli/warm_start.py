@@ -7,7 +7,9 @@ a fork server (``multiprocessing``'s ``forkserver``) that imported those modules
 started no thread: the child is a real, separate process with its own pid, signals, sockets and
 Temporal runtime, running the same ``timeslice.cli.main`` as ``python -m timeslice.cli``, only
 without the imports. What differs from a cold start is the interpreter's own start-up (site,
-``-m``), which the tests of the command line itself still run cold (subprocess).
+``-m``): the tests run short commands warm too (``run``: a command's exit code, stdout and
+stderr, as ``subprocess.run`` gives them), and keep cold the few that test start-up itself
+(`python -m timeslice.cli` as a user types it, the README's blocks, the demo).
 
 Off unless asked for (``enable()``; the test suite's conftest does): the demo and the benchmarks
 start their processes as a user does.
@@ -22,6 +24,8 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -74,13 +78,15 @@ class WarmProcess:
         append: bool = True,
         script: Path | None = None,
         pipe_stdout: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         assert _context is not None, "warm_start.enable() first"
         self.args = [str(script)] if script else ["timeslice"]
         self.args += list(args)
         read, write = _context.Pipe(duplex=False) if pipe_stdout else (None, None)
+        environ = dict(os.environ if env is None else env)
         plan = _Plan(
-            list(args), None if script is None else str(script), dict(os.environ),
+            list(args), None if script is None else str(script), environ,
             os.getcwd(), write, None if log is None else str(log), append,
         )  # fmt: skip
         self._process = _context.Process(target=_run, args=(plan,), name=" ".join(self.args))
@@ -118,6 +124,33 @@ class WarmProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def run(
+    args: Sequence[str], *, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`timeslice ARGS` run warm to its end, as ``subprocess.run(..., capture_output=True,
+    text=True, timeout=...)`` runs it cold: its exit code, stdout and stderr; TimeoutExpired
+    (the process killed) past ``timeout`` seconds."""
+    with tempfile.TemporaryDirectory(prefix="timeslice-warm-") as tmp:
+        stderr_path = Path(tmp) / "stderr"
+        process = WarmProcess(args, stderr_path, append=False, env=env)
+        stdout = process.stdout
+        assert stdout is not None
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.append(stdout.read()), daemon=True)
+        reader.start()
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            reader.join(5)
+            stdout.close()
+        stderr = stderr_path.read_text(encoding="utf-8", errors="replace")
+    return subprocess.CompletedProcess(process.args, code, "".join(out), stderr)
 
 
 @dataclass

@@ -119,6 +119,20 @@ def spawn_contender(
     return subprocess.Popen(cmd, env=env, stderr=stderr)
 
 
+def run_cli(
+    *argv: str, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`timeslice ARGV` as a process of its own, run to its end: exit code, stdout, stderr.
+    Forked warm where the suite enables it (timeslice.cli.warm_start: the same `main`, without
+    a second of imports per command), else `python -m timeslice.cli` as a user types it."""
+    if warm_start.enabled():
+        return warm_start.run(argv, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "timeslice.cli", *argv],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+
+
 def finish(procs: list[subprocess.Popen], timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     for p in procs:
@@ -146,11 +160,7 @@ def new_namespace(address: str, prefix: str) -> str:
     )  # fmt: skip
 
     def set_up() -> bool:  # a new namespace takes a moment to reach every service
-        setup = subprocess.run(
-            [sys.executable, "-m", "timeslice.cli", "setup", "--address", address,
-             "--namespace", namespace],
-            capture_output=True, timeout=60,
-        )  # fmt: skip
+        setup = run_cli("setup", "--address", address, "--namespace", namespace, timeout=60)
         return setup.returncode == 0
 
     wait_for(set_up, timeout=60, what="`timeslice setup` in the new namespace")

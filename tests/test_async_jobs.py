@@ -43,7 +43,7 @@ from timeslice.protocol.rl_job import (
 from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
-from tests.helpers import wait_for
+from tests.helpers import run_cli, wait_for
 
 SIZE = 1 << 20
 # The trainer is the slower: batches queue up, and the staleness bound is what holds them back.
@@ -250,10 +250,7 @@ def test_async_job_from_the_temporal_cli_and_stop(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     wait_for(lambda: progress(address, job).epoch >= 3, timeout=120, what="step 3")
-    stopped = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "job", "stop", job, "--address", address],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    stopped = run_cli("job", "stop", job, "--address", address, timeout=60)
     assert stopped.returncode == 0, stopped.stderr
     assert f"asked job {job} to stop after its current step" in stopped.stdout
     done = result(address, job)
@@ -365,11 +362,9 @@ def test_job_start_refuses_bad_async_flags_before_connecting(
     flags: list[str], complaint: str
 ) -> None:
     # No server at this address: the config is refused before any connection is tried.
-    out = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "job", "start", "--address", "127.0.0.1:9",
-         "--job-id", "j", "--workload", "simulated", "--sampler-group", "s", "--epochs", "3",
-         *flags],
-        capture_output=True, text=True, timeout=60,
+    out = run_cli(
+        "job", "start", "--address", "127.0.0.1:9", "--job-id", "j", "--workload", "simulated",
+        "--sampler-group", "s", "--epochs", "3", *flags, timeout=60,
     )  # fmt: skip
     assert out.returncode != 0
     assert complaint in out.stderr, out.stderr
@@ -410,10 +405,9 @@ def test_report_reads_an_async_job(
     assert [label.rsplit("staleness ", 1)[1] for label in trained] == [
         str(r.staleness) for r in done.records
     ]
-    shown = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "report", "--address", address, "--job", job,
-         "--group", f"s-{job}", "--group", f"t-{job}", "--text-only"],
-        capture_output=True, text=True, timeout=120,
+    shown = run_cli(
+        "report", "--address", address, "--job", job, "--group", f"s-{job}",
+        "--group", f"t-{job}", "--text-only", timeout=120,
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert job in shown.stdout and "Traceback" not in shown.stderr
@@ -553,12 +547,11 @@ def test_job_start_mode_async_waits_and_shows_both_loops(
     job_worker(job)
     config = tmp_path / "job.json"
     config.write_text(json.dumps({"workload_options": PIPELINE, "checkpoint_every": 3}))
-    out = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "job", "start", "--address", address,
-         "--config", str(config), "--mode", "async", "--job-id", job, "--workload", "simulated",
-         "--sampler-group", f"s-{job}", "--trainer-group", f"t-{job}", "--epochs", "6",
-         "--max-staleness", "3", "--sync-every", "2", "--wait"],
-        capture_output=True, text=True, timeout=300,
+    out = run_cli(
+        "job", "start", "--address", address, "--config", str(config), "--mode", "async",
+        "--job-id", job, "--workload", "simulated", "--sampler-group", f"s-{job}",
+        "--trainer-group", f"t-{job}", "--epochs", "6", "--max-staleness", "3",
+        "--sync-every", "2", "--wait", timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert f"job {job} completed after 6 steps" in out.stdout

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError
@@ -22,6 +20,8 @@ from timeslice import (
 )
 from timeslice.cli.server import free_port
 from timeslice.protocol.group import CONTROL_TASK_QUEUE, GROUP_WORKFLOW_TYPE
+
+from tests.helpers import run_cli
 
 
 @pytest.mark.parametrize("bad", ["", "has space", "-leading-dash", "x" * 101, "slash/no", 7])
@@ -231,25 +231,17 @@ POOL_JOB = ["job", "start", "--job-id", "j", "--workload", "simulated", "--epoch
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message):
-    result = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", *argv], capture_output=True, text=True, timeout=60
-    )
+    result = run_cli(*argv, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
 
 
 def test_job_options_lists_what_each_option_does():
-    shown = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "job", "options", "grpo-toy"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    shown = run_cli("job", "options", "grpo-toy", timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert "reward_latency_s (float, default 0.0)" in shown.stdout
     assert "external verifier" in shown.stdout  # what it stands for, not only its name
-    helped = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "job", "worker", "--help"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "400"},
-    )  # fmt: skip
+    helped = run_cli("job", "worker", "--help", timeout=60, env={**os.environ, "COLUMNS": "400"})
     from timeslice.workloads.registry import BUILTIN
 
     said = " ".join(helped.stdout.split())

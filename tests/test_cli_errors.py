@@ -20,16 +20,11 @@ from timeslice.cli.server import free_port
 from timeslice.protocol.rl_job import rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
-from tests.helpers import new_namespace, wait_for
+from tests.helpers import new_namespace, run_cli, wait_for
 
 
 def timeslice(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(*argv, timeout=timeout)
 
 
 def test_worker_in_a_namespace_that_does_not_exist(address: str) -> None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 from timeslice import ServerUnreachableError, TimeSliceOrchestratorClient
 from timeslice.cli.server import free_port
+
+from tests.helpers import run_cli
 
 API_KEY = "not-a-real-key-0123456789"
 
@@ -31,10 +31,7 @@ def test_api_key_against_a_plaintext_server_says_so(server, group):
 def test_api_key_from_the_environment_in_the_cli(server, group):
     env = {**os.environ, "TEMPORAL_API_KEY": API_KEY}
     env.pop("TEMPORAL_TLS", None)
-    status = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "status", group, "--address", server.address],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+    status = run_cli("status", group, "--address", server.address, timeout=120, env=env)
     assert status.returncode == 2, status.stderr
     assert "speaks plaintext" in status.stderr and "TEMPORAL_API_KEY" in status.stderr
     assert "Traceback" not in status.stderr and API_KEY not in status.stderr

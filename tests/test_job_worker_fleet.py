@@ -4,8 +4,6 @@ bench/scale.py runs many jobs without paying a process start-up for each."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -14,7 +12,7 @@ from timeslice.protocol.rl_job import RLJobResult
 from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
-from tests.helpers import Interval, assert_no_overlap
+from tests.helpers import Interval, assert_no_overlap, run_cli
 
 EPOCHS = 3
 
@@ -69,12 +67,9 @@ def test_one_process_serves_two_jobs_on_one_group(address: str, group: str, tmp_
 
 
 def test_a_job_named_twice_is_refused_before_anything_starts(tmp_path: Path):
-    result = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "job", "worker", "--job-id", "same",
-         "--job-id", "same", "--workload", "simulated", "--address", "127.0.0.1:1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_cli(
+        "job", "worker", "--job-id", "same", "--job-id", "same", "--workload", "simulated",
+        "--address", "127.0.0.1:1", timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, result
     assert "--job-id names a job twice: same same" in result.stderr

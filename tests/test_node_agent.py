@@ -40,6 +40,8 @@ from timeslice.snapshot.registration import (
 )
 from timeslice.workers.sandbox import workflow_runner
 
+from tests.helpers import run_cli
+
 from .conftest import start_service, stop_process
 from .helpers import events, finish, read_log, spawn_contender, wait_for
 from .requester_workflows import ImpostorWorkflow
@@ -340,16 +342,10 @@ def test_agent_registers_only_processes_that_prove_their_job(node):
 
 
 def test_agent_token_prints_the_token_the_agent_accepts(node, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "agent-token", "victim"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+    done = run_cli("agent-token", "victim", timeout=60)
+    assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == token_for(node, "victim")
-    missing = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "agent-token", "victim",
-         "--key-file", str(tmp_path / "none.key")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    missing = run_cli("agent-token", "victim", "--key-file", str(tmp_path / "none.key"), timeout=60)
     assert missing.returncode == 2
     assert "no node-agent key at" in missing.stderr and "Traceback" not in missing.stderr
     bad = subprocess.run(

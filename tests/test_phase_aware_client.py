@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,7 +23,7 @@ from timeslice import (
 )
 from timeslice.protocol.group import GrantPolicy
 
-from tests.helpers import wait_for
+from tests.helpers import run_cli, wait_for
 
 
 class _Waiter:
@@ -64,12 +62,7 @@ def waiting(make_client: Callable[..., TimeSliceOrchestratorClient]) -> Iterator
 
 
 def _status_text(address: str, group: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "status", "--address", address, group],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cli("status", "--address", address, group, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

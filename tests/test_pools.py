@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from timeslice.protocol.pool import POOL_WORKFLOW, pool_workflow_id
 from timeslice.protocol.rl_job import RL_JOB_WORKFLOW_TYPE, RLJobResult, rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
-from tests.helpers import Interval, assert_no_overlap
+from tests.helpers import Interval, assert_no_overlap, run_cli
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
@@ -63,12 +62,7 @@ def _job(job_id: str, pool: str, **extra: Any) -> dict[str, Any]:
 
 
 def _cli(address: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", *args, "--address", address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_cli(*args, "--address", address, timeout=60)
 
 
 def test_a_full_pool_queues_a_job_until_another_ends(

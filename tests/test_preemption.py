@@ -37,6 +37,8 @@ from timeslice.snapshot.registration import (
     socket_path,
 )
 
+from tests.helpers import run_cli
+
 from .conftest import start_service, stop_process
 from .fake_cuda_driver import read_calls, scheduler_state
 from .helpers import CONTENDER, REPO, events, read_log, wait_for
@@ -238,16 +240,13 @@ def test_a_frozen_holder_is_preempted_and_comes_back_under_a_new_lease(
     stats = run.status.stats
     # Two evictions by the group (A, preempted; B, which had yielded), one restore (A).
     assert (stats.evictions, stats.preemptions, stats.restores) == (2, 1, 1), stats
-    shown = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "status", group, "--address", address],
-        capture_output=True, text=True, timeout=DEADLINE_S, check=True,
-    )  # fmt: skip
+    shown = run_cli("status", group, "--address", address, timeout=DEADLINE_S)
+    assert shown.returncode == 0, shown.stderr
     assert "expired 1, preemptions 1," in shown.stdout, shown.stdout
-    report = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "report", "--group", group, "--text-only",
-         "--address", address],
-        capture_output=True, text=True, timeout=DEADLINE_S, check=True,
-    )  # fmt: skip
+    report = run_cli(
+        "report", "--group", group, "--text-only", "--address", address, timeout=DEADLINE_S
+    )
+    assert report.returncode == 0, report.stderr
     assert f"{group}: 1 preempted (a lease ran out without yielding" in report.stdout, report.stdout
 
 

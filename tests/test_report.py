@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ from timeslice.report import Report, collect_report, format_text, write_report
 from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import ARTIFACTS, start_service, stop_process
+from tests.helpers import run_cli
 
 GIB = 2**30
 
@@ -188,11 +188,10 @@ def test_report_of_two_time_sliced_jobs(
     assert sum(1 for e in trace["traceEvents"] if e["ph"] == "X") == len(report.spans)
 
     # The same through the command line, with a trace file of its own.
-    cli = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "report", "--address", address,
-         "--group", group, *(arg for job in jobs for arg in ("--job", job)),
-         "--out", str(tmp_path / "cli"), "--trace", str(tmp_path / "cli.trace.json")],
-        capture_output=True, text=True, timeout=120,
+    cli = run_cli(
+        "report", "--address", address, "--group", group,
+        *(arg for job in jobs for arg in ("--job", job)),
+        "--out", str(tmp_path / "cli"), "--trace", str(tmp_path / "cli.trace.json"), timeout=120,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert group in cli.stdout and all(job in cli.stdout for job in jobs)

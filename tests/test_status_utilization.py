@@ -7,21 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 
 from timeslice.protocol.group import group_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
-from tests.helpers import wait_for
+from tests.helpers import run_cli, wait_for
 
 WINDOWS = ("while jobs ran", "since the group was created")
 
 
 def timeslice(*argv: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", *argv], capture_output=True, text=True, timeout=180
-    )
+    done = run_cli(*argv, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -87,8 +83,9 @@ def assert_json_says_the_report(said: dict, report: dict[str, tuple[float, float
     assert said["wall_s"] <= window + 0.05, (said, report)
     rounding = 0.0005 * window + share / 100 * 0.05
     phase_s = said["utilization"] * said["wall_s"]
+    # In phase seconds, not as a share: the window is a second or two here (the commands run
+    # warm), and its 0.1-s rounding alone moves a share by points.
     assert abs(phase_s - share / 100 * window) <= rounding + 1e-6, (said, report)
-    assert abs(100 * phase_s / window - share) <= 0.5, (said, report)
     assert said["utilization"] <= said["held_share"] + 1e-9, said
 
 

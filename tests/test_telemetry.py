@@ -47,7 +47,7 @@ from timeslice.workers.control import build_control_worker
 from timeslice.workers.job import build_job_runtime, build_job_worker
 
 from tests.conftest import start_service, stop_process
-from tests.helpers import events, spawn_contender, wait_for
+from tests.helpers import events, run_cli, spawn_contender, wait_for
 
 MiB = 1 << 20
 GROUP_METRICS = (
@@ -227,12 +227,7 @@ def test_activity_metrics_reach_the_endpoint():
 
 
 def test_metrics_port_is_validated():
-    result = subprocess.run(
-        [sys.executable, "-m", "timeslice.cli", "worker", "--metrics-port", "nine"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cli("worker", "--metrics-port", "nine", timeout=60)
     assert result.returncode == 2
     assert "invalid metrics address 'nine'" in result.stderr
 
