@@ -130,6 +130,17 @@ UPDATES_ENTERING = 2
 CLOSE_ACQUIRES_S = WITHDRAW_S + 2.0
 
 
+def release_label(job_id: str, ret: LeaseReturn) -> str:
+    """How a release reads on the group's timeline (its update id's head)."""
+    parts = [f"release · {job_id} · token {ret.token}"]
+    if ret.carry_into is not None:
+        parts.append(f"keep for {ret.carry_into.name}?")
+    moved = len(ret.restored) + len(ret.evicted) + len(ret.late_evictions)
+    if moved:
+        parts.append(f"{moved} moves reported")
+    return " · ".join(parts)
+
+
 class _Default:
     """Marks an argument left out (None is a meaningful value for it)."""
 
@@ -190,6 +201,9 @@ class LeaseSession:
         self.held: dict[str, Lease] = {}
         # group id -> the key of this job's last lease there: its reports and departure carry it
         self.last_keys: dict[str, str] = {}
+        # group id -> this job's own evictions off its device that the group let wait for the
+        # job's next release there (ReturnAnswer.report_with_next), or for its departure
+        self.late_evictions: dict[str, list[SnapshotReport]] = {}
         self._keys: OrderedDict[str, str] = OrderedDict()
         # Grants that come as activities on this job's queue: whoever serves it runs the inbox's
         # deliver_grant.
@@ -595,6 +609,7 @@ class LeaseSession:
                 wait_for_completion=False,  # it parks until granted
                 on_slow=self._check_control_worker,
                 on_accepted=taken,
+                label=f"acquire · {self.job_id}",
             )
         except WorkflowUpdateFailedError as err:
             limited = self._limited(err, group_id)
@@ -728,6 +743,7 @@ class LeaseSession:
                     arg,
                     result_type,
                     give_up_after_s=give_up_s,
+                    label=f"{name} · {self.job_id}",
                 )
 
         while True:
@@ -777,6 +793,9 @@ class LeaseSession:
         key = self.last_keys.get(group_id)
         if key is None:
             return  # never held it: nothing of ours is resident there
+        late = self.late_evictions.pop(group_id, [])
+        if late:  # the group counts every byte moved, so those that waited go first
+            await self.report_moved(group_id, late)
         try:
             await self._update(
                 f"depart {group_id}",
@@ -952,11 +971,15 @@ class LeaseSession:
         keep_if_uncontended: bool = False,
         carry_into: NextPhase | None = None,
         evicts_itself: bool = False,
+        reports_with_next: bool = False,
         phases: list[tuple[float, float]] | None = None,
     ) -> ReturnAnswer:
         """End ``lease`` (or keep it, if asked and nobody waits, or carried into
         ``carry_into`` by the group's grant policy); the answer says whether the group wants
-        this process to move its state out (``evicts_itself``)."""
+        this process to move its state out (``evicts_itself``), and whether its report may
+        wait for the next release there (``reports_with_next``: see :meth:`report_moved`).
+        Evictions whose reports waited go with this release."""
+        late = self.late_evictions.pop(lease.group_id, [])
         ret = LeaseReturn(
             request_id=lease.request_id,
             token=lease.token,
@@ -966,12 +989,15 @@ class LeaseSession:
             keep_if_uncontended=keep_if_uncontended,
             carry_into=carry_into,
             evicts_itself=evicts_itself,
+            reports_with_next=reports_with_next and evicts_itself,
+            late_evictions=late,
             phases=phases,
         )
         spans = self._spans.get(lease.group_id)
         attempts = 0
         sent = time.monotonic()
         lease.releasing = True
+        label = release_label(self.job_id, ret)
 
         async def call() -> ReturnAnswer:
             nonlocal attempts
@@ -983,6 +1009,7 @@ class LeaseSession:
                     GroupUpdate.RELEASE,
                     ret,
                     ReturnAnswer,
+                    label=label,
                 )
             except WorkflowUpdateFailedError as err:
                 # A holder's release is never refused for its rate; one of a lease the group
@@ -1002,6 +1029,7 @@ class LeaseSession:
                     f"release {lease.group_id}", call, group_id=lease.group_id
                 )
         except (GroupNotAnsweringError, NoControlWorkerError) as err:
+            self._keep_late(lease.group_id, late)
             self._drop(lease, err)
             raise type(err)(
                 f"{err}. This process no longer holds or renews the lease on "
@@ -1009,8 +1037,11 @@ class LeaseSession:
                 f"({lease.ttl_s:g} s) has run out, once it answers again"
             ) from err.__cause__
         except BaseException as err:
+            self._keep_late(lease.group_id, late)
             self._drop(lease, err)
             raise
+        if not answer.valid and attempts == 1:
+            self._keep_late(lease.group_id, late)  # not taken: they go with the next message
         if not answer.valid and attempts > 1:
             # An earlier attempt may have landed before its answer was lost: the group then
             # knows the request as done, which is all a retry can learn.
@@ -1040,14 +1071,28 @@ class LeaseSession:
         for span in reversed(spans or ()):
             end_span(span, err, message=revoked)
 
+    def _keep_late(self, group_id: str, reports: list[SnapshotReport]) -> None:
+        if reports:
+            self.late_evictions.setdefault(group_id, [])[:0] = reports
+
     async def report_moved(
-        self, group_id: str, evicted: list[SnapshotReport], error: str | None = None
+        self,
+        group_id: str,
+        evicted: list[SnapshotReport],
+        error: str | None = None,
+        *,
+        with_next: bool = False,
     ) -> None:
         """Tell ``group_id`` that this job's state left its device (with the key of the job's
-        last lease there, which only its processes know)."""
+        last lease there, which only its processes know). ``with_next``: the group let the
+        report wait (``ReturnAnswer.report_with_next``): it goes with this job's next release
+        there, or its departure, instead of a message of its own (a failure goes at once)."""
         key = self.last_keys.get(group_id)
         if key is None:
             return  # the group has our state only through leases we never took: it asks us
+        if with_next and error is None:
+            self.late_evictions.setdefault(group_id, []).extend(evicted)
+            return
         report = MovedReport(job_id=self.job_id, key=key, evicted=evicted, error=error)
         try:
             await self._update(
