@@ -83,17 +83,6 @@ _COMPLETED = (
 )
 
 
-# Update ids are the server's: it keeps one per update for deduplication, so a label stays short.
-MAX_LABEL = 120
-
-
-def update_id_for(label: str | None) -> str:
-    """A new update id, unique as a UUID's random part makes it, headed by ``label`` (cut to
-    ``MAX_LABEL`` characters) when there is one: ``release j1 · token 7 · 3f2a…``."""
-    unique = uuid.uuid4().hex
-    return f"{label[:MAX_LABEL]} · {unique}" if label else str(uuid.UUID(unique))
-
-
 async def send_update(
     client: Client,
     workflow_id: str,
@@ -106,7 +95,6 @@ async def send_update(
     on_slow: Callable[[], Awaitable[None]] | None = None,
     slow_after_s: float = 5.0,
     on_accepted: Callable[[], object] | None = None,
-    label: str | None = None,
 ) -> T:
     """Send an update to the workflow's current run and return its result.
 
@@ -117,10 +105,8 @@ async def send_update(
     the result is then awaited without a limit (an update that parks).
     ``on_slow`` runs once if the update is still not accepted after ``slow_after_s`` (it may
     raise, e.g. when no worker serves the workflow at all). ``on_accepted`` runs once the
-    workflow took the update (a worker ran it). ``label``: what the update is, in a few
-    words, at the head of its id (``update_id``), which the Web UI shows on the update's row
-    of the workflow's history; an update carries no summary of its own."""
-    update_id = update_id_for(label)
+    workflow took the update (a worker ran it)."""
+    update_id = str(uuid.uuid4())
     with tracer().start_as_current_span(
         f"StartWorkflowUpdate:{name}",
         kind=trace.SpanKind.CLIENT,

@@ -130,17 +130,6 @@ UPDATES_ENTERING = 2
 CLOSE_ACQUIRES_S = WITHDRAW_S + 2.0
 
 
-def release_label(job_id: str, ret: LeaseReturn) -> str:
-    """How a release reads on the group's timeline (its update id's head)."""
-    parts = [f"release · {job_id} · token {ret.token}"]
-    if ret.carry_into is not None:
-        parts.append(f"keep for {ret.carry_into.name}?")
-    moved = len(ret.restored) + len(ret.evicted) + len(ret.late_evictions)
-    if moved:
-        parts.append(f"{moved} moves reported")
-    return " · ".join(parts)
-
-
 class _Default:
     """Marks an argument left out (None is a meaningful value for it)."""
 
@@ -609,7 +598,6 @@ class LeaseSession:
                 wait_for_completion=False,  # it parks until granted
                 on_slow=self._check_control_worker,
                 on_accepted=taken,
-                label=f"acquire · {self.job_id}",
             )
         except WorkflowUpdateFailedError as err:
             limited = self._limited(err, group_id)
@@ -743,7 +731,6 @@ class LeaseSession:
                     arg,
                     result_type,
                     give_up_after_s=give_up_s,
-                    label=f"{name} · {self.job_id}",
                 )
 
         while True:
@@ -997,7 +984,6 @@ class LeaseSession:
         attempts = 0
         sent = time.monotonic()
         lease.releasing = True
-        label = release_label(self.job_id, ret)
 
         async def call() -> ReturnAnswer:
             nonlocal attempts
@@ -1009,7 +995,6 @@ class LeaseSession:
                     GroupUpdate.RELEASE,
                     ret,
                     ReturnAnswer,
-                    label=label,
                 )
             except WorkflowUpdateFailedError as err:
                 # A holder's release is never refused for its rate; one of a lease the group
