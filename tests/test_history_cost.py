@@ -10,6 +10,7 @@ import statistics
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
@@ -42,6 +43,7 @@ from bench.history_cost import (
     update_names,
 )
 from tests.conftest import start_service, stop_process
+from tests.helpers import wait_for
 
 ROUNDS = 5
 
@@ -310,3 +312,44 @@ def _group_status(address: str, group: str) -> GroupStatus:
         return await handle.query(GroupQuery.STATUS, result_type=GroupStatus)
 
     return asyncio.run(go())
+
+
+def test_a_jobs_wait_for_a_lease_is_a_labelled_row_of_its_timeline(
+    address, group, make_client, tmp_path
+):
+    """A job workflow's wait for its grant (here the prepare's, behind another process's lease)
+    starts a timer whose summary names it, so the Web UI's Timeline shows the wait as a row of
+    its own (``prepare · waiting for g-…``), where it was a gap."""
+    holder = make_client(job_id=f"holder-{uuid.uuid4().hex[:6]}", snapshot_backends=[])
+    lease = holder.acquire(group, timeout=60)
+    job = f"waits-{uuid.uuid4().hex[:6]}"
+    proc = _job_process(address, job, tmp_path)
+    fast = {"sample_s": 0.05, "reward_s": 0.05, "train_s": 0.05}
+    config = {"job_id": job, "workload": "simulated", "sampler_group": group, "epochs": 1,
+              "workload_options": fast}  # fmt: skip
+
+    async def start() -> Any:
+        client = await connect(connect_config(address))
+        return await start_rl_job(client, parse_job_config(config))
+
+    async def result(handle: Any) -> RLJobResult:
+        return await handle.result()
+
+    try:
+        handle = asyncio.run(start())
+        wait_for(
+            lambda: any(w.job_id == job for w in holder.group_status(group).queue),
+            what="the job queued behind the holder",
+        )
+        holder.release(lease)
+        assert asyncio.run(result(handle)).epochs_done == 1
+    finally:
+        stop_process(proc)
+    labels = [
+        json.loads(event.user_metadata.summary.data)
+        for h in histories_of(address, rl_job_workflow_id(job))
+        for event in h.events
+        if event.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+        and event.user_metadata.HasField("summary")
+    ]
+    assert f"prepare · waiting for {group}" in labels, labels
