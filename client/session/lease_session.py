@@ -980,9 +980,30 @@ class LeaseSession:
             late_evictions=late,
             phases=phases,
         )
+        sent = time.monotonic()
+        try:
+            answer, attempts = await self._send_release(lease, ret)
+        except BaseException:
+            self._keep_late(lease.group_id, late)  # not taken: they go with the next message
+            raise
+        if not answer.valid and attempts == 1:
+            self._keep_late(lease.group_id, late)
+        if not answer.valid and attempts > 1:
+            # An earlier attempt may have landed before its answer was lost: the group then
+            # knows the request as done, which is all a retry can learn.
+            answer = ReturnAnswer(valid=True, released=True)
+        if answer.released or not answer.valid:
+            self._drop(lease)
+        else:
+            lease.valid_until = sent + lease.ttl_s  # kept: the group renewed it
+            lease.releasing = False
+        return answer
+
+    async def _send_release(self, lease: Lease, ret: LeaseReturn) -> tuple[ReturnAnswer, int]:
+        """Send ``ret`` (retried); its answer and the attempts it took. A release that cannot
+        be sent drops the lease here (this process no longer renews it) and raises."""
         spans = self._spans.get(lease.group_id)
         attempts = 0
-        sent = time.monotonic()
         lease.releasing = True
 
         async def call() -> ReturnAnswer:
@@ -1014,7 +1035,6 @@ class LeaseSession:
                     f"release {lease.group_id}", call, group_id=lease.group_id
                 )
         except (GroupNotAnsweringError, NoControlWorkerError) as err:
-            self._keep_late(lease.group_id, late)
             self._drop(lease, err)
             raise type(err)(
                 f"{err}. This process no longer holds or renews the lease on "
@@ -1022,21 +1042,9 @@ class LeaseSession:
                 f"({lease.ttl_s:g} s) has run out, once it answers again"
             ) from err.__cause__
         except BaseException as err:
-            self._keep_late(lease.group_id, late)
             self._drop(lease, err)
             raise
-        if not answer.valid and attempts == 1:
-            self._keep_late(lease.group_id, late)  # not taken: they go with the next message
-        if not answer.valid and attempts > 1:
-            # An earlier attempt may have landed before its answer was lost: the group then
-            # knows the request as done, which is all a retry can learn.
-            answer = ReturnAnswer(valid=True, released=True)
-        if answer.released or not answer.valid:
-            self._drop(lease)
-        else:
-            lease.valid_until = sent + lease.ttl_s  # kept: the group renewed it
-            lease.releasing = False
-        return answer
+        return answer, attempts
 
     def forget(self, lease: Lease) -> None:
         """Stop renewing ``lease`` and let it go without a release (the group revokes it when
