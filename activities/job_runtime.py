@@ -708,6 +708,7 @@ class JobRuntime:
                 keep_if_uncontended=keep_if_uncontended,
                 carry_into=carry_into,
                 evicts_itself=bool(names),
+                reports_with_next=True,
             )
         except Exception as err:  # the group revokes it at its TTL (renewals stopped)
             log.warning("cannot release %s from the job process: %s", lease.group_id, err)
@@ -724,7 +725,9 @@ class JobRuntime:
         if answer.evict:
             # The copy runs after this activity returns: the job's next step (rewards, or a
             # phase on another group) does not wait for it; the next use of this state does.
-            self.homes.evict_in_background(names, lease.group_id)
+            self.homes.evict_in_background(
+                names, lease.group_id, report_with_next=answer.report_with_next
+            )
         return True, False, answer.reason[:MAX_CARRY_REASON]
 
     async def _abandon(self, lease: Lease) -> None:

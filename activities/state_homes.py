@@ -27,7 +27,8 @@ import contextlib
 import itertools
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
+from typing import Protocol
 
 from timeslice.protocol.group import SnapshotReport
 from timeslice.snapshot.base import (
@@ -41,8 +42,19 @@ from timeslice.snapshot.device_room import DeviceRoom, DeviceRooms
 
 log = logging.getLogger("timeslice.job")
 
+
 # (group id, what moved out, the error if the eviction failed)
-TellMoved = Callable[[str, list[SnapshotReport], str | None], Awaitable[None]]
+class TellMoved(Protocol):
+    """How a job's states tell a group they left its device (``LeaseSession.report_moved``)."""
+
+    def __call__(
+        self,
+        group_id: str,
+        evicted: list[SnapshotReport],
+        error: str | None = None,
+        *,
+        with_next: bool = False,
+    ) -> Awaitable[None]: ...
 
 
 class StateHomes:
@@ -280,10 +292,13 @@ class StateHomes:
         self._busy.update(owned)
         return _Claim(self, owned)
 
-    def evict_in_background(self, names: list[str], group_id: str) -> None:
+    def evict_in_background(
+        self, names: list[str], group_id: str, *, report_with_next: bool = False
+    ) -> None:
         """Move out states the caller is using, after the caller is done, and report it to
-        ``group_id`` (a release answered ``evict``). The job's next step need not wait for
-        the copy: whatever uses these states next waits for it instead."""
+        ``group_id`` (a release answered ``evict``; ``report_with_next``: the report goes with
+        the job's next release there). The job's next step need not wait for the copy:
+        whatever uses these states next waits for it instead."""
         owned = {n for n in names if n in self.backends}
         self._busy.update(owned)  # the caller's claim is still held: nobody slips in between
 
@@ -299,7 +314,7 @@ class StateHomes:
                     evicted, error = [], str(err)
                 # Reported before the state is free again: the group must hear of this
                 # eviction before any later restore of the same state.
-                await self._tell_moved(group_id, evicted, error)
+                await self._tell_moved(group_id, evicted, error, with_next=report_with_next)
             finally:
                 await self._done_with(owned)
 

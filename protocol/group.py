@@ -832,15 +832,33 @@ class LeaseReturn(LeaseEnd):
         description="the holder moves its own state out (in-process backends) when another job "
         "takes the group next; the answer says whether to, and a `report_moved` follows",
     )
+    reports_with_next: bool = Field(
+        False,
+        description="with evicts_itself: the holder can carry its eviction's report on its "
+        "next release here (`late_evictions`) instead of a `report_moved` of its own; the "
+        "answer says whether the group waits for it (docs/architecture.md, 'What a lease "
+        "costs')",
+    )
+    late_evictions: EvictedReports = Field(
+        default_factory=list,
+        max_length=MAX_REPORTS,
+        description="the holder's own eviction after an earlier lease here, answered "
+        "`report_with_next`: its bytes, reported now (the state came back since)",
+    )
     phases: LeasePhases
 
     @model_serializer(mode="wrap")
     def _omit_no_carry(self, handler: SerializerFunctionWrapHandler) -> Any:
-        # A release that says no next phase encodes as before the grant policy, so a group
-        # of an older release (its models forbid unknown fields) still takes it.
+        # A release that says no next phase (nor folds a report) encodes as before those
+        # fields, so a group of an older release (its models forbid unknown fields) takes it.
         data = handler(self)
-        if self.carry_into is None and isinstance(data, dict):
-            data.pop("carry_into", None)
+        if isinstance(data, dict):
+            if self.carry_into is None:
+                data.pop("carry_into", None)
+            if not self.reports_with_next:
+                data.pop("reports_with_next", None)
+            if not self.late_evictions:
+                data.pop("late_evictions", None)
         return _omit_unreported_phases(data, self.phases)
 
 
@@ -855,6 +873,20 @@ class ReturnAnswer(_Model):
         description="another job takes the group: move the state out now and report it; the "
         "group restores the next job at once when both states fit, else after the report",
     )
+    report_with_next: bool = Field(
+        False,
+        description="with evict, to a release that offered it: report the eviction with the "
+        "next release here, not at once (the next job's restore does not wait for it)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_folding(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Only a release that offered to fold its report is answered the field: every other
+        # answer encodes as before, so older clients (their models forbid unknown fields) read it.
+        data = handler(self)
+        if not self.report_with_next and isinstance(data, dict):
+            data.pop("report_with_next", None)
+        return data
 
 
 class SnapshotCall(_Model):
@@ -1064,6 +1096,9 @@ class GroupState(_Model):
     # The key hash of the lease that was answered ``evict``: only that lease's report of a failed
     # eviction faults the job (None: the group's own activity evicts, or a state from before).
     evicting_key_hash: str | None = None
+    # That holder reports its eviction with its next release here (ReturnAnswer.report_with_next):
+    # no report is waited for; a switch that needs the room asks its process by activity.
+    evicting_report_later: bool = False
     # job id -> flat [asked_at, waited_s, ...] of its last grants, seconds since
     # stats.created_at: the grant policy's waiting shares (most recently granted last).
     wait_shares: dict[str, list[float]] = Field(default_factory=dict)

@@ -13,6 +13,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 from timeslice.workers.control import WORKFLOWS
 from timeslice.workers.sandbox import workflow_runner
+from timeslice.workflows.group_lease import LABELLED_LEASE_WAITS
 from timeslice.workflows.group_patches import (
     BOUNDED_EVICTION_REPORT_WAIT,
     FORGET_GONE_EVICTOR,
@@ -65,11 +66,13 @@ def _patch_markers(text: str) -> set[str]:
         STREAMED_SWITCHES,
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
+        LABELLED_LEASE_WAITS,
     ],
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):
     """A history recorded after the patch (tests/histories/record_eviction_wait.py,
-    record_one_timer.py, record_streamed.py, record_rl_states.py, record_rl_v5.py), so the
+    record_one_timer.py, record_streamed.py, record_rl_states.py, record_rl_v5.py,
+    record_rl_labelled.py), so the
     replay above runs the new branch too, not only the old one."""
     recorded = {path.name for path in HISTORIES if patch in _patch_markers(path.read_text())}
     assert recorded, f"no stored history records the {patch!r} patch"

@@ -390,6 +390,11 @@ class GroupBook:
         self.leases.confirm(holder.token, now)
         job_id = holder.request.job_id
         self._account_own_moves(holder, ret.restored, ret.evicted, now)
+        if ret.late_evictions:
+            # Its eviction after an earlier lease (answered report_with_next): only bytes now.
+            moved = self.accounts.count_moved("evict", ret.late_evictions)
+            if moved:
+                self.accounts.mark_overlapped(job_id, now, moved, by_holder=True)
         if ret.phases is not None:  # kept with the lease (a carried one reports each segment's)
             holder.phases = bounded_phases([*(holder.phases or []), *ret.phases])
         after = self.waiters.peek_next(now)
@@ -407,12 +412,27 @@ class GroupBook:
             and after.request.job_id != job_id
             and self.residency.is_resident(job_id)
         )
+        later = False
         if evict:
+            assert after is not None
+            later = ret.reports_with_next and self._report_can_wait(job_id, after.request)
             # Its own eviction runs from now on; until its report comes, only a job whose
             # state fits beside it may be restored.
-            self.residency.evicts_itself(job_id, holder.request.key_hash)
+            self.residency.evicts_itself(job_id, holder.request.key_hash, report_later=later)
         self.end_lease(LeaseOutcome.RELEASED, now)
-        return ReturnAnswer(valid=True, released=True, evict=evict, reason=why)
+        return ReturnAnswer(
+            valid=True, released=True, evict=evict, reason=why, report_with_next=later
+        )
+
+    def _report_can_wait(self, job_id: str, after: AcquireRequest) -> bool:
+        """Whether a releasing holder's eviction report may come with its next release here
+        instead of at once: nothing the group does before that release needs it. The next
+        holder's restore does not wait for it (its state fits beside, or they stream), and no
+        third job waits whose restore might. The releasing job's own next grant does not need
+        it either: its process restores its state only after its own eviction is done."""
+        resident = self.state.resident
+        others = {w.request.job_id for w in self.state.queue} - {job_id, after.job_id}
+        return not others and self.residency.overlaps(resident, after)
 
     def _carry(self, holder: HeldLease, ret: LeaseReturn, now: datetime) -> tuple[bool, str]:
         """Keep the lease into the holder's next phase if the grant policy allows: whether it

@@ -74,6 +74,12 @@ GROUP_CALLS_AS_ACTIVITIES = "group-calls-as-activities"
 # workflow.patched id: a fault notice (whose proof a reader of the group's history can make) is
 # checked by asking the group about the request again before it fails the job.
 FAULTS_ASKED_AGAIN = "fault-notices-asked-again"
+# workflow.patched id: a wait for a grant without a time-out starts a timer anyway (a day's,
+# started again if it fires), whose summary names the wait (acquire's wait_label): the wait is a
+# labelled row of the requester's timeline in the Web UI, not a gap. Two events a wait (started,
+# cancelled with the grant's task); requesters that started before it replay without the timer.
+LABELLED_LEASE_WAITS = "labelled-lease-waits"
+_LABEL_TIMER_S = 86_400.0
 # A renewal that failed (no answer: the group's worker is down, the server unreachable) is tried
 # again this soon, until the lease's TTL since the last answered renewal runs out.
 _RENEW_RETRY_S = 1.0
@@ -119,6 +125,8 @@ class GroupLeases:
         self.snapshot = snapshot
         self.state_bytes = state_bytes
         self._grants: dict[str, GrantNotice] = {}
+        # request id -> the summary of its wait's timer (acquire's wait_label)
+        self._wait_labels: dict[str, str] = {}
         self._renewers: dict[str, asyncio.Task[None]] = {}
         # request id -> why its lease was lost (the group said so, or no renewal was answered
         # within its TTL); kept until the lease is released or forgotten.
@@ -225,11 +233,14 @@ class GroupLeases:
         snapshot: SnapshotTarget | None = None,
         state_bytes: int | None = None,
         restores_itself: bool = False,
+        wait_label: str | None = None,
     ) -> GrantNotice:
         """Wait for the group; raises ApplicationError type ``AcquireTimeout`` or ``JobFaulted``.
 
         ``snapshot`` / ``state_bytes`` override the defaults for this request (a job moves
-        different state on its sampler group than on its trainer group).
+        different state on its sampler group than on its trainer group). ``wait_label``: the
+        summary of the wait's timer (with a ``timeout``), the row the wait for the grant is on
+        the workflow's timeline in the Web UI (default ``wait for GROUP``).
         """
         await self.draw_secret()
         request_id = f"{self.job_id}:{workflow.uuid4()}"
@@ -247,6 +258,8 @@ class GroupLeases:
             restores_itself=restores_itself,
         )
         rid = request.request_id
+        if wait_label is not None:
+            self._wait_labels[rid] = wait_label
         # Known before the request goes out: its grant may arrive with the request's answer.
         self._keys[rid] = key
         cancel = CancelRequest(request_id=rid, key=key)
@@ -292,8 +305,21 @@ class GroupLeases:
         """Wait for the grant of the request ``rid`` asked for; renew it once taken."""
         key = self._keys[rid]
         cancel = CancelRequest(request_id=rid, key=key)
+        label = self._wait_labels.get(rid) or f"wait for {group_id}"
         try:
-            await workflow.wait_condition(lambda: rid in self._grants, timeout=timeout)
+            # The timer of the time-out carries the label: the wait is a row of the timeline.
+            if timeout is None and workflow.patched(LABELLED_LEASE_WAITS):
+                while rid not in self._grants:
+                    with contextlib.suppress(TimeoutError):
+                        await workflow.wait_condition(
+                            lambda: rid in self._grants,
+                            timeout=_LABEL_TIMER_S,
+                            timeout_summary=label,
+                        )
+            else:
+                await workflow.wait_condition(
+                    lambda: rid in self._grants, timeout=timeout, timeout_summary=label
+                )
         except asyncio.CancelledError:
             # The requester is being cancelled: take the request (or a racing grant) back.
             await self._signal(group_id, GroupSignal.CANCEL, cancel)
@@ -306,6 +332,7 @@ class GroupLeases:
                 type="AcquireTimeout",
             ) from None
         notice = self._grants.pop(rid)
+        self._wait_labels.pop(rid, None)
         if notice.fault is not None:
             if await self._fault_is_forged(group_id, rid):
                 return await self._granted(group_id, rid, timeout)

@@ -116,6 +116,16 @@ class GroupSwitch:
         evicting = book.residency.eviction_to_await(request)
         if evicting is None:
             return None
+        if book.state.evicting_report_later:
+            # Its report comes with its next release here, not now. Its own next grant needs
+            # none (its process restores only after its eviction is done); another job's
+            # restore asks its process by the group's snapshot activity, which waits for the
+            # eviction under way and finds nothing left to move.
+            book.residency.clear_evicting()
+            if evicting.job_id == request.job_id or evicting.snapshot is None:
+                return None
+            await self._evict_late(evicting)
+            return evicting
         self.awaiting_eviction_of = evicting.job_id
         # Its process may have died right after releasing (the soak found a group idle for its
         # whole 300-s snapshot time-out so): past the time a live process has to answer a grant,
@@ -147,12 +157,18 @@ class GroupSwitch:
                 workflow.logger.warning(
                     "job %s did not report its own eviction; evicting it", late.job_id
                 )
-                result = await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
-                if result is _Moved.GONE and workflow.patched(FORGET_GONE_EVICTOR):
-                    # No process picked the task up: the job's processes are gone, and its
-                    # state with them (as in _evict), so nothing is left to restore.
-                    book.evictor_gone(late.job_id)
+                await self._evict_late(late)
         return evicting
+
+    async def _evict_late(self, late: ResidentJob) -> None:
+        """Evict a previous holder whose own eviction's report is not here, by the group's
+        snapshot activity (on a live process it waits for the eviction under way)."""
+        assert late.snapshot is not None
+        result = await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
+        if result is _Moved.GONE and workflow.patched(FORGET_GONE_EVICTOR):
+            # No process picked the task up: the job's processes are gone, and its
+            # state with them (as in _evict), so nothing is left to restore.
+            self._book.evictor_gone(late.job_id)
 
     def _evict_beside(self, plan: SwitchPlan) -> None:
         """Evict the previous resident while the next holder is granted and works: both

@@ -636,6 +636,7 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
                 # The job process restores its in-process state itself before each leased
                 # activity, so a grant never waits for a restore activity.
                 restores_itself=True,
+                wait_label=self._wait_label(group_id, purpose, record),
             )
         except ApplicationError as err:
             raise ApplicationError(
@@ -645,6 +646,12 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
         if record is not None:
             record.wait_s[purpose] = waited_s
         return lease
+
+    def _wait_label(self, group_id: str, purpose: str, record: EpochRecord | None) -> str:
+        """The wait for a lease as its row on the job's timeline reads (the summary of the
+        timer its time-out starts): ``epoch 3 · train · waiting for gpus-0``."""
+        epoch = "" if record is None else f"epoch {record.epoch} · "
+        return f"{epoch}{purpose} · waiting for {group_id}"
 
     async def _release(self, lease: GrantNotice, after: PhaseResult | None = None) -> None:
         """Release a lease this workflow holds, with what the phase ``after`` it moved."""

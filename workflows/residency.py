@@ -268,6 +268,7 @@ class Residency(BookPiece):
             assert evict is not None
             state.evicting = evict
             state.evicting_key_hash = None  # the group's own activity evicts it
+            state.evicting_report_later = False
             state.resident = None
             self.note_evicted(evict.job_id)
         return SwitchPlan(
@@ -294,18 +295,21 @@ class Residency(BookPiece):
 
     # ------------------------------------------------------------------ moves
 
-    def evicts_itself(self, job_id: str, key_hash: str) -> None:
+    def evicts_itself(self, job_id: str, key_hash: str, *, report_later: bool = False) -> None:
         """The resident holder, released, moves its own state out from now on; until its report
         comes, only a job whose state fits beside it may be restored.
 
         Args:
             job_id: the releasing holder's job (the resident).
             key_hash: its lease's key hash: only that lease's report of a failure counts.
+            report_later: its report comes with its next release here (only a failure's at
+                once): a switch that needs the room asks its process instead of waiting.
         """
         state = self.state
         state.stats.evictions += 1
         state.evicting = state.resident
         state.evicting_key_hash = key_hash
+        state.evicting_report_later = report_later
         state.resident = None
         self.note_evicted(job_id)
 
@@ -358,6 +362,7 @@ class Residency(BookPiece):
         if state.evicting is not None and (job_id is None or state.evicting.job_id == job_id):
             state.evicting = None
             state.evicting_key_hash = None
+            state.evicting_report_later = False
 
     def asked_to_evict(self, job_id: str, key: str) -> bool:
         """Whether the lease under ``key`` was answered ``evict`` and its eviction is still

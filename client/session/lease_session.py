@@ -190,6 +190,9 @@ class LeaseSession:
         self.held: dict[str, Lease] = {}
         # group id -> the key of this job's last lease there: its reports and departure carry it
         self.last_keys: dict[str, str] = {}
+        # group id -> this job's own evictions off its device that the group let wait for the
+        # job's next release there (ReturnAnswer.report_with_next), or for its departure
+        self.late_evictions: dict[str, list[SnapshotReport]] = {}
         self._keys: OrderedDict[str, str] = OrderedDict()
         # Grants that come as activities on this job's queue: whoever serves it runs the inbox's
         # deliver_grant.
@@ -777,6 +780,9 @@ class LeaseSession:
         key = self.last_keys.get(group_id)
         if key is None:
             return  # never held it: nothing of ours is resident there
+        late = self.late_evictions.pop(group_id, [])
+        if late:  # the group counts every byte moved, so those that waited go first
+            await self.report_moved(group_id, late)
         try:
             await self._update(
                 f"depart {group_id}",
@@ -952,11 +958,15 @@ class LeaseSession:
         keep_if_uncontended: bool = False,
         carry_into: NextPhase | None = None,
         evicts_itself: bool = False,
+        reports_with_next: bool = False,
         phases: list[tuple[float, float]] | None = None,
     ) -> ReturnAnswer:
         """End ``lease`` (or keep it, if asked and nobody waits, or carried into
         ``carry_into`` by the group's grant policy); the answer says whether the group wants
-        this process to move its state out (``evicts_itself``)."""
+        this process to move its state out (``evicts_itself``), and whether its report may
+        wait for the next release there (``reports_with_next``: see :meth:`report_moved`).
+        Evictions whose reports waited go with this release."""
+        late = self.late_evictions.pop(lease.group_id, [])
         ret = LeaseReturn(
             request_id=lease.request_id,
             token=lease.token,
@@ -966,11 +976,34 @@ class LeaseSession:
             keep_if_uncontended=keep_if_uncontended,
             carry_into=carry_into,
             evicts_itself=evicts_itself,
+            reports_with_next=reports_with_next and evicts_itself,
+            late_evictions=late,
             phases=phases,
         )
+        sent = time.monotonic()
+        try:
+            answer, attempts = await self._send_release(lease, ret)
+        except BaseException:
+            self._keep_late(lease.group_id, late)  # not taken: they go with the next message
+            raise
+        if not answer.valid and attempts == 1:
+            self._keep_late(lease.group_id, late)
+        if not answer.valid and attempts > 1:
+            # An earlier attempt may have landed before its answer was lost: the group then
+            # knows the request as done, which is all a retry can learn.
+            answer = ReturnAnswer(valid=True, released=True)
+        if answer.released or not answer.valid:
+            self._drop(lease)
+        else:
+            lease.valid_until = sent + lease.ttl_s  # kept: the group renewed it
+            lease.releasing = False
+        return answer
+
+    async def _send_release(self, lease: Lease, ret: LeaseReturn) -> tuple[ReturnAnswer, int]:
+        """Send ``ret`` (retried); its answer and the attempts it took. A release that cannot
+        be sent drops the lease here (this process no longer renews it) and raises."""
         spans = self._spans.get(lease.group_id)
         attempts = 0
-        sent = time.monotonic()
         lease.releasing = True
 
         async def call() -> ReturnAnswer:
@@ -1011,16 +1044,7 @@ class LeaseSession:
         except BaseException as err:
             self._drop(lease, err)
             raise
-        if not answer.valid and attempts > 1:
-            # An earlier attempt may have landed before its answer was lost: the group then
-            # knows the request as done, which is all a retry can learn.
-            answer = ReturnAnswer(valid=True, released=True)
-        if answer.released or not answer.valid:
-            self._drop(lease)
-        else:
-            lease.valid_until = sent + lease.ttl_s  # kept: the group renewed it
-            lease.releasing = False
-        return answer
+        return answer, attempts
 
     def forget(self, lease: Lease) -> None:
         """Stop renewing ``lease`` and let it go without a release (the group revokes it when
@@ -1040,14 +1064,28 @@ class LeaseSession:
         for span in reversed(spans or ()):
             end_span(span, err, message=revoked)
 
+    def _keep_late(self, group_id: str, reports: list[SnapshotReport]) -> None:
+        if reports:
+            self.late_evictions.setdefault(group_id, [])[:0] = reports
+
     async def report_moved(
-        self, group_id: str, evicted: list[SnapshotReport], error: str | None = None
+        self,
+        group_id: str,
+        evicted: list[SnapshotReport],
+        error: str | None = None,
+        *,
+        with_next: bool = False,
     ) -> None:
         """Tell ``group_id`` that this job's state left its device (with the key of the job's
-        last lease there, which only its processes know)."""
+        last lease there, which only its processes know). ``with_next``: the group let the
+        report wait (``ReturnAnswer.report_with_next``): it goes with this job's next release
+        there, or its departure, instead of a message of its own (a failure goes at once)."""
         key = self.last_keys.get(group_id)
         if key is None:
             return  # the group has our state only through leases we never took: it asks us
+        if with_next and error is None:
+            self.late_evictions.setdefault(group_id, []).extend(evicted)
+            return
         report = MovedReport(job_id=self.job_id, key=key, evicted=evicted, error=error)
         try:
             await self._update(

@@ -652,3 +652,60 @@ def test_the_groups_own_eviction_runs_beside_a_streamed_grant():
     assert not plan.overlapped and not plan.streamed
     grant = narrow.leases.notice(request("b", snapshot=target("b")), 2, 0.0, None, parked=False)
     assert "memory_bytes" not in grant.model_dump(mode="json")  # encodes as before
+
+
+def _release_offering(b: GroupBook, rid: str, token: int, now: datetime, **fields: object):
+    return b.release(
+        LeaseReturn(
+            request_id=rid,
+            key=key(rid),
+            token=token,
+            evicts_itself=True,
+            reports_with_next=True,
+            **fields,  # type: ignore[arg-type]
+        ),
+        now,
+    )
+
+
+@pytest.mark.parametrize(
+    ("waiting", "later"),
+    [
+        pytest.param([("small", 100)], True, id="the-next-fits-beside"),
+        pytest.param([("big", 200)], False, id="the-next-needs-the-room"),
+        pytest.param([("small", 100), ("third", 100)], False, id="a-third-job-waits"),
+    ],
+)
+def test_an_own_evictions_report_waits_for_the_next_release_only_when_nothing_needs_it(
+    waiting: list[tuple[str, int]], later: bool
+):
+    b = book(memory_bytes=300)
+    b.enqueue(request("a", snapshot=target("a"), state_bytes=200), at(0))
+    grant_next(b, at(0))
+    for i, (job, nbytes) in enumerate(waiting):
+        b.enqueue(request(job, snapshot=target(job), state_bytes=nbytes), at(1 + i))
+    answer = _release_offering(b, "a:r", 1, at(3))
+    assert answer.evict and answer.report_with_next is later
+    assert b.state.evicting is not None and b.state.evicting_report_later is later
+    # Only a release that offered is answered the field (older clients refuse unknown fields).
+    assert ("report_with_next" in answer.model_dump(mode="json")) is later
+
+
+def test_a_late_eviction_report_counts_its_bytes_and_leaves_the_state_where_it_is():
+    b = book(memory_bytes=300)
+    b.enqueue(request("a", snapshot=target("a"), state_bytes=200), at(0))
+    grant_next(b, at(0))
+    b.enqueue(request("small", snapshot=target("small"), state_bytes=100), at(1))
+    assert _release_offering(b, "a:r", 1, at(2)).report_with_next
+    grant_next(b, at(2))  # small: fits beside a's eviction under way
+    b.enqueue(request("a", "a:2", snapshot=target("a"), restores_itself=True), at(3))
+    b.release(LeaseReturn(request_id="small:r", key=key("small:r"), token=2), at(4))
+    grant_next(b, at(4))  # a again: its process restores its state after its own eviction
+    assert b.state.stats.bytes_moved == 0
+    b.release(
+        LeaseReturn(request_id="a:2", key=key("a:2"), token=3, late_evictions=[report("a", 200)]),
+        at(5),
+    )
+    assert b.state.stats.bytes_moved == 200
+    # Nobody else waited: a stays resident (the late report did not move it off the device).
+    assert b.state.resident is not None and b.state.resident.job_id == "a"
