@@ -6,16 +6,19 @@ group's runs: a caller keeping that many on their way into a group (raw RPCs ign
 refusal; the group's per-caller budgets only refuse what reaches it) had the holder's
 ``renew`` updates refused with them, and the holder lost its lease at any TTL.
 
-A renewal is sent as the ``renew`` update, answered as always. Refused for capacity, it is sent
-as the group's ``renew_lease`` signal — signals are not counted against in-flight updates — and
-its outcome is read off the group's ``holder`` query. Temporal answers a query only after the
-workflow task that handles every event recorded before it (queries are strongly consistent:
-one sent while a task is pending rides on that task), so the answer comes after the group
-judged the signal. The group judges it as it judges the update (``GroupBook.renew``): a lease
-whose expiry has come is revoked, never renewed; so a holder still shown with the lease's
-token was renewed when the signal was handled, after it was sent. The validity the answer
-gives is the lease's time left as of that query's workflow task, counted from before the
-renewal was sent: never past the group's own expiry.
+A renewal is sent as the ``renew`` update, answered as always. Refused for capacity (or not
+answered in the time the caller gives it), it is sent as the group's ``renew_lease`` signal —
+signals are not counted against in-flight updates — and its outcome is read off the group's
+``holder`` query. Temporal answers a query only after the workflow task that handles every
+event recorded before it (queries are strongly consistent: one sent while a task is pending
+rides on that task), so the answer comes after the group judged the signal. The group judges it
+as it judges the update (``GroupBook.renew``): a lease whose expiry has come is revoked, never
+renewed; so a holder still shown with the lease's token was renewed when the signal was
+handled, after it was sent. The validity the answer gives is the lease's time left as of that
+query's workflow task, counted from before the renewal was sent: never past the group's own
+expiry. What it does not do: judge a renewal by when the server accepted it; a flood that keeps
+the server dropping the group's workflow tasks can still delay the judgement past a short TTL
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from timeslice.transport.updates import send_update
 log = logging.getLogger("timeslice.renewals")
 
 # A renewal's signal may take this long (at least its interval); its holder query this long
-# (at least two intervals) before it is asked again. Asked again, too, when the server refuses
+# (at least its interval) before it is asked again. Asked again, too, when the server refuses
 # it for its buffer (it holds one consistent query per workflow at a time) or drops it.
 _SIGNAL_WITHIN_S = 2.0
 _QUERY_WITHIN_S = 1.0
@@ -158,7 +161,7 @@ async def _signal_then_ask(
     handle: WorkflowHandle[Any, Any], renew: RenewRequest, every_s: float
 ) -> HolderView | None:
     """Signal the renewal, then ask the ``holder`` query, signalling again every ``every_s``
-    while the answer is on its way; a query not answered within two intervals (at least
+    while the answer is on its way; a query not answered within an interval (at least
     ``_QUERY_WITHIN_S``) fails, to be asked again."""
     signal_within = timedelta(seconds=max(every_s, _SIGNAL_WITHIN_S))
     await handle.signal(GroupSignal.RENEW, renew, rpc_timeout=signal_within)
@@ -166,7 +169,7 @@ async def _signal_then_ask(
         handle.query(
             GroupQuery.HOLDER,
             result_type=HolderView | None,  # type: ignore[arg-type]
-            rpc_timeout=timedelta(seconds=max(2 * every_s, _QUERY_WITHIN_S)),
+            rpc_timeout=timedelta(seconds=max(every_s, _QUERY_WITHIN_S)),
         )
     )
     try:

@@ -1075,8 +1075,8 @@ class LeaseSession:
                     lease.group_id,
                     RenewRequest(request_id=lease.request_id, token=lease.token, key=lease.key),
                     every_s=interval,
-                    # An update not answered within a third of the time left goes by signal.
-                    update_within_s=max(0.05, min(interval, (lease.valid_until - sent) / 3)),
+                    # An update not answered within half the time left goes by signal.
+                    update_within_s=max(0.05, min(interval, (lease.valid_until - sent) / 2)),
                     # A renewal by signal keeps trying a TTL past the lease's local validity
                     # (its answer may come late, and valid).
                     give_up_after_s=lease.ttl_s + max(0.0, lease.valid_until - sent),
