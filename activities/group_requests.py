@@ -25,6 +25,7 @@ from timeslice.protocol.group import (
     group_workflow_id,
 )
 from timeslice.session.group_start import start_group
+from timeslice.transport.renewals import send_renewal
 from timeslice.transport.updates import send_update
 
 __all__ = ["draw_secret", "renew_lease", "request_group", "start_group"]
@@ -66,13 +67,13 @@ async def request_group(req: GroupRequest) -> AcquireAnswer | None:
 
 @activity.defn(name=RENEW_LEASE_ACTIVITY)
 async def renew_lease(req: LeaseRenewal) -> RenewResult:
-    """Renew a requester workflow's lease by the group's ``renew`` update, so the workflow
-    learns whether the lease was still held (a renewal by signal is never answered)."""
-    return await send_update(
+    """Renew a requester workflow's lease by the group's ``renew`` update (by its signal and
+    ``holder`` query when other callers fill the group's in-flight updates:
+    transport/renewals.py), so the workflow learns whether the lease was still held."""
+    return await send_renewal(
         activity.client(),
-        group_workflow_id(req.group_id),
-        GroupUpdate.RENEW,
+        req.group_id,
         req.renew,
-        RenewResult,
+        every_s=req.give_up_after_s / 3,
         give_up_after_s=req.give_up_after_s,
     )

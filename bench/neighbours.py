@@ -3,9 +3,11 @@
     .venv/bin/python bench/neighbours.py --seconds 90 --out DIR
 
 One embedded Temporal server and one control worker. Each flood runs for ``--seconds`` beside
-a holder at TTL 1 s on one group and one at TTL 10 s on another; each holder renews by the
-group's ``renew`` update every third of its TTL, as a client's heartbeat does, and times every
-answer (sent to answered). Two floods:
+a holder at TTL 1 s on one group and one at TTL 10 s on another; each holder renews every third
+of its TTL as a client's heartbeat does (the ``renew`` update; its ``renew_lease`` signal and
+``holder`` query when the update is refused for capacity or slow; ``--renew-by-update-only``:
+the update alone, resent until taken, as before) and times every answer (sent to answered).
+Two floods:
 
 - ``client``: a buggy job using the Timeslice client, ``--threads`` threads per group spinning
   ``acquire(group, timeout=0)`` (try-locks). Its client keeps two updates at a time on their
@@ -49,8 +51,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
-async def hold(client: Any, group: str, ttl: float, stop: asyncio.Event) -> dict[str, Any]:
-    """A holder renewing every ttl/3 by update, timing each answer."""
+async def hold(
+    client: Any, group: str, ttl: float, stop: asyncio.Event, by_update_only: bool
+) -> dict[str, Any]:
+    """A holder renewing every ttl/3 (by update, by signal when that is refused or slow, as a
+    client's heartbeat does; ``by_update_only``: by update alone), timing each answer."""
     from timeslice.protocol.group import (
         AcquireAnswer,
         AcquireCall,
@@ -65,6 +70,7 @@ async def hold(client: Any, group: str, ttl: float, stop: asyncio.Event) -> dict
         lease_key_hash,
     )
     from timeslice.session.group_start import start_group
+    from timeslice.transport.renewals import RenewalPath, send_renewal
     from timeslice.transport.updates import send_update
 
     wid = group_workflow_id(group)
@@ -83,10 +89,14 @@ async def hold(client: Any, group: str, ttl: float, stop: asyncio.Event) -> dict
     renew = RenewRequest(request_id=request.request_id, token=token, key=key)
     answered: list[float] = []
     lost = None
+    path = RenewalPath()
     while not stop.is_set() and lost is None:
         sent = time.monotonic()
         try:
-            result = await send_update(client, wid, "renew", renew, RenewResult)
+            if by_update_only:  # as before the fallback: resent until the group takes it
+                result = await send_update(client, wid, "renew", renew, RenewResult)
+            else:  # as the client's heartbeat does
+                result = await send_renewal(client, group, renew, every_s=ttl / 3, path=path)
         except Exception as err:  # a renewal that never came back is the bench's finding
             lost = repr(err)
             break
@@ -181,7 +191,10 @@ async def flood_run(address: str, kind: str, args: argparse.Namespace) -> dict[s
     tag = uuid.uuid4().hex[:6]
     groups = {1.0: f"{kind}-1s-{tag}", 10.0: f"{kind}-10s-{tag}"}
     stop = asyncio.Event()
-    holders = [asyncio.create_task(hold(client, g, ttl, stop)) for ttl, g in groups.items()]
+    holders = [
+        asyncio.create_task(hold(client, g, ttl, stop, args.renew_by_update_only))
+        for ttl, g in groups.items()
+    ]
     await asyncio.sleep(1.0)  # both holding before the flood
     if kind == "client":
         seen = await asyncio.to_thread(
@@ -252,6 +265,11 @@ def main() -> None:
     p.add_argument("--raw-concurrency", type=int, default=16, help="raw flood: per group")
     p.add_argument("--floods", default="client,raw", help="which floods, comma-separated")
     p.add_argument("--no-lost-waiter", action="store_true")
+    p.add_argument(
+        "--renew-by-update-only",
+        action="store_true",
+        help="holders renew by update alone, resent until taken (before the signal fallback)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -278,6 +296,7 @@ def main() -> None:
         "host": f"{os.cpu_count()} cores, {platform.machine()}",
         "load": os.getloadavg(),
         "seconds": args.seconds,
+        "renewals": "update only" if args.renew_by_update_only else "update, else signal",
         "floods": runs,
         "lost_waiter": lost,
     }

@@ -95,6 +95,7 @@ async def send_update(
     on_slow: Callable[[], Awaitable[None]] | None = None,
     slow_after_s: float = 5.0,
     on_accepted: Callable[[], object] | None = None,
+    resend_when_full: bool = True,
 ) -> T:
     """Send an update to the workflow's current run and return its result.
 
@@ -105,7 +106,10 @@ async def send_update(
     the result is then awaited without a limit (an update that parks).
     ``on_slow`` runs once if the update is still not accepted after ``slow_after_s`` (it may
     raise, e.g. when no worker serves the workflow at all). ``on_accepted`` runs once the
-    workflow took the update (a worker ran it)."""
+    workflow took the update (a worker ran it). With ``resend_when_full`` False, an update the
+    server refuses for capacity (``RESOURCE_EXHAUSTED``: the workflow has as many updates in
+    flight as it admits) raises that ``RPCError`` at once, for the caller to take another way
+    (transport/renewals.py)."""
     update_id = str(uuid.uuid4())
     with tracer().start_as_current_span(
         f"StartWorkflowUpdate:{name}",
@@ -114,7 +118,7 @@ async def send_update(
     ):
         return await _send(client, workflow_id, name, arg, result_type, update_id,
                            wait_for_completion, give_up_after_s, on_slow, slow_after_s,
-                           on_accepted)  # fmt: skip
+                           on_accepted, resend_when_full)  # fmt: skip
 
 
 async def _send(
@@ -129,6 +133,7 @@ async def _send(
     on_slow: Callable[[], Awaitable[None]] | None,
     slow_after_s: float,
     on_accepted: Callable[[], object] | None,
+    resend_when_full: bool,
 ) -> T:
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
@@ -170,8 +175,9 @@ async def _send(
                     break  # its failure is raised below
                 log.debug("update %s of %s was not processed; sending it again", name, workflow_id)
         except RPCError as err:
-            if err.status not in _RESENDABLE or time.monotonic() >= deadline:
-                raise
+            full = err.status == RPCStatusCode.RESOURCE_EXHAUSTED and not resend_when_full
+            if err.status not in _RESENDABLE or time.monotonic() >= deadline or full:
+                raise  # (full: refused for capacity; the caller takes another way)
             log.debug(
                 "update %s of %s: %s (%s); sending it again", name, workflow_id, err, err.status
             )

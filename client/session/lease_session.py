@@ -70,7 +70,6 @@ from timeslice.protocol.group import (
     MovedReport,
     NextPhase,
     RenewRequest,
-    RenewResult,
     ReturnAnswer,
     SnapshotJobInput,
     SnapshotJobResult,
@@ -93,6 +92,7 @@ from timeslice.session.group_start import start_group
 from timeslice.session.lease import Lease, phases_since_grant
 from timeslice.session.retry import UPDATE_GIVE_UP_S, Retrying, RpcRetries
 from timeslice.transport.connection import connect
+from timeslice.transport.renewals import RenewalPath, send_renewal
 from timeslice.transport.telemetry import end_span, tracer
 from timeslice.transport.updates import UNPROCESSED_UPDATE, send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
@@ -496,12 +496,11 @@ class LeaseSession:
         try:
             result = await self.retries.call(
                 f"confirm the grant of {lease.group_id}",
-                lambda: send_update(
+                lambda: send_renewal(
                     self._client_now(),
-                    group_workflow_id(lease.group_id),
-                    GroupUpdate.RENEW,
+                    lease.group_id,
                     RenewRequest(request_id=lease.request_id, token=lease.token, key=lease.key),
-                    RenewResult,
+                    every_s=lease.ttl_s / 3,
                     give_up_after_s=UPDATE_GIVE_UP_S,
                 ),
                 group_id=lease.group_id,
@@ -1100,6 +1099,7 @@ class LeaseSession:
         so it comes before the group's confirmation deadline (holds shorter than that are
         confirmed by their release and never renew)."""
         interval = lease.ttl_s / 3
+        path = RenewalPath()
         # Well before the lease's local validity ends: for a grant not yet confirmed, that is
         # the group's deadline for confirming it.
         wait = max(0.05, min(interval, (lease.valid_until - time.monotonic()) / 3))
@@ -1107,12 +1107,18 @@ class LeaseSession:
             await asyncio.sleep(wait)
             sent = time.monotonic()
             try:
-                result = await send_update(
+                # By update, or by signal when other callers fill the group's in-flight updates.
+                result = await send_renewal(
                     self._client_now(),
-                    group_workflow_id(lease.group_id),
-                    GroupUpdate.RENEW,
+                    lease.group_id,
                     RenewRequest(request_id=lease.request_id, token=lease.token, key=lease.key),
-                    RenewResult,
+                    every_s=interval,
+                    # An update not answered within half the time left goes by signal.
+                    update_within_s=max(0.05, min(interval, (lease.valid_until - sent) / 2)),
+                    # A renewal by signal keeps trying a TTL past the lease's local validity
+                    # (its answer may come late, and valid).
+                    give_up_after_s=lease.ttl_s + max(0.0, lease.valid_until - sent),
+                    path=path,
                 )
             except Exception as err:  # any failure to renew is retried until the lease runs out
                 if lease.releasing:
