@@ -138,7 +138,9 @@ def test_status_moves_on_while_a_lease_is_held_with_no_new_message(
         later, timeout=120, what="the hold `timeslice status` prints to grow by a second"
     )
     assert asyncio.run(history_length(address, group)) == before  # no workflow task since
-    assert window_later >= window + 1.0
+    # Both readings print the hold and the window to 0.1 s, each rounded on its own: the
+    # hold's printed second of growth can be the window's 0.9 (6.1 -> 7.0 once).
+    assert window_later >= window + 1.0 - 0.1 - 1e-9
     # The holder is an embedded client: its lease is its phase, so the share rises.
     assert share < 100.0 and share_later > share
     holder.release(lease)
