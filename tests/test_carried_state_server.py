@@ -140,9 +140,12 @@ async def flood(address: str) -> list[int]:
     queued = 0
     per_request = encoded_size(huge.model_copy(update={"snapshot": big_target(1)}))
     fits = max(1, (MAX_REQUEST_BYTES - 2000) // per_request)
+    # One job's requests: when the queue drains, each dead waiter's grant finds its job
+    # resident already and moves nothing. Of as many jobs, each switch would first wait out
+    # the last one's eviction on a queue nobody polls (grant_ack_timeout_s, 8 s each).
     while True:
         rid = f"big{queued}"
-        request = huge.model_copy(update={"request_id": rid, "job_id": job(JOBS + 2 + queued),
+        request = huge.model_copy(update={"request_id": rid, "job_id": job(JOBS + 2),
                                           "key_hash": lease_key_hash(key(rid)),
                                           "snapshot": big_target(fits)})  # fmt: skip
         assert encoded_size(request) <= MAX_REQUEST_BYTES
@@ -164,7 +167,8 @@ async def flood(address: str) -> list[int]:
         assert renewed.valid, renewed.reason
     assert (await release(client, holder)).released
     # The queue drains (its waiters' workflows do not exist: each is skipped as dead), and
-    # the group still serves, its fencing tokens still increasing.
+    # the group still serves, its fencing tokens still increasing (the first grant after it
+    # waits out that job's eviction once).
     await wait_until(
         client, WORKFLOW_ID, lambda s: not s.queue and s.holder is None, timeout_s=60 + 10 * queued
     )
