@@ -429,6 +429,8 @@ def test_cooperative_switches_keep_the_group_accounting_true(
         assert_every_epoch_once(result, 4)
     assert_no_overlap(gpu_holds(results, group))
 
+    counted: list[tuple[int, int]] = []  # (the group's count, the backends'), last probe
+
     def settled() -> GroupStatus | None:
         async def status(client: Client) -> GroupStatus:
             handle = client.get_workflow_handle(group_workflow_id(group))
@@ -441,9 +443,13 @@ def test_cooperative_switches_keep_the_group_accounting_true(
             for line in trace.read_text().splitlines()
             if line.endswith(" move")
         )
+        counted[:] = [(s.stats.bytes_moved, moved)]
         return s if s.stats.bytes_moved == moved > 0 else None
 
-    status = wait_for(settled, timeout=60, what="every eviction's bytes reported")
+    try:
+        status = wait_for(settled, timeout=60, what="every eviction's bytes reported")
+    except AssertionError as err:  # which side is short says which report went missing
+        raise AssertionError(f"{err}; the group counted, the backends moved: {counted}") from err
     # Holders moved themselves out after releasing and reported it (marks of no width: the
     # copy overlapped the next holder's restore), and restored themselves when granted.
     own = [s for s in status.switch_history if s.by_holder and s.from_job and s.overlapped]
