@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
+import timeslice.workflows.async_rl_job
 import timeslice.workflows.gpu_group
+import timeslice.workflows.pool
 import timeslice.workflows.rl_job
 import timeslice.workflows.snapshot_job  # noqa: F401
 from temporalio import workflow

@@ -52,12 +52,18 @@ def test_protocol_and_group_core_are_passed_through_the_rest_reimported(address)
         for name, ident in loaded.items()
         if name in sys.modules and id(sys.modules[name]) == ident
     }
+    copies = set(loaded) - shared  # imported again inside the sandbox, for this run
     passed = {name for name in PASSED_THROUGH if name.startswith("timeslice")}
-    # The models and the decision core load once per worker, not once per workflow run ...
-    assert passed <= shared
-    # ... and the workflow modules themselves stay sandboxed (their state is per run).
-    assert "timeslice.workflows.gpu_group" not in shared
-    assert "timeslice.workflows.rl_job" not in shared
+    # The models and the workflows' helpers load once per worker, not once per workflow run
+    # (the protocol package with every module under it; a helper that only another passed
+    # module imports is not in the sandbox's modules at all) ...
+    assert not copies & passed, sorted(copies & passed)
+    assert not [name for name in copies if name.startswith("timeslice.protocol")], copies
+    assert {"timeslice.protocol.group", "timeslice.workflows.job_leases"} <= shared
+    # ... and the modules that define workflows stay sandboxed (their state is per run).
+    for defines in ("gpu_group", "rl_job", "async_rl_job", "job_base", "pool", "snapshot_job"):
+        assert f"timeslice.workflows.{defines}" in loaded
+        assert f"timeslice.workflows.{defines}" not in shared
 
 
 def test_passthrough_is_declared_in_one_place():
