@@ -11,7 +11,8 @@ over half its CPU (BENCHMARKS.md, "Control-plane CPU").
 
 What passing through gives up: the sandbox's checks (no ``time.time()``, no I/O) do not apply
 to code in these modules, so they are held to the same rule by review and by the replay tests
-(tests/histories) instead. The modules that define workflows stay sandboxed.
+(tests/histories) instead. The modules that define workflows, and those that make the
+workflows' calls (group_lease, group_switch, pool_job), stay sandboxed.
 """
 
 from __future__ import annotations
