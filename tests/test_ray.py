@@ -146,39 +146,36 @@ def test_a_ray_driver_wraps_its_calls_and_the_actors_state_moves(
     config = job_config(job, group, 2, epochs=3)
     rl_actors = [pool[0][0], pool[1][0]]
     rl = served(rl_actors, job, address, "grpo-dp", tmp_path)
-    together = threading.Barrier(2)
     driven: dict[str, Any] = {}
-
-    def restored_already() -> bool:
-        moves = ray.get([w.recorded_moves.remote() for w in workers])
-        return any(m["action"] == "restore" and m["bytes"] > 0 for ms in moves for m in ms)
+    rl_started = threading.Event()
 
     def hold_until_the_rl_job_waits(step: int) -> None:
-        # The driver's first step keeps its lease until the RL job queues behind it, so its
-        # release is contended (its actors' state leaves) and its next step brings it back,
-        # however the two jobs' start-ups happen to interleave; unless the RL job took the
-        # group from the driver's set-up already and this step's grant restored the actors
-        # (the RL job may then have run every epoch before this step: it never queues again).
+        # The RL job starts under the driver's first step's lease and the step keeps it until
+        # the job queues behind it: the release is contended (the driver's actors' state
+        # leaves) and the next step brings it back. Started any earlier, the RL job could run
+        # every epoch before the driver's first grant on a loaded machine (CI once saw it:
+        # then nothing of the driver's ever moved, and it waited here in vain).
         if step == 0:
+            start(address, config)
+            rl_started.set()
             wait_for(
-                lambda: bool(group_status(address, group).queue) or restored_already(),
+                lambda: bool(group_status(address, group).queue),
                 timeout=180,
-                what="the RL job waiting behind the driver, or the driver's state restored",
+                what="the RL job waiting behind the driver",
             )
 
     def drive() -> None:
         driven.update(
             ray_driver.run_job(
                 workers, steps=steps, job_id=f"driver-{job}", address=address, group=group,
-                together=together, while_holding=hold_until_the_rl_job_waits,
+                while_holding=hold_until_the_rl_job_waits,
             )
         )  # fmt: skip
 
     driver = threading.Thread(target=drive)
     driver.start()
     try:
-        start(address, config)
-        together.wait()
+        assert rl_started.wait(timeout=300), "the driver never reached its first step"
         done = result(address, job)
         driver.join(timeout=300)
         driver_moves = ray.get([w.recorded_moves.remote() for w in workers])
