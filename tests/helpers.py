@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -11,9 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 
+from temporalio.client import Client
 from timeslice.cli import warm_start
+from timeslice.jobs import parse_job_config, start_rl_job
+from timeslice.protocol.rl_job import RLJobResult
 
 REPO = Path(__file__).resolve().parent.parent
 CONTENDER = REPO / "tests" / "contender.py"
@@ -165,3 +169,27 @@ def new_namespace(address: str, prefix: str) -> str:
 
     wait_for(set_up, timeout=60, what="`timeslice setup` in the new namespace")
     return namespace
+
+
+async def run_rl_jobs(client: Client, configs: list[dict[str, Any]]) -> list[RLJobResult]:
+    """Start an RL job per config, in order, and wait for every one's result."""
+    handles = [await start_rl_job(client, parse_job_config(config)) for config in configs]
+    return list(await asyncio.gather(*(handle.result() for handle in handles)))
+
+
+async def run_simulated_jobs(
+    client: Client,
+    jobs: list[str],
+    group: str,
+    options: dict[str, Any],
+    *,
+    epochs: int,
+    checkpoint_every: int,
+) -> list[RLJobResult]:
+    """``simulated`` RL jobs on ``group`` (sampler and trainer), run to their results."""
+    configs = [
+        {"job_id": job, "workload": "simulated", "workload_options": options,
+         "sampler_group": group, "epochs": epochs, "checkpoint_every": checkpoint_every}
+        for job in jobs
+    ]  # fmt: skip
+    return await run_rl_jobs(client, configs)

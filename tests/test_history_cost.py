@@ -43,7 +43,7 @@ from bench.history_cost import (
     update_names,
 )
 from tests.conftest import start_service, stop_process
-from tests.helpers import wait_for
+from tests.helpers import run_simulated_jobs, wait_for
 
 ROUNDS = 5
 
@@ -256,23 +256,9 @@ def test_a_shared_groups_lease_costs_no_eviction_report_of_its_own(address, grou
         await start_group(
             client, GroupConfig(group_id=group, memory_bytes=2 * per_job, grant_policy="fifo")
         )
-        handles = [
-            await start_rl_job(
-                client,
-                parse_job_config(
-                    {
-                        "job_id": job,
-                        "workload": "simulated",
-                        "workload_options": _CONTENDED,
-                        "sampler_group": group,
-                        "epochs": epochs,
-                        "checkpoint_every": epochs,
-                    }
-                ),
-            )
-            for job in jobs
-        ]
-        return list(await asyncio.gather(*(h.result() for h in handles)))
+        return await run_simulated_jobs(
+            client, jobs, group, _CONTENDED, epochs=epochs, checkpoint_every=epochs
+        )
 
     procs = [_job_process(address, job, tmp_path) for job in jobs]
     try:

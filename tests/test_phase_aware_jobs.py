@@ -21,12 +21,11 @@ from temporalio.client import Client
 from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import EmbeddedServer
 from timeslice.cli.stack import JobWorker, Stack
-from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GrantPolicy, GroupConfig, GroupStatus, group_workflow_id
 from timeslice.protocol.rl_job import RLJobResult
 from timeslice.transport.connection import connect, connect_config
 
-from tests.helpers import Interval, assert_no_overlap
+from tests.helpers import Interval, assert_no_overlap, run_simulated_jobs
 
 EPOCHS = 9
 # The epochs the checks skip. A job's first grant waits for the other job's preparation and
@@ -79,23 +78,9 @@ async def _run_pair(
     await start_group(
         client, GroupConfig(group_id=group, memory_bytes=4 * SIZE, grant_policy=policy)
     )
-    handles = [
-        await start_rl_job(
-            client,
-            parse_job_config(
-                {
-                    "job_id": job,
-                    "workload": "simulated",
-                    "workload_options": OPTIONS,
-                    "sampler_group": group,
-                    "epochs": EPOCHS,
-                    "checkpoint_every": EPOCHS,
-                }
-            ),
-        )
-        for job in _jobs(group)
-    ]
-    results = list(await asyncio.gather(*(h.result() for h in handles)))
+    results = await run_simulated_jobs(
+        client, _jobs(group), group, OPTIONS, epochs=EPOCHS, checkpoint_every=EPOCHS
+    )
     status = await client.get_workflow_handle(group_workflow_id(group)).query(
         "status", result_type=GroupStatus
     )

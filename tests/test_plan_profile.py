@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 from timeslice.activities.group_requests import start_group
-from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.plan.collect import completion_s, opens_for_simulation, start_for_simulation
 from timeslice.plan.profile import dump_profile, load_profile
 from timeslice.plan.simulator import GroupSpec, Placement, simulate
@@ -28,6 +27,7 @@ from timeslice.protocol.rl_job import RLJobResult
 from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
+from tests.helpers import run_simulated_jobs
 
 OPTIONS = {
     "sample_s": 0.3,
@@ -64,23 +64,9 @@ def two_jobs(address: str, tmp_path: Path) -> Iterator[tuple[str, list[RLJobResu
             client,
             GroupConfig(group_id=group, memory_bytes=4 * 2_000_000, grant_policy=GrantPolicy.FIFO),
         )
-        handles = [
-            await start_rl_job(
-                client,
-                parse_job_config(
-                    {
-                        "job_id": job,
-                        "workload": "simulated",
-                        "workload_options": OPTIONS,
-                        "sampler_group": group,
-                        "epochs": EPOCHS,
-                        "checkpoint_every": 2,
-                    }
-                ),
-            )
-            for job in jobs
-        ]
-        return list(await asyncio.gather(*(h.result() for h in handles)))
+        return await run_simulated_jobs(
+            client, jobs, group, OPTIONS, epochs=EPOCHS, checkpoint_every=2
+        )
 
     try:
         yield group, asyncio.run(go()), address

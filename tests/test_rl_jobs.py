@@ -44,7 +44,7 @@ from timeslice.transport.connection import connect, connect_config
 from timeslice.workers.sandbox import workflow_runner
 
 from tests.conftest import start_service, stop_process
-from tests.helpers import Interval, assert_no_overlap, wait_for
+from tests.helpers import Interval, assert_no_overlap, run_rl_jobs, wait_for
 from tests.requester_workflows import OtherReleaseJobWorkflow
 
 torch = pytest.importorskip("torch")
@@ -114,8 +114,7 @@ def start_and_wait(address: str, **config: Any) -> RLJobResult:
 
 def start_many(address: str, configs: list[dict[str, Any]]) -> list[RLJobResult]:
     async def go(client: Client) -> list[RLJobResult]:
-        handles = [await start_rl_job(client, parse_job_config(c)) for c in configs]
-        return list(await asyncio.gather(*(h.result() for h in handles)))
+        return await run_rl_jobs(client, configs)
 
     return run(go, address)
 

@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 from timeslice.activities.group_requests import start_group
-from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.group import GroupConfig, GroupStatus, group_workflow_id
 from timeslice.protocol.rl_job import RLJobResult
 from timeslice.snapshot.device_room import ROOM_DIR_ENV
 from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
-from tests.helpers import Interval, assert_no_overlap
+from tests.helpers import Interval, assert_no_overlap, run_simulated_jobs
 
 EPOCHS = 4
 STATE = 32 * 2**20  # per state; two per job
@@ -71,23 +70,9 @@ def test_a_switch_streams_only_the_next_phases_state_within_the_groups_memory(
 
     async def go(client: Client) -> tuple[list[RLJobResult], GroupStatus]:
         await start_group(client, GroupConfig(group_id=group, memory_bytes=MEMORY))
-        handles = [
-            await start_rl_job(
-                client,
-                parse_job_config(
-                    {
-                        "job_id": job,
-                        "workload": "simulated",
-                        "workload_options": options,
-                        "sampler_group": group,
-                        "epochs": EPOCHS,
-                        "checkpoint_every": EPOCHS,
-                    }
-                ),
-            )
-            for job in jobs
-        ]
-        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        results = await run_simulated_jobs(
+            client, jobs, group, options, epochs=EPOCHS, checkpoint_every=EPOCHS
+        )
         status = await client.get_workflow_handle(group_workflow_id(group)).query(
             "status", result_type=GroupStatus
         )
