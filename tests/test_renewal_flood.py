@@ -111,9 +111,9 @@ def test_a_raw_flood_past_the_in_flight_limit_costs_a_ttl_10_s_holder_nothing(
     address: str, make_client: Callable[..., Any]
 ) -> None:
     tag = uuid.uuid4().hex[:6]
-    # At TTL 1 s the holder still loses its lease to this flood (docs/security.md): the
-    # server drops the group's workflow tasks while it refuses the flood, so neither a renewal
-    # nor the answer to it is handled within a second.
+    # At TTL 1 s the holder still gives its lease up under this flood (docs/security.md): the
+    # server drops the group's workflow tasks while it refuses the flood, so the answers to its
+    # renewals do not come within a second (the group no longer ends the lease for a late task).
     groups = {10.0: f"raw-flood-10s-{tag}"}
     holders = {
         ttl: make_client(job_id=f"holder-{int(ttl)}s-{tag}", lease_ttl=ttl) for ttl in groups

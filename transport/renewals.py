@@ -12,13 +12,14 @@ signals are not counted against in-flight updates — and its outcome is read of
 ``holder`` query. Temporal answers a query only after the workflow task that handles every
 event recorded before it (queries are strongly consistent: one sent while a task is pending
 rides on that task), so the answer comes after the group judged the signal. The group judges it
-as it judges the update (``GroupBook.renew``): a lease whose expiry has come is revoked, never
-renewed; so a holder still shown with the lease's token was renewed when the signal was
-handled, after it was sent. The validity the answer gives is the lease's time left as of that
-query's workflow task, counted from before the renewal was sent: never past the group's own
-expiry. What it does not do: judge a renewal by when the server accepted it; a flood that keeps
-the server dropping the group's workflow tasks can still delay the judgement past a short TTL
-(docs/security.md).
+as it judges the update (``GroupBook.renew``): a lease whose expiry the group has processed is
+ended, never renewed, and one it has not is renewed from the time of the workflow task that
+handles the signal (however late that task ran); so a holder still shown with the lease's token
+was renewed when the signal was handled, after it was sent. The validity the answer gives is the
+lease's time left as of that query's workflow task, counted from before the renewal was sent:
+never past the group's own expiry. A flood that keeps the server dropping the group's workflow
+tasks can still delay the answer past a short TTL, and the holder stops using the lease when its
+local validity runs out (docs/security.md).
 """
 
 from __future__ import annotations

@@ -68,6 +68,7 @@ from timeslice.workflows.group_patches import (
     BOUNDED_GRANT_DELIVERY,
     CONFIRMED_GRANT_OUTLIVES_DELIVERY,
     FAULT_ONLY_ASKED_EVICTION,
+    LATE_RENEWAL_RENEWS,
     ONE_DEADLINE_TIMER,
     PHASE_AWARE_GRANTS,
     STREAMED_SWITCHES,
@@ -177,6 +178,7 @@ class GpuGroupWorkflow:
         )
         self._book.policy_gate = lambda: workflow.patched(PHASE_AWARE_GRANTS)
         self._book.residency.stream_gate = lambda: workflow.patched(STREAMED_SWITCHES)
+        self._book.late_renewal_gate = lambda: workflow.patched(LATE_RENEWAL_RENEWS)
         self._wake = False
         # Fault notices live nowhere else, so they hold up continue-as-new; so does any
         # delivery activity (its completion arriving during continue-as-new would fail it).

@@ -35,3 +35,8 @@ STREAMED_SWITCHES = "streamed-switches"
 # is grant_ack_timeout_s old (not that long after the delivery ended): a lost waiter holds the
 # group grant_ack_timeout_s, not 45 s. Groups that started before it replay as they ran.
 BOUNDED_GRANT_DELIVERY = "bounded-grant-delivery"
+# workflow.patched id: a renewal the group handles before it has processed the lease's expiry
+# renews it, however late its workflow task ran (nobody else can hold the group until the expiry
+# is processed, and the holder's validity counts from before it sent the renewal); groups that
+# started before it replay ending such a lease as expired, as they ran.
+LATE_RENEWAL_RENEWS = "late-renewal-renews"

@@ -131,9 +131,30 @@ def test_holder_expires_at_its_ttl_unless_renewed():
     assert b.state.stats.expired == 1
 
 
-def test_a_renewal_after_the_deadline_does_not_revive_the_lease():
-    """The control worker was down longer than the TTL: the expiry was not processed yet."""
+def test_a_renewal_handled_before_the_expiry_is_processed_renews_the_lease():
+    """The group's workflow task ran late (the control worker or the server was slow or down
+    past the TTL): a renewal handled before the expiry renews the lease from its own time, and
+    nobody else was granted meanwhile."""
     b = book(default_ttl_s=10)
+    for job in ("a", "b"):
+        b.enqueue(request(job), at(0))
+    grant_next(b, at(0))
+    result = b.renew(RenewRequest(request_id="a:r", key=key("a:r"), token=1), at(25))
+    assert result.valid and result.ttl_s == 10
+    assert b.next_deadline() == at(35)
+    b.expire(at(30))
+    assert b.state.holder is not None and b.state.holder.token == 1
+    assert b.state.stats.expired == 0 and [w.request.job_id for w in b.state.queue] == ["b"]
+    b.expire(at(35))  # processed expiry ends it: a renewal after that renews nothing
+    assert b.state.holder is None and b.state.stats.expired == 1
+    late = b.renew(RenewRequest(request_id="a:r", key=key("a:r"), token=1), at(36))
+    assert not late.valid and "no longer held" in late.reason
+
+
+def test_before_the_patch_a_late_renewal_ended_the_lease_as_expired():
+    """Groups that started before LATE_RENEWAL_RENEWS replay as they ran."""
+    b = book(default_ttl_s=10)
+    b.late_renewal_gate = lambda: False
     b.enqueue(request("a"), at(0))
     grant_next(b, at(0))
     result = b.renew(RenewRequest(request_id="a:r", key=key("a:r"), token=1), at(25))
@@ -547,7 +568,8 @@ def switch_as_the_group_does(b: GroupBook, now: datetime) -> str:
         # a's lease runs out (the TTL passes, no renewal): b's grant evicts it by force
         ("expired", None, 1),
         ("expired", 1000, 1),  # both fit: the eviction beside b's grant is one too
-        ("renewed too late", None, 1),  # the renewal itself finds it expired
+        # before LATE_RENEWAL_RENEWS: the renewal itself found it expired
+        ("renewed too late", None, 1),
         # a yields: evicting it is an ordinary switch
         ("released", None, 0),
         ("released", 1000, 0),
@@ -565,6 +587,7 @@ def test_a_preemption_is_the_groups_eviction_of_a_holder_that_never_yielded(
     if how_a_ends.startswith("expired"):
         b.expire(at(3))
     elif how_a_ends == "renewed too late":
+        b.late_renewal_gate = lambda: False
         renew = RenewRequest(request_id="a:1", key=key("a:1"), token=1)
         assert not b.renew(renew, at(3.5)).valid
     elif how_a_ends == "released":
