@@ -3,13 +3,22 @@ real dev server and control worker."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from timeslice.protocol.group import LeaseOutcome
+from timeslice.protocol.group import (
+    GroupUpdate,
+    LeaseOutcome,
+    LeaseReturn,
+    ReturnAnswer,
+    group_workflow_id,
+)
+from timeslice.transport.connection import connect, connect_config
+from timeslice.transport.updates import send_update
 
 from tests.helpers import REPO
 
@@ -46,3 +55,40 @@ def test_close_during_an_acquire_leaves_no_stray_traceback(address: str) -> None
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "ended: ClientClosedError", ran.stdout + ran.stderr
     assert "never retrieved" not in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+
+
+def test_a_release_sent_again_with_its_update_id_is_answered_as_it_was(
+    address: str, group: str, make_client: Callable[..., Any]
+) -> None:
+    """A release whose answer was lost is sent again with the same update id (the lease
+    session does so for every attempt): the server answers it with the first one's outcome and
+    the group handles it once. So a retry answered "not valid" was never taken, and the
+    eviction reports riding on it are kept for the next message, not dropped."""
+    client = make_client(job_id=f"resend-{uuid.uuid4().hex[:6]}")
+    lease = client.acquire(group, timeout=60)
+    client._session.forget(lease)  # this test sends the release itself
+    ret = LeaseReturn(request_id=lease.request_id, token=lease.token, key=lease.key)
+
+    async def release_twice(update_id: str) -> list[ReturnAnswer]:
+        temporal = await connect(connect_config(address))
+        answers = []
+        for _ in range(2):
+            answer = await send_update(
+                temporal,
+                group_workflow_id(group),
+                GroupUpdate.RELEASE,
+                ret,
+                ReturnAnswer,
+                update_id=update_id,
+            )
+            answers.append(answer)
+        return answers
+
+    first, again = asyncio.run(release_twice(f"release-{uuid.uuid4().hex}"))
+    assert first.valid and first.released
+    assert again == first
+    status = client.group_status(group)
+    assert status.stats.released == 1 and status.stats.stale_messages == 0, status.stats
+    # A fresh id is a new message: the group reads it as a release of a lease that ended.
+    fresh = asyncio.run(release_twice(f"release-{uuid.uuid4().hex}"))
+    assert [answer.valid for answer in fresh] == [False, False]

@@ -96,6 +96,7 @@ async def send_update(
     slow_after_s: float = 5.0,
     on_accepted: Callable[[], object] | None = None,
     resend_when_full: bool = True,
+    update_id: str | None = None,
 ) -> T:
     """Send an update to the workflow's current run and return its result.
 
@@ -109,8 +110,10 @@ async def send_update(
     workflow took the update (a worker ran it). With ``resend_when_full`` False, an update the
     server refuses for capacity (``RESOURCE_EXHAUSTED``: the workflow has as many updates in
     flight as it admits) raises that ``RPCError`` at once, for the caller to take another way
-    (transport/renewals.py)."""
-    update_id = str(uuid.uuid4())
+    (transport/renewals.py). ``update_id`` (default: a fresh one) lets a caller that sends the
+    same update again after this call failed keep one id: the server answers an id it already
+    completed in the run with that outcome instead of running the update twice."""
+    update_id = update_id or str(uuid.uuid4())
     with tracer().start_as_current_span(
         f"StartWorkflowUpdate:{name}",
         kind=trace.SpanKind.CLIENT,

@@ -985,12 +985,14 @@ class LeaseSession:
         except BaseException:
             self._keep_late(lease.group_id, late)  # not taken: they go with the next message
             raise
-        if not answer.valid and attempts == 1:
+        if not answer.valid:
+            # Not taken: the attempts share one update id, so one that landed would have been
+            # answered as it was (valid). The reports go with the next message. (A retry that
+            # crossed a continue-as-new meets a run that never saw the id; it too reads the
+            # lease as ended, below.)
             self._keep_late(lease.group_id, late)
-        if not answer.valid and attempts > 1:
-            # An earlier attempt may have landed before its answer was lost: the group then
-            # knows the request as done, which is all a retry can learn.
-            answer = ReturnAnswer(valid=True, released=True)
+            if attempts > 1:
+                answer = ReturnAnswer(valid=True, released=True)
         if answer.released or not answer.valid:
             self._drop(lease)
         else:
@@ -1004,6 +1006,9 @@ class LeaseSession:
         spans = self._spans.get(lease.group_id)
         attempts = 0
         lease.releasing = True
+        # One id for every attempt: an attempt that landed but whose answer was lost is
+        # answered again by the server as it was, not handled a second time.
+        update_id = str(uuid.uuid4())
 
         async def call() -> ReturnAnswer:
             nonlocal attempts
@@ -1015,6 +1020,7 @@ class LeaseSession:
                     GroupUpdate.RELEASE,
                     ret,
                     ReturnAnswer,
+                    update_id=update_id,
                 )
             except WorkflowUpdateFailedError as err:
                 # A holder's release is never refused for its rate; one of a lease the group
