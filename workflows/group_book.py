@@ -90,9 +90,8 @@ class GroupBook:
         # waiters): the workflow answers with workflow.patched, so groups that started before
         # the grant policy replay as they ran.
         self.policy_gate: Callable[[], bool] = lambda: True
-        # Asked before renewing a lease whose expiry has come but is not processed yet: the
-        # workflow answers with workflow.patched (LATE_RENEWAL_RENEWS), so groups that started
-        # before it replay ending such a lease, as they ran.
+        # Asked before renewing a lease whose expiry time has passed unprocessed: the workflow
+        # answers with workflow.patched(LATE_RENEWAL_RENEWS), so older groups replay as they ran.
         self.late_renewal_gate: Callable[[], bool] = lambda: True
 
     @property
@@ -507,14 +506,10 @@ class GroupBook:
             and now >= holder.expires_at
             and not self.late_renewal_gate()
         ):
-            # Before LATE_RENEWAL_RENEWS: a renewal handled after the lease's expiry time ended
-            # the lease even if the expiry was not processed yet.
+            # Before LATE_RENEWAL_RENEWS (group_patches.py says why it changed): a renewal
+            # handled past the expiry time ended the lease even if the expiry was not processed.
             self.end_lease(LeaseOutcome.EXPIRED, now)
             return RenewResult(valid=False, reason="the lease expired before this renewal")
-        # A lease ends when the group processes its expiry, not when a workflow task runs late:
-        # a renewal handled first renews it (its workflow task may start past the expiry time
-        # when the control worker or the server was slow or down). Nobody else can have held the
-        # group meanwhile, and the holder's validity counts from before it sent the renewal.
         if holder.delivered:
             self.leases.extend(holder, now)
         else:
