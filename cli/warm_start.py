@@ -42,6 +42,7 @@ PRELOAD = (
     "timeslice.transport.telemetry",
     "temporalio.client",
     "temporalio.worker",
+    "timeslice.cli.warm_torch",  # torch and its workloads, where installed
 )
 
 _context: Any = None

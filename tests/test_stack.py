@@ -88,3 +88,30 @@ def test_a_warm_start_is_a_process_of_its_own_with_the_callers_environment(
         assert isinstance(proc, warm_start.WarmProcess)
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
+
+
+def test_a_warm_start_has_torch_imported_and_its_threads_work(tmp_path: Path) -> None:
+    """The fork server imported torch (`timeslice.cli.warm_torch`) holding no other thread, so
+    a forked child uses torch at once, on as many threads as it sets, without hanging on a pool
+    copied half-alive; numpy's one-thread setting for the import is not left in its
+    environment."""
+    if not warm_start.enabled():
+        pytest.skip("TIMESLICE_TESTS_COLD=1: the tests start their processes cold")
+    pytest.importorskip("torch")
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, sys\n"
+        "print('torch' in sys.modules, 'OPENBLAS_NUM_THREADS' in os.environ)\n"
+        "import torch\n"
+        "torch.set_num_threads(2)\n"
+        "a = torch.ones(512, 512)\n"
+        "print(torch.get_num_threads(), float((a @ a).sum()), len(os.listdir('/proc/self/task')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    done = warm_start.WarmProcess([], tmp_path / "probe.log", script=probe, env=env)
+    assert done.wait(60) == 0, (tmp_path / "probe.log").read_text()
+    assert done.stdout is not None
+    preloaded, threads = done.stdout.read().split("\n")[:2]
+    assert preloaded == "True False"
+    count, total, tasks = threads.split()
+    assert count == "2" and float(total) == 512.0**3 and int(tasks) >= 2
