@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import json
 import os
@@ -22,6 +23,17 @@ from timeslice.protocol.rl_job import RLJobResult
 REPO = Path(__file__).resolve().parent.parent
 CONTENDER = REPO / "tests" / "contender.py"
 T = TypeVar("T")
+
+
+def skip_unless_installed(*names: str, reason: str | None = None) -> None:
+    """Skip the calling test module unless every package named is installed, without
+    importing it (``pytest.importorskip`` imports: seconds of CPU for TRL or JAX, paid at
+    collection by every pytest worker, where only the one that runs the module needs it)."""
+    import pytest
+
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(reason or f"{name} is not installed", allow_module_level=True)
 
 
 def wait_for(probe: Callable[[], T | None], *, timeout: float = 60.0, what: str = "condition") -> T:

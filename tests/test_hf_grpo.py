@@ -7,25 +7,37 @@ reference is the same workload driven phase by phase in this process.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
 from tests.conftest import start_service, stop_process
+from tests.helpers import skip_unless_installed
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+skip_unless_installed("torch", "transformers")
 
+import torch  # noqa: E402
 from timeslice.jobs import parse_job_config, start_rl_job  # noqa: E402
 from timeslice.protocol.rl_job import RLJobResult  # noqa: E402
 from timeslice.transport.connection import connect, connect_config  # noqa: E402
 from timeslice.workloads.base import JobSpec, PhaseContext  # noqa: E402
-from timeslice.workloads.hf_grpo import HfGrpoWorkload, create, vllm_available  # noqa: E402
-from timeslice.workloads.hf_tiny import DigitTask, build_tokenizer, vocabulary  # noqa: E402
 from timeslice.workloads.registry import load_workload  # noqa: E402
+
+
+# The workload's modules, imported by the first test that uses them, not when the tests are
+# collected (transformers: ~6 s of CPU in every pytest worker).
+def hf_grpo() -> ModuleType:
+    return importlib.import_module("timeslice.workloads.hf_grpo")
+
+
+def hf_tiny() -> ModuleType:
+    return importlib.import_module("timeslice.workloads.hf_tiny")
+
 
 EPOCHS = 6
 #: The learning test's bar: mean reward of the last 4 of 16 epochs minus that of the first 4.
@@ -43,7 +55,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def run_epochs(w: HfGrpoWorkload, epochs: int) -> list[float]:
+def run_epochs(w: Any, epochs: int) -> list[float]:
     rewards = []
     for e in range(epochs):
         w.sample(e, PhaseContext(e, "sample"))
@@ -57,36 +69,36 @@ def spec(seed: int, **options: Any) -> JobSpec:
 
 
 def test_tokenizer_numbers_tokens_as_grpo_toy_and_round_trips() -> None:
-    tokenizer = build_tokenizer()
-    task = DigitTask("sort", 4)
+    tokenizer = hf_tiny().build_tokenizer()
+    task = hf_tiny().DigitTask("sort", 4)
     prompt = task.prompt([3, 1, 4, 2])
     ids = tokenizer(prompt)["input_ids"]
     assert ids == [10, 3, 1, 4, 2, 11]  # grpo-toy's BOS, digits, SEP
     assert tokenizer.decode(ids) == prompt == "^3142="
-    eos = vocabulary()["<eos>"]
+    eos = hf_tiny().vocabulary()["<eos>"]
     assert tokenizer.decode([1, 2, 3, 4, eos], skip_special_tokens=True) == "1234"
     assert task.score("1234", task.target([3, 1, 4, 2])) == 1.0
     assert task.score("12", "1234") == 0.5
 
 
 def test_hf_grpo_checks_its_options() -> None:
-    w = create()
+    w = hf_grpo().create()
     with pytest.raises(ValueError, match="hf-grpo: option 'sampler'"):
         w.setup(spec(0, sampler="tensorrt"))
     with pytest.raises(ValueError, match="hf-grpo: option 'digits' must be 10"):
         w.setup(spec(0, digits=8))
     with pytest.raises(ValueError, match="hf-grpo: unknown option"):
         w.setup(spec(0, hidden=64))
-    if not vllm_available():
+    if not hf_grpo().vllm_available():
         with pytest.raises(ValueError, match="needs vLLM and a CUDA device"):
             w.setup(spec(0, sampler="vllm"))
     w.setup(spec(0))
-    assert w.sampler_kind == ("vllm" if vllm_available() else "torch")
-    assert isinstance(load_workload("hf-grpo"), HfGrpoWorkload)
+    assert w.sampler_kind == ("vllm" if hf_grpo().vllm_available() else "torch")
+    assert isinstance(load_workload("hf-grpo"), hf_grpo().HfGrpoWorkload)
 
 
 def test_hf_grpo_learns_the_digit_task(one_thread: None) -> None:
-    w = create()
+    w = hf_grpo().create()
     w.setup(JobSpec(job_id="learn", seed=0, batch_size=16, group_size=8, options={}))
     rewards = run_epochs(w, 16)
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
@@ -132,7 +144,7 @@ def test_hf_grpo_runs_as_an_rl_job_workflow(
     assert {h.phase for r in result.records for h in r.holds} == {"sample", "train"}
 
     # The job's final checkpoint holds exactly the state of the same workload run here.
-    reference = create()
+    reference = hf_grpo().create()
     reference.setup(spec(5, sampler="torch"))
     rewards = run_epochs(reference, EPOCHS)
     assert [r.reward_mean for r in result.records] == rewards

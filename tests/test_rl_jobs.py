@@ -831,7 +831,8 @@ def test_a_phase_never_waits_for_another_jobs_phase_on_another_group(
     # checkpoint (leases the phases' records do not show); the epochs between are steady.
     waits = [w for w in _uncovered_waits(results) if 0 < w[1] < epochs - 1]
     assert len(waits) >= 8  # most of the 12 phases waited for a lease
-    # A switch here moves 1 MiB in 0.05 + 0.01 s and takes a few workflow round trips; a
-    # phase of the other job on the other group would leave a gap of a whole second.
+    # A switch here moves 1 MiB in 0.05 + 0.01 s and takes a few workflow round trips (0.56 s
+    # seen once with the suite's three workers on two cores); a phase of the other job on the
+    # other group would leave a gap of a whole phase, so the bound stays clear of that.
     job, _, phase, gap = max(waits, key=lambda w: w[3])
-    assert gap < 0.5, f"{job} {phase} waited {gap:.2f} s for an idle group"
+    assert gap < 0.8 * options["sample_s"], f"{job} {phase} waited {gap:.2f} s for an idle group"

@@ -8,6 +8,7 @@ the same script without ``--group``: plain TRL, no Temporal at all.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import json
 import os
@@ -19,23 +20,32 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, Interval, assert_no_overlap, finish, wait_for
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("trl")
-
-from timeslice import TimeSliceOrchestratorClient  # noqa: E402
-from timeslice.integrations.trl import (  # noqa: E402
-    TRL_SPECIFIER,
-    UnsupportedTRLError,
-    check_trl_version,
-    time_slice,
+from tests.helpers import (
+    REPO,
+    Interval,
+    assert_no_overlap,
+    finish,
+    skip_unless_installed,
+    wait_for,
 )
+
+skip_unless_installed("torch", "trl")
+
+import torch  # noqa: E402
+from timeslice import TimeSliceOrchestratorClient  # noqa: E402
 from timeslice.snapshot.base import SnapshotRequest  # noqa: E402
+
+
+def trl_integration() -> ModuleType:
+    """timeslice.integrations.trl, imported by the first test that uses it, not when the tests
+    are collected (TRL and transformers: ~8 s of CPU in every pytest worker)."""
+    return importlib.import_module("timeslice.integrations.trl")
+
 
 EXAMPLE = REPO / "examples" / "trl_grpo.py"
 #: Optimizer steps per job: 12 generations of 16 prompts x 8 completions, 4 steps each.
@@ -236,14 +246,16 @@ def test_time_sliced_trl_job_ends_bit_identical_to_plain_trl_alone(trl_runs: Any
 
 def test_trl_version_range_is_the_extras_pin() -> None:
     for ok in ("1.16.0", "1.16.7"):
-        check_trl_version(ok)
+        trl_integration().check_trl_version(ok)
     for bad in ("1.15.0", "1.17.0", "0.29.1", "2.0", "not-a-version"):
-        with pytest.raises(UnsupportedTRLError, match=r"supports TRL >=1\.16,<1\.17"):
-            check_trl_version(bad)
+        with pytest.raises(
+            trl_integration().UnsupportedTRLError, match=r"supports TRL >=1\.16,<1\.17"
+        ):
+            trl_integration().check_trl_version(bad)
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    assert f"trl{TRL_SPECIFIER}" in extras["trl"]
+    assert f"trl{trl_integration().TRL_SPECIFIER}" in extras["trl"]
 
 
 def test_an_unsupported_trl_release_is_refused_with_a_clear_error(tmp_path: Path) -> None:
@@ -334,7 +346,7 @@ def test_lora_only_moves_the_adapters_and_optimizer_state(
     trainer = tiny_trainer(
         tmp_path, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     )
-    slicing = time_slice(trainer, group=group, target=address)
+    slicing = trl_integration().time_slice(trainer, group=group, target=address)
     assert slicing.lora_only
     trainer.train()
     model = trainer.model
@@ -362,8 +374,10 @@ def test_reference_model_is_registered_and_groups_apart_need_a_remote_sampler(
 ) -> None:
     trainer = tiny_trainer(tmp_path, beta=0.1)  # a KL penalty: TRL keeps a reference model
     with pytest.raises(ValueError, match="vLLM server mode"):
-        time_slice(trainer, sampler_group="sampler-pool", trainer_group="trainer-pool")
-    slicing = time_slice(trainer, group="unused-group", target="localhost:1")
+        trl_integration().time_slice(
+            trainer, sampler_group="sampler-pool", trainer_group="trainer-pool"
+        )
+    slicing = trl_integration().time_slice(trainer, group="unused-group", target="localhost:1")
     names = slicing.backend.selected_names()
     assert not slicing.lora_only
     assert any(n.startswith("reference.") for n in names)
@@ -408,7 +422,9 @@ def test_phase_boundaries_go_through_the_groups_grant_policy(
     trainer = tiny_trainer(tmp_path)
     queueing = QueueWhileTraining()
     trainer.add_callback(queueing)
-    slicing = time_slice(trainer, group=group, target=address, job_id=f"trl-np-{policy}")
+    slicing = trl_integration().time_slice(
+        trainer, group=group, target=address, job_id=f"trl-np-{policy}"
+    )
     try:
         trainer.train()
         assert queueing.thread is not None
