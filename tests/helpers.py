@@ -36,10 +36,19 @@ def skip_unless_installed(*names: str, reason: str | None = None) -> None:
             pytest.skip(reason or f"{name} is not installed", allow_module_level=True)
 
 
+PROBE_FIRST_PAUSE_S = 0.05
+PROBE_LAST_PAUSE_S = 0.25
+
+
 def wait_for(probe: Callable[[], T | None], *, timeout: float = 60.0, what: str = "condition") -> T:
-    """Re-evaluate ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
+    """Re-evaluate ``probe`` until it returns something truthy; fail after ``timeout`` seconds.
+
+    Probes come every 50 ms at first, then less often, up to every 250 ms: many probes open a
+    Temporal connection and query a workflow, which costs the server and the control worker
+    CPU that the other pytest workers' tests share (a 20-s wait was 400 of them)."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
+    pause = PROBE_FIRST_PAUSE_S
     while time.monotonic() < deadline:
         try:
             value = probe()
@@ -47,7 +56,8 @@ def wait_for(probe: Callable[[], T | None], *, timeout: float = 60.0, what: str 
                 return value
         except Exception as err:  # a probe may fail while the system settles
             last_error = err
-        time.sleep(0.05)
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        pause = min(pause * 1.5, PROBE_LAST_PAUSE_S)
     raise AssertionError(
         f"timed out after {timeout} s waiting for {what} (last error: {last_error})"
     )
