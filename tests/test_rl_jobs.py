@@ -431,11 +431,7 @@ def test_cooperative_switches_keep_the_group_accounting_true(
     counted: list[tuple[int, int]] = []  # (the group's count, the backends'), last probe
 
     def settled() -> GroupStatus | None:
-        async def status(client: Client) -> GroupStatus:
-            handle = client.get_workflow_handle(group_workflow_id(group))
-            return await handle.query("status", result_type=GroupStatus)
-
-        s = run(status, address)
+        s = run(lambda client: group_status(client, group), address)
         # Each chunk a backend moved on or off the device (not the state it was built with).
         moved = sum(
             abs(int(line.split()[2]))
@@ -448,13 +444,46 @@ def test_cooperative_switches_keep_the_group_accounting_true(
     try:
         status = wait_for(settled, timeout=60, what="every eviction's bytes reported")
     except AssertionError as err:  # which side is short says which report went missing
-        raise AssertionError(f"{err}; the group counted, the backends moved: {counted}") from err
+        raise AssertionError(
+            f"{err}; the group counted, the backends moved: {counted}\n"
+            + moves_apart(trace, run(lambda c: group_status(c, group), address), tmp_path)
+        ) from err
     # Holders moved themselves out after releasing and reported it (marks of no width: the
     # copy overlapped the next holder's restore), and restored themselves when granted.
     own = [s for s in status.switch_history if s.by_holder and s.from_job and s.overlapped]
     assert own, "no holder evicted itself on release"
     assert status.stats.evictions >= len(own) and status.stats.restores >= 1
     assert status.stats.snapshot_failures == 0 and not status.faulted_jobs
+
+
+async def group_status(client: Client, group: str) -> GroupStatus:
+    return await client.get_workflow_handle(group_workflow_id(group)).query(
+        "status", result_type=GroupStatus
+    )
+
+
+def moves_apart(trace: Path, status: GroupStatus, logs: Path) -> str:
+    """What to read when the group's byte count and the backends' differ: each process's
+    moves as its backends saw them, each switch as the group recorded it, and what the job
+    processes warned of (a report they could not send, an eviction that outlasted the exit)."""
+    seen: dict[str, list[int]] = {}
+    for line in trace.read_text().splitlines():
+        _, pid, delta, kind = line.split()
+        if kind == "move":
+            seen.setdefault(pid, []).append(int(delta))
+    lines = [f"process {pid}: moves {deltas}" for pid, deltas in seen.items()]
+    lines += [
+        f"switch {s.from_job} -> {s.to_job}: {s.bytes} bytes, by holder {s.by_holder}, "
+        f"overlapped {s.overlapped}"
+        for s in status.switch_history
+    ]
+    for log_file in sorted(logs.glob("*.log")):
+        lines += [
+            f"{log_file.name}: {line}"
+            for line in log_file.read_text(errors="replace").splitlines()
+            if "WARNING" in line or "ERROR" in line or "depart" in line
+        ]
+    return "\n".join(lines)
 
 
 def test_job_with_two_ranks_runs_every_phase_on_both(
