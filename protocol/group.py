@@ -80,6 +80,7 @@ class GrantPolicy(StrEnum):
 class GroupQuery(StrEnum):
     HOLDER = "holder"
     STATUS = "status"
+    RENEWAL_RULE = "renewal_rule"
 
 
 # What each message of the group workflow does: its handler's description, which the Web UI
@@ -129,6 +130,11 @@ GROUP_MESSAGE_ABOUT: dict[str, str] = {
     GroupQuery.STATUS: (
         "The group's status: holder, queue, resident and faulted jobs, counts, share held, wait "
         "percentiles, lease and switch records."
+    ),
+    GroupQuery.RENEWAL_RULE: (
+        "Whether a renewal the server recorded before the lease's expiry renews it, however "
+        "late the group's workflow task handles it: a holder whose renewal signal the server "
+        "took in time may count its lease from that signal (transport/renewals.py)."
     ),
 }
 

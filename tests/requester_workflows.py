@@ -207,3 +207,13 @@ class ReleaseOnSignalWorkflow:
         await workflow.wait_condition(lambda: self._release)
         await leases.release(lease)
         return lease.token
+
+
+@workflow.defn(name="GroupWithoutRenewalRule")
+class GroupWithoutRenewalRule:
+    """Stands in for a GPU group of a release before the ``renewal_rule`` query: it answers
+    no query of that name (run under a group's workflow id)."""
+
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: False)

@@ -107,14 +107,15 @@ async def _raw_flood(
     await asyncio.gather(*(spin() for _ in range(TRY_LOCKS)))
 
 
-def test_a_raw_flood_past_the_in_flight_limit_costs_a_ttl_10_s_holder_nothing(
+def test_a_raw_flood_past_the_in_flight_limit_costs_holders_at_ttl_1_and_10_s_nothing(
     address: str, make_client: Callable[..., Any]
 ) -> None:
     tag = uuid.uuid4().hex[:6]
-    # At TTL 1 s the holder still gives its lease up under this flood (docs/security.md): the
-    # server drops the group's workflow tasks while it refuses the flood, so the answers to its
-    # renewals do not come within a second (the group no longer ends the lease for a late task).
-    groups = {10.0: f"raw-flood-10s-{tag}"}
+    # The server drops the group's workflow tasks while it refuses the flood, so the answers to
+    # the renewals do not come within a second; the TTL-1 s holder keeps its lease because
+    # the server's word that it recorded a renewal signal in time is enough (the group's
+    # renewal rule, transport.renewals.counted_from_signal).
+    groups = {1.0: f"raw-flood-1s-{tag}", 10.0: f"raw-flood-10s-{tag}"}
     holders = {
         ttl: make_client(job_id=f"holder-{int(ttl)}s-{tag}", lease_ttl=ttl) for ttl in groups
     }
@@ -161,7 +162,7 @@ def test_a_raw_flood_past_the_in_flight_limit_costs_a_ttl_10_s_holder_nothing(
     )
     statuses = {ttl: holders[ttl].group_status(group) for ttl, group in groups.items()}
     print(
-        f"\nraw flood beside a holder at TTL 10 s: {seen} {said}; leases locally valid "
+        f"\nraw flood beside holders at TTL 1 s and 10 s: {seen} {said}; leases locally valid "
         f"in {dict(valid)} samples ({time.monotonic() - started:.1f} s)"
     )
     for counts in seen.values():  # the flood did keep Temporal's limit full
@@ -182,6 +183,7 @@ def test_a_raw_flood_past_the_in_flight_limit_costs_a_ttl_10_s_holder_nothing(
         assert status.holder is not None and status.holder.token == lease.token, status.holder
         assert status.stats.expired == 0, (ttl, status.stats)
         assert holders[ttl].release(lease) is False  # released, never revoked
+        assert holders[ttl]._session._renewal_rules == {groups[ttl]: True}
 
 
 def test_a_renewal_by_signal_after_the_lease_expired_renews_nothing(
@@ -210,3 +212,36 @@ def test_a_renewal_by_signal_after_the_lease_expired_renews_nothing(
     assert not result.valid and "no longer held" in result.reason, result
     status = holder.group_status(group)
     assert status.holder is None and status.stats.leases == 1, status
+
+
+def test_a_group_that_states_no_renewal_rule_is_not_trusted_on_a_signal(address: str) -> None:
+    """A group of a release before the ``renewal_rule`` query (here a workflow standing in for
+    one, under a group's workflow id) is taken as ending a lease whose renewal it handles
+    late: the holder then counts its lease only from the group's answers."""
+    from temporalio.worker import Worker
+    from timeslice.transport.connection import connect, connect_config
+    from timeslice.transport.renewals import group_renewal_rule
+    from timeslice.workers.sandbox import workflow_runner
+
+    from tests.requester_workflows import GroupWithoutRenewalRule
+
+    group = f"older-{uuid.uuid4().hex[:8]}"
+    queue = f"older-group-{uuid.uuid4().hex[:8]}"
+
+    async def ask() -> bool | None:
+        client = await connect(connect_config(address))
+        async with Worker(
+            client,
+            task_queue=queue,
+            workflows=[GroupWithoutRenewalRule],
+            workflow_runner=workflow_runner(),
+        ):
+            handle = await client.start_workflow(
+                GroupWithoutRenewalRule.run, id=group_workflow_id(group), task_queue=queue
+            )
+            try:
+                return await group_renewal_rule(client, group)
+            finally:
+                await handle.terminate("test done")
+
+    assert asyncio.run(ask()) is False

@@ -178,7 +178,8 @@ class GpuGroupWorkflow:
         )
         self._book.policy_gate = lambda: workflow.patched(PHASE_AWARE_GRANTS)
         self._book.residency.stream_gate = lambda: workflow.patched(STREAMED_SWITCHES)
-        self._book.late_renewal_gate = lambda: workflow.patched(LATE_RENEWAL_RENEWS)
+        self._book.late_renewal_gate = self._late_renewal_renews
+        self._late_renewal: bool | None = None  # the LATE_RENEWAL_RENEWS patch's answer, once asked
         self._wake = False
         # Fault notices live nowhere else, so they hold up continue-as-new; so does any
         # delivery activity (its completion arriving during continue-as-new would fail it).
@@ -619,6 +620,17 @@ class GpuGroupWorkflow:
     @workflow.query(name=GroupQuery.STATUS, description=ABOUT[GroupQuery.STATUS])
     def status(self) -> GroupStatus:
         return self._book.status(workflow.now())
+
+    @workflow.query(name=GroupQuery.RENEWAL_RULE, description=ABOUT[GroupQuery.RENEWAL_RULE])
+    def renewal_rule(self) -> bool:
+        # The SDK keeps a patch's first answer for the rest of the run: a run that replayed a
+        # late renewal down the old branch stays on it. Not asked yet, it is asked live (no
+        # history to replay), which takes the new branch.
+        return self._late_renewal is not False
+
+    def _late_renewal_renews(self) -> bool:
+        self._late_renewal = workflow.patched(LATE_RENEWAL_RENEWS)
+        return self._late_renewal
 
     def _publish_details(self) -> None:
         now = workflow.now()

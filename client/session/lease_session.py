@@ -92,7 +92,13 @@ from timeslice.session.group_start import start_group
 from timeslice.session.lease import Lease, phases_since_grant
 from timeslice.session.retry import UPDATE_GIVE_UP_S, Retrying, RpcRetries
 from timeslice.transport.connection import connect
-from timeslice.transport.renewals import RenewalPath, send_renewal
+from timeslice.transport.renewals import (
+    Recorded,
+    RenewalPath,
+    counted_from_signal,
+    group_renewal_rule,
+    send_renewal,
+)
 from timeslice.transport.telemetry import end_span, tracer
 from timeslice.transport.updates import UNPROCESSED_UPDATE, send_update
 from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
@@ -209,6 +215,8 @@ class LeaseSession:
         # group id -> until when (monotonic) it told this process to send it nothing it could
         # refuse (per-caller fairness): every thread's calls wait, a try-lock raises.
         self._quiet_until: dict[str, float] = {}
+        # group id -> its renewal rule, once it answered (transport.renewals.group_renewal_rule)
+        self._renewal_rules: dict[str, bool] = {}
         self._quiet_why: dict[str, str] = {}  # the group's word for it, repeated to every call
         self._gates: dict[str, asyncio.Semaphore] = {}
         self._closed = False
@@ -1106,6 +1114,35 @@ class LeaseSession:
         confirmed by their release and never renew)."""
         interval = lease.ttl_s / 3
         path = RenewalPath()
+        rule = asyncio.ensure_future(self._renewal_rule(lease.group_id))
+
+        def recorded(sent: float) -> None:
+            group_renews = rule.done() and not rule.cancelled() and rule.result()
+            lease.valid_until = counted_from_signal(
+                lease.valid_until, sent, time.monotonic(), lease.ttl_s, group_renews=group_renews
+            )
+
+        try:
+            await self._renew_until_lost(lease, interval, path, recorded)
+        finally:
+            rule.cancel()
+
+    async def _renewal_rule(self, group_id: str) -> bool:
+        """The group's renewal rule (``transport.renewals.counted_from_signal``), asked once."""
+        known = self._renewal_rules.get(group_id)
+        if known is None:
+            try:
+                known = await group_renewal_rule(self._client_now(), group_id)
+            except Exception as err:  # not known: renewals count from answers, as before
+                log.debug("renewal rule of %s: %s", group_id, err)
+                return False
+            if known is not None:
+                self._renewal_rules[group_id] = known
+        return bool(known)
+
+    async def _renew_until_lost(
+        self, lease: Lease, interval: float, path: RenewalPath, recorded: Recorded
+    ) -> None:
         # Well before the lease's local validity ends: for a grant not yet confirmed, that is
         # the group's deadline for confirming it.
         wait = max(0.05, min(interval, (lease.valid_until - time.monotonic()) / 3))
@@ -1125,6 +1162,7 @@ class LeaseSession:
                     # (its answer may come late, and valid).
                     give_up_after_s=lease.ttl_s + max(0.0, lease.valid_until - sent),
                     path=path,
+                    on_recorded=recorded,
                 )
             except Exception as err:  # any failure to renew is retried until the lease runs out
                 if lease.releasing:
@@ -1150,7 +1188,8 @@ class LeaseSession:
                 lease.revoked_by_group = True
                 log.error("lease on %s revoked: %s", lease.group_id, result.reason)
                 return
-            lease.valid_until = sent + result.ttl_s
+            # Never shorter than a signal sent since made it (both bound the group's expiry).
+            lease.valid_until = max(lease.valid_until, sent + result.ttl_s)
             wait = interval
 
     # ------------------------------------------------------------ status and shutdown
