@@ -60,6 +60,9 @@ _QUERY_WITHIN_S = 1.0
 # Once an update was refused or slow, a lease's renewals go by signal this long before an
 # update is tried again.
 STAY_ON_SIGNALS_S = 30.0
+# A lease counts from recorded signals for this long after the group last answered a renewal
+# (or ten TTLs, if longer): the slowest answer under the test's flood came after 12.7 s.
+SIGNALS_WITHOUT_ANSWER_S = 30.0
 # The group's renewal rule is asked once per group, beside the lease's first renewals.
 _RULE_WITHIN = timedelta(seconds=10)
 
@@ -69,7 +72,13 @@ Recorded = Callable[[float], None]
 
 
 def counted_from_signal(
-    valid_until: float, sent: float, recorded: float, ttl_s: float, *, group_renews: bool
+    valid_until: float,
+    sent: float,
+    recorded: float,
+    ttl_s: float,
+    *,
+    group_renews: bool,
+    answered: float,
 ) -> float:
     """A held lease's local validity after the server recorded its renewal signal.
 
@@ -84,17 +93,26 @@ def counted_from_signal(
     from a time no earlier than ``sent``: the lease then runs until ``sent + ttl_s`` at least.
     Otherwise (an old group, an answer after the local validity ran out) nothing changes.
 
+    Each such step rests on the one before, so a local validity that ever ran past the
+    group's expiry (a clock that jumped, say) would be carried on: signals count only within
+    ``SIGNALS_WITHOUT_ANSWER_S`` (or ten TTLs, if longer) of ``answered``, when the last
+    renewal the group itself answered was sent. Its answers are what ends such an error.
+
     Args:
         valid_until: the lease's local validity before this signal.
         sent: when the signal was sent.
         recorded: when the server answered that it recorded the signal.
         ttl_s: the lease's TTL at the group.
         group_renews: the group's renewal rule (see above).
+        answered: when the last renewal the group answered valid was sent (or the grant).
 
     Returns:
         The local validity to keep (never shorter than ``valid_until``).
     """
+    unanswered_for = recorded - answered
     if not group_renews or recorded >= valid_until:
+        return valid_until
+    if unanswered_for > max(SIGNALS_WITHOUT_ANSWER_S, 10 * ttl_s):
         return valid_until
     return max(valid_until, sent + ttl_s)
 
@@ -264,6 +282,7 @@ async def _signal_then_ask(
 
 
 __all__ = [
+    "SIGNALS_WITHOUT_ANSWER_S",
     "STAY_ON_SIGNALS_S",
     "Recorded",
     "RenewalPath",

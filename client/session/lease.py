@@ -66,10 +66,15 @@ class Lease:
     # *sent*, so it always ends before the group's own expiry (docs/architecture.md).
     valid_until: float = 0.0
     memory_bytes: int | None = None
+    # When the last renewal the group answered valid was sent (the grant, until one was):
+    # renewal signals the server recorded count only for a while after it.
+    answered_at: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if not self.valid_until:
             self.valid_until = self.acquired_at + self.ttl_s
+        if not self.answered_at:
+            self.answered_at = self.acquired_at
 
     @property
     def valid(self) -> bool:

@@ -1119,7 +1119,12 @@ class LeaseSession:
         def recorded(sent: float) -> None:
             group_renews = rule.done() and not rule.cancelled() and rule.result()
             lease.valid_until = counted_from_signal(
-                lease.valid_until, sent, time.monotonic(), lease.ttl_s, group_renews=group_renews
+                lease.valid_until,
+                sent,
+                time.monotonic(),
+                lease.ttl_s,
+                group_renews=group_renews,
+                answered=lease.answered_at,
             )
 
         try:
@@ -1190,6 +1195,7 @@ class LeaseSession:
                 return
             # Never shorter than a signal sent since made it (both bound the group's expiry).
             lease.valid_until = max(lease.valid_until, sent + result.ttl_s)
+            lease.answered_at = sent
             wait = interval
 
     # ------------------------------------------------------------ status and shutdown
