@@ -109,10 +109,8 @@ def counted_from_signal(
     Returns:
         The local validity to keep (never shorter than ``valid_until``).
     """
-    unanswered_for = recorded - answered
-    if not group_renews or recorded >= valid_until:
-        return valid_until
-    if unanswered_for > max(SIGNALS_WITHOUT_ANSWER_S, 10 * ttl_s):
+    unanswered_too_long = recorded - answered > max(SIGNALS_WITHOUT_ANSWER_S, 10 * ttl_s)
+    if not group_renews or recorded >= valid_until or unanswered_too_long:
         return valid_until
     return max(valid_until, sent + ttl_s)
 

@@ -215,9 +215,9 @@ class LeaseSession:
         # group id -> until when (monotonic) it told this process to send it nothing it could
         # refuse (per-caller fairness): every thread's calls wait, a try-lock raises.
         self._quiet_until: dict[str, float] = {}
+        self._quiet_why: dict[str, str] = {}  # the group's word for it, repeated to every call
         # group id -> its renewal rule, once it answered (transport.renewals.group_renewal_rule)
         self._renewal_rules: dict[str, bool] = {}
-        self._quiet_why: dict[str, str] = {}  # the group's word for it, repeated to every call
         self._gates: dict[str, asyncio.Semaphore] = {}
         self._closed = False
         # group id -> its lease's (timeslice.lease, timeslice.hold) spans, ended by release
