@@ -745,7 +745,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 async def _run_worker(args: argparse.Namespace) -> int:
-    from timeslice.plan.placement import place_pool_job
+    from timeslice.plan.placement import place_pool_job, plan_pool_move
     from timeslice.transport.telemetry import worker_telemetry
     from timeslice.workers.control import (
         STICKY_TIMEOUT_S,
@@ -760,7 +760,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
         worker = build_control_worker(
             client,
             sticky_timeout_s=args.sticky_timeout or STICKY_TIMEOUT_S,
-            extra_activities=[place_pool_job],
+            extra_activities=[place_pool_job, plan_pool_move],
         )
         print(
             f"control worker on task queue 'timeslice' at {config['target_host']} "

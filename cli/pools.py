@@ -11,9 +11,15 @@ from pydantic import ValidationError
 from temporalio.client import Client
 from timeslice.cli.groups import require_control_worker
 from timeslice.errors import InvalidArgumentError
-from timeslice.pools import create_pool, parse_pool_config, pool_status
+from timeslice.pools import create_pool, move_pool_job, parse_pool_config, pool_status
 from timeslice.protocol.group import check_id
-from timeslice.protocol.pool import DEFAULT_MAX_SLOWDOWN, PoolGroup, PoolStatus
+from timeslice.protocol.pool import (
+    DEFAULT_MAX_SLOWDOWN,
+    DEFAULT_MOVE_EVERY_EPOCHS,
+    DEFAULT_MOVE_HORIZON_S,
+    PoolGroup,
+    PoolStatus,
+)
 from timeslice.report.text import table
 
 AddConnectionArgs = Callable[[argparse.ArgumentParser], None]
@@ -44,7 +50,39 @@ def add_parser(sub: argparse._SubParsersAction, connection: AddConnectionArgs) -
         help="no job is placed where it is predicted slower than this times its rate alone "
         f"(default {DEFAULT_MAX_SLOWDOWN})",
     )
+    create.add_argument(
+        "--no-auto-move",
+        action="store_true",
+        help="never move a placed job by itself (moves by hand: timeslice pool move)",
+    )
+    create.add_argument(
+        "--move-horizon",
+        type=float,
+        default=DEFAULT_MOVE_HORIZON_S,
+        metavar="S",
+        help="a move is made when its predicted gain over this many seconds exceeds its cost "
+        f"(default {DEFAULT_MOVE_HORIZON_S:g})",
+    )
+    create.add_argument(
+        "--move-every",
+        type=int,
+        default=DEFAULT_MOVE_EVERY_EPOCHS,
+        metavar="EPOCHS",
+        help="no job moves more than once in this many of its epochs "
+        f"(default {DEFAULT_MOVE_EVERY_EPOCHS})",
+    )
     connection(create)
+    move = commands.add_parser(
+        "move",
+        help="move a placed job to another group of the pool",
+        description="Move a job the pool placed to another of its groups; the job takes it at "
+        "its next checkpoint boundary, prepared again there from that checkpoint "
+        "(docs/pools.md).",
+    )
+    move.add_argument("name", help="the pool's name")
+    move.add_argument("job", help="the job's id")
+    move.add_argument("group", help="the group it moves to")
+    connection(move)
     status = commands.add_parser("status", help="a pool's groups, jobs, queue and decisions")
     status.add_argument("name", help="the pool's name")
     status.add_argument("--json", action="store_true", help="the status as JSON")
@@ -62,13 +100,28 @@ def pool_config_data(args: argparse.Namespace) -> dict[str, object]:
             raise InvalidArgumentError(f"--group {text!r}: {problems}") from None
         except ValueError as err:
             raise InvalidArgumentError(f"--group {text!r}: {err}") from None
-    return {"pool": args.name, "groups": groups, "max_slowdown": args.max_slowdown}
+    return {
+        "pool": args.name,
+        "groups": groups,
+        "max_slowdown": args.max_slowdown,
+        "auto_move": not args.no_auto_move,
+        "move_horizon_s": args.move_horizon,
+        "move_every_epochs": args.move_every,
+    }
 
 
 def format_status(status: PoolStatus) -> str:
     """What ``timeslice pool status`` prints."""
     config = status.config
-    lines = [f"pool {config.pool}: {len(config.groups)} groups, bound {config.max_slowdown:g}x"]
+    moves = (
+        f"moves when a move gains more than it costs over {config.move_horizon_s:g} s, at most "
+        f"once in {config.move_every_epochs} epochs a job"
+        if config.auto_move
+        else "moves by hand only"
+    )
+    lines = [
+        f"pool {config.pool}: {len(config.groups)} groups, bound {config.max_slowdown:g}x; {moves}"
+    ]
     rows = []
     for group in config.groups:
         on = [
@@ -77,7 +130,10 @@ def format_status(status: PoolStatus) -> str:
             if j.placement and group.name in (j.placement.sampler_group, j.placement.trainer_group)
         ]
         jobs = ", ".join(
-            f"{j.job_id} ({'no profile' if j.demand is None else f'{j.demand:.2f}'})" for j in on
+            f"{j.job_id} ({'no profile' if j.demand is None else f'{j.demand:.2f}'}"
+            f"{f', moving from {j.moving_from.sampler_group}' if j.moving_from else ''}"
+            f"{f', moved {j.moves}x' if j.moves else ''})"
+            for j in on
         )
         demand = sum(j.demand or 0.0 for j in on)
         memory = f"{group.memory_bytes / 2**30:.1f} GiB" if group.memory_bytes else "-"
@@ -95,7 +151,8 @@ def format_status(status: PoolStatus) -> str:
 async def run(
     args: argparse.Namespace, connect: Callable[[], Awaitable[Client]], flags: str
 ) -> int:
-    """``timeslice pool create`` / ``status``: the input checked before any connection."""
+    """``timeslice pool create`` / ``move`` / ``status``: the input checked before any
+    connection."""
     if args.pool_command == "create":
         config = parse_pool_config(pool_config_data(args))
         client = await connect()
@@ -106,10 +163,17 @@ async def run(
         return 0
     try:
         check_id("pool name", args.name)
+        if args.pool_command == "move":
+            check_id("job id", args.job)
+            check_id("group id", args.group)
     except ValueError as err:
         raise InvalidArgumentError(str(err)) from None
     client = await connect()
     await require_control_worker(client, flags)
+    if args.pool_command == "move":
+        decision = await move_pool_job(client, args.name, args.job, args.group)
+        print(f"{decision.reason}: it moves at its next checkpoint boundary")
+        return 0
     status = await pool_status(client, args.name)
     print(
         json.dumps(status.model_dump(mode="json"), indent=2) if args.json else format_status(status)

@@ -25,6 +25,8 @@ from timeslice.errors import InvalidArgumentError
 from timeslice.protocol.group import CONTROL_TASK_QUEUE, explain_validation_error
 from timeslice.protocol.pool import (
     POOL_WORKFLOW,
+    Decision,
+    MoveRequest,
     PoolConfig,
     PoolGroup,
     PoolQuery,
@@ -38,6 +40,7 @@ __all__ = [
     "PoolConfig",
     "PoolGroup",
     "create_pool",
+    "move_pool_job",
     "parse_pool_config",
     "pool_status",
     "require_pool",
@@ -118,3 +121,32 @@ async def pool_status(client: Client, pool: str) -> PoolStatus:
     return await client.get_workflow_handle(pool_workflow_id(pool)).query(
         PoolQuery.STATUS, result_type=PoolStatus
     )
+
+
+async def move_pool_job(
+    client: Client, pool: str, job_id: str, group: str, trainer_group: str | None = None
+) -> Decision:
+    """Move a job the pool placed to another of its groups (``timeslice pool move``); the job
+    takes it at its next checkpoint boundary (docs/pools.md, "Moving jobs").
+
+    Returns:
+        The pool's decision, as ``timeslice pool status`` lists it.
+
+    Raises:
+        InvalidArgumentError: No such pool, a job it has not placed, a group not in it, an
+            async job, or the job's group already.
+    """
+    try:
+        request = MoveRequest(job_id=job_id, sampler_group=group, trainer_group=trainer_group)
+    except ValidationError as err:
+        why = explain_validation_error(err).replace("Value error, ", "")
+        raise InvalidArgumentError(f"invalid move: {why}") from None
+    await require_pool(client, pool)
+    handle = client.get_workflow_handle(pool_workflow_id(pool))
+    try:
+        return await handle.execute_update(
+            PoolUpdate.MOVE, request.model_dump(mode="json"), result_type=Decision
+        )
+    except WorkflowUpdateFailedError as err:
+        why = getattr(err.cause, "message", None) or str(err.cause or err)
+        raise InvalidArgumentError(f"pool {pool!r} refused the move: {why}") from None

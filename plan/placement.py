@@ -11,6 +11,9 @@ simulation runs every job for at most ``SIM_EPOCHS`` epochs from the same start:
 estimate, not a forecast of the jobs' remaining work.
 
 ``place_pool_job`` is the pool workflow's activity; ``decide`` is the pure rule it runs.
+``plan_pool_move`` and ``decide_move`` weigh moving one placed job (docs/pools.md, "Moving
+jobs"): the move with the largest predicted gain in pool utilization over the pool's horizon,
+less the move's cost, among those that keep every job within the bound.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from timeslice.errors import InvalidArgumentError
 from timeslice.plan.profile import JobProfile, parse_profile
-from timeslice.plan.simulator import GroupSpec, Outcome, simulate
+from timeslice.plan.simulator import DEFAULT_MOVE_BYTES_PER_S, GroupSpec, Outcome, simulate
 from timeslice.plan.simulator import Placement as SimPlacement
 from timeslice.protocol.pool import (
+    MOVE_DECISION_ACTIVITY,
     PLACE_JOB_ACTIVITY,
+    MoveInput,
+    MoveOutcome,
     PlaceInput,
     Placement,
     PlaceOutcome,
@@ -114,8 +120,14 @@ class Predictor:
             self._alone[profile.job_id] = outcome.jobs[profile.job_id].completion_s
         return self._alone[profile.job_id]
 
-    def predict(self, extra: Sequence[tuple[JobProfile, Placement]]) -> Prediction | None:
-        jobs = [*self.placed, *extra]
+    def predict(
+        self,
+        extra: Sequence[tuple[JobProfile, Placement]],
+        *,
+        without: str | None = None,
+    ) -> Prediction | None:
+        """The pool's figures with ``extra`` added (and the job ``without`` left out)."""
+        jobs = [*(j for j in self.placed if j[0].job_id != without), *extra]
         if not jobs:
             return None
         outcome = self._run(jobs, set(self.specs))
@@ -204,6 +216,86 @@ def decide(inp: PlaceInput) -> PlaceOutcome:
         f"{gain:+.0f} points (to {best.utilization:.0%}), {job.job_id} "
         f"{best.slowdowns[job.job_id]:.2f}x, worst job {best.worst:.2f}x",
     )
+
+
+def move_cost_s(profile: JobProfile) -> float:
+    """A move's cost in the moved job's GPU time: each of its states taken off the old group's
+    device and brought onto the new one's (its profile's move times, or its bytes at the
+    planner's default bandwidth)."""
+    cost = 0.0
+    for state in profile.states:
+        default = state.bytes / DEFAULT_MOVE_BYTES_PER_S
+        cost += (state.snapshot_s if state.snapshot_s is not None else default) + (
+            state.restore_s if state.restore_s is not None else default
+        )
+    return cost
+
+
+def decide_move(inp: MoveInput) -> MoveOutcome:
+    """The one move worth making now, or none and why. A move of job J to place P counts if
+    every profiled job stays within the pool's bound there, and its gain, the pool's predicted
+    utilization after less before, times the horizon (seconds of GPU phases over the horizon,
+    per group in use), exceeds the move's cost (``move_cost_s``); of those, the largest net
+    gain goes. Groups holding a job without a profile are not weighed (their demand is
+    unknown). Raises ``InvalidProfile``."""
+    as_place = PlaceInput(
+        groups=inp.groups, max_slowdown=inp.max_slowdown, placed=inp.placed,
+        job=PoolJob(job_id="-"),
+    )  # fmt: skip
+    predictor = Predictor(as_place)
+    before = predictor.predict([])
+    if before is None:
+        return MoveOutcome(reason="no move: the pool has no profiled job yet")
+    # A job placed without a profile that has not sent a measured one: demand unknown.
+    unknown = {
+        g
+        for j in inp.placed
+        if j.profile is None and j.placement is not None
+        for g in _groups_of(j.placement)
+    }
+    profiles = {p.job_id: (p, at) for p, at in predictor.placed}
+    demands = {job_id: p.duty for job_id, (p, _) in profiles.items()}
+    best: tuple[float, str, Placement, Prediction, float] | None = None
+    for job_id in inp.movable:
+        if job_id not in profiles:
+            continue
+        profile, here = profiles[job_id]
+        cost = move_cost_s(profile)
+        for at in candidates([g.name for g in inp.groups], profile.mode):
+            if at == here or _groups_of(at) & unknown:
+                continue
+            after = predictor.predict([(profile, at)], without=job_id)
+            if after is None or after.worst > inp.max_slowdown + 1e-9:
+                continue
+            net = (after.utilization - before.utilization) * inp.horizon_s - cost
+            if net > 0 and (best is None or net > best[0]):
+                best = (net, job_id, at, after, cost)
+    if best is None:
+        return MoveOutcome(
+            reason=f"no move: none gains more than it costs over {inp.horizon_s:g} s within "
+            f"the bound {inp.max_slowdown:g}x (pool utilization {before.utilization:.0%})",
+            demands=demands,
+        )
+    net, job_id, at, after, cost = best
+    gain = (after.utilization - before.utilization) * 100
+    return MoveOutcome(
+        job_id=job_id,
+        placement=at,
+        reason=f"moved {job_id} to {_where(at)}: pool utilization {gain:+.0f} points (to "
+        f"{after.utilization:.0%}), {job_id} {after.slowdowns[job_id]:.2f}x, worst job "
+        f"{after.worst:.2f}x; gains {net + cost:.1f} s over {inp.horizon_s:g} s, costs "
+        f"{cost:.1f} s",
+        demands=demands,
+    )
+
+
+@activity.defn(name=MOVE_DECISION_ACTIVITY)
+async def plan_pool_move(inp: MoveInput) -> MoveOutcome:
+    """The pool's weighing of a move; a profile that cannot be simulated fails non-retryably."""
+    try:
+        return decide_move(inp)
+    except InvalidProfile as err:
+        raise ApplicationError(str(err), type="InvalidProfile", non_retryable=True) from None
 
 
 @activity.defn(name=PLACE_JOB_ACTIVITY)

@@ -4,11 +4,14 @@ A pool is a ``PoolWorkflow`` whose id comes from its name (``pool_workflow_id``)
 groups is claimed by a ``PoolClaimWorkflow`` whose id comes from the group's name
 (``claim_workflow_id``), so Temporal's one-open-run-per-id rule is what keeps a group in one
 pool. A job started with ``pool`` asks the pool for its groups (``PoolUpdate.PLACE``) and tells
-it when it ends (``PoolSignal.JOB_ENDED``).
+it when it ends (``PoolSignal.JOB_ENDED``). The pool moves a placed job by signalling it a
+``MoveOrder`` (the job's ``move`` signal); the job takes it at its next checkpoint boundary and
+tells the pool (``PoolSignal.JOB_MOVED``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from enum import StrEnum
@@ -22,18 +25,29 @@ CLAIM_WORKFLOW = "PoolClaimWorkflow"
 CLAIM_GROUPS_ACTIVITY = "claim_pool_groups"
 PLACE_JOB_ACTIVITY = "place_pool_job"
 REQUEST_PLACEMENT_ACTIVITY = "request_pool_placement"
+MOVE_DECISION_ACTIVITY = "plan_pool_move"
 DEFAULT_MAX_SLOWDOWN = 1.25
 MAX_POOL_GROUPS = 64
 DECISIONS_KEPT = 32
+DEFAULT_MOVE_HORIZON_S = 600.0
+DEFAULT_MOVE_EVERY_EPOCHS = 5
+MAX_MEASURED_PROFILE_CHARS = 16_384  # as a declared one (rl_job.MAX_PROFILE_CHARS)
+#: A job placed without a profile measures one from its records of this many epochs (after
+#: its first, which holds its start-up) and sends it to its pool.
+MEASURED_EPOCHS = 2
+MAX_REASON_CHARS = 300
 
 
 class PoolUpdate(StrEnum):
     PLACE = "place"
     READY = "ready"
+    MOVE = "move"
 
 
 class PoolSignal(StrEnum):
     JOB_ENDED = "job_ended"
+    JOB_MOVED = "job_moved"
+    JOB_PROFILED = "job_profiled"
 
 
 class PoolQuery(StrEnum):
@@ -122,6 +136,23 @@ class PoolConfig(_Model):
         le=100.0,
         description="no job is placed where its predicted slowdown (vs alone) exceeds this",
     )
+    auto_move: bool = Field(
+        True,
+        description="move a placed job to another group when a job ends and the move's "
+        "predicted gain over move_horizon_s exceeds its cost",
+    )
+    move_horizon_s: float = Field(
+        DEFAULT_MOVE_HORIZON_S,
+        gt=0,
+        le=1e7,
+        description="the time over which a move's predicted gain is counted against its cost",
+    )
+    move_every_epochs: int = Field(
+        DEFAULT_MOVE_EVERY_EPOCHS,
+        ge=1,
+        le=1_000_000,
+        description="no job moves more than once in this many of its epochs",
+    )
 
     @model_validator(mode="after")
     def _groups(self) -> PoolConfig:
@@ -179,6 +210,88 @@ class PoolJob(_Model):
     # The job's predicted share of its groups' time in GPU phases (None: no profile).
     demand: float | None = None
     queued_because: str | None = None
+    # Where a move ordered and not yet taken takes the job from (placement is where it goes).
+    moving_from: Placement | None = None
+    moves: int = Field(0, description="moves the job took")
+
+
+class MoveOrder(_Model):
+    """The pool's order to a job (its ``move`` signal): run on these groups from the next
+    checkpoint boundary at least ``epochs_apart`` epochs after the job's last move."""
+
+    pool: PoolName
+    sampler_group: GroupId
+    trainer_group: GroupId
+    reason: str = Field("", max_length=MAX_REASON_CHARS)
+    epochs_apart: int = Field(DEFAULT_MOVE_EVERY_EPOCHS, ge=1, le=1_000_000)
+
+
+class JobMove(_Model):
+    """A move a job took (its state's ``moves``, its progress)."""
+
+    epoch: int = Field(ge=0, description="the first epoch run on the new groups")
+    moved_from: Placement
+    moved_to: Placement
+    reason: str = Field("", max_length=MAX_REASON_CHARS)
+
+
+#: The moves a job's state keeps (the oldest go first): its history has them all.
+MOVES_KEPT = 8
+
+
+class MoveRequest(_Model):
+    """``PoolUpdate.MOVE``: move a placed job to another place by hand (``timeslice pool
+    move``); the trainer group defaults to the sampler group (a sync job's one group)."""
+
+    job_id: JobId
+    sampler_group: GroupId
+    trainer_group: GroupId | None = None
+
+
+class JobMoved(_Model):
+    """A job's word that it took a move (``PoolSignal.JOB_MOVED``): its groups from ``epoch``."""
+
+    job_id: str
+    placement: Placement
+    epoch: int = Field(ge=0)
+
+
+class JobProfiled(_Model):
+    """A job placed without a profile sends the one it measured (``PoolSignal.JOB_PROFILED``):
+    a ``JobProfile`` as JSON without its ``job_id``, from its own records."""
+
+    job_id: str
+    profile: dict[str, Any]
+
+    @field_validator("profile")
+    @classmethod
+    def _small(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # Kept in the pool's state across continue-as-new, as a declared profile is.
+        size = len(json.dumps(v, default=str))
+        if size > MAX_MEASURED_PROFILE_CHARS:
+            raise ValueError(f"profile: {size} characters of JSON; at most 16384")
+        return v
+
+
+class MoveInput(_Model):
+    """What the move activity (plan/placement.py) decides from: the pool's placed jobs, which of
+    them may move now, and how a move is weighed."""
+
+    groups: list[PoolGroup]
+    max_slowdown: float
+    placed: list[PoolJob]
+    movable: list[str]
+    horizon_s: float
+
+
+class MoveOutcome(_Model):
+    """One move, or none (``job_id`` None) and why; and each profiled job's predicted demand
+    (its GPU share alone), for the pool's status."""
+
+    job_id: str | None = None
+    placement: Placement | None = None
+    reason: str
+    demands: dict[str, float] = Field(default_factory=dict)
 
 
 class Decision(_Model):

@@ -35,6 +35,7 @@ from timeslice.protocol.group import (
 from timeslice.protocol.group import (
     explain_validation_error as explain_validation_error,  # re-exported: client/jobs.py, rl_job.py
 )
+from timeslice.protocol.pool import MAX_REASON_CHARS, MOVES_KEPT, JobMove, MoveOrder
 
 RL_JOB_WORKFLOW_TYPE = "RLJobWorkflow"
 
@@ -49,6 +50,7 @@ class JobSignal(StrEnum):
     """Signals of the RL job workflow (besides the groups' grant signal, ``GRANT_SIGNAL``)."""
 
     STOP = "stop"
+    MOVE = "move"
 
 
 # The job protocol: what the RL job workflow and its job processes say to each other (the
@@ -97,6 +99,8 @@ MAX_CARRY_REASON = 120  # a hold's ``carry``: the group's reason, cut (it names 
 _RL_FIXED_BYTES = 8 * 1024
 _FLOAT_BYTES = 25
 _BACKEND_ENTRY_BYTES = 6 * 100 + 24  # a name of 100 characters, each escaped, and its size
+# A move (taken or ordered): a reason of MAX_REASON_CHARS, each escaped, and four group ids.
+_MOVE_BYTES = 6 * MAX_REASON_CHARS + 4 * (100 + 32) + 128
 
 
 def rl_job_state_budget() -> int:
@@ -109,6 +113,7 @@ def rl_job_state_budget() -> int:
         + 6 * MAX_CHECKPOINT_PATH
         + MAX_BACKENDS * _BACKEND_ENTRY_BYTES
         + 3 * MAX_RECORD_TIMES * 2 * (6 * 32 + _FLOAT_BYTES)  # the three totals' dicts
+        + (MOVES_KEPT + 1) * _MOVE_BYTES  # the moves kept and the one ordered
     )
 
 
@@ -744,6 +749,20 @@ class RLJobState(_Model):
         pattern=r"^[0-9a-f]{64}$",
         description="what the job's lease keys derive from (drawn once, by a local activity)",
     )
+    pending_move: MoveOrder | None = Field(
+        None, description="a move its pool ordered, taken at the next checkpoint boundary"
+    )
+    moves: list[JobMove] = Field(
+        default_factory=list, description=f"the last {MOVES_KEPT} moves the job took"
+    )
+    profile_sent: bool = Field(
+        False, description="a job placed without a profile sent its pool the one it measured"
+    )
+
+    def moved(self, move: JobMove) -> None:
+        """Keep ``move`` (the last MOVES_KEPT)."""
+        self.moves.append(move)
+        del self.moves[:-MOVES_KEPT]
 
     def _confirmed_from(self) -> int:
         return self.last_checkpoint.epochs_done if self.last_checkpoint else 0
@@ -886,6 +905,11 @@ class RLJobProgress(_Model):
         "proof was missing or wrong, or they named a request the job never made, or the job's "
         "process refused a grant that its group never made (docs/security.md)",
     )
+    sampler_group: str | None = Field(None, description="where it samples now")
+    trainer_group: str | None = Field(None, description="where it trains now")
+    moves: list[JobMove] = Field(
+        default_factory=list, description="the last moves its pool made it take (docs/pools.md)"
+    )
 
     @classmethod
     def of(cls, config: RLJobConfig, state: RLJobState, **now: Any) -> Self:
@@ -914,6 +938,9 @@ class RLJobProgress(_Model):
             rewinds=state.rewinds,
             last_checkpoint=state.last_checkpoint,
             shed_records=state.shed_records,
+            sampler_group=config.sampler_group,
+            trainer_group=config.trainer or None,
+            moves=list(state.moves),
             **now,
         )
 

@@ -20,6 +20,8 @@ from timeslice.workflows.group_patches import (
     ONE_DEADLINE_TIMER,
     STREAMED_SWITCHES,
 )
+from timeslice.workflows.pool import POOL_MOVES
+from timeslice.workflows.pool_job import POOL_MOVES as JOB_POOL_MOVES
 from timeslice.workflows.rl_job import JOB_PROTOCOL_V5, SEARCHED_STATES_ONLY
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
@@ -67,12 +69,25 @@ def _patch_markers(text: str) -> set[str]:
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
         LABELLED_LEASE_WAITS,
+        POOL_MOVES,
     ],
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):
     """A history recorded after the patch (tests/histories/record_eviction_wait.py,
     record_one_timer.py, record_streamed.py, record_rl_states.py, record_rl_v5.py,
-    record_rl_labelled.py), so the
+    record_rl_labelled.py, record_pool.py), so the
     replay above runs the new branch too, not only the old one."""
     recorded = {path.name for path in HISTORIES if patch in _patch_markers(path.read_text())}
     assert recorded, f"no stored history records the {patch!r} patch"
+
+
+def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
+    """The pool's weighing and the job's move and measured profile share a patch id, so the
+    stored pool histories from before moves (``pool_*``, recorded on the code before) replay
+    with neither, and those after (``pool_moves_*``) with both."""
+    assert POOL_MOVES == JOB_POOL_MOVES
+    for path in HISTORIES:
+        if path.name.startswith("pool_"):
+            moved = path.name.startswith("pool_moves_")
+            markers = _patch_markers(path.read_text())
+            assert (POOL_MOVES in markers) is moved, path.name

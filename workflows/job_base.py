@@ -81,7 +81,16 @@ from timeslice.workflows.job_failures import (
     validated,
 )
 from timeslice.workflows.job_leases import JobLeases, Release
-from timeslice.workflows.pool_job import ended_in_pool, needs_placement, placed
+from timeslice.workflows.pool_job import (
+    ended_in_pool,
+    move_due,
+    needs_placement,
+    placed,
+    profile_due,
+    read_move_order,
+    send_profile,
+    take_move,
+)
 
 # workflow.patched id of job protocol v5 (see JOB_PROTOCOL_VERSION), which both job kinds speak:
 # a phase's result says whether the process sent the acquire of the order it was told to ask
@@ -278,6 +287,11 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
                 if state.epochs_done >= cfg.epochs or state.stop_requested:
                     await self._release_all()
                     break
+                if move_due(self._state):
+                    await self._move()
+                    continue  # prepared again on its new groups, from the checkpoint
+                if profile_due(self._config, state):
+                    await send_profile(self._config, state, self._backends)
                 if self._done_this_run >= cfg.continue_as_new_every or (
                     workflow.info().is_continue_as_new_suggested()
                 ):
@@ -557,6 +571,16 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
             await self._checkpoint(self._state.epochs_done, held)
         finally:
             await self._release(lease)
+
+    async def _move(self) -> None:
+        """Take the move its pool ordered, at a checkpoint boundary: hand back every lease on
+        the old groups and run on the new ones, prepared again from the checkpoint just
+        taken, so nothing is applied twice and nothing is lost (the process moves the state
+        from the old group's device to the new one's, and tells the old group it left)."""
+        self._config = self._ledger.config = await take_move(
+            self._config, self._state, self._release_all
+        )
+        self._publish_details()
 
     async def _continue_as_new(self) -> None:
         await self._release_all()  # a lease's renewal does not survive the run
@@ -937,6 +961,20 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
         self._state.stop_requested = True
         if self._status == "running":
             self._status = "stopping"
+
+    @workflow.signal(
+        name=JobSignal.MOVE,
+        description="Its pool's order to run on other groups (a MoveOrder: pool, "
+        "sampler_group, trainer_group, reason, epochs_apart): taken at the next checkpoint "
+        "boundary at least epochs_apart epochs after the last move; the job then prepares "
+        "again on the new groups from that checkpoint. Dropped, with a warning, unless the "
+        "job was started with that pool.",
+    )
+    def move(self, *raw: Any) -> None:
+        """Keep the pool's move order for the next checkpoint boundary (``take_move``)."""
+        order = read_move_order(self._config, raw)
+        if order is not None:
+            self._state.pending_move = order
 
 
 # What TimeslicePhase says while a job runs its epochs under searched-states-only: one value for

@@ -19,19 +19,28 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 from timeslice.protocol.group import MalformedMessage, parse_message
 from timeslice.protocol.pool import (
     CLAIM_GROUPS_ACTIVITY,
     CLAIM_WORKFLOW,
     DECISIONS_KEPT,
+    MAX_REASON_CHARS,
+    MOVE_DECISION_ACTIVITY,
     PLACE_JOB_ACTIVITY,
     POOL_WORKFLOW,
     ClaimRequest,
     Decision,
     JobEnded,
+    JobMoved,
+    JobProfiled,
+    MoveInput,
+    MoveOrder,
+    MoveOutcome,
+    MoveRequest,
     PlaceAnswer,
     PlaceInput,
+    Placement,
     PlaceOutcome,
     PlaceRequest,
     PoolConfig,
@@ -42,8 +51,11 @@ from timeslice.protocol.pool import (
     PoolUpdate,
     pool_workflow_id,
 )
+from timeslice.protocol.rl_job import JobSignal, rl_job_workflow_id
 
 _ACTIVITY_TIMEOUT = timedelta(seconds=60)
+# workflow.patched id: the pool weighs moves (a job's end or measured profile runs an activity).
+POOL_MOVES = "pool-moves"
 
 
 def _refusal(err: ActivityError) -> str:
@@ -111,7 +123,11 @@ class PoolWorkflow:
         )
         workflow.continue_as_new(self._status.model_dump(mode="json"))
 
-    @workflow.update(name=PoolUpdate.PLACE)
+    @workflow.update(
+        name=PoolUpdate.PLACE,
+        description="A job's request for groups (PlaceRequest: job_id, mode, profile, "
+        "place_anyway): answers its placement, or its place in the queue and why.",
+    )
     async def place(self, *raw: Any) -> PlaceAnswer:
         """Place a job (or queue it, saying why). Asked again, it answers what it decided:
         a job's request is retried until it is placed."""
@@ -132,15 +148,22 @@ class PoolWorkflow:
     def _check_place(self, *raw: Any) -> None:
         parse_message(PlaceRequest, raw, PoolUpdate.PLACE)
 
-    @workflow.update(name=PoolUpdate.READY)
+    @workflow.update(
+        name=PoolUpdate.READY,
+        description="Answers once the pool holds its groups (create_pool waits for it).",
+    )
     async def ready(self) -> None:
         """Answers once the pool holds its groups (``create_pool`` waits for it)."""
         await workflow.wait_condition(lambda: self._claimed)
 
-    @workflow.signal(name=PoolSignal.JOB_ENDED)
+    @workflow.signal(
+        name=PoolSignal.JOB_ENDED,
+        description="A job of the pool ended (JobEnded: job_id, outcome): the queue is tried "
+        "again, then a move of a placed job is weighed.",
+    )
     async def job_ended(self, *raw: Any) -> None:
         """A job of the pool ended (completed, stopped or failed): its groups have room, so the
-        queue is tried again, in arrival order."""
+        queue is tried again, in arrival order, and then a move of a placed job is weighed."""
         try:
             ended = parse_message(JobEnded, raw, PoolSignal.JOB_ENDED)
         except MalformedMessage as err:
@@ -152,10 +175,170 @@ class PoolWorkflow:
                 return
             self._status.jobs.remove(job)
             self._note(ended.job_id, f"{ended.job_id} {ended.outcome}: its groups are free")
-            for waiting in [j for j in self._status.jobs if j.placement is None]:
-                await self._decide(waiting)
+            await self._try_queue()
+            if self._status.config.auto_move:
+                await self._weigh_a_move()
 
-    @workflow.query(name=PoolQuery.STATUS)
+    @workflow.signal(
+        name=PoolSignal.JOB_MOVED,
+        description="A job took the move the pool ordered (JobMoved: job_id, placement, "
+        "epoch): the group it left has room for the queue.",
+    )
+    async def job_moved(self, *raw: Any) -> None:
+        """A job took the move the pool ordered: the group it left has room for the queue."""
+        try:
+            moved = parse_message(JobMoved, raw, PoolSignal.JOB_MOVED)
+        except MalformedMessage as err:
+            workflow.logger.warning("dropped a malformed job_moved: %s", err)
+            return
+        async with self._lock:
+            job = self._job(moved.job_id)
+            if job is None:
+                return
+            left = job.moving_from
+            job.placement, job.moving_from = moved.placement, None
+            job.moves += 1
+            source = left.sampler_group if left else "its groups"
+            self._note(
+                job.job_id,
+                f"{job.job_id} moved from {source} to {moved.placement.sampler_group} at epoch "
+                f"{moved.epoch}",
+            )
+            await self._try_queue()
+
+    @workflow.signal(
+        name=PoolSignal.JOB_PROFILED,
+        description="A job placed without a profile sends the one it measured (JobProfiled: "
+        "job_id, profile): a move of it, or onto its group, is weighed.",
+    )
+    async def job_profiled(self, *raw: Any) -> None:
+        """A job placed without a profile measured one: its demand is known from now on, so a
+        move of it (or onto its group) can be weighed."""
+        try:
+            profiled = parse_message(JobProfiled, raw, PoolSignal.JOB_PROFILED)
+        except MalformedMessage as err:
+            workflow.logger.warning("dropped a malformed job_profiled: %s", err)
+            return
+        async with self._lock:
+            job = self._job(profiled.job_id)
+            if job is None or job.profile is not None:
+                return
+            job.profile = profiled.profile
+            self._note(job.job_id, f"{job.job_id} measured its profile")
+            if self._status.config.auto_move:
+                await self._weigh_a_move()
+
+    @workflow.update(
+        name=PoolUpdate.MOVE,
+        description="Move a placed job to another group of the pool by hand (MoveRequest: "
+        "job_id, sampler_group): it moves at its next checkpoint boundary.",
+    )
+    async def move(self, *raw: Any) -> Decision:
+        """Move a placed job to another of the pool's groups by hand (``timeslice pool move``):
+        the job takes it at its next checkpoint boundary. Refused, saying why, for a job the
+        pool has not placed or a group not in the pool."""
+        req = parse_message(MoveRequest, raw, PoolUpdate.MOVE)
+        async with self._lock:
+            job = self._job(req.job_id)
+            to = Placement(
+                sampler_group=req.sampler_group,
+                trainer_group=req.trainer_group or req.sampler_group,
+            )
+            refused = self._move_refused(job, to)
+            if refused is not None:
+                raise ApplicationError(refused, type="MoveRefused", non_retryable=True)
+            assert job is not None
+            await self._order_move(job, to, f"moved {job.job_id} to {to.sampler_group} by hand")
+            return self._status.decisions[-1]
+
+    @move.validator
+    def _check_move(self, *raw: Any) -> None:
+        parse_message(MoveRequest, raw, PoolUpdate.MOVE)
+
+    def _move_refused(self, job: PoolJob | None, to: Placement) -> str | None:
+        names = {g.name for g in self._status.config.groups}
+        pool = self._status.config.pool
+        if job is None or job.placement is None:
+            return f"pool {pool} has placed no job of that id: `timeslice pool status {pool}`"
+        if job.mode != "sync":
+            return f"job {job.job_id} is async: the pool does not move async jobs yet"
+        if to.sampler_group != to.trainer_group:
+            return f"job {job.job_id} is sync: it runs on one group"
+        if to.sampler_group not in names:
+            return f"group {to.sampler_group!r} is not in pool {pool} ({', '.join(sorted(names))})"
+        if to == job.placement:
+            return f"job {job.job_id} is on {to.sampler_group} already"
+        return None
+
+    async def _order_move(self, job: PoolJob, to: Placement, reason: str) -> None:
+        """Tell ``job`` to move to ``to`` at its next checkpoint boundary; the pool counts it
+        there from now on (its predictions), and as moving until the job says it moved."""
+        config = self._status.config
+        order = MoveOrder(
+            pool=config.pool,
+            sampler_group=to.sampler_group,
+            trainer_group=to.trainer_group,
+            reason=reason[:MAX_REASON_CHARS],
+            epochs_apart=config.move_every_epochs,
+        )
+        job.moving_from = job.moving_from or job.placement
+        job.placement = to
+        self._note(job.job_id, reason)
+        try:
+            await workflow.get_external_workflow_handle(rl_job_workflow_id(job.job_id)).signal(
+                JobSignal.MOVE, order
+            )
+        except FailureError as err:  # the job ended meanwhile: its job_ended says so
+            workflow.logger.warning("job %s was not told to move: %s", job.job_id, err)
+
+    async def _weigh_a_move(self) -> None:
+        """Ask the move activity whether one placed job should move now, and order it."""
+        config = self._status.config
+        placed = [j for j in self._status.jobs if j.placement is not None]
+        movable = [
+            j.job_id
+            for j in placed
+            if j.mode == "sync" and j.profile is not None and j.moving_from is None
+        ]
+        if not movable or len(config.groups) < 2:
+            return
+        if not workflow.patched(POOL_MOVES):  # a pool's history from before moves replays
+            return
+        try:
+            outcome = await workflow.execute_activity(
+                MOVE_DECISION_ACTIVITY,
+                MoveInput(
+                    groups=config.groups,
+                    max_slowdown=config.max_slowdown,
+                    placed=placed,
+                    movable=movable,
+                    horizon_s=config.move_horizon_s,
+                ),
+                result_type=MoveOutcome,
+                start_to_close_timeout=_ACTIVITY_TIMEOUT,
+                retry_policy=RetryPolicy(maximum_attempts=3),
+            )
+        except ActivityError as err:
+            workflow.logger.warning("pool %s weighed no move: %s", config.pool, _refusal(err))
+            return
+        for placed_job in self._status.jobs:
+            placed_job.demand = outcome.demands.get(placed_job.job_id, placed_job.demand)
+        job = self._job(outcome.job_id) if outcome.job_id else None
+        if job is None or outcome.placement is None:
+            # Not a decision the status lists: one is weighed at every job's end.
+            workflow.logger.info("pool %s: %s", config.pool, outcome.reason)
+            return
+        await self._order_move(job, outcome.placement, outcome.reason)
+
+    async def _try_queue(self) -> None:
+        for waiting in [j for j in self._status.jobs if j.placement is None]:
+            await self._decide(waiting)
+
+    @workflow.query(
+        name=PoolQuery.STATUS,
+        description="The pool's config, its jobs (placed, moving, queued with why) and its "
+        "last decisions.",
+    )
     def status(self) -> PoolStatus:
         return self._status
 
@@ -221,6 +404,6 @@ class PoolClaimWorkflow:
             )
         await workflow.wait_condition(lambda: False)
 
-    @workflow.query(name=PoolQuery.OWNER)
+    @workflow.query(name=PoolQuery.OWNER, description="The pool that holds this group.")
     def owner(self) -> str:
         return self._pool

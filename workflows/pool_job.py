@@ -1,13 +1,15 @@
-"""A job started with ``pool``: it asks its pool for groups before its first lease, and tells
-the pool when it ends (docs/pools.md). Only such a job runs any of this, so a job without a pool
-emits the commands it always did; the new ones are behind ``POOL_PLACEMENT`` all the same."""
+"""A job started with ``pool``: it asks its pool for groups before its first lease, takes the
+moves its pool orders at checkpoint boundaries, and tells the pool when it moved and when it
+ends (docs/pools.md). Only such a job runs any of this, so a job without a pool emits the
+commands it always did; the new ones are behind ``POOL_PLACEMENT`` and ``POOL_MOVES`` all the
+same."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -18,19 +20,27 @@ from temporalio.exceptions import (
     is_cancelled_exception,
 )
 from timeslice.protocol.async_rl_job import AsyncRLJobConfig
+from timeslice.protocol.group import MalformedMessage, parse_message
 from timeslice.protocol.pool import (
+    MEASURED_EPOCHS,
     REQUEST_PLACEMENT_ACTIVITY,
     JobEnded,
+    JobMove,
+    JobMoved,
+    JobProfiled,
+    MoveOrder,
     Placement,
     PlacementCall,
     PlaceRequest,
     PoolSignal,
     pool_workflow_id,
 )
-from timeslice.protocol.rl_job import RLJobConfig
+from timeslice.protocol.rl_job import JobSignal, RLJobConfig, RLJobState
 
 # workflow.patched id of a job's placement by its pool.
 POOL_PLACEMENT = "pool-placement"
+# workflow.patched id of a move the job took (only a job given a move order runs it).
+POOL_MOVES = "pool-moves"
 
 # A job in its pool's queue asks again this often (its request activity's retries, which add
 # no event to the job's history), so it starts at most this long after its place frees.
@@ -88,6 +98,133 @@ async def placed(config: C) -> C:
     return config.model_copy(
         update={"sampler_group": placement.sampler_group, "trainer_group": placement.trainer_group}
     )
+
+
+def read_move_order(config: RLJobConfig, raw: tuple[Any, ...]) -> MoveOrder | None:
+    """The move order in a ``move`` signal, if this job may take it: a sync job started with
+    that pool. Anything else is dropped with a warning (a signal handler that raised would
+    fail the workflow task)."""
+    try:
+        order = parse_message(MoveOrder, raw, JobSignal.MOVE)
+    except MalformedMessage as err:
+        workflow.logger.warning("job %s dropped a malformed move: %s", config.job_id, err)
+        return None
+    why = None
+    if config.pool != order.pool:
+        why = f"it was started with pool {config.pool!r}, not {order.pool!r}"
+    elif isinstance(config, AsyncRLJobConfig):
+        why = "an async job is not moved yet (docs/pools.md)"
+    elif order.sampler_group != order.trainer_group:
+        why = "a sync job runs on one group"
+    if why is not None:
+        workflow.logger.warning("job %s dropped a move to %s: %s", config.job_id, order, why)
+        return None
+    return order
+
+
+def move_due(state: RLJobState) -> bool:
+    """Whether the job takes its pending move now: it stands at its last checkpoint (every
+    epoch done is saved, so the new groups start from exactly where it is) and it last moved
+    at least the order's ``epochs_apart`` epochs ago."""
+    order = state.pending_move
+    if order is None or state.last_checkpoint is None:
+        return False
+    if state.last_checkpoint.epochs_done != state.epochs_done:
+        return False
+    last = state.moves[-1].epoch if state.moves else None
+    return last is None or state.epochs_done - last >= order.epochs_apart
+
+
+async def take_move(config: C, state: RLJobState, release_all: Callable[[], Awaitable[None]]) -> C:
+    """Take ``state.pending_move``: every lease handed back, the job's next preparation on
+    the new groups, the move kept in its state and told to its pool. Returns the new config."""
+    order = state.pending_move
+    assert order is not None and config.pool is not None
+    workflow.patched(POOL_MOVES)
+    await release_all()
+    before = Placement(sampler_group=config.sampler_group or "", trainer_group=config.trainer)
+    after = Placement(sampler_group=order.sampler_group, trainer_group=order.trainer_group)
+    state.pending_move = None
+    if after == before:
+        return config
+    state.prepared = False
+    state.moved(
+        JobMove(epoch=state.epochs_done, moved_from=before, moved_to=after, reason=order.reason)
+    )
+    workflow.logger.info(
+        "job %s moves from %s to %s at epoch %d: %s",
+        config.job_id,
+        before.sampler_group,
+        after.sampler_group,
+        state.epochs_done,
+        order.reason,
+    )
+    try:
+        await workflow.get_external_workflow_handle(pool_workflow_id(config.pool)).signal(
+            PoolSignal.JOB_MOVED,
+            JobMoved(job_id=config.job_id, placement=after, epoch=state.epochs_done),
+        )
+    except FailureError as err:
+        workflow.logger.warning(
+            "pool %s was not told job %s moved: %s", config.pool, config.job_id, err
+        )
+    return config.model_copy(
+        update={"sampler_group": after.sampler_group, "trainer_group": after.trainer_group}
+    )
+
+
+def profile_due(config: RLJobConfig, state: RLJobState) -> bool:
+    """Whether a job its pool placed without a profile sends the one it measured now: once,
+    after ``MEASURED_EPOCHS`` epochs past its first (which holds its start-up)."""
+    return (
+        config.pool is not None
+        and config.profile is None
+        and not state.profile_sent
+        and not isinstance(config, AsyncRLJobConfig)
+        and state.epochs_done >= 1 + MEASURED_EPOCHS
+    )
+
+
+def measured_profile(
+    config: RLJobConfig, state: RLJobState, backends: dict[str, list[str]]
+) -> dict[str, Any]:
+    """The job's profile (plan/profile.py's JobProfile as JSON, without its job_id) from its
+    records since its first epoch: each phase's mean seconds, and its states' bytes."""
+    records = [r for r in state.records if r.epoch >= 1]
+    phases = []
+    for name, gpu, pool in (("sample", True, "sampler"), ("rewards", False, None),
+                            ("train", True, "trainer")):  # fmt: skip
+        times = [r.phase_s[name] for r in records if name in r.phase_s]
+        seconds = sum(times) / len(times) if times else 0.0
+        phase: dict[str, Any] = {"name": name, "gpu": gpu, "seconds": round(seconds, 4)}
+        if pool is not None:
+            phase["pool"] = pool
+        phases.append(phase)
+    states = [
+        {"name": name, "pool": pool, "bytes": state.backend_bytes.get(name) or 0}
+        for pool in ("sampler", "trainer")
+        for name in backends.get(pool, [])
+    ]
+    return {"epochs": config.epochs, "phases": phases, "states": states}
+
+
+async def send_profile(
+    config: RLJobConfig, state: RLJobState, backends: dict[str, list[str]]
+) -> None:
+    """Send the job's pool the profile it measured, so the pool can weigh moving it."""
+    assert config.pool is not None
+    state.profile_sent = True
+    if not workflow.patched(POOL_MOVES):  # a run from before moves replays without it
+        return
+    profile = measured_profile(config, state, backends)
+    try:
+        await workflow.get_external_workflow_handle(pool_workflow_id(config.pool)).signal(
+            PoolSignal.JOB_PROFILED, JobProfiled(job_id=config.job_id, profile=profile)
+        )
+    except FailureError as err:
+        workflow.logger.warning(
+            "pool %s was not sent job %s's profile: %s", config.pool, config.job_id, err
+        )
 
 
 async def tell_pool(config: RLJobConfig, outcome: str) -> None:

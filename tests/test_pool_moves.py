@@ -1,0 +1,212 @@
+"""Pools that move jobs (docs/pools.md, "Moving jobs"): real jobs, a real pool, real processes.
+
+Two light ``simulated`` jobs (most of an epoch is rewards, off the GPU) sent to a pool of two
+groups without profiles are placed where they disturb least, one per group. Each measures its
+profile after its first epochs and sends it to the pool; once both are known, the pool predicts
+that one group holds both within its bound at a higher utilization, and moves one of them at
+its next checkpoint boundary. A move by hand (``timeslice pool move``) is taken the same way,
+and a job process killed right after its job moved resumes on the new group. Checked on the
+jobs' own records: every epoch once, the epochs before the move on the old group and the rest
+on the new one, no two holds of a group overlapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+from timeslice.cli.stack import JobWorker, Stack
+from timeslice.errors import InvalidArgumentError
+from timeslice.jobs import parse_job_config, start_rl_job
+from timeslice.pools import PoolConfig, PoolGroup, create_pool, move_pool_job, pool_status
+from timeslice.protocol.pool import PoolStatus
+from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
+from timeslice.transport.connection import connect, connect_config
+
+from tests.helpers import Interval, assert_no_overlap, run_cli
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
+
+# Light jobs: two fit one group well within the 1.25x bound (predicted 1.11x each).
+OPTIONS = {"sample_s": 0.1, "reward_s": 0.6, "train_s": 0.1, "state_bytes": 1 << 16}
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _job(job_id: str, pool: str, epochs: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "workload": "simulated",
+        "workload_options": OPTIONS,
+        "pool": pool,
+        "epochs": epochs,
+        "checkpoint_every": 2,
+        **extra,
+    }
+
+
+async def _until(probe: Callable[[], Awaitable[bool]], what: str, timeout: float = 90) -> None:
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + timeout, 0.05
+    while not await probe():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(pause)
+        pause = min(0.25, pause * 1.5)
+
+
+async def _progress(client: Client, job: str) -> RLJobProgress:
+    handle = client.get_workflow_handle(rl_job_workflow_id(job))
+    return await handle.query("progress", result_type=RLJobProgress)
+
+
+def _groups_by_epoch(result: RLJobResult) -> dict[int, set[str]]:
+    return {r.epoch: {h.group_id for h in r.holds if h.group_id} for r in result.records}
+
+
+def _assert_no_overlap_on(groups: list[str], results: list[RLJobResult]) -> None:
+    for group in groups:
+        assert_no_overlap(
+            [
+                Interval(r.job_id, h.token or 0, h.mono_start, h.mono_end)
+                for r in results
+                for rec in r.records
+                for h in rec.holds
+                if h.group_id == group
+            ]
+        )
+
+
+def _assert_moved_once(result: RLJobResult, progress: RLJobProgress, old: str, new: str) -> None:
+    """Every epoch once; those before the move on ``old``, the rest on ``new``."""
+    assert [r.epoch for r in result.records] == list(range(result.epochs_done))
+    (move,) = progress.moves
+    assert (move.moved_from.sampler_group, move.moved_to.sampler_group) == (old, new)
+    assert move.epoch > 0 and move.epoch % 2 == 0  # a checkpoint boundary
+    for epoch, used in _groups_by_epoch(result).items():
+        assert used == ({old} if epoch < move.epoch else {new}), (epoch, used, move)
+
+
+def test_jobs_placed_without_profiles_are_packed_once_they_measured_them(
+    stack: Stack, address: str
+) -> None:
+    pool, uid = f"mpool-{_uid()}", _uid()
+    groups = [f"mg1-{uid}", f"mg2-{uid}"]
+    jobs = [f"mj{i}-{uid}" for i in range(2)]
+    epochs = 10
+    stack.job_workers(*(JobWorker((j,), "simulated", ("--threads", "1")) for j in jobs))
+
+    async def run() -> tuple[list[RLJobResult], list[RLJobProgress], PoolStatus]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=g) for g in groups]))
+        handles = [
+            await start_rl_job(client, parse_job_config(_job(j, pool, epochs))) for j in jobs
+        ]
+        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        progress = [await _progress(client, j) for j in jobs]
+        return results, progress, await pool_status(client, pool)
+
+    results, progress, status = asyncio.run(run())
+    reasons = [d.reason for d in status.decisions]
+    # Placed where they disturb least: one per group.
+    first = {
+        r.split(" ")[1]: r.split(" ")[3]
+        for r in reasons
+        if r.startswith("placed ") and "(no profile)" in r
+    }
+    assert set(first) == set(jobs) and set(first.values()) == set(groups), reasons
+    assert sum(1 for r in reasons if r.endswith(" measured its profile")) == 2, reasons
+    moved = [p for p in progress if p.moves]
+    assert len(moved) == 1, [(p.job_id, p.moves) for p in progress]  # one move packs them
+    (mover,) = moved
+    (stayer,) = [p for p in progress if not p.moves]
+    order = next(r for r in reasons if r.startswith(f"moved {mover.job_id} to "))
+    worst = float(order.split("worst job ")[1].split("x")[0])
+    assert "pool utilization +" in order and worst <= 1.25, order  # within the pool's bound
+    result = {r.job_id: r for r in results}
+    _assert_moved_once(result[mover.job_id], mover, first[mover.job_id], first[stayer.job_id])
+    assert _groups_by_epoch(result[stayer.job_id]) == {
+        e: {first[stayer.job_id]} for e in range(epochs)
+    }
+    _assert_no_overlap_on(groups, results)
+    assert any(r.startswith(f"{mover.job_id} moved from ") for r in reasons), reasons
+    assert status.jobs == []
+
+
+def test_a_job_moved_by_hand_resumes_on_its_new_group_after_its_process_is_killed(
+    stack: Stack, address: str
+) -> None:
+    pool, uid = f"hpool-{_uid()}", _uid()
+    groups = [f"hg1-{uid}", f"hg2-{uid}"]
+    mover, other = f"hj-move-{uid}", f"hj-stay-{uid}"
+    epochs = 8
+    procs = {
+        job: stack.job_workers(JobWorker((job,), "simulated", ("--threads", "1")))[0]
+        for job in (mover, other)
+    }
+    created = run_cli("pool", "create", pool, "--group", groups[0], "--group", groups[1],
+                      "--no-auto-move", "--address", address, timeout=60)  # fmt: skip
+    assert created.returncode == 0, created.stderr
+
+    async def run() -> tuple[list[RLJobResult], RLJobProgress, PoolStatus]:
+        client = await connect(connect_config(address))
+        handles = [
+            await start_rl_job(
+                client, parse_job_config(_job(job, pool, epochs, heartbeat_timeout_s=3))
+            )
+            for job in (mover, other)
+        ]
+        await _until(lambda: _placed(client, pool, 2), "both jobs placed", timeout=60)
+        status = await pool_status(client, pool)
+        at = {j.job_id: j.placement.sampler_group for j in status.jobs if j.placement}
+        with pytest.raises(InvalidArgumentError, match=r"is on .* already"):
+            await move_pool_job(client, pool, mover, at[mover])
+        with pytest.raises(InvalidArgumentError, match="not in pool"):
+            await move_pool_job(client, pool, mover, f"elsewhere-{uid}")
+        await _until(lambda: _epoch_at_least(client, mover, 1), f"{mover} past its first epoch")
+        moved = run_cli("pool", "move", pool, mover, at[other], "--address", address,
+                        timeout=60)  # fmt: skip
+        assert moved.returncode == 0, moved.stderr
+        assert f"moved {mover} to {at[other]} by hand" in moved.stdout
+        await _until(lambda: _has_moved(client, mover), f"{mover} took its move")
+        proc = procs[mover]
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait)
+        await asyncio.to_thread(
+            stack.job_workers, JobWorker((mover,), "simulated", ("--threads", "1"))
+        )
+        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        return results, await _progress(client, mover), await pool_status(client, pool)
+
+    results, progress, status = asyncio.run(run())
+    result = {r.job_id: r for r in results}
+    reasons = [d.reason for d in status.decisions]
+    placed_on = {r.split(" ")[1]: r.split(" ")[3] for r in reasons if r.startswith("placed ")}
+    _assert_moved_once(result[mover], progress, placed_on[mover], placed_on[other])
+    assert result[mover].rewinds >= 1  # the killed process: back to the move's checkpoint
+    _assert_no_overlap_on(groups, results)
+    assert result[other].epochs_done == epochs and result[other].rewinds == 0
+    assert not any(r.startswith("moved ") and "by hand" not in r for r in reasons), reasons
+    shown = run_cli("pool", "move", pool, mover, groups[0], "--address", address, timeout=60)
+    assert shown.returncode != 0 and "has placed no job" in shown.stderr, shown
+
+
+async def _placed(client: Client, pool: str, count: int) -> bool:
+    status = await pool_status(client, pool)
+    return sum(1 for j in status.jobs if j.placement is not None) == count
+
+
+async def _epoch_at_least(client: Client, job: str, epoch: int) -> bool:
+    return (await _progress(client, job)).epoch >= epoch
+
+
+async def _has_moved(client: Client, job: str) -> bool:
+    progress = await _progress(client, job)
+    return bool(progress.moves) and progress.epoch > progress.moves[-1].epoch
