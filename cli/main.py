@@ -350,6 +350,10 @@ def _add_job_start_parser(jobs: argparse._SubParsersAction) -> None:  # type: ig
         default=None,
         help="with --pool: the least bad group instead of the pool's queue when none fits",
     )
+    start.add_argument(
+        "--tenant",
+        help="with --pool: the tenant whose quota and weight the job counts against",
+    )
     start.add_argument("--epochs", type=int, help="epochs to run (sample, reward, train)")
     start.add_argument("--batch-size", type=int, help="prompts per epoch")
     start.add_argument("--group-size", type=int, help="completions per prompt (GRPO group)")
@@ -394,6 +398,7 @@ _START_FIELDS = (
     "trainer_group",
     "pool",
     "place_anyway",
+    "tenant",
     "epochs",
     "batch_size",
     "group_size",

@@ -19,6 +19,8 @@ from timeslice.protocol.pool import (
     DEFAULT_MOVE_HORIZON_S,
     PoolGroup,
     PoolStatus,
+    TenantLimits,
+    tenant_holds,
 )
 from timeslice.report.text import table
 
@@ -49,6 +51,14 @@ def add_parser(sub: argparse._SubParsersAction, connection: AddConnectionArgs) -
         default=DEFAULT_MAX_SLOWDOWN,
         help="no job is placed where it is predicted slower than this times its rate alone "
         f"(default {DEFAULT_MAX_SLOWDOWN})",
+    )
+    create.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME:QUOTA[:WEIGHT]",
+        help="a tenant's quota (the most groups' worth of GPU demand its jobs may hold; '-': "
+        "none) and weight (who is admitted first when jobs wait; default 1) (repeatable)",
     )
     create.add_argument(
         "--no-auto-move",
@@ -100,9 +110,22 @@ def pool_config_data(args: argparse.Namespace) -> dict[str, object]:
             raise InvalidArgumentError(f"--group {text!r}: {problems}") from None
         except ValueError as err:
             raise InvalidArgumentError(f"--group {text!r}: {err}") from None
+    tenants: dict[str, object] = {}
+    for text in args.tenant:
+        try:
+            name, limits = TenantLimits.parse(text)
+        except ValidationError as err:
+            problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in err.errors())
+            raise InvalidArgumentError(f"--tenant {text!r}: {problems}") from None
+        except ValueError as err:
+            raise InvalidArgumentError(f"--tenant {text!r}: {err}") from None
+        if name in tenants:
+            raise InvalidArgumentError(f"--tenant {name!r} given twice")
+        tenants[name] = limits.model_dump()
     return {
         "pool": args.name,
         "groups": groups,
+        "tenants": tenants,
         "max_slowdown": args.max_slowdown,
         "auto_move": not args.no_auto_move,
         "move_horizon_s": args.move_horizon,
@@ -140,6 +163,18 @@ def format_status(status: PoolStatus) -> str:
         rows.append((group.name, memory, group.node or "-", f"{demand:.2f}", jobs or "-"))
     headers = ("group", "memory", "node", "predicted demand", "jobs (demand)")
     lines += table(headers, rows)
+    tenants = sorted({j.tenant_name for j in status.jobs} | set(config.tenants))
+    if config.tenants or len(tenants) > 1:
+        rows = []
+        for tenant in tenants:
+            limits = config.limits(tenant)
+            quota = "-" if limits.quota is None else f"{limits.quota:g}"
+            jobs = [j for j in status.jobs if j.tenant_name == tenant]
+            waiting = sum(1 for j in jobs if j.placement is None)
+            held = f"{tenant_holds(status.jobs, tenant):.2f}"
+            rows.append((tenant, quota, f"{limits.weight:g}", held, str(len(jobs) - waiting),
+                         str(waiting)))  # fmt: skip
+        lines += table(("tenant", "quota", "weight", "holds", "placed", "queued"), rows)
     queued = [j for j in status.jobs if j.placement is None]
     lines.append("queue: " + ("-" if not queued else ""))
     lines += [f"  {j.job_id}: {j.queued_because}" for j in queued]

@@ -17,7 +17,15 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from timeslice.protocol.group import MAX_STATE_BYTES, check_id
 
 POOL_WORKFLOW = "PoolWorkflow"
@@ -36,6 +44,9 @@ MAX_MEASURED_PROFILE_CHARS = 16_384  # as a declared one (rl_job.MAX_PROFILE_CHA
 #: its first, which holds its start-up) and sends it to its pool.
 MEASURED_EPOCHS = 2
 MAX_REASON_CHARS = 300
+#: The tenant of a job that names none.
+DEFAULT_TENANT = "default"
+MAX_TENANTS = 256
 
 
 class PoolUpdate(StrEnum):
@@ -90,6 +101,7 @@ def _checked(kind: str) -> AfterValidator:
 GroupId = Annotated[str, _checked("group id")]
 NodeName = Annotated[str, _checked("node")]
 PoolName = Annotated[str, _checked("pool name")]
+TenantName = Annotated[str, _checked("tenant")]
 JobId = Annotated[str, _checked("job id")]
 
 
@@ -124,6 +136,34 @@ class PoolGroup(_Model):
         )
 
 
+class TenantLimits(_Model):
+    """A tenant's share of its pool: ``quota``, the most groups' worth of GPU demand its placed
+    jobs may hold together (None: no limit); ``weight``, how much of the pool's room it is
+    owed when jobs wait (a tenant holding less demand per weight is admitted first)."""
+
+    quota: float | None = Field(None, gt=0, le=MAX_POOL_GROUPS)
+    weight: float = Field(1.0, gt=0, le=1e6)
+
+    @classmethod
+    def parse(cls, text: str) -> tuple[str, TenantLimits]:
+        """``NAME:QUOTA[:WEIGHT]`` (``timeslice pool create --tenant``; QUOTA ``-``: none)."""
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or not parts[0]:
+            raise ValueError("give NAME:QUOTA[:WEIGHT], e.g. team-a:1.5:2 (QUOTA '-': no quota)")
+        name, quota, weight = [*parts, None][:3]
+        check_id("tenant", name)
+        try:
+            limits = cls(
+                quota=None if quota == "-" else float(quota),  # type: ignore[arg-type]
+                weight=1.0 if weight is None else float(weight),
+            )
+        except ValueError as err:
+            if isinstance(err, ValidationError):
+                raise
+            raise ValueError(f"QUOTA and WEIGHT are numbers: {err}") from None
+        return name, limits
+
+
 class PoolConfig(_Model):
     """A pool's input: ``timeslice pool create``, ``create_pool`` or ``temporal workflow start
     --type PoolWorkflow --workflow-id timeslice-pool-NAME --input '{...}'``."""
@@ -153,6 +193,14 @@ class PoolConfig(_Model):
         le=1_000_000,
         description="no job moves more than once in this many of its epochs",
     )
+    tenants: dict[TenantName, TenantLimits] = Field(
+        default_factory=dict,
+        max_length=MAX_TENANTS,
+        description="each tenant's quota and weight; a tenant not named has no quota, weight 1",
+    )
+
+    def limits(self, tenant: str | None) -> TenantLimits:
+        return self.tenants.get(tenant or DEFAULT_TENANT) or TenantLimits()
 
     @model_validator(mode="after")
     def _groups(self) -> PoolConfig:
@@ -178,6 +226,7 @@ class PlaceRequest(_Model):
     mode: Literal["sync", "async"] = "sync"
     profile: dict[str, Any] | None = None
     place_anyway: bool = False
+    tenant: TenantName | None = None
 
 
 class PlacementCall(_Model):
@@ -213,6 +262,34 @@ class PoolJob(_Model):
     # Where a move ordered and not yet taken takes the job from (placement is where it goes).
     moving_from: Placement | None = None
     moves: int = Field(0, description="moves the job took")
+    tenant: str | None = Field(None, description=f"None: {DEFAULT_TENANT!r}")
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant or DEFAULT_TENANT
+
+    def charged(self, duty: float | None = None) -> float:
+        """What the job counts against its tenant's quota: its predicted demand (its GPU share
+        alone, ``duty`` if given), or, while unknown, a whole group for each group it uses."""
+        known = self.demand if duty is None else duty
+        if known is not None:
+            return known
+        return 2.0 if self.mode == "async" else 1.0
+
+
+def tenant_holds(jobs: list[PoolJob], tenant: str) -> float:
+    """The groups' worth of GPU demand ``tenant``'s placed jobs hold (``PoolJob.charged``)."""
+    return sum(j.charged() for j in jobs if j.placement is not None and j.tenant_name == tenant)
+
+
+def admission_order(waiting: list[PoolJob], placed: list[PoolJob], config: PoolConfig) -> PoolJob:
+    """The queued job the pool tries first: of the tenant that holds the least demand per
+    weight (weighted fair shares), the earliest in the queue."""
+
+    def share(job: PoolJob) -> float:
+        return tenant_holds(placed, job.tenant_name) / config.limits(job.tenant).weight
+
+    return min(waiting, key=lambda j: (share(j), waiting.index(j)))
 
 
 class MoveOrder(_Model):
@@ -306,6 +383,7 @@ class PlaceInput(_Model):
     max_slowdown: float
     placed: list[PoolJob]
     job: PoolJob
+    tenants: dict[str, TenantLimits] = Field(default_factory=dict)
 
 
 class PlaceOutcome(_Model):

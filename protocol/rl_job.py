@@ -236,6 +236,11 @@ class RLJobConfig(_Model):
     place_anyway: bool = Field(
         False, description="with pool: the least bad group rather than the queue when none fits"
     )
+    tenant: str | None = Field(
+        None,
+        description="with pool: the tenant whose quota and weight the job counts against "
+        "(default: the pool's 'default' tenant)",
+    )
     epochs: int = Field(ge=1, le=1_000_000)
     batch_size: int = Field(16, ge=1, le=65_536)
     group_size: int = Field(8, ge=1, le=1024, description="completions per prompt (GRPO group)")
@@ -287,6 +292,11 @@ class RLJobConfig(_Model):
     def _pool(cls, v: str | None) -> str | None:
         return None if v is None else check_id("pool name", v)
 
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, v: str | None) -> str | None:
+        return None if v is None else check_id("tenant", v)
+
     @field_validator("profile")
     @classmethod
     def _profile(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -305,8 +315,10 @@ class RLJobConfig(_Model):
         # unknown fields, still takes it).
         data = handler(self)
         if isinstance(data, dict) and self.pool is None:
-            for name in ("pool", "profile", "place_anyway"):
+            for name in ("pool", "profile", "place_anyway", "tenant"):
                 data.pop(name, None)
+        elif isinstance(data, dict) and self.tenant is None:
+            data.pop("tenant", None)  # as a pool job encoded before tenants
         return data
 
     @model_validator(mode="after")
@@ -320,8 +332,10 @@ class RLJobConfig(_Model):
             if self.trainer_group is not None:
                 raise ValueError("trainer_group without sampler_group: a pool places the job")
             return self  # placed by its pool when it starts (workflows/pool_job.py)
-        if self.pool is None and (self.profile is not None or self.place_anyway):
-            raise ValueError("profile and place_anyway are for a job started with pool")
+        if self.pool is None and (
+            self.profile is not None or self.place_anyway or self.tenant is not None
+        ):
+            raise ValueError("profile, place_anyway and tenant are for a job started with pool")
         if self.trainer_group is None:
             self.trainer_group = self.sampler_group
         return self

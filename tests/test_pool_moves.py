@@ -13,6 +13,7 @@ on the new one, no two holds of a group overlapping.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,7 @@ from timeslice.cli.stack import JobWorker, Stack
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.pools import PoolConfig, PoolGroup, create_pool, move_pool_job, pool_status
-from timeslice.protocol.pool import PoolStatus
+from timeslice.protocol.pool import PoolStatus, pool_workflow_id
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
@@ -100,10 +101,10 @@ def test_jobs_placed_without_profiles_are_packed_once_they_measured_them(
     pool, uid = f"mpool-{_uid()}", _uid()
     groups = [f"mg1-{uid}", f"mg2-{uid}"]
     jobs = [f"mj{i}-{uid}" for i in range(2)]
-    epochs = 10
+    epochs = 8
     stack.job_workers(*(JobWorker((j,), "simulated", ("--threads", "1")) for j in jobs))
 
-    async def run() -> tuple[list[RLJobResult], list[RLJobProgress], PoolStatus]:
+    async def run() -> tuple[list[RLJobResult], list[RLJobProgress], PoolStatus, list[str]]:
         client = await connect(connect_config(address))
         await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=g) for g in groups]))
         handles = [
@@ -111,9 +112,9 @@ def test_jobs_placed_without_profiles_are_packed_once_they_measured_them(
         ]
         results = list(await asyncio.gather(*(h.result() for h in handles)))
         progress = [await _progress(client, j) for j in jobs]
-        return results, progress, await pool_status(client, pool)
+        return results, progress, await pool_status(client, pool), await _events(client, pool)
 
-    results, progress, status = asyncio.run(run())
+    results, progress, status, events = asyncio.run(run())
     reasons = [d.reason for d in status.decisions]
     # Placed where they disturb least: one per group.
     first = {
@@ -138,6 +139,8 @@ def test_jobs_placed_without_profiles_are_packed_once_they_measured_them(
     _assert_no_overlap_on(groups, results)
     assert any(r.startswith(f"{mover.job_id} moved from ") for r in reasons), reasons
     assert status.jobs == []
+    # Each decision is an event of the pool's history, as the Web UI lists them.
+    assert events == reasons, (events, reasons)
 
 
 def test_a_job_moved_by_hand_resumes_on_its_new_group_after_its_process_is_killed(
@@ -146,7 +149,7 @@ def test_a_job_moved_by_hand_resumes_on_its_new_group_after_its_process_is_kille
     pool, uid = f"hpool-{_uid()}", _uid()
     groups = [f"hg1-{uid}", f"hg2-{uid}"]
     mover, other = f"hj-move-{uid}", f"hj-stay-{uid}"
-    epochs = 8
+    epochs = 6
     procs = {
         job: stack.job_workers(JobWorker((job,), "simulated", ("--threads", "1")))[0]
         for job in (mover, other)
@@ -210,3 +213,14 @@ async def _epoch_at_least(client: Client, job: str, epoch: int) -> bool:
 async def _has_moved(client: Client, job: str) -> bool:
     progress = await _progress(client, job)
     return bool(progress.moves) and progress.epoch > progress.moves[-1].epoch
+
+
+async def _events(client: Client, pool: str) -> list[str]:
+    """The decisions the pool's history records as events (its memo upserts)."""
+    history = await client.get_workflow_handle(pool_workflow_id(pool)).fetch_history()
+    decisions = []
+    for event in history.events:
+        if event.HasField("workflow_properties_modified_event_attributes"):
+            fields = event.workflow_properties_modified_event_attributes.upserted_memo.fields
+            decisions.append(json.loads(fields["decision"].data))
+    return decisions

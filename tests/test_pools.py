@@ -24,7 +24,7 @@ from timeslice.jobs import parse_any_job_config, parse_job_config, start_any_rl_
 from timeslice.pools import PoolConfig, PoolGroup, create_pool, pool_status
 from timeslice.protocol.async_rl_job import AsyncRLJobResult
 from timeslice.protocol.group import CONTROL_TASK_QUEUE
-from timeslice.protocol.pool import POOL_WORKFLOW, pool_workflow_id
+from timeslice.protocol.pool import POOL_WORKFLOW, PoolStatus, pool_workflow_id
 from timeslice.protocol.rl_job import RL_JOB_WORKFLOW_TYPE, RLJobResult, rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
@@ -326,3 +326,50 @@ async def _refusals_of_workflows_started_by_hand(client: Client, uid: str) -> No
     assert "invalid profile" in why and "seconds" in why, why
     status = await pool_status(client, f"first-{uid}")
     assert status.jobs == []  # the refused job is not left in the pool
+
+
+def test_a_tenant_at_its_quota_waits_while_another_tenants_job_runs(
+    stack: Stack, address: str
+) -> None:
+    """A tenant with a quota of one group's worth: its second job waits in the queue though
+    the pool has a free group, which another tenant's job takes; it is placed when its first
+    ended, never beside it."""
+    pool, uid = f"tpool-{_uid()}", _uid()
+    groups = [f"tg1-{uid}", f"tg2-{uid}", f"tg3-{uid}"]
+    a1, a2, b1 = f"ta1-{uid}", f"ta2-{uid}", f"tb1-{uid}"
+    created = _cli(address, "pool", "create", pool, *(x for g in groups for x in ("--group", g)),
+                   "--tenant", "team-a:1", "--tenant", "team-b:-:2")  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    bad = _cli(address, "pool", "create", f"x{pool}", "--group", f"x{groups[0]}",
+               "--tenant", "team-a:1:0")  # fmt: skip
+    assert bad.returncode == 2 and "--tenant 'team-a:1:0'" in bad.stderr, bad
+
+    async def run() -> tuple[list[RLJobResult], PoolStatus, str]:
+        client = await connect(connect_config(address))
+        handles = []
+        for job, tenant in ((a1, "team-a"), (a2, "team-a"), (b1, "team-b")):
+            config = _job(job, pool, profile=PROFILE, tenant=tenant)
+            handles.append(await start_rl_job(client, parse_job_config(config)))
+            known = len(handles)  # each placed or queued before the next asks
+            await _wait_async(lambda known=known: _known(client, pool, known))
+        shown = _cli(address, "pool", "status", pool).stdout
+        await asyncio.to_thread(
+            stack.job_workers,
+            *(JobWorker((j,), "simulated", ("--threads", "1")) for j in (a1, a2, b1)),
+        )
+        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        return results, await pool_status(client, pool), shown
+
+    results, status, shown = asyncio.run(run())
+    reasons = [d.reason for d in status.decisions]
+    at = {r.split(" ")[1]: i for i, r in enumerate(reasons) if r.startswith("placed ")}
+    queued = next(i for i, r in enumerate(reasons) if r.startswith(f"queued {a2}: tenant team-a"))
+    ended = next(i for i, r in enumerate(reasons) if r.startswith(f"{a1} completed"))
+    assert at[a1] < queued < at[b1] < ended < at[a2], reasons  # b1 went on while a2 waited
+    assert "holds 0.96 of its quota 1 groups' worth and" in reasons[queued], reasons[queued]
+    holds = {r.job_id: [h for rec in r.records for h in rec.holds] for r in results}
+    assert min(h.mono_start for h in holds[a2]) >= max(h.mono_end for h in holds[a1])
+    for result in results:
+        assert [r.epoch for r in result.records] == list(range(EPOCHS))
+    assert "team-a" in shown and "team-b" in shown and "tenant" in shown, shown
+    assert status.jobs == []

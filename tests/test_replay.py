@@ -20,7 +20,7 @@ from timeslice.workflows.group_patches import (
     ONE_DEADLINE_TIMER,
     STREAMED_SWITCHES,
 )
-from timeslice.workflows.pool import POOL_MOVES
+from timeslice.workflows.pool import POOL_DECISION_EVENTS, POOL_MOVES
 from timeslice.workflows.pool_job import POOL_MOVES as JOB_POOL_MOVES
 from timeslice.workflows.rl_job import JOB_PROTOCOL_V5, SEARCHED_STATES_ONLY
 
@@ -70,6 +70,7 @@ def _patch_markers(text: str) -> set[str]:
         JOB_PROTOCOL_V5,
         LABELLED_LEASE_WAITS,
         POOL_MOVES,
+        POOL_DECISION_EVENTS,
     ],
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):

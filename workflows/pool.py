@@ -49,6 +49,7 @@ from timeslice.protocol.pool import (
     PoolSignal,
     PoolStatus,
     PoolUpdate,
+    admission_order,
     pool_workflow_id,
 )
 from timeslice.protocol.rl_job import JobSignal, rl_job_workflow_id
@@ -56,6 +57,8 @@ from timeslice.protocol.rl_job import JobSignal, rl_job_workflow_id
 _ACTIVITY_TIMEOUT = timedelta(seconds=60)
 # workflow.patched id: the pool weighs moves (a job's end or measured profile runs an activity).
 POOL_MOVES = "pool-moves"
+# workflow.patched id: each decision is an event of the pool's history (a memo upsert).
+POOL_DECISION_EVENTS = "pool-decision-events"
 
 
 def _refusal(err: ActivityError) -> str:
@@ -197,12 +200,13 @@ class PoolWorkflow:
                 return
             left = job.moving_from
             job.placement, job.moving_from = moved.placement, None
+            if left is None or left == moved.placement:
+                return  # the order kept it where it was: nothing freed
             job.moves += 1
-            source = left.sampler_group if left else "its groups"
             self._note(
                 job.job_id,
-                f"{job.job_id} moved from {source} to {moved.placement.sampler_group} at epoch "
-                f"{moved.epoch}",
+                f"{job.job_id} moved from {left.sampler_group} to "
+                f"{moved.placement.sampler_group} at epoch {moved.epoch}",
             )
             await self._try_queue()
 
@@ -316,6 +320,7 @@ class PoolWorkflow:
                 ),
                 result_type=MoveOutcome,
                 start_to_close_timeout=_ACTIVITY_TIMEOUT,
+                summary="weigh a move",
                 retry_policy=RetryPolicy(maximum_attempts=3),
             )
         except ActivityError as err:
@@ -331,8 +336,14 @@ class PoolWorkflow:
         await self._order_move(job, outcome.placement, outcome.reason)
 
     async def _try_queue(self) -> None:
-        for waiting in [j for j in self._status.jobs if j.placement is None]:
-            await self._decide(waiting)
+        """Try each queued job once, the tenant holding the least demand per weight first
+        (``admission_order``), so a tenant's jobs do not crowd another's out of freed room."""
+        waiting = [j for j in self._status.jobs if j.placement is None]
+        while waiting:
+            placed = [j for j in self._status.jobs if j.placement is not None]
+            job = admission_order(waiting, placed, self._status.config)
+            waiting.remove(job)
+            await self._decide(job)
 
     @workflow.query(
         name=PoolQuery.STATUS,
@@ -356,10 +367,14 @@ class PoolWorkflow:
                     max_slowdown=config.max_slowdown,
                     placed=[j for j in self._status.jobs if j.placement is not None],
                     job=job,
+                    tenants=config.tenants,
                 ),
                 result_type=PlaceOutcome,
                 start_to_close_timeout=_ACTIVITY_TIMEOUT,
-                retry_policy=RetryPolicy(non_retryable_error_types=["InvalidProfile"]),
+                retry_policy=RetryPolicy(
+                    non_retryable_error_types=["InvalidProfile", "QuotaBelowDemand"]
+                ),
+                summary=f"place {job.job_id}",
             )
         except ActivityError as err:
             self._note(job.job_id, f"refused {job.job_id}: {_refusal(err)}")
@@ -373,6 +388,10 @@ class PoolWorkflow:
         self._status.decisions.append(Decision(job_id=job_id, reason=reason))
         del self._status.decisions[:-DECISIONS_KEPT]
         workflow.set_current_details(self._details())
+        if workflow.patched(POOL_DECISION_EVENTS):
+            # An event on the pool's timeline (Workflow Properties Modified), its memo the
+            # decision: the Web UI lists each decision where it was taken.
+            workflow.upsert_memo({"decision": reason})
 
     def _details(self) -> str:
         config = self._status.config

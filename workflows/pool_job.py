@@ -80,6 +80,7 @@ async def placed(config: C) -> C:
         mode="async" if isinstance(config, AsyncRLJobConfig) else "sync",
         profile=config.profile,
         place_anyway=config.place_anyway,
+        tenant=config.tenant,
     )
     try:
         placement = await workflow.execute_activity(
@@ -145,20 +146,21 @@ async def take_move(config: C, state: RLJobState, release_all: Callable[[], Awai
     before = Placement(sampler_group=config.sampler_group or "", trainer_group=config.trainer)
     after = Placement(sampler_group=order.sampler_group, trainer_group=order.trainer_group)
     state.pending_move = None
-    if after == before:
-        return config
-    state.prepared = False
-    state.moved(
-        JobMove(epoch=state.epochs_done, moved_from=before, moved_to=after, reason=order.reason)
-    )
-    workflow.logger.info(
-        "job %s moves from %s to %s at epoch %d: %s",
-        config.job_id,
-        before.sampler_group,
-        after.sampler_group,
-        state.epochs_done,
-        order.reason,
-    )
+    if after != before:
+        state.prepared = False
+        state.moved(
+            JobMove(epoch=state.epochs_done, moved_from=before, moved_to=after, reason=order.reason)
+        )
+        workflow.logger.info(
+            "job %s moves from %s to %s at epoch %d: %s",
+            config.job_id,
+            before.sampler_group,
+            after.sampler_group,
+            state.epochs_done,
+            order.reason,
+        )
+    # Told even when the order kept it where it was (a later order replaced an earlier one):
+    # the pool stops counting it as moving.
     try:
         await workflow.get_external_workflow_handle(pool_workflow_id(config.pool)).signal(
             PoolSignal.JOB_MOVED,

@@ -1,0 +1,257 @@
+"""A pool that moves jobs against one that does not, side by side on one trace (issue 34).
+
+    .venv/bin/python bench/pool_trace.py [--trace bench/pool_trace.json] [--scale 1] [--json F]
+
+One embedded Temporal server, one control worker and a few ``timeslice job worker`` processes
+(every job's, started and serving before the first job starts). Two pools of the trace's
+groups each: **on** (moves weighed when a job ends or measures its profile) and **off**
+(``--no-auto-move``). Every job of the trace (``bench/pool_trace.json``: ``simulated`` jobs of
+several shapes arriving over time, some declaring their profiles) is started into both pools at
+its arrival time, so both run the same trace at once on the same machine. It prints, per pool:
+
+- **completion**: each job's last GPU phase end less its arrival (its start call), summed over
+  the jobs, and the **makespan** (first arrival to last phase end);
+- **utilization**: each group's GPU-phase share while its jobs ran (``timeslice status``'s
+  definition), averaged over the groups the pool used (what the pool's placement maximises),
+  and the pool's **occupancy**: GPU-phase seconds over (groups x makespan);
+- **served per group vs one job per group**: the makespan of the same arrivals run one job per
+  group, each for its phases' sum per epoch (first come, first served), over the pool's makespan;
+- **slowdown**: each job's first GPU phase start to last GPU phase end over its epochs times its
+  phases' sum (no control-plane cost counted alone; a queue's wait is not in it);
+- **moves**: each job's moves (its progress) and the pool's decisions; **overlaps** (GPU phases on
+  one group that began before the one before them ended) and whether every epoch ran once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.handoff import cpu_model  # noqa: E402
+from bench.replay import holds_by_group, utilization  # noqa: E402
+from bench.scale import overlaps  # noqa: E402
+
+GPU_PHASES = ("sample", "train")
+MODES = ("on", "off")
+
+
+def load_trace(path: Path) -> dict[str, Any]:
+    trace = json.loads(path.read_text())
+    for job in trace["jobs"]:
+        if job["shape"] not in trace["shapes"]:
+            raise SystemExit(f"{path}: job {job['id']} has an unknown shape {job['shape']!r}")
+    return trace
+
+
+def epoch_s(shape: dict[str, Any], scale: float) -> float:
+    return (shape["sample_s"] + shape["reward_s"] + shape["train_s"]) * scale
+
+
+def job_config(job: dict[str, Any], shape: dict[str, Any], pool: str, job_id: str,
+               scale: float) -> dict[str, Any]:  # fmt: skip
+    phases = {k: shape[k] * scale for k in ("sample_s", "reward_s", "train_s")}
+    config: dict[str, Any] = {
+        "job_id": job_id,
+        "workload": "simulated",
+        "workload_options": {**phases, "state_bytes": 1 << 20},
+        "pool": pool,
+        "epochs": job["epochs"],
+        "checkpoint_every": 2,
+    }
+    if shape["profile"]:
+        config["profile"] = {
+            "epochs": job["epochs"],
+            "phases": [
+                {"name": "sample", "gpu": True, "pool": "sampler", "seconds": phases["sample_s"]},
+                {"name": "rewards", "gpu": False, "seconds": phases["reward_s"]},
+                {"name": "train", "gpu": True, "pool": "trainer", "seconds": phases["train_s"]},
+            ],
+        }
+    return config
+
+
+def one_job_per_group_makespan(trace: dict[str, Any], scale: float) -> float:
+    """The trace's arrivals run one job per group, first come first served, each for its
+    epochs times its phases' sum."""
+    free = [0.0] * trace["groups"]
+    ends = []
+    for job in sorted(trace["jobs"], key=lambda j: j["arrive_s"]):
+        arrive = job["arrive_s"] * scale
+        slot = min(range(len(free)), key=lambda i: free[i])
+        start = max(arrive, free[slot])
+        free[slot] = start + job["epochs"] * epoch_s(trace["shapes"][job["shape"]], scale)
+        ends.append(free[slot])
+    return max(ends)
+
+
+async def run_trace(address: str, trace: dict[str, Any], pools: dict[str, str], stamp: str,
+                    scale: float) -> dict[str, Any]:  # fmt: skip
+    from timeslice.jobs import parse_job_config, start_rl_job
+    from timeslice.pools import pool_status
+    from timeslice.protocol.rl_job import RLJobProgress, rl_job_workflow_id
+    from timeslice.transport.connection import connect, connect_config
+
+    client = await connect(connect_config(address))
+    began = time.monotonic()
+    arrivals: dict[str, float] = {}
+
+    async def finish(job: dict[str, Any], mode: str, handle: Any) -> Any:
+        result = await handle.result()
+        job_id = result.job_id
+        progress = await client.get_workflow_handle(rl_job_workflow_id(job_id)).query(
+            "progress", result_type=RLJobProgress
+        )
+        print(f"  {time.monotonic() - began:6.1f} s: {job_id} done, moves {len(progress.moves)}",
+              flush=True)  # fmt: skip
+        return job, mode, result, progress
+
+    async def arrive(mode: str) -> list[Any]:
+        """The trace's jobs into one pool, in order: each at its arrival time, and each known
+        to the pool (placed or queued) before the next arrives."""
+        waiting = []
+        for job in sorted(trace["jobs"], key=lambda j: j["arrive_s"]):
+            await asyncio.sleep(max(0.0, began + job["arrive_s"] * scale - time.monotonic()))
+            job_id = f"{mode}-{stamp}-{job['id']}"
+            config = job_config(job, trace["shapes"][job["shape"]], pools[mode], job_id, scale)
+            arrivals[job_id] = time.monotonic()
+            handle = await start_rl_job(client, parse_job_config(config))
+            while not any(
+                j.job_id == job_id for j in (await pool_status(client, pools[mode])).jobs
+            ):
+                await asyncio.sleep(0.05)
+            waiting.append(asyncio.ensure_future(finish(job, mode, handle)))
+        return list(await asyncio.gather(*waiting))
+
+    finished = [item for batch in await asyncio.gather(*(arrive(m) for m in MODES))
+                for item in batch]  # fmt: skip
+    statuses = {mode: await pool_status(client, pool) for mode, pool in pools.items()}
+    return {"finished": finished, "arrivals": arrivals, "statuses": statuses}
+
+
+def pool_figures(mode: str, run: dict[str, Any], trace: dict[str, Any], scale: float,
+                 baseline_s: float) -> dict[str, Any]:  # fmt: skip
+    mine = [(job, result, progress) for job, m, result, progress in run["finished"] if m == mode]
+    results = [result for _, result, _ in mine]
+    arrivals = run["arrivals"]
+    by_group = holds_by_group(results)
+    gpu = {g: [(j, h) for j, h in holds if h.phase in GPU_PHASES] for g, holds in by_group.items()}
+    jobs: dict[str, Any] = {}
+    for job, result, progress in mine:
+        holds = [h for rec in result.records for h in rec.holds if h.phase in GPU_PHASES]
+        first, last = min(h.mono_start for h in holds), max(h.mono_end for h in holds)
+        alone = job["epochs"] * epoch_s(trace["shapes"][job["shape"]], scale)
+        jobs[job["id"]] = {
+            "shape": job["shape"],
+            "completion_s": round(last - arrivals[result.job_id], 2),
+            "queued_s": round(first - arrivals[result.job_id], 2),
+            "slowdown": round((last - first) / alone, 3),
+            "moves": len(progress.moves),
+            "groups": sorted({h.group_id.rsplit("-", 1)[1] for h in holds}),
+            "every_epoch_once": [r.epoch for r in result.records] == list(range(job["epochs"])),
+        }
+    start = min(arrivals[r.job_id] for r in results)
+    end = max(h.mono_end for holds in gpu.values() for _, h in holds)
+    makespan = end - start
+    phase_s = sum(h.mono_end - h.mono_start for holds in gpu.values() for _, h in holds)
+    per_group = {g.rsplit("-", 1)[1]: utilization(holds)["utilization"] for g, holds in gpu.items()}
+    return {
+        "completion_total_s": round(sum(j["completion_s"] for j in jobs.values()), 1),
+        "makespan_s": round(makespan, 1),
+        "utilization_groups_in_use": round(statistics.mean(per_group.values()), 4),
+        "groups_used": len(per_group),
+        "utilization_per_group": {g: round(u, 4) for g, u in sorted(per_group.items())},
+        "occupancy": round(phase_s / (trace["groups"] * makespan), 4),
+        "served_per_group_vs_one_job_per_group": round(baseline_s / makespan, 3),
+        "slowdown_max": max(j["slowdown"] for j in jobs.values()),
+        "moves": sum(j["moves"] for j in jobs.values()),
+        "moves_max_per_job": max(j["moves"] for j in jobs.values()),
+        "overlaps": sum(overlaps(holds) for holds in gpu.values()),
+        "every_epoch_once": all(j["every_epoch_once"] for j in jobs.values()),
+        "jobs": jobs,
+        "decisions": [d.reason for d in run["statuses"][mode].decisions],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", type=Path, default=REPO / "bench" / "pool_trace.json")
+    p.add_argument("--scale", type=float, default=1.0, help="times every phase and arrival")
+    p.add_argument("--jobs-per-process", type=int, default=6)
+    p.add_argument("--json", type=Path, help="also write the figures here as JSON")
+    p.add_argument("--workdir", type=Path, help="keep the server's database and logs here")
+    args = p.parse_args()
+    if not 0.05 <= args.scale <= 100 or args.jobs_per_process < 1:
+        raise SystemExit("--scale must be within [0.05, 100] and --jobs-per-process >= 1")
+    trace = load_trace(args.trace)
+
+    from timeslice.cli.stack import JobWorker, Stack
+    from timeslice.pools import PoolConfig, PoolGroup, create_pool
+    from timeslice.transport.connection import connect, connect_config
+
+    stamp = str(int(time.time()))
+    pools = {mode: f"trace-{mode}-{stamp}" for mode in MODES}
+    job_ids = [f"{mode}-{stamp}-{job['id']}" for job in trace["jobs"] for mode in MODES]
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    workdir = str(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="pool-trace-")
+    with Stack(Path(workdir)).start() as stack:
+        stack.control_worker()
+        per = args.jobs_per_process
+        stack.job_workers(
+            *(JobWorker(tuple(job_ids[i : i + per])) for i in range(0, len(job_ids), per))
+        )
+
+        async def create() -> None:
+            client = await connect(connect_config(stack.address))
+            for mode, pool in pools.items():
+                groups = [PoolGroup(name=f"{pool}-g{i}") for i in range(trace["groups"])]
+                config = PoolConfig(pool=pool, groups=groups, auto_move=mode == "on")
+                await create_pool(client, config)
+
+        asyncio.run(create())
+        print(f"{len(job_ids)} jobs into pools {pools['on']} (moves on) and {pools['off']} "
+              f"(moves off), {trace['groups']} groups each ...", flush=True)  # fmt: skip
+        run = asyncio.run(run_trace(stack.address, trace, pools, stamp, args.scale))
+
+    baseline = one_job_per_group_makespan(trace, args.scale)
+    figures = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, "
+        f"Python {platform.python_version()}",
+        "load_average_at_end": os.getloadavg()[0],
+        "trace": str(
+            args.trace.relative_to(REPO) if args.trace.is_relative_to(REPO) else args.trace
+        ),
+        "scale": args.scale,
+        "one_job_per_group_makespan_s": round(baseline, 1),
+        **{mode: pool_figures(mode, run, trace, args.scale, baseline) for mode in MODES},
+    }
+    for mode in MODES:
+        f = figures[mode]
+        print(
+            f"moves {mode:3}: completion {f['completion_total_s']} s in all, makespan "
+            f"{f['makespan_s']} s; utilization {f['utilization_groups_in_use']:.1%} over "
+            f"{f['groups_used']} groups in use, occupancy {f['occupancy']:.1%}; served per group "
+            f"{f['served_per_group_vs_one_job_per_group']}x one job per group; slowdown max "
+            f"{f['slowdown_max']}; moves {f['moves']} (max {f['moves_max_per_job']} a job); "
+            f"overlaps {f['overlaps']}; every epoch once: {f['every_epoch_once']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
