@@ -196,6 +196,10 @@ def _add_reading_parsers(sub: argparse._SubParsersAction) -> None:  # type: igno
     report.add_argument("--group", action="append", default=[], help="a group (repeatable)")
     report.add_argument("--job", action="append", default=[], help="a job (repeatable)")
     report.add_argument(
+        "--pool",
+        help="a pool's groups and every job it placed (moves marked on the jobs' lanes)",
+    )
+    report.add_argument(
         "--out",
         type=Path,
         default=Path(".timeslice/report"),
@@ -872,6 +876,19 @@ async def _run_setup(args: argparse.Namespace) -> int:
     return 1 if report.missing else 0
 
 
+async def _group_exists(client: Any, group: str) -> bool:
+    from temporalio.service import RPCError, RPCStatusCode
+    from timeslice.protocol.group import group_workflow_id
+
+    try:
+        await client.get_workflow_handle(group_workflow_id(group)).describe()
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
+
+
 async def _run_report(args: argparse.Namespace) -> int:
     from timeslice.report import collect_report, format_text, write_report, write_trace
 
@@ -881,7 +898,16 @@ async def _run_report(args: argparse.Namespace) -> int:
         _check_writable_dir(args.trace.parent, "--trace")
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     print("reading groups and jobs from Temporal ...", file=sys.stderr, flush=True)
-    report = await collect_report(client, groups=args.group or None, jobs=args.job or None)
+    groups, jobs = list(args.group), list(args.job)
+    if args.pool is not None:
+        from timeslice.pools import pool_members
+
+        in_pool = await pool_members(client, args.pool)
+        for group in in_pool[0]:  # a group no job ever leased has no workflow to read
+            if group not in groups and await _group_exists(client, group):
+                groups.append(group)
+        jobs += [j for j in in_pool[1] if j not in jobs]
+    report = await collect_report(client, groups=groups or None, jobs=jobs or None)
     print(format_text(report))
     if args.trace is not None:
         print(f"wrote {write_trace(report, args.trace)}")

@@ -8,6 +8,7 @@ await create_pool(client, PoolConfig(pool="p", groups=[PoolGroup(name="g1"),
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,7 +23,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.errors import InvalidArgumentError
-from timeslice.protocol.group import CONTROL_TASK_QUEUE, explain_validation_error
+from timeslice.protocol.group import CONTROL_TASK_QUEUE, check_id, explain_validation_error
 from timeslice.protocol.pool import (
     POOL_WORKFLOW,
     Decision,
@@ -42,6 +43,7 @@ __all__ = [
     "create_pool",
     "move_pool_job",
     "parse_pool_config",
+    "pool_members",
     "pool_status",
     "require_pool",
 ]
@@ -121,6 +123,39 @@ async def pool_status(client: Client, pool: str) -> PoolStatus:
     return await client.get_workflow_handle(pool_workflow_id(pool)).query(
         PoolQuery.STATUS, result_type=PoolStatus
     )
+
+
+async def pool_members(client: Client, pool: str) -> tuple[list[str], list[str]]:
+    """The pool's groups, and every job it took a decision about (its decision events, every
+    run of its workflow: jobs that ended included), in the order it first decided on each.
+
+    Raises:
+        InvalidArgumentError: No pool of that name was ever started.
+    """
+    check_id("pool name", pool)
+    runs = [run async for run in client.list_workflows(f"WorkflowId = '{pool_workflow_id(pool)}'")]
+    if not runs:
+        raise InvalidArgumentError(
+            f"no pool {pool!r}: create it with `timeslice pool create {pool} --group NAME`"
+        )
+    jobs: dict[str, None] = {}
+    groups: dict[str, None] = {}
+    for run in sorted(runs, key=lambda r: r.start_time):
+        history = await client.get_workflow_handle(run.id, run_id=run.run_id).fetch_history()
+        for event in history.events:
+            if event.HasField("workflow_execution_started_event_attributes"):
+                started = event.workflow_execution_started_event_attributes
+                if started.input.payloads:
+                    data = json.loads(started.input.payloads[0].data)
+                    config = data.get("config", data)
+                    groups.update((g["name"], None) for g in config.get("groups", []))
+            if event.HasField("workflow_properties_modified_event_attributes"):
+                memo = event.workflow_properties_modified_event_attributes.upserted_memo.fields
+                if "job" in memo:
+                    job = json.loads(memo["job"].data)
+                    if job != "-":
+                        jobs[job] = None
+    return list(groups), list(jobs)
 
 
 async def move_pool_job(

@@ -11,6 +11,7 @@ KIND_COLOURS = {
     "rewards": "#2ca02c",
     "waiting": "#c7c7c7",
     "switching": "#d62728",
+    "moved": "#000000",
     "idle": "#f0f0f0",
 }
 KIND_NAMES = {
@@ -20,6 +21,7 @@ KIND_NAMES = {
     "rewards": "rewards (no GPU)",
     "waiting": "waiting for a group",
     "switching": "moving state",
+    "moved": "moved to another group (pool)",
     "idle": "idle (nobody held it)",
 }
 JOB_PALETTE = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79")

@@ -74,12 +74,18 @@ def job_spans(job: JobRecord) -> list[Span]:
     its own state."""
     spans: list[Span] = []
     staleness = iter(job.staleness)
+    last_gpu: tuple[str, datetime] | None = None  # a sync job's last GPU phase: group, end
     for phase, completed in zip(job.phases, job.completed_at, strict=True):
         stale = next(staleness, None) if job.mode == "async" and phase.phase == "train" else None
         offset = _wall(phase, completed)
         if offset is None:
             continue
         group = phase.group_id
+        if job.mode != "async" and group is not None:
+            if last_gpu is not None and last_gpu[0] != group:
+                # A sync job runs on one group: a new one is a move its pool made.
+                spans.append(_moved(job, phase, last_gpu, _at(phase.mono_start, offset)))
+            last_gpu = (group, _at(phase.mono_end, offset))
         if phase.asked_mono is not None and phase.granted_mono is not None:
             waited = (phase.asked_mono, phase.granted_mono)
             spans.append(_job_span(job, phase, offset, "waiting", waited, f"waiting for {group}"))
@@ -92,6 +98,23 @@ def job_spans(job: JobRecord) -> list[Span]:
         ran = (phase.mono_start, phase.mono_end)
         spans.append(_job_span(job, phase, offset, phase.phase, ran, label))
     return spans
+
+
+def _moved(
+    job: JobRecord, phase: PhaseResult, before: tuple[str, datetime], arrived: datetime
+) -> Span:
+    """The job's move from ``before``'s group (its last phase there ended then) to
+    ``phase``'s, whose first phase there started at ``arrived``."""
+    return Span(
+        lane=job.job_id,
+        kind="moved",
+        start=before[1],
+        end=max(arrived, before[1]),
+        job_id=job.job_id,
+        group_id=phase.group_id,
+        epoch=phase.epoch,
+        label=f"moved from {before[0]} to {phase.group_id}",
+    )
 
 
 def _job_span(

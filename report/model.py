@@ -21,6 +21,7 @@ SpanKind = Literal[
     "rewards",  # the job computing rewards, holding no group
     "waiting",  # the job waiting for a group's grant
     "switching",  # job lanes: its state coming back in; group lanes: a switch
+    "moved",  # job lanes: moved by its pool to another group (last phase there to first here)
     "lease",  # group lanes: held by ``job_id``
     "idle",  # group lanes: nobody held it and nothing moved
 ]

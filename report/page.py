@@ -72,7 +72,11 @@ def timeline_figure(report: Report) -> object:
                     "line": {"width": 0},
                     "pattern": {"shape": "/"} if first.kind == "idle" else {},
                 },
-                width=0.9 if first.kind == "switching" else 0.5 if first.kind == "waiting" else 0.7,
+                width=0.9
+                if first.kind in ("switching", "moved")
+                else 0.5
+                if first.kind == "waiting"
+                else 0.7,
                 # A hover's %{x} is the bar's end: its length goes in customdata.
                 customdata=[
                     [s.job_id or "-", "-" if s.epoch is None else s.epoch, s.label, s.seconds]

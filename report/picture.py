@@ -116,7 +116,7 @@ LAYERS: tuple[tuple[tuple[str, ...], float], ...] = (
     (("idle",), 0.7),
     (("waiting",), 0.5),
     (("lease", "sample", "phase", "rewards", "train"), 0.7),
-    (("switching",), 0.9),
+    (("switching", "moved"), 0.9),
 )
 
 

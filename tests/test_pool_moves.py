@@ -17,6 +17,7 @@ import json
 import signal
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,7 +97,7 @@ def _assert_moved_once(result: RLJobResult, progress: RLJobProgress, old: str, n
 
 
 def test_jobs_placed_without_profiles_are_packed_once_they_measured_them(
-    stack: Stack, address: str
+    stack: Stack, address: str, tmp_path: Path
 ) -> None:
     pool, uid = f"mpool-{_uid()}", _uid()
     groups = [f"mg1-{uid}", f"mg2-{uid}"]
@@ -141,6 +142,16 @@ def test_jobs_placed_without_profiles_are_packed_once_they_measured_them(
     assert status.jobs == []
     # Each decision is an event of the pool's history, as the Web UI lists them.
     assert events == reasons, (events, reasons)
+    # `timeslice report --pool`: a lane per group and per job, the move marked on the mover's.
+    shown = run_cli("report", "--pool", pool, "--text-only", "--trace", str(tmp_path / "t.json"),
+                    "--address", address, timeout=120)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert all(name in shown.stdout for name in [*jobs, *groups]), shown.stdout
+    trace = json.loads((tmp_path / "t.json").read_text())
+    moved = [e for e in trace["traceEvents"] if e.get("name") == "moved"]
+    assert len(moved) == 1 and moved[0]["args"]["what"] == (
+        f"moved from {first[mover.job_id]} to {first[stayer.job_id]}"
+    ), moved
 
 
 def test_a_job_moved_by_hand_resumes_on_its_new_group_after_its_process_is_killed(

@@ -391,7 +391,7 @@ class PoolWorkflow:
         if workflow.patched(POOL_DECISION_EVENTS):
             # An event on the pool's timeline (Workflow Properties Modified), its memo the
             # decision: the Web UI lists each decision where it was taken.
-            workflow.upsert_memo({"decision": reason})
+            workflow.upsert_memo({"decision": reason, "job": job_id})
 
     def _details(self) -> str:
         config = self._status.config
