@@ -23,7 +23,7 @@ from temporalio.common import (
 )
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from timeslice.errors import InvalidArgumentError
-from timeslice.pools import require_pool
+from timeslice.pools import pool_status
 from timeslice.protocol.async_rl_job import (
     ASYNC_RL_JOB_WORKFLOW_TYPE,
     AsyncRLJobConfig,
@@ -32,6 +32,7 @@ from timeslice.protocol.async_rl_job import (
     started_config,
 )
 from timeslice.protocol.group import CONTROL_TASK_QUEUE, JOB_KEY, job_task_queue
+from timeslice.protocol.pool import DEFAULT_TENANT, PoolJob
 from timeslice.protocol.rl_job import (
     RL_JOB_WORKFLOW_TYPE,
     JobQuery,
@@ -263,14 +264,27 @@ async def _start_job(
 
 
 async def _check_pool(client: Client, config: RLJobConfig) -> None:
-    """A job started with a pool: the pool runs, and the job names no groups of its own."""
+    """A job started with a pool: the pool runs, the job names no groups of its own, and a job
+    without a profile (it counts a whole group for each group it uses) fits its tenant's quota."""
     if config.pool is None:
         return
     if config.sampler_group is not None:
         raise InvalidArgumentError(
             f"job {config.job_id}: give a pool or groups (sampler_group, trainer_group), not both"
         )
-    await require_pool(client, config.pool)
+    status = await pool_status(client, config.pool)
+    limits = status.config.limits(config.tenant)
+    if config.profile is None and limits.quota is not None:
+        mode = "async" if isinstance(config, AsyncRLJobConfig) else "sync"
+        need = PoolJob(job_id=config.job_id, mode=mode).charged()
+        if need > limits.quota:
+            tenant = config.tenant or DEFAULT_TENANT
+            raise InvalidArgumentError(
+                f"job {config.job_id}: without a profile it counts {need:g} groups' worth "
+                f"against tenant {tenant}'s whole quota {limits.quota:g}, so pool "
+                f"{config.pool} could never place it: declare its profile (--job-profile) or "
+                "raise the quota; nothing started"
+            )
 
 
 async def _used_id_message(client: Client, job_id: str) -> str:

@@ -338,7 +338,8 @@ def test_a_tenant_at_its_quota_waits_while_another_tenants_job_runs(
     groups = [f"tg1-{uid}", f"tg2-{uid}", f"tg3-{uid}"]
     a1, a2, b1 = f"ta1-{uid}", f"ta2-{uid}", f"tb1-{uid}"
     created = _cli(address, "pool", "create", pool, *(x for g in groups for x in ("--group", g)),
-                   "--tenant", "team-a:1", "--tenant", "team-b:-:2")  # fmt: skip
+                   "--tenant", "team-a:1", "--tenant", "team-b:-:2", "--tenant", "tiny:0.5",
+                   )  # fmt: skip
     assert created.returncode == 0, created.stderr
     bad = _cli(address, "pool", "create", f"x{pool}", "--group", f"x{groups[0]}",
                "--tenant", "team-a:1:0")  # fmt: skip
@@ -346,6 +347,10 @@ def test_a_tenant_at_its_quota_waits_while_another_tenants_job_runs(
 
     async def run() -> tuple[list[RLJobResult], PoolStatus, str]:
         client = await connect(connect_config(address))
+        # Without a profile a job counts a whole group: above tiny's whole quota, refused.
+        never = parse_job_config(_job(f"tiny-{uid}", pool, tenant="tiny"))
+        with pytest.raises(InvalidArgumentError, match="could never place it"):
+            await start_rl_job(client, never)
         handles = []
         for job, tenant in ((a1, "team-a"), (a2, "team-a"), (b1, "team-b")):
             config = _job(job, pool, profile=PROFILE, tenant=tenant)
@@ -372,4 +377,5 @@ def test_a_tenant_at_its_quota_waits_while_another_tenants_job_runs(
     for result in results:
         assert [r.epoch for r in result.records] == list(range(EPOCHS))
     assert "team-a" in shown and "team-b" in shown and "tenant" in shown, shown
+    assert not any(f"tiny-{uid}" in r for r in reasons), reasons  # nothing started
     assert status.jobs == []
