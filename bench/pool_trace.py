@@ -1,6 +1,11 @@
 """A pool that moves jobs against one that does not, side by side on one trace (issue 34).
 
     .venv/bin/python bench/pool_trace.py [--trace bench/pool_trace.json] [--scale 1] [--json F]
+    .venv/bin/python bench/pool_trace.py --modes plan     # the planner's best placement, run
+
+``--modes plan`` runs instead the best static placement ``timeslice plan``'s search finds when it
+is given every job's profile and arrival up front (``JobProfile.arrive_s``): each job started at
+its arrival on the group the plan gives it, no pool.
 
 One embedded Temporal server, one control worker and a few ``timeslice job worker`` processes
 (every job's, started and serving before the first job starts). Two pools of the trace's
@@ -45,7 +50,7 @@ from bench.replay import holds_by_group, utilization  # noqa: E402
 from bench.scale import overlaps  # noqa: E402
 
 GPU_PHASES = ("sample", "train")
-MODES = ("on", "off")
+MODES = ("on", "off", "plan")
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -83,6 +88,51 @@ def job_config(job: dict[str, Any], shape: dict[str, Any], pool: str, job_id: st
     return config
 
 
+def trace_profiles(trace: dict[str, Any], scale: float) -> list[Any]:
+    """Every job of the trace as ``timeslice plan`` takes it: its phases, epochs and arrival."""
+    from timeslice.plan.profile import JobProfile
+
+    profiles = []
+    for job in trace["jobs"]:
+        shape = trace["shapes"][job["shape"]]
+        phases = [
+            {
+                "name": "sample",
+                "gpu": True,
+                "pool": "sampler",
+                "seconds": shape["sample_s"] * scale,
+            },
+            {"name": "rewards", "gpu": False, "seconds": shape["reward_s"] * scale},
+            {"name": "train", "gpu": True, "pool": "trainer", "seconds": shape["train_s"] * scale},
+        ]
+        profiles.append(
+            JobProfile(
+                job_id=job["id"],
+                epochs=job["epochs"],
+                arrive_s=job["arrive_s"] * scale,
+                phases=phases,
+            )
+        )
+    return profiles
+
+
+def planned_groups(trace: dict[str, Any], scale: float, time_limit_s: float) -> dict[str, Any]:
+    """The planner's best static placement of the trace (job -> group index) and its figures."""
+    from timeslice.plan.search import Layout, Planner
+    from timeslice.protocol.pool import DEFAULT_MAX_SLOWDOWN
+
+    groups = tuple(f"g{i}" for i in range(trace["groups"]))
+    planner = Planner(trace_profiles(trace, scale), Layout(groups=groups),
+                      max_slowdown=DEFAULT_MAX_SLOWDOWN)  # fmt: skip
+    best = planner.search(top=1, time_limit_s=time_limit_s).assignments[0]
+    return {
+        "groups": {j.job_id: j.sampler_group for j in best.jobs},
+        "predicted_utilization": round(best.mean_utilization, 4),
+        "predicted_slowdown_max": round(max(j.completion_s / j.dedicated_s for j in best.jobs), 3),
+        "within_bound": not best.violations,
+    }
+
+
 def one_job_per_group_makespan(trace: dict[str, Any], scale: float) -> float:
     """The trace's arrivals run one job per group, first come first served, each for its
     epochs times its phases' sum."""
@@ -98,7 +148,7 @@ def one_job_per_group_makespan(trace: dict[str, Any], scale: float) -> float:
 
 
 async def run_trace(address: str, trace: dict[str, Any], pools: dict[str, str], stamp: str,
-                    scale: float) -> dict[str, Any]:  # fmt: skip
+                    scale: float, plan: dict[str, str] | None) -> dict[str, Any]:  # fmt: skip
     from timeslice.jobs import parse_job_config, start_rl_job
     from timeslice.pools import pool_status
     from timeslice.protocol.rl_job import RLJobProgress, rl_job_workflow_id
@@ -126,18 +176,24 @@ async def run_trace(address: str, trace: dict[str, Any], pools: dict[str, str], 
             await asyncio.sleep(max(0.0, began + job["arrive_s"] * scale - time.monotonic()))
             job_id = f"{mode}-{stamp}-{job['id']}"
             config = job_config(job, trace["shapes"][job["shape"]], pools[mode], job_id, scale)
+            if mode == "plan":  # on the group the plan gave it, no pool
+                assert plan is not None
+                config.pop("pool"), config.pop("profile", None)
+                config["sampler_group"] = f"{pools[mode]}-{plan[job['id']]}"
             arrivals[job_id] = time.monotonic()
             handle = await start_rl_job(client, parse_job_config(config))
-            while not any(
+            while mode != "plan" and not any(
                 j.job_id == job_id for j in (await pool_status(client, pools[mode])).jobs
             ):
                 await asyncio.sleep(0.05)
             waiting.append(asyncio.ensure_future(finish(job, mode, handle)))
         return list(await asyncio.gather(*waiting))
 
-    finished = [item for batch in await asyncio.gather(*(arrive(m) for m in MODES))
+    finished = [item for batch in await asyncio.gather(*(arrive(m) for m in pools))
                 for item in batch]  # fmt: skip
-    statuses = {mode: await pool_status(client, pool) for mode, pool in pools.items()}
+    statuses = {
+        mode: await pool_status(client, pool) for mode, pool in pools.items() if mode != "plan"
+    }
     return {"finished": finished, "arrivals": arrivals, "statuses": statuses}
 
 
@@ -181,29 +237,47 @@ def pool_figures(mode: str, run: dict[str, Any], trace: dict[str, Any], scale: f
         "overlaps": sum(overlaps(holds) for holds in gpu.values()),
         "every_epoch_once": all(j["every_epoch_once"] for j in jobs.values()),
         "jobs": jobs,
-        "decisions": [d.reason for d in run["statuses"][mode].decisions],
+        "decisions": [d.reason for d in run["statuses"][mode].decisions]
+        if mode in run["statuses"]
+        else [],
     }
+
+
+LABELS = {"on": "pool, moves on", "off": "pool, moves off", "plan": "planned placement"}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", type=Path, default=REPO / "bench" / "pool_trace.json")
     p.add_argument("--scale", type=float, default=1.0, help="times every phase and arrival")
+    p.add_argument(
+        "--modes",
+        default="on,off",
+        help="what runs at once: on (a pool that moves jobs), off (one that does not), plan "
+        "(the planner's best placement, no pool); default on,off",
+    )
+    p.add_argument("--plan-time-limit", type=float, default=20.0, help="the planner's search, s")
     p.add_argument("--jobs-per-process", type=int, default=6)
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     p.add_argument("--workdir", type=Path, help="keep the server's database and logs here")
     args = p.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise SystemExit(f"--modes: one or more of {', '.join(MODES)}, each once")
     if not 0.05 <= args.scale <= 100 or args.jobs_per_process < 1:
         raise SystemExit("--scale must be within [0.05, 100] and --jobs-per-process >= 1")
     trace = load_trace(args.trace)
+    planned = planned_groups(trace, args.scale, args.plan_time_limit) if "plan" in modes else None
+    if planned is not None:
+        print(f"planned: {planned}", flush=True)
 
     from timeslice.cli.stack import JobWorker, Stack
     from timeslice.pools import PoolConfig, PoolGroup, create_pool
     from timeslice.transport.connection import connect, connect_config
 
     stamp = str(int(time.time()))
-    pools = {mode: f"trace-{mode}-{stamp}" for mode in MODES}
-    job_ids = [f"{mode}-{stamp}-{job['id']}" for job in trace["jobs"] for mode in MODES]
+    pools = {mode: f"trace-{mode}-{stamp}" for mode in modes}
+    job_ids = [f"{mode}-{stamp}-{job['id']}" for job in trace["jobs"] for mode in modes]
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = str(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="pool-trace-")
@@ -217,17 +291,20 @@ def main() -> None:
         async def create() -> None:
             client = await connect(connect_config(stack.address))
             for mode, pool in pools.items():
+                if mode == "plan":
+                    continue
                 groups = [PoolGroup(name=f"{pool}-g{i}") for i in range(trace["groups"])]
                 config = PoolConfig(pool=pool, groups=groups, auto_move=mode == "on")
                 await create_pool(client, config)
 
         asyncio.run(create())
-        print(f"{len(job_ids)} jobs into pools {pools['on']} (moves on) and {pools['off']} "
-              f"(moves off), {trace['groups']} groups each ...", flush=True)  # fmt: skip
-        run = asyncio.run(run_trace(stack.address, trace, pools, stamp, args.scale))
+        print(f"{len(job_ids)} jobs: " + ", ".join(f"{LABELS[m]} ({pools[m]})" for m in modes)
+              + f", {trace['groups']} groups each ...", flush=True)  # fmt: skip
+        plan = planned["groups"] if planned is not None else None
+        run = asyncio.run(run_trace(stack.address, trace, pools, stamp, args.scale, plan))
 
     baseline = one_job_per_group_makespan(trace, args.scale)
-    figures = {
+    figures: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, "
         f"Python {platform.python_version()}",
@@ -237,12 +314,14 @@ def main() -> None:
         ),
         "scale": args.scale,
         "one_job_per_group_makespan_s": round(baseline, 1),
-        **{mode: pool_figures(mode, run, trace, args.scale, baseline) for mode in MODES},
+        **{mode: pool_figures(mode, run, trace, args.scale, baseline) for mode in modes},
     }
-    for mode in MODES:
+    if planned is not None:
+        figures["plan"]["predicted"] = planned
+    for mode in modes:
         f = figures[mode]
         print(
-            f"moves {mode:3}: completion {f['completion_total_s']} s in all, makespan "
+            f"{LABELS[mode]}: completion {f['completion_total_s']} s in all, makespan "
             f"{f['makespan_s']} s; utilization {f['utilization_groups_in_use']:.1%} over "
             f"{f['groups_used']} groups in use, occupancy {f['occupancy']:.1%}; served per group "
             f"{f['served_per_group_vs_one_job_per_group']}x one job per group; slowdown max "

@@ -266,6 +266,15 @@ class JobProfile(_Model):
     phases: list[PhaseProfile] = Field(min_length=1, description="one epoch, in order")
     states: list[StateProfile] = Field(default_factory=list)
     checkpoint_every: int | None = Field(None, ge=1)
+    arrive_s: float = Field(
+        0.0,
+        ge=0,
+        le=1e7,
+        allow_inf_nan=False,
+        description="a trace: when the job arrives, seconds after the first job (timeslice "
+        "plan then runs every job's epochs from its arrival, unscaled, so jobs leave when "
+        "they would)",
+    )
     checkpoint_s: Seconds | None = Field(
         None, description="a checkpoint, written under the trainer lease after train"
     )

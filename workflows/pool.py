@@ -229,8 +229,8 @@ class PoolWorkflow:
                 return
             job.profile = profiled.profile
             self._note(job.job_id, f"{job.job_id} measured its profile")
-            if self._status.config.auto_move:
-                await self._weigh_a_move()
+            # Its demand comes back with the weighing, moves on or off.
+            await self._weigh_a_move(order=self._status.config.auto_move)
 
     @workflow.update(
         name=PoolUpdate.MOVE,
@@ -295,8 +295,9 @@ class PoolWorkflow:
         except FailureError as err:  # the job ended meanwhile: its job_ended says so
             workflow.logger.warning("job %s was not told to move: %s", job.job_id, err)
 
-    async def _weigh_a_move(self) -> None:
-        """Ask the move activity whether one placed job should move now, and order it."""
+    async def _weigh_a_move(self, *, order: bool = True) -> None:
+        """Ask the move activity whether one placed job should move now, and order it (with
+        ``order``); either way, learn the demand of jobs whose profile just came."""
         config = self._status.config
         placed = [j for j in self._status.jobs if j.placement is not None]
         movable = [
@@ -304,7 +305,8 @@ class PoolWorkflow:
             for j in placed
             if j.mode == "sync" and j.profile is not None and j.moving_from is None
         ]
-        if not movable or len(config.groups) < 2:
+        can_move = order and bool(movable) and len(config.groups) > 1
+        if not can_move and not any(j.profile is not None and j.demand is None for j in placed):
             return
         if not workflow.patched(POOL_MOVES):  # a pool's history from before moves replays
             return
@@ -315,7 +317,7 @@ class PoolWorkflow:
                     groups=config.groups,
                     max_slowdown=config.max_slowdown,
                     placed=placed,
-                    movable=movable,
+                    movable=movable if can_move else [],
                     horizon_s=config.move_horizon_s,
                 ),
                 result_type=MoveOutcome,
