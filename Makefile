@@ -17,15 +17,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# Four pytest workers, each with its own Temporal dev server and control worker; a test file
+# Three pytest workers, each with its own Temporal dev server and control worker; a test file
 # stays on one worker (its module fixtures are shared). Most tests wait on processes and
-# servers, so four fit two cores: 562 s of pytest in place against 619 s and 654 s with three
-# on fresh clones (2026-12-03; BENCHMARKS.md). Four were set aside on 2026-12-02, when the
-# cooperative switches' byte count failed under them in two of five runs; that test now says
-# where the bytes went if it fails again. TEST_WORKERS=0 runs everything in one. The slowest tests are listed at the end, so a run that nears the ten-minute budget
+# servers, so three fit two cores: 399 s of pytest against 511 s with two (2026-12-01). Four
+# were faster (545 s against 690 s in place, 2026-12-02) but the cooperative switches' byte
+# count failed under them in two of five runs (BENCHMARKS.md). TEST_WORKERS=0 runs everything
+# in one. The slowest tests are listed at the end, so a run that nears the ten-minute budget
 # says where its time went. The Ray tests (make test-ray) are not even collected: each worker
 # would import Ray for them.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 test: $(STAMP) bytecode
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not ray" --ignore=tests/test_ray.py
 
