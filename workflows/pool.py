@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
@@ -59,6 +60,19 @@ _ACTIVITY_TIMEOUT = timedelta(seconds=60)
 POOL_MOVES = "pool-moves"
 # workflow.patched id: each decision is an event of the pool's history (a memo upsert).
 POOL_DECISION_EVENTS = "pool-decision-events"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _read_signal(model: type[M], raw: tuple[Any, ...], name: str) -> M | None:
+    """A signal's message, or None (logged) for a malformed one: a signal handler that raised
+    would fail the workflow task."""
+    try:
+        return parse_message(model, raw, name)
+    except MalformedMessage as err:
+        workflow.logger.warning("dropped a malformed %s: %s", name, err)
+        return None
 
 
 def _refusal(err: ActivityError) -> str:
@@ -167,10 +181,8 @@ class PoolWorkflow:
     async def job_ended(self, *raw: Any) -> None:
         """A job of the pool ended (completed, stopped or failed): its groups have room, so the
         queue is tried again, in arrival order, and then a move of a placed job is weighed."""
-        try:
-            ended = parse_message(JobEnded, raw, PoolSignal.JOB_ENDED)
-        except MalformedMessage as err:
-            workflow.logger.warning("dropped a malformed job_ended: %s", err)
+        ended = _read_signal(JobEnded, raw, PoolSignal.JOB_ENDED)
+        if ended is None:
             return
         async with self._lock:
             job = self._job(ended.job_id)
@@ -189,10 +201,8 @@ class PoolWorkflow:
     )
     async def job_moved(self, *raw: Any) -> None:
         """A job took the move the pool ordered: the group it left has room for the queue."""
-        try:
-            moved = parse_message(JobMoved, raw, PoolSignal.JOB_MOVED)
-        except MalformedMessage as err:
-            workflow.logger.warning("dropped a malformed job_moved: %s", err)
+        moved = _read_signal(JobMoved, raw, PoolSignal.JOB_MOVED)
+        if moved is None:
             return
         async with self._lock:
             job = self._job(moved.job_id)
@@ -218,10 +228,8 @@ class PoolWorkflow:
     async def job_profiled(self, *raw: Any) -> None:
         """A job placed without a profile measured one: its demand is known from now on, so a
         move of it (or onto its group) can be weighed."""
-        try:
-            profiled = parse_message(JobProfiled, raw, PoolSignal.JOB_PROFILED)
-        except MalformedMessage as err:
-            workflow.logger.warning("dropped a malformed job_profiled: %s", err)
+        profiled = _read_signal(JobProfiled, raw, PoolSignal.JOB_PROFILED)
+        if profiled is None:
             return
         async with self._lock:
             job = self._job(profiled.job_id)

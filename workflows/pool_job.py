@@ -161,15 +161,12 @@ async def take_move(config: C, state: RLJobState, release_all: Callable[[], Awai
         )
     # Told even when the order kept it where it was (a later order replaced an earlier one):
     # the pool stops counting it as moving.
-    try:
-        await workflow.get_external_workflow_handle(pool_workflow_id(config.pool)).signal(
-            PoolSignal.JOB_MOVED,
-            JobMoved(job_id=config.job_id, placement=after, epoch=state.epochs_done),
-        )
-    except FailureError as err:
-        workflow.logger.warning(
-            "pool %s was not told job %s moved: %s", config.pool, config.job_id, err
-        )
+    await _signal_pool(
+        config,
+        PoolSignal.JOB_MOVED,
+        JobMoved(job_id=config.job_id, placement=after, epoch=state.epochs_done),
+        "told it moved",
+    )
     return config.model_copy(
         update={"sampler_group": after.sampler_group, "trainer_group": after.trainer_group}
     )
@@ -219,14 +216,12 @@ async def send_profile(
     if not workflow.patched(POOL_MOVES):  # a run from before moves replays without it
         return
     profile = measured_profile(config, state, backends)
-    try:
-        await workflow.get_external_workflow_handle(pool_workflow_id(config.pool)).signal(
-            PoolSignal.JOB_PROFILED, JobProfiled(job_id=config.job_id, profile=profile)
-        )
-    except FailureError as err:
-        workflow.logger.warning(
-            "pool %s was not sent job %s's profile: %s", config.pool, config.job_id, err
-        )
+    await _signal_pool(
+        config,
+        PoolSignal.JOB_PROFILED,
+        JobProfiled(job_id=config.job_id, profile=profile),
+        "sent its profile",
+    )
 
 
 async def tell_pool(config: RLJobConfig, outcome: str) -> None:
@@ -234,13 +229,24 @@ async def tell_pool(config: RLJobConfig, outcome: str) -> None:
     its groups' room goes to the pool's queue. A pool that is gone has nobody to tell."""
     if config.pool is None or not workflow.patched(POOL_PLACEMENT):
         return
+    await _signal_pool(
+        config,
+        PoolSignal.JOB_ENDED,
+        JobEnded(job_id=config.job_id, outcome=outcome),
+        "told it ended",
+    )
+
+
+async def _signal_pool(config: RLJobConfig, signal: PoolSignal, message: Any, what: str) -> None:
+    """Signal the job's pool; a pool that is gone (terminated) is logged, not raised."""
+    assert config.pool is not None
     try:
         await workflow.get_external_workflow_handle(pool_workflow_id(config.pool)).signal(
-            PoolSignal.JOB_ENDED, JobEnded(job_id=config.job_id, outcome=outcome)
+            signal, message
         )
     except FailureError as err:
         workflow.logger.warning(
-            "pool %s was not told job %s ended: %s", config.pool, config.job_id, err
+            "job %s: pool %s was not %s: %s", config.job_id, config.pool, what, err
         )
 
 
