@@ -10,9 +10,10 @@ Two layouts:
   linked together (a connected component) are simulated together, cached by their placement.
 
 An async RL job (a profile with ``mode: async``) needs two groups, its loops running at once:
-it is planned on disaggregated pools only (its sampler loop on a sampler group, its trainer
-loop on a trainer group), simulated as the workflow runs it (both loops, the staleness bound),
-and measured against a sampler group and a trainer group of its own.
+its sampler loop on a sampler group and its trainer loop on a trainer group (disaggregated),
+or on two different groups of ``groups`` (colocated: a pool's groups, where sync jobs share
+them with it). It is simulated as the workflow runs it (both loops, the staleness bound), and
+measured against a sampler group and a trainer group of its own.
 
 An assignment is *feasible* when every job's predicted slowdown (its completion / its
 completion alone on a group of its own) is within its limit. Assignments are ranked by:
@@ -224,10 +225,10 @@ class Planner:
                 )
         else:
             async_jobs = [p.job_id for p in profiles if p.is_async]
-            if async_jobs:
+            if async_jobs and len(layout.groups) < 2:
                 raise ValueError(
                     f"async jobs run their sampler and trainer loops at once, on two groups: "
-                    f"{async_jobs}; plan them on pools (--sampler-groups N --trainer-groups M)"
+                    f"{async_jobs}; give at least two groups"
                 )
         self.profiles = {p.job_id: p for p in profiles}
         self.layout = layout
@@ -336,7 +337,11 @@ class Planner:
         groups = []
         for role, gid in roles:
             index = 0 if role in ("shared", "sampler") else 1
-            on = sorted(j for j, pt in placement.items() if pt[index] == gid)
+            on = sorted(
+                j
+                for j, pt in placement.items()
+                if (pt[index] == gid if layout.disaggregated else gid in pt)
+            )
             u, switches = util.get(gid, (0.0, 0))
             shares = (self.profiles[j].gpu_share(_pools_on(placement[j], gid)) for j in on)
             bound = demand_bound(shares)
@@ -416,6 +421,13 @@ class Planner:
             if load > loosest * 1.05:
                 return True
         return False
+
+    def _fits(self, job: str, slot: tuple[str, str]) -> bool:
+        """Whether ``job`` can run on ``slot``: on colocated groups a sync job samples and
+        trains on one group and an async job's loops run on two (pools keep them apart)."""
+        if self.layout.disaggregated:
+            return True
+        return (slot[0] != slot[1]) == self.profiles[job].is_async
 
     def _share(self, job: str, sampler: bool, trainer: bool) -> float:
         pools = {pool for pool, on in (("sampler", sampler), ("trainer", trainer)) if on}
@@ -586,9 +598,14 @@ class Planner:
                     }
                     yield merged, (b,)
         else:
-            used = sorted({pt[0] for pt in placement.values()})
+            used = sorted({g for pt in placement.values() for g in pt})
             for a, b in itertools.combinations(used, 2):
-                yield {j: (b, b) if pt[0] == a else pt for j, pt in placement.items()}, (b,)
+                merged = {
+                    j: (b if pt[0] == a else pt[0], b if pt[1] == a else pt[1])
+                    for j, pt in placement.items()
+                }
+                if all(self._fits(j, pt) for j, pt in merged.items()):
+                    yield merged, (b,)
         for job in jobs:
             yield from self._moves(placement, job)
         # Swaps of two jobs' groups: all of them for small problems, a random sample of
@@ -601,7 +618,8 @@ class Planner:
             if pa == pb:
                 continue
             changed = (*pa, *pb)
-            yield {**placement, a: pb, b: pa}, changed
+            if self._fits(a, pb) and self._fits(b, pa):
+                yield {**placement, a: pb, b: pa}, changed
             if layout.disaggregated:
                 yield {**placement, a: (pb[0], pa[1]), b: (pa[0], pb[1])}, changed
                 yield {**placement, a: (pa[0], pb[1]), b: (pb[0], pa[1])}, changed
@@ -614,9 +632,16 @@ class Planner:
         s_now, t_now = placement[job]
         others = [pt for j, pt in placement.items() if j != job]
         if not self.layout.disaggregated:
-            for g in _choices(self.layout.groups, {pt[0] for pt in others}):
-                if g != s_now:
-                    yield {**placement, job: (g, g)}, (g,)
+            choices = _choices(self.layout.groups, {g for pt in others for g in pt}, fresh=2)
+            if not self.profiles[job].is_async:
+                for g in choices:
+                    if g != s_now:
+                        yield {**placement, job: (g, g)}, (g,)
+                return
+            for g in choices:  # its sampler loop or its trainer loop, one at a time
+                if g not in (s_now, t_now):
+                    yield {**placement, job: (g, t_now)}, (g,)
+                    yield {**placement, job: (s_now, g)}, (g,)
             return
         for g in _choices(self.layout.sampler_groups, {pt[0] for pt in others}):
             if g != s_now:
@@ -630,7 +655,11 @@ class Planner:
         three least loaded sampler and trainer groups in use and one unused of each."""
         layout = self.layout
         if not layout.disaggregated:
-            return [(g, g) for g in _choices(layout.groups, {pt[0] for pt in placement.values()})]
+            used = {g for pt in placement.values() for g in pt}
+            if not self.profiles[job].is_async:
+                return [(g, g) for g in _choices(layout.groups, used)]
+            choices = _choices(layout.groups, used, fresh=2)
+            return [(s, t) for s in choices for t in choices if s != t]
         picks = []
         for index, pool in ((0, layout.sampler_groups), (1, layout.trainer_groups)):
             load: dict[str, float] = {}
@@ -642,10 +671,11 @@ class Planner:
         return [(s, t) for s in picks[0] for t in picks[1]]
 
 
-def _choices(pool: Sequence[str], used: set[str]) -> list[str]:
-    """The groups of ``pool`` in use, and the first unused one."""
-    fresh = [g for g in pool if g not in used][:1]
-    return [g for g in pool if g in used] + fresh
+def _choices(pool: Sequence[str], used: set[str], fresh: int = 1) -> list[str]:
+    """The groups of ``pool`` in use, and the first ``fresh`` unused ones (an async job on
+    colocated groups may open two)."""
+    unused = [g for g in pool if g not in used][:fresh]
+    return [g for g in pool if g in used] + unused
 
 
 @dataclass(frozen=True)
@@ -689,8 +719,12 @@ def _canonical(placement: PlacementMap, layout: Layout) -> tuple[tuple[str, ...]
     matter, only who shares with whom)."""
     if not layout.disaggregated:
         blocks: dict[str, list[str]] = {}
-        for job, (g, _) in placement.items():
-            blocks.setdefault(g, []).append(job)
+        for job, (s, t) in placement.items():
+            if s == t:
+                blocks.setdefault(s, []).append(job)
+            else:  # an async job's two loops
+                blocks.setdefault(s, []).append(f"{job}/sampler")
+                blocks.setdefault(t, []).append(f"{job}/trainer")
         return tuple(sorted(tuple(sorted(b)) for b in blocks.values()))
     samplers: dict[str, list[str]] = {}
     trainers: dict[str, list[str]] = {}

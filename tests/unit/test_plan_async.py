@@ -274,9 +274,9 @@ def test_two_async_jobs_fill_a_shared_trainer_that_sync_jobs_leave_half_idle() -
     assert "async k=8" in text and "async jobs (mode async)" in text
 
 
-def test_async_jobs_need_pools_and_a_mix_plans() -> None:
+def test_async_jobs_need_two_groups_and_a_mix_plans() -> None:
     with pytest.raises(ValueError, match=r"async jobs run their sampler and trainer loops at once"):
-        Planner(pair(max_staleness=8), Layout(groups=("g1", "g2")))
+        Planner(pair(max_staleness=8), Layout(groups=("g1",)))
     mixed = [pair(max_staleness=4)[0], pair()[1]]  # one async, one sync
     layout = Layout(sampler_groups=("s1", "s2"), trainer_groups=("t1",))
     planner = Planner(mixed, layout)
@@ -306,3 +306,26 @@ def test_an_async_jobs_input_reads_bare_and_after_continue_as_new() -> None:
     # Read as a sync job's, the async config is refused (its mode is no sync field).
     with pytest.raises(ValueError, match="mode"):
         started_config(bare, async_job=False)
+
+
+def test_async_jobs_on_colocated_groups_run_their_loops_on_two_and_share_with_sync_jobs() -> None:
+    """A pool's groups (colocated): an async job's loops on two different groups, never one;
+    sync jobs on one each; the search shares the groups between them."""
+    mixed = [
+        *pair(max_staleness=2),
+        rl_profile("s1", sample_s=0.5, rewards_s=3.0, train_s=0.5, epochs=20),
+        rl_profile("s2", sample_s=0.5, rewards_s=3.0, train_s=0.5, epochs=20),
+    ]
+    planner = Planner(mixed, Layout(groups=("g0", "g1", "g2", "g3", "g4")), max_slowdown=1.5)
+    result = planner.search(top=3, time_limit_s=3)
+    for assignment in result.assignments:
+        slots = {j.job_id: (j.sampler_group, j.trainer_group) for j in assignment.jobs}
+        assert slots["a"][0] != slots["a"][1] and slots["b"][0] != slots["b"][1]
+        assert slots["s1"][0] == slots["s1"][1] and slots["s2"][0] == slots["s2"][1]
+        # Each group lists every job with a loop on it, an async job's trainer group too.
+        for group in assignment.groups:
+            assert set(group.jobs) == {j for j, pt in slots.items() if group.group_id in pt}
+    best = result.assignments[0]
+    assert not best.violations
+    # Alone the four need six groups (two each for the async jobs); shared, fewer.
+    assert best.gpus_dedicated == 6 and best.gpus_used < 6
