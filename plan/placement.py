@@ -270,11 +270,18 @@ def move_cost_s(profile: JobProfile) -> float:
 
 def decide_move(inp: MoveInput) -> MoveOutcome:
     """The one move worth making now, or none and why. A move of job J to place P counts if
-    every profiled job stays within the pool's bound there, the pool's predicted utilization
-    rises by ``MIN_MOVE_GAIN`` or more, and that gain times the horizon (seconds of GPU phases
-    over the horizon, per group in use) exceeds the move's cost (``move_cost_s``); of those,
-    the largest net gain goes. Groups holding a job without a profile are not weighed (their
-    demand is unknown). Raises ``InvalidProfile``."""
+    every profiled job stays within the pool's bound there and either
+
+    - it makes room for a queued job Q (the first of ``inp.queued`` that fits, within its
+      tenant's quota, on a place sharing a group with J's old one, every job within the bound
+      with J moved and Q there): its gain is Q's GPU share alone times the horizon (the GPU
+      time Q runs instead of waiting), plus any utilization gain; or
+    - the pool's predicted utilization rises by ``MIN_MOVE_GAIN`` or more: its gain is that
+      rise times the horizon (seconds of GPU phases over the horizon, per group in use);
+
+    and that gain exceeds the move's cost (``move_cost_s``). Of those, the largest gain less
+    cost goes. Groups holding a job without a profile are not weighed (their demand is
+    unknown). Raises ``InvalidProfile``."""
     as_place = PlaceInput(
         groups=inp.groups, max_slowdown=inp.max_slowdown, placed=inp.placed,
         job=PoolJob(job_id="-"),
@@ -292,7 +299,8 @@ def decide_move(inp: MoveInput) -> MoveOutcome:
     }
     profiles = {p.job_id: (p, at) for p, at in predictor.placed}
     demands = {job_id: p.duty for job_id, (p, _) in profiles.items()}
-    best: tuple[float, str, Placement, Prediction, float] | None = None
+    waiting = _admissible(inp)
+    best: _Move | None = None
     for job_id in inp.movable:
         if job_id not in profiles:
             continue
@@ -305,27 +313,101 @@ def decide_move(inp: MoveInput) -> MoveOutcome:
             if after is None or after.worst > inp.max_slowdown + 1e-9:
                 continue
             gain = after.utilization - before.utilization
-            net = gain * inp.horizon_s - cost
-            if gain >= MIN_MOVE_GAIN and net > 0 and (best is None or net > best[0]):
-                best = (net, job_id, at, after, cost)
+            room = _room_made(inp, predictor, waiting, (profile, at), here, unknown)
+            if room is not None:
+                queued, admitted = room
+                net = (queued.duty + max(gain, 0.0)) * inp.horizon_s - cost
+                move = _Move(net, cost, job_id, at, after, queued.job_id, admitted)
+            elif gain >= MIN_MOVE_GAIN:
+                move = _Move(gain * inp.horizon_s - cost, cost, job_id, at, after)
+            else:
+                continue
+            if move.net > 0 and (best is None or move.net > best.net):
+                best = move
     if best is None:
         return MoveOutcome(
-            reason=f"no move: none gains {MIN_MOVE_GAIN:.0%} of pool utilization or more, and "
-            f"more than it costs over {inp.horizon_s:g} s, within the bound "
-            f"{inp.max_slowdown:g}x (pool utilization {before.utilization:.0%})",
+            reason=f"no move: none gains {MIN_MOVE_GAIN:.0%} of pool utilization or more, or "
+            f"makes room for a queued job, and more than it costs over {inp.horizon_s:g} s, "
+            f"within the bound {inp.max_slowdown:g}x (pool utilization {before.utilization:.0%})",
             demands=demands,
         )
-    net, job_id, at, after, cost = best
-    gain = (after.utilization - before.utilization) * 100
+    gain = (best.after.utilization - before.utilization) * 100
+    job_id, after = best.job_id, best.after
+    why = f"moved {job_id} to {_where(best.placement)}"
+    if best.makes_room_for is not None and best.admitted is not None:
+        q = best.makes_room_for
+        why += (
+            f" to make room for {q} (then {q} {best.admitted.slowdowns[q]:.2f}x, worst job "
+            f"{best.admitted.worst:.2f}x)"
+        )
     return MoveOutcome(
         job_id=job_id,
-        placement=at,
-        reason=f"moved {job_id} to {_where(at)}: pool utilization {gain:+.0f} points (to "
-        f"{after.utilization:.0%}), {job_id} {after.slowdowns[job_id]:.2f}x, worst job "
-        f"{after.worst:.2f}x; gains {net + cost:.1f} s over {inp.horizon_s:g} s, costs "
-        f"{cost:.1f} s",
+        placement=best.placement,
+        reason=f"{why}: pool utilization {gain:+.0f} points (to {after.utilization:.0%}), "
+        f"{job_id} {after.slowdowns[job_id]:.2f}x, worst job {after.worst:.2f}x; gains "
+        f"{best.net + best.cost:.1f} s over {inp.horizon_s:g} s, costs {best.cost:.1f} s",
         demands=demands,
+        makes_room_for=best.makes_room_for,
     )
+
+
+@dataclass(frozen=True)
+class _Move:
+    net: float
+    cost: float
+    job_id: str
+    placement: Placement
+    after: Prediction
+    makes_room_for: str | None = None
+    admitted: Prediction | None = None
+
+
+#: How many of the queue's first jobs a move is weighed for (each costs simulations).
+QUEUE_LOOKAHEAD = 2
+
+
+def _admissible(inp: MoveInput) -> list[JobProfile]:
+    """The queue's first jobs with a profile that their tenants' quotas let in now."""
+    found: list[JobProfile] = []
+    for job in inp.queued:
+        profile = job_profile(job)
+        if profile is None:
+            continue
+        check = PlaceInput(
+            groups=inp.groups, max_slowdown=inp.max_slowdown, placed=inp.placed, job=job,
+            tenants=inp.tenants,
+        )  # fmt: skip
+        try:
+            if _over_quota(check, profile) is not None:
+                continue
+        except QuotaBelowDemand:
+            continue
+        found.append(profile)
+        if len(found) == QUEUE_LOOKAHEAD:
+            break
+    return found
+
+
+def _room_made(
+    inp: MoveInput,
+    predictor: Predictor,
+    waiting: list[JobProfile],
+    moved: tuple[JobProfile, Placement],
+    here: Placement,
+    unknown: set[str],
+) -> tuple[JobProfile, Prediction] | None:
+    """The first waiting job that fits once ``moved`` is moved: on a place sharing a group
+    with the one it leaves (only there did room appear), every job within the bound."""
+    freed = _groups_of(here)
+    names = [g.name for g in inp.groups]
+    for queued in waiting:
+        for at in candidates(names, queued.mode):
+            if not (_groups_of(at) & freed) or _groups_of(at) & unknown:
+                continue
+            with_it = predictor.predict([moved, (queued, at)], without=moved[0].job_id)
+            if with_it is not None and with_it.worst <= inp.max_slowdown + 1e-9:
+                return queued, with_it
+    return None
 
 
 @activity.defn(name=MOVE_DECISION_ACTIVITY)

@@ -285,11 +285,18 @@ def tenant_holds(jobs: list[PoolJob], tenant: str) -> float:
 def admission_order(waiting: list[PoolJob], placed: list[PoolJob], config: PoolConfig) -> PoolJob:
     """The queued job the pool tries first: of the tenant that holds the least demand per
     weight (weighted fair shares), the earliest in the queue."""
+    return admission_queue(waiting, placed, config)[0]
+
+
+def admission_queue(
+    waiting: list[PoolJob], placed: list[PoolJob], config: PoolConfig
+) -> list[PoolJob]:
+    """The queue in the order ``admission_order`` would try it as things stand."""
 
     def share(job: PoolJob) -> float:
         return tenant_holds(placed, job.tenant_name) / config.limits(job.tenant).weight
 
-    return min(waiting, key=lambda j: (share(j), waiting.index(j)))
+    return sorted(waiting, key=lambda j: (share(j), waiting.index(j)))
 
 
 class MoveOrder(_Model):
@@ -359,6 +366,10 @@ class MoveInput(_Model):
     placed: list[PoolJob]
     movable: list[str]
     horizon_s: float
+    # The queue, first to be admitted first: a move that makes room for one of them within
+    # the bound counts that job's GPU time over the horizon as its gain.
+    queued: list[PoolJob] = Field(default_factory=list)
+    tenants: dict[str, TenantLimits] = Field(default_factory=dict)
 
 
 class MoveOutcome(_Model):
@@ -369,6 +380,7 @@ class MoveOutcome(_Model):
     placement: Placement | None = None
     reason: str
     demands: dict[str, float] = Field(default_factory=dict)
+    makes_room_for: str | None = Field(None, description="the queued job the move lets in")
 
 
 class Decision(_Model):

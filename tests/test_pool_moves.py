@@ -212,6 +212,79 @@ def test_a_job_moved_by_hand_resumes_on_its_new_group_after_its_process_is_kille
     assert shown.returncode != 0 and "has placed no job" in shown.stderr, shown
 
 
+def _profile(sample_s: float, reward_s: float, train_s: float, epochs: int) -> dict[str, Any]:
+    return {
+        "epochs": epochs,
+        "phases": [
+            {"name": "sample", "gpu": True, "pool": "sampler", "seconds": sample_s},
+            {"name": "rewards", "gpu": False, "seconds": reward_s},
+            {"name": "train", "gpu": True, "pool": "trainer", "seconds": train_s},
+        ],
+    }
+
+
+def test_a_job_that_arrives_and_waits_gets_room_made_by_a_move(stack: Stack, address: str) -> None:
+    """Two light jobs spread over the pool's two groups (one moved there by hand); a heavy job
+    arrives that fits beside neither (predicted 1.38x): the pool orders one light job
+    onto the other's group to make room for it, and places it on the group that frees."""
+    pool, uid = f"qpool-{_uid()}", _uid()
+    groups = [f"qg1-{uid}", f"qg2-{uid}"]
+    lights, heavy = [f"ql{i}-{uid}" for i in range(2)], f"qh-{uid}"
+    light_epochs, heavy_epochs = 16, 4
+    heavy_options = {"sample_s": 1.0, "reward_s": 0.02, "train_s": 1.0, "state_bytes": 1 << 16}
+    stack.job_workers(*(JobWorker((j,), "simulated", ("--threads", "1")) for j in [*lights, heavy]))
+
+    async def run() -> tuple[list[RLJobResult], PoolStatus]:
+        client = await connect(connect_config(address))
+        config = PoolConfig(
+            pool=pool, groups=[PoolGroup(name=g) for g in groups], move_every_epochs=1
+        )
+        await create_pool(client, config)
+        light_profile = _profile(0.1, 0.6, 0.1, light_epochs)
+        handles = [
+            await start_rl_job(
+                client, parse_job_config(_job(j, pool, light_epochs, profile=light_profile))
+            )
+            for j in lights
+        ]
+        await _until(lambda: _placed(client, pool, 2), "both light jobs placed", timeout=60)
+        status = await pool_status(client, pool)
+        at = {j.job_id: j.placement.sampler_group for j in status.jobs if j.placement}
+        assert at[lights[0]] == at[lights[1]], at  # packed as they arrive
+        spare = next(g for g in groups if g != at[lights[1]])
+        await _until(lambda: _epoch_at_least(client, lights[1], 1), "a light job's first epoch")
+        await move_pool_job(client, pool, lights[1], spare)
+        await _until(lambda: _has_moved(client, lights[1]), "the hand move taken")
+        await _until(lambda: _settled(client, pool), "the pool saw the move")
+        heavy_config = _job(heavy, pool, heavy_epochs, profile=_profile(1.0, 0.02, 1.0, 4))
+        heavy_config["workload_options"] = heavy_options
+        handles.append(await start_rl_job(client, parse_job_config(heavy_config)))
+        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        return results, await pool_status(client, pool)
+
+    results, status = asyncio.run(run())
+    reasons = [d.reason for d in status.decisions]
+    queued = next(i for i, r in enumerate(reasons) if r.startswith(f"queued {heavy}: "))
+    made = next(i for i, r in enumerate(reasons) if f" to make room for {heavy} " in r)
+    mover = reasons[made].split(" ")[1]
+    assert mover in lights and queued < made, reasons
+    freed = next(g for g in groups if f"moved {mover} to {g} " not in reasons[made])
+    placed = next(i for i, r in enumerate(reasons) if r.startswith(f"placed {heavy} on "))
+    assert placed > made and reasons[placed].startswith(f"placed {heavy} on {freed}:"), reasons
+    result = {r.job_id: r for r in results}
+    assert _groups_by_epoch(result[heavy]) == {e: {freed} for e in range(heavy_epochs)}
+    for r in results:
+        assert [rec.epoch for rec in r.records] == list(range(r.epochs_done)), r.job_id
+    assert result[lights[0]].epochs_done == result[lights[1]].epochs_done == light_epochs
+    _assert_no_overlap_on(groups, results)
+
+
+async def _settled(client: Client, pool: str) -> bool:
+    """Every job the pool placed is where the pool thinks it is (no move under way)."""
+    status = await pool_status(client, pool)
+    return all(j.moving_from is None for j in status.jobs)
+
+
 async def _placed(client: Client, pool: str, count: int) -> bool:
     status = await pool_status(client, pool)
     return sum(1 for j in status.jobs if j.placement is not None) == count

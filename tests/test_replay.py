@@ -20,7 +20,7 @@ from timeslice.workflows.group_patches import (
     ONE_DEADLINE_TIMER,
     STREAMED_SWITCHES,
 )
-from timeslice.workflows.pool import POOL_DECISION_EVENTS, POOL_MOVES
+from timeslice.workflows.pool import POOL_DECISION_EVENTS, POOL_MOVES, POOL_MOVES_FOR_QUEUE
 from timeslice.workflows.pool_job import POOL_MOVES as JOB_POOL_MOVES
 from timeslice.workflows.rl_job import JOB_PROTOCOL_V5, SEARCHED_STATES_ONLY
 
@@ -71,6 +71,7 @@ def _patch_markers(text: str) -> set[str]:
         LABELLED_LEASE_WAITS,
         POOL_MOVES,
         POOL_DECISION_EVENTS,
+        POOL_MOVES_FOR_QUEUE,
     ],
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):
@@ -85,10 +86,18 @@ def test_a_stored_history_takes_the_patched_path(patch: str):
 def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
     """The pool's weighing and the job's move and measured profile share a patch id, so the
     stored pool histories from before moves (``pool_*``, recorded on the code before) replay
-    with neither, and those after (``pool_moves_*``) with both."""
+    with neither, and those after (``pool_moves_*``) with both (every pool, and the jobs that
+    moved or measured their profile)."""
     assert POOL_MOVES == JOB_POOL_MOVES
+    recordings: dict[str, list[bool]] = {}
     for path in HISTORIES:
-        if path.name.startswith("pool_"):
-            moved = path.name.startswith("pool_moves_")
-            markers = _patch_markers(path.read_text())
-            assert (POOL_MOVES in markers) is moved, path.name
+        if not path.name.startswith("pool_"):
+            continue
+        marked = POOL_MOVES in _patch_markers(path.read_text())
+        if not path.name.startswith("pool_moves_"):
+            assert not marked, path.name
+        elif "_pool" in path.name:
+            assert marked, path.name
+        else:  # a job that neither moved nor measured its profile has no need of the patch
+            recordings.setdefault(path.name.rsplit("_job", 1)[0], []).append(marked)
+    assert recordings and all(any(jobs) for jobs in recordings.values()), recordings

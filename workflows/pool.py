@@ -51,6 +51,7 @@ from timeslice.protocol.pool import (
     PoolStatus,
     PoolUpdate,
     admission_order,
+    admission_queue,
     pool_workflow_id,
 )
 from timeslice.protocol.rl_job import JobSignal, rl_job_workflow_id
@@ -60,6 +61,9 @@ _ACTIVITY_TIMEOUT = timedelta(seconds=60)
 POOL_MOVES = "pool-moves"
 # workflow.patched id: each decision is an event of the pool's history (a memo upsert).
 POOL_DECISION_EVENTS = "pool-decision-events"
+# workflow.patched id: a job that arrives and waits has a move weighed for it, and every move
+# weighed counts the room it makes for the queue.
+POOL_MOVES_FOR_QUEUE = "pool-moves-for-queue"
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -159,6 +163,12 @@ class PoolWorkflow:
                 if refused is not None:
                     self._status.jobs.remove(job)
                     raise ApplicationError(refused, type="PlacementRefused", non_retryable=True)
+                if (
+                    job.placement is None
+                    and self._status.config.auto_move
+                    and workflow.patched(POOL_MOVES_FOR_QUEUE)
+                ):
+                    await self._weigh_a_move()  # a move may make room for it
             return PlaceAnswer(placement=job.placement, queued_because=job.queued_because)
 
     @place.validator
@@ -318,6 +328,12 @@ class PoolWorkflow:
             return
         if not workflow.patched(POOL_MOVES):  # a pool's history from before moves replays
             return
+        queued: list[PoolJob] = []
+        # While a move is under way, the room it makes is the queue's already.
+        if can_move and not any(j.moving_from for j in placed):
+            waiting = [j for j in self._status.jobs if j.placement is None]
+            if waiting and workflow.patched(POOL_MOVES_FOR_QUEUE):
+                queued = admission_queue(waiting, placed, config)
         try:
             outcome = await workflow.execute_activity(
                 MOVE_DECISION_ACTIVITY,
@@ -327,6 +343,8 @@ class PoolWorkflow:
                     placed=placed,
                     movable=movable if can_move else [],
                     horizon_s=config.move_horizon_s,
+                    queued=queued,
+                    tenants=config.tenants,
                 ),
                 result_type=MoveOutcome,
                 start_to_close_timeout=_ACTIVITY_TIMEOUT,

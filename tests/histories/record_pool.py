@@ -1,12 +1,16 @@
 """Record PoolWorkflow and pool-placed RLJobWorkflow histories.
 
     .venv/bin/python -m tests.histories.record_pool PREFIX EPOCHS
+    .venv/bin/python -m tests.histories.record_pool pool_moves_queue queue
 
 A pool of two groups and two light `simulated` jobs placed without profiles (one per group),
 ``EPOCHS`` epochs each, a checkpoint every two. With 4 epochs (``pool_run``, recorded on the
 code before pools moved jobs) nothing moves; with 8 (``pool_moves_run``) each job sends the
 profile it measured and the pool moves one of them at a checkpoint boundary (the `pool-moves`
-patch). Writes `<PREFIX>_pool<N>.json` and `<PREFIX>_job<N>.json`; `tests/test_replay.py`
+patch). ``queue`` (``pool_moves_queue``): the two jobs declare their profiles and are placed on
+one group, one is moved to the other by hand, and a heavy job arrives that fits beside neither:
+the pool moves a light job to make room for it (the `pool-moves-for-queue` patch). Writes
+`<PREFIX>_pool<N>.json` and `<PREFIX>_job<N>.json`; `tests/test_replay.py`
 replays them. Re-record only when the pool or the RL job workflow changes on purpose.
 """
 
@@ -15,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from temporalio.client import Client
 from timeslice.cli.server import EmbeddedServer, free_port
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.pools import PoolConfig, PoolGroup, create_pool
@@ -44,9 +50,80 @@ async def drive(address: str, prefix: str, epochs: int) -> int:
         handles.append(await start_rl_job(client, parse_job_config(config)))
     await asyncio.gather(*(h.result() for h in handles))
     await pool.terminate("recorded")
+    return await _write(client, prefix, JOBS)
+
+
+HEAVY = "pool-heavy"
+HEAVY_OPTIONS = {"sample_s": 1.0, "reward_s": 0.02, "train_s": 1.0, "state_bytes": 1 << 16}
+
+
+def _profile(options: dict[str, float], epochs: int) -> dict[str, object]:
+    return {
+        "epochs": epochs,
+        "phases": [
+            {"name": "sample", "gpu": True, "pool": "sampler", "seconds": options["sample_s"]},
+            {"name": "rewards", "gpu": False, "seconds": options["reward_s"]},
+            {"name": "train", "gpu": True, "pool": "trainer", "seconds": options["train_s"]},
+        ],
+    }
+
+
+async def drive_queue(address: str, prefix: str) -> int:
+    """The queue scenario (tests/test_pool_moves.py's, recorded)."""
+    from timeslice.pools import move_pool_job, pool_status
+    from timeslice.protocol.rl_job import RLJobProgress
+
+    client = await connect(connect_config(address))
+    groups = [PoolGroup(name=f"{POOL}-g{i}") for i in (1, 2)]
+    pool = await create_pool(client, PoolConfig(pool=POOL, groups=groups, move_every_epochs=1))
+    handles = []
+    for job in JOBS:
+        config = {"job_id": job, "workload": "simulated", "workload_options": OPTIONS,
+                  "pool": POOL, "epochs": 12, "checkpoint_every": 2,
+                  "profile": _profile(OPTIONS, 12)}  # fmt: skip
+        handles.append(await start_rl_job(client, parse_job_config(config)))
+
+    async def until(probe: Callable[[], Awaitable[bool]]) -> None:
+        for _ in range(1200):
+            if await probe():
+                return
+            await asyncio.sleep(0.1)
+        raise SystemExit("the queue scenario did not reach its next step in 120 s")
+
+    async def placed() -> bool:
+        return sum(1 for j in (await pool_status(client, POOL)).jobs if j.placement) == 2
+
+    async def moved() -> bool:
+        handle = client.get_workflow_handle(rl_job_workflow_id(JOBS[1]))
+        progress = await handle.query("progress", result_type=RLJobProgress)
+        return bool(progress.moves) and progress.epoch > progress.moves[-1].epoch
+
+    async def settled() -> bool:
+        return all(j.moving_from is None for j in (await pool_status(client, POOL)).jobs)
+
+    await until(placed)
+    status = await pool_status(client, POOL)
+    here = next(j.placement.sampler_group for j in status.jobs if j.job_id == JOBS[1])
+    spare = next(g.name for g in groups if g.name != here)
+    await move_pool_job(client, POOL, JOBS[1], spare)
+    await until(moved)
+    await until(settled)
+    config = {"job_id": HEAVY, "workload": "simulated", "workload_options": HEAVY_OPTIONS,
+              "pool": POOL, "epochs": 4, "checkpoint_every": 2,
+              "profile": _profile(HEAVY_OPTIONS, 4)}  # fmt: skip
+    handles.append(await start_rl_job(client, parse_job_config(config)))
+    await asyncio.gather(*(h.result() for h in handles))
+    reasons = [d.reason for d in (await pool_status(client, POOL)).decisions]
+    if not any(f"to make room for {HEAVY}" in r for r in reasons):
+        raise SystemExit(f"no move made room for {HEAVY}: {reasons}")
+    await pool.terminate("recorded")
+    return await _write(client, prefix, (*JOBS, HEAVY))
+
+
+async def _write(client: Client, prefix: str, jobs: tuple[str, ...]) -> int:
     written = 0
     for kind, workflow_id in [("pool", pool_workflow_id(POOL))] + [
-        (f"job{i}_", rl_job_workflow_id(job)) for i, job in enumerate(JOBS)
+        (f"job{i}_", rl_job_workflow_id(job)) for i, job in enumerate(jobs)
     ]:
         async for n, wf in _enumerate(client.list_workflows(f"WorkflowId = '{workflow_id}'")):
             history = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
@@ -56,12 +133,13 @@ async def drive(address: str, prefix: str, epochs: int) -> int:
 
 
 def main() -> None:
-    prefix, epochs = sys.argv[1], int(sys.argv[2])
+    prefix, epochs = sys.argv[1], sys.argv[2]
+    jobs = (*JOBS, HEAVY) if epochs == "queue" else JOBS
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedServer(port=free_port(), ui_port=None, db=Path(tmp) / "t.db").start()
         procs = [start_worker(server.address, Path(tmp) / "worker.log")]
         try:
-            for job in JOBS:
+            for job in jobs:
                 procs.append(
                     start_service(
                         ["job", "worker", "--address", server.address, "--job-id", job,
@@ -72,7 +150,10 @@ def main() -> None:
                 )  # fmt: skip
             for old in HERE.glob(f"{prefix}_*.json"):
                 old.unlink()
-            written = asyncio.run(drive(server.address, prefix, epochs))
+            if epochs == "queue":
+                written = asyncio.run(drive_queue(server.address, prefix))
+            else:
+                written = asyncio.run(drive(server.address, prefix, int(epochs)))
             print(f"wrote {written} histories to {HERE}")
         finally:
             for proc in reversed(procs):

@@ -18,6 +18,7 @@ from timeslice.protocol.pool import (
     PoolConfig,
     PoolGroup,
     PoolJob,
+    TenantLimits,
 )
 from timeslice.protocol.rl_job import CheckpointRef, RLJobState
 from timeslice.workflows.pool_job import move_due
@@ -139,3 +140,54 @@ def test_move_inputs_are_checked() -> None:
         JobProfiled(job_id="j", profile={"x": "y" * 20_000})
     assert PoolGroup(name="g") in PoolConfig(pool="p", groups=groups("g")).groups
     assert profile(0.2, 0.8) == LIGHT
+
+
+def weigh_for(jobs: list[PoolJob], queued: list[PoolJob], **tenants: TenantLimits) -> Any:
+    return decide_move(
+        MoveInput(
+            groups=groups("g1", "g2"),
+            max_slowdown=BOUND,
+            placed=jobs,
+            movable=[j.job_id for j in jobs],
+            horizon_s=600.0,
+            queued=queued,
+            tenants=tenants,
+        )
+    )
+
+
+def test_a_move_that_makes_room_for_a_queued_job_says_so_and_counts_its_gpu_time() -> None:
+    spread = [placed("a", "g1", LIGHT, None), placed("b", "g2", LIGHT, None)]
+    outcome = weigh_for(spread, [PoolJob(job_id="c", profile=HEAVY)])
+    assert outcome.job_id in {"a", "b"} and outcome.makes_room_for == "c"
+    assert f"moved {outcome.job_id} to " in outcome.reason and " to make room for c (then c " in (
+        outcome.reason
+    )
+    # Its gain: c's 0.9 of a group over the 600 s horizon, and the packing's own.
+    gains = float(outcome.reason.split("gains ")[1].split(" s")[0])
+    assert gains >= 0.9 * 600
+    # Without the queue, the same packing is weighed on utilization alone.
+    alone = weigh_for(spread, [])
+    assert alone.makes_room_for is None and gains > float(
+        alone.reason.split("gains ")[1].split(" s")[0]
+    )
+
+
+def test_no_room_is_made_for_a_job_that_would_break_the_bound_or_its_quota() -> None:
+    # A heavy beside each light: no move frees a group the queued heavy fits on.
+    full = [
+        placed("a", "g1", LIGHT, None),
+        placed("h1", "g1", HEAVY, None),
+        placed("b", "g2", LIGHT, None),
+        placed("h2", "g2", HEAVY, None),
+    ]
+    assert weigh_for(full, [PoolJob(job_id="c", profile=HEAVY)]).makes_room_for is None
+    # A tenant holding its whole quota gets no room made for its next job.
+    spread = [
+        placed("a", "g1", LIGHT, None).model_copy(update={"tenant": "t", "demand": 0.2}),
+        placed("b", "g2", LIGHT, None).model_copy(update={"tenant": "t", "demand": 0.2}),
+    ]
+    over = PoolJob(job_id="c", profile=HEAVY, tenant="t")
+    outcome = weigh_for(spread, [over], t=TenantLimits(quota=1.0))
+    assert outcome.makes_room_for is None
+    assert weigh_for(spread, [over], t=TenantLimits(quota=2.0)).makes_room_for == "c"
