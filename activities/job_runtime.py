@@ -567,6 +567,7 @@ class JobRuntime:
                             task_queue=self.session.task_queue,
                             backends=names,
                             room=self.homes.room_id(names),
+                            on_host=self.homes.on_host(names),
                         )
                     ]
                 )

@@ -36,6 +36,7 @@ from timeslice.snapshot.base import (
     SnapshotError,
     SnapshotRequest,
     StreamingBackend,
+    on_host,
     streams,
 )
 from timeslice.snapshot.device_room import DeviceRoom, DeviceRooms
@@ -111,6 +112,19 @@ class StateHomes:
         if self._rooms is None or not moved or not all(streams(b) for b in moved):
             return None
         return self._rooms.id
+
+    def on_host(self, names: list[str]) -> bool:
+        """Whether every named state lives in host memory (``snapshot.base.on_host``): the job's
+        snapshot target tells the group its evictions free no device memory.
+
+        Args:
+            names: State names.
+
+        Returns:
+            True only if there is one such state and all are.
+        """
+        moved = [self.backends[n] for n in names if n in self.backends]
+        return bool(moved) and all(on_host(b) for b in moved)
 
     def set_memory(self, group_id: str, memory_bytes: int | None) -> None:
         """The group's declared memory, from its grant: what the room holds restores to."""

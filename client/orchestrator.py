@@ -40,7 +40,7 @@ from timeslice.session.arguments import check_timeout
 from timeslice.session.engine import Engine
 from timeslice.session.lease import Lease
 from timeslice.session.lease_session import SessionSettings
-from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError
+from timeslice.snapshot.base import Capability, SnapshotBackend, SnapshotError, on_host
 from timeslice.snapshot.processes import JOB_ENV, process_start_time
 from timeslice.snapshot.registration import JOB_TOKEN_ENV, AgentRegistration
 from timeslice.snapshot.registry import BACKENDS, Placement, create, node_agent_backends
@@ -202,7 +202,13 @@ class _ClientBase:
         the queues of other processes that hold the job's state (``elsewhere``)."""
         queues = _elsewhere(elsewhere, self.task_queue)
         if backends:
-            queues.append(QueueTarget(task_queue=self.task_queue, backends=list(backends)))
+            queues.append(
+                QueueTarget(
+                    task_queue=self.task_queue,
+                    backends=list(backends),
+                    on_host=all(on_host(b) for b in backends.values()),
+                )
+            )
         if node is not None:
             on_node = list(node_backends or node_agent_backends())
             processes = []

@@ -559,10 +559,19 @@ class QueueTarget(_Model):
         "one streams (the next job's restore runs beside this eviction, taking only the room it "
         "frees) when the group declared its memory; absent when None",
     )
+    on_host: bool = Field(
+        False,
+        description="every state this queue moves lives in host memory (torch on the CPU): "
+        "its eviction frees no device memory, so a switch to a job whose queues all say so "
+        "too restores beside it, memory declared or not; absent when False",
+    )
 
     @model_serializer(mode="wrap")
     def _omit_no_room(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _omit_none(handler(self), self, ("room",))
+        data = _omit_none(handler(self), self, ("room",))
+        if not self.on_host and isinstance(data, dict):
+            data.pop("on_host", None)  # what groups of earlier releases read
+        return data
 
 
 class SnapshotTarget(_Model):

@@ -183,6 +183,30 @@ def streams(backend: SnapshotBackend) -> bool:
     return _declares(backend, Capability.STREAMS, StreamingBackend, "hold_in")
 
 
+@runtime_checkable
+class HostResidentBackend(SnapshotBackend, Protocol):
+    """A backend that can say its state lives in host memory (torch tensors on the CPU): there
+    is no device memory for a switch to free, so the group need not wait for this state's
+    eviction before it restores another job's."""
+
+    def resides_on_host(self) -> bool:
+        """Whether every byte this backend moves lives in host memory now."""
+        ...
+
+
+def on_host(backend: SnapshotBackend) -> bool:
+    """Whether ``backend``'s state lives in host memory (False for any backend that cannot
+    say: its state is taken to be on a device).
+
+    Args:
+        backend: Any backend.
+
+    Returns:
+        True only for a :class:`HostResidentBackend` that says so.
+    """
+    return isinstance(backend, HostResidentBackend) and backend.resides_on_host()
+
+
 def _declares(backend: SnapshotBackend, capability: Capability, kind: type, what: str) -> bool:
     """Whether ``backend`` declares ``capability``; a ``SnapshotError`` if it does without
     being a ``kind`` (the protocol that has ``what``)."""

@@ -41,6 +41,8 @@ class SimulatedBackend:
             bytes, and ``move`` (or ``hold``: state counted where it was built, ``hold_in``).
             A witness of what was resident when, independent of the room's own ledger (the
             tests sum it).
+        state_on_host: The state stands for one in host memory (torch on the CPU): the job
+            process tells its groups a switch frees no device memory.
 
     Raises:
         ValueError: A negative size or duration, or a chunk size that is not positive.
@@ -57,6 +59,7 @@ class SimulatedBackend:
         restore_s: float | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         trace: Path | None = None,
+        state_on_host: bool = False,
     ) -> None:
         for label, value in (("nbytes", nbytes), ("snapshot_s", snapshot_s)):
             if value < 0:
@@ -70,12 +73,22 @@ class SimulatedBackend:
         self.restore_s = snapshot_s if restore_s is None else restore_s
         self.chunk_bytes = chunk_bytes
         self.trace = trace
+        self.state_on_host = state_on_host
         self._out: set[str] = set()  # jobs whose (simulated) state is in host memory
 
     @property
     def registered_bytes(self) -> int:
         """The configured ``nbytes``."""
         return self.nbytes
+
+    def resides_on_host(self) -> bool:
+        """Whether the simulated state stands for one in host memory (torch on the CPU), whose
+        switches free no device memory.
+
+        Returns:
+            ``state_on_host``.
+        """
+        return self.state_on_host
 
     @property
     def evicted(self) -> bool:

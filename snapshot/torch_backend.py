@@ -234,6 +234,16 @@ class TorchBackend(BlockingBackend):
         """Bytes that one snapshot moves: the selected tensors' distinct storages."""
         return sum(e.nbytes for e in self._plan())
 
+    def resides_on_host(self) -> bool:
+        """Whether every selected storage is CPU memory (a model trained on the CPU): a
+        switch then frees no device memory (``snapshot.base.on_host``).
+
+        Returns:
+            True if something is selected and all of it is on the CPU.
+        """
+        entries = self._plan()
+        return bool(entries) and all(e.device.type == "cpu" for e in entries)
+
     def reserve_host_buffers(self, *, background: bool = True) -> ArenaTimes | None:
         """Make the kept host buffers now, so the first switch costs what later ones do.
 

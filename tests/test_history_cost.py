@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -242,22 +243,28 @@ _CONTENDED = {"sample_s": 0.25, "reward_s": 0.02, "train_s": 0.25, "state_bytes"
 GROUP_EVENTS_PER_LEASE = 15.5
 
 
-def test_a_shared_groups_lease_costs_no_eviction_report_of_its_own(address, group, tmp_path):
-    """Two job processes take turns on one group with memory for both. A holder that evicts its
-    own state on release once reported it with an update of its own; the group now lets that
-    report wait for the holder's next release there (the next holder's restore never waited for
-    it), so a lease reads as acquire, release and a renewal at most on the group's timeline."""
+@pytest.mark.parametrize("room", ["memory-for-both", "host-memory"])
+def test_a_shared_groups_lease_costs_no_eviction_report_of_its_own(address, group, tmp_path, room):
+    """Two job processes take turns on one group with memory for both, or with no memory
+    declared and states in host memory (as torch's on the CPU, the README's jobs). A holder
+    that evicts its own state on release once reported it with an update of its own; the group
+    now lets that report wait for the holder's next release there (the next holder's restore
+    never waited for it), so a lease reads as acquire, release and a renewal at most on the
+    group's timeline."""
     epochs = 4
     jobs = [f"pair{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
     per_job = 2 * _CONTENDED["state_bytes"]  # simulated jobs have a sampler and a trainer state
+    on_host = room == "host-memory"
+    options = {**_CONTENDED, "state_on_host": True} if on_host else _CONTENDED
+    memory = None if on_host else 2 * per_job
 
     async def go() -> list[RLJobResult]:
         client = await connect(connect_config(address))
         await start_group(
-            client, GroupConfig(group_id=group, memory_bytes=2 * per_job, grant_policy="fifo")
+            client, GroupConfig(group_id=group, memory_bytes=memory, grant_policy="fifo")
         )
         return await run_simulated_jobs(
-            client, jobs, group, _CONTENDED, epochs=epochs, checkpoint_every=epochs
+            client, jobs, group, options, epochs=epochs, checkpoint_every=epochs
         )
 
     procs = [_job_process(address, job, tmp_path) for job in jobs]

@@ -317,3 +317,23 @@ def test_a_restore_streams_behind_another_jobs_eviction_within_the_room(tmp_path
     assert status.peak <= out.registered_bytes and status.used == back.registered_bytes
     assert all(t.untyped_storage().nbytes() == 0 for t in out_tensors)
     assert all(torch.equal(t, e) for t, e in zip(back_tensors, expected, strict=True))
+
+
+def test_state_on_the_cpu_says_it_lives_in_host_memory_and_device_state_does_not():
+    """The job process tells its groups a switch of CPU state frees no device memory
+    (``snapshot.base.on_host``); a tensor on any other device (here ``meta``, which every
+    build has) is device state, and a backend with nothing registered says nothing."""
+    from timeslice.snapshot.base import on_host
+
+    model, _ = make()
+    cpu = TorchBackend()
+    cpu.register_module("policy", model)
+    assert cpu.resides_on_host() and on_host(cpu)
+    asyncio.run(cpu.snapshot(SnapshotRequest("j")))  # evicted: its host copy, still on host
+    assert cpu.evicted and on_host(cpu)
+    asyncio.run(cpu.restore(SnapshotRequest("j")))
+    mixed = TorchBackend()
+    mixed.register_module("policy", model)
+    mixed.register_tensor("kv", torch.empty(4, 4, device="meta"))
+    assert not on_host(mixed)
+    assert not on_host(TorchBackend())

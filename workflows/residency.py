@@ -189,7 +189,7 @@ class Residency(BookPiece):
 
     def overlaps(self, resident: ResidentJob | None, request: AcquireRequest) -> bool:
         """Whether ``resident``'s eviction may run beside ``request``'s grant and restore:
-        both states fit, or the switch streams.
+        both states fit, the switch streams, or both live in host memory.
 
         Args:
             resident: the job on the device (or on its way out).
@@ -198,7 +198,26 @@ class Residency(BookPiece):
         Returns:
             True if nobody need wait for the eviction.
         """
-        return self.both_fit(resident, request) or self.streams(resident, request)
+        return (
+            self.both_fit(resident, request)
+            or self.streams(resident, request)
+            or self.both_on_host(resident, request)
+        )
+
+    @staticmethod
+    def both_on_host(resident: ResidentJob | None, request: AcquireRequest) -> bool:
+        """Whether every queue of both jobs says its states live in host memory (torch on the
+        CPU): no device memory is freed or taken, so nothing need wait for the eviction.
+
+        Args:
+            resident: the job on the device (or on its way out).
+            request: the request to be granted.
+
+        Returns:
+            True only if both named their queues and every one says ``on_host``.
+        """
+        targets = (resident.snapshot if resident is not None else None, request.snapshot)
+        return all(t is not None and all(q.on_host for q in t.queues) for t in targets)
 
     def memory_for(self, request: AcquireRequest) -> int | None:
         """What a grant tells ``request`` of the group's memory: the declared bytes if its

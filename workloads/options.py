@@ -429,6 +429,11 @@ class SimulatedOptions(WorkloadOptions):
     residency_trace: str = option(
         "", "a file each chunk's arrival on and departure from the device is appended to"
     )
+    state_on_host: bool = option(
+        False,
+        "the states stand for host memory (torch on the CPU): a switch frees no device memory, "
+        "so the next job's restore does not wait for this job's eviction",
+    )
 
     def _check(self) -> None:
         for f in dataclasses.fields(self):
@@ -442,13 +447,14 @@ class SimulatedOptions(WorkloadOptions):
         from ``state_bytes``).
 
         Returns:
-            Option name to value, for every option but ``shared_state`` and
-            ``residency_trace``.
+            Option name to value, for every option but ``shared_state``, ``state_on_host``
+            and ``residency_trace``.
         """
         values = {
             f.name: float(getattr(self, f.name))
             for f in dataclasses.fields(self)
-            if f.name not in ("shared_state", "residency_trace", "restore_s", "sync_bytes")
+            if f.name
+            not in ("shared_state", "residency_trace", "restore_s", "sync_bytes", "state_on_host")
         }
         values["restore_s"] = self.snapshot_s if self.restore_s is None else self.restore_s
         values["sync_bytes"] = self.state_bytes if self.sync_bytes is None else self.sync_bytes

@@ -5,7 +5,8 @@ duration, and every switch moves a simulated state of configured size and time. 
 optional): ``sample_s`` 1.0, ``reward_s`` 1.5, ``train_s`` 0.5, ``state_bytes`` 0 (per state),
 ``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``), ``shared_state`` false,
 ``chunk_bytes`` (a move's chunk, 64 MiB), ``residency_trace`` (a file each chunk's arrival on
-and departure from a device is appended to, for tests: ``SimulatedBackend``'s ``trace``).
+and departure from a device is appended to, for tests: ``SimulatedBackend``'s ``trace``),
+``state_on_host`` false (states that stand for host memory, as torch's on the CPU).
 
 It also runs as an async job (``"mode": "async"``): the sampler holds its lease ``sample_s`` per
 batch, scoring takes ``reward_s``, the trainer holds its lease ``train_s`` per step; publishing
@@ -97,6 +98,7 @@ class SimulatedWorkload(AsyncWorkload):
                 restore_s=self._options["restore_s"],
                 chunk_bytes=int(self._options["chunk_bytes"]),
                 trace=Path(trace) if trace else None,
+                state_on_host=SimulatedOptions.parse(spec.options).state_on_host,
             )
             for name in dict.fromkeys([*sampler, *trainer])
         }

@@ -732,3 +732,36 @@ def test_a_late_eviction_report_counts_its_bytes_and_leaves_the_state_where_it_i
     assert b.state.stats.bytes_moved == 200
     # Nobody else waited: a stays resident (the late report did not move it off the device).
     assert b.state.resident is not None and b.state.resident.job_id == "a"
+
+
+def hosted(job: str, on_host: bool = True) -> SnapshotTarget:
+    return SnapshotTarget(
+        queues=[QueueTarget(task_queue=f"q-{job}", backends=["x"], on_host=on_host)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("holder_on_host", "next_on_host", "later"),
+    [
+        pytest.param(True, True, True, id="both-in-host-memory"),
+        pytest.param(True, False, False, id="the-next-on-a-device"),
+        pytest.param(False, True, False, id="the-holder-on-a-device"),
+    ],
+)
+def test_with_no_memory_declared_host_resident_jobs_restore_beside_an_eviction(
+    holder_on_host: bool, next_on_host: bool, later: bool
+):
+    """Jobs whose states live in host memory (torch on the CPU) free no device memory: the
+    group, with no memory declared, restores the next beside the holder's eviction and lets
+    the eviction's report come with the holder's next release; a job on a device still waits."""
+    b = book()
+    b.enqueue(request("a", snapshot=hosted("a", holder_on_host), state_bytes=200), at(0))
+    grant_next(b, at(0))
+    nxt = request("b", snapshot=hosted("b", next_on_host), state_bytes=200)
+    b.enqueue(nxt, at(1))
+    answer = _release_offering(b, "a:r", 1, at(2))
+    assert answer.evict and answer.report_with_next is later
+    assert (b.residency.eviction_to_await(nxt) is None) is later
+    # A queue that is not on the host encodes as before (older groups refuse unknown fields).
+    assert "on_host" not in hosted("c", False).model_dump(mode="json")["queues"][0]
+    assert hosted("c").model_dump(mode="json")["queues"][0]["on_host"] is True
