@@ -632,13 +632,13 @@ class Planner:
         s_now, t_now = placement[job]
         others = [pt for j, pt in placement.items() if j != job]
         if not self.layout.disaggregated:
-            choices = _choices(self.layout.groups, {g for pt in others for g in pt}, fresh=2)
+            used = {g for pt in others for g in pt}
             if not self.profiles[job].is_async:
-                for g in choices:
+                for g in _choices(self.layout.groups, used):
                     if g != s_now:
                         yield {**placement, job: (g, g)}, (g,)
                 return
-            for g in choices:  # its sampler loop or its trainer loop, one at a time
+            for g in _choices(self.layout.groups, used, fresh=2):  # one loop at a time
                 if g not in (s_now, t_now):
                     yield {**placement, job: (g, t_now)}, (g,)
                     yield {**placement, job: (s_now, g)}, (g,)
