@@ -36,6 +36,7 @@ LONGEST_FILES = (
     "test_async_jobs.py",
     "test_soak.py",
     "test_carried_state_server.py",
+    "test_pool_moves.py",
     "test_client_api.py",
     "test_late_grants.py",
     "test_group_protocol.py",

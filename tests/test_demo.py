@@ -15,6 +15,7 @@ from timeslice.cli.server import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.long
 def test_demo_compares_dedicated_and_shared_from_the_runs_records(tmp_path: Path) -> None:
     out = tmp_path / "report"
     demo = subprocess.run(

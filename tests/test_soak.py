@@ -32,6 +32,7 @@ FAULT_KINDS = (
 )
 
 
+@pytest.mark.long
 def test_soak_with_every_fault_kind_for_30_s(tmp_path: Path) -> None:
     """4 contenders and 2 RL jobs on one group for 30 s while every kind of fault strikes
     (paused waiters, forged grants and a control worker down through a job's prepare among

@@ -35,6 +35,8 @@ from tests.helpers import (
 )
 
 skip_unless_installed("torch", "trl")
+# Two TRL trainers time-sliced and one alone (its fixture: ~85 s on two cores): `make test-long`.
+pytestmark = pytest.mark.long
 
 import torch  # noqa: E402
 from timeslice import TimeSliceOrchestratorClient  # noqa: E402
