@@ -7,8 +7,9 @@
 is given every job's profile and arrival up front (``JobProfile.arrive_s``): each job started at
 its arrival on the group the plan gives it, no pool.
 
-One embedded Temporal server, one control worker and a few ``timeslice job worker`` processes
-(every job's, started and serving before the first job starts). Two pools of the trace's
+One embedded Temporal server, one control worker and ``timeslice job worker`` processes (two
+jobs each, ``--jobs-per-process``; each shape's run alone in one of its own), all started and
+serving before the first job starts. Two pools of the trace's
 groups each: **on** (moves weighed when a job ends or measures its profile) and **off**
 (``--no-auto-move``). Every job of the trace (``bench/pool_trace.json``: ``simulated`` jobs of
 several shapes arriving over time, some declaring their profiles) is started into both pools at
@@ -330,7 +331,13 @@ def main() -> None:
         "(the planner's best placement, no pool); default on,off",
     )
     p.add_argument("--plan-time-limit", type=float, default=20.0, help="the planner's search, s")
-    p.add_argument("--jobs-per-process", type=int, default=6)
+    p.add_argument(
+        "--jobs-per-process",
+        type=int,
+        default=2,
+        help="jobs a `timeslice job worker` process serves (users run one a job; six a "
+        "process slowed their last job 1.36x in most runs: BENCHMARKS.md)",
+    )
     p.add_argument(
         "--alone-epochs", type=int, default=4, help="each shape's run alone, before the trace"
     )
@@ -364,7 +371,7 @@ def main() -> None:
         stack.control_worker()
         per = args.jobs_per_process
         stack.job_workers(
-            JobWorker(alone_ids),
+            *(JobWorker((job,)) for job in alone_ids),  # alone: a process of its own, too
             *(JobWorker(tuple(job_ids[i : i + per])) for i in range(0, len(job_ids), per)),
         )
         print(f"each shape alone for {args.alone_epochs} epochs ...", flush=True)
