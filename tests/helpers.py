@@ -215,3 +215,19 @@ async def run_simulated_jobs(
         for job in jobs
     ]  # fmt: skip
     return await run_rl_jobs(client, configs)
+
+
+def declared_profile(options: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """The profile a ``simulated`` job with these workload options declares (its config's
+    ``profile``): ``plan.simulator.rl_profile``'s three phases, without the job id, which the
+    pool adds."""
+    from timeslice.plan.simulator import rl_profile
+
+    profile = rl_profile(
+        "-",
+        sample_s=options["sample_s"],
+        rewards_s=options["reward_s"],
+        train_s=options["train_s"],
+        epochs=epochs,
+    )
+    return profile.model_dump(mode="json", exclude={"job_id"}, exclude_none=True)

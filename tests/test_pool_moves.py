@@ -30,7 +30,7 @@ from timeslice.protocol.pool import PoolStatus, pool_workflow_id
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
-from tests.helpers import Interval, assert_no_overlap, run_cli
+from tests.helpers import Interval, assert_no_overlap, declared_profile, run_cli
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 
@@ -212,17 +212,6 @@ def test_a_job_moved_by_hand_resumes_on_its_new_group_after_its_process_is_kille
     assert shown.returncode != 0 and "has placed no job" in shown.stderr, shown
 
 
-def _profile(sample_s: float, reward_s: float, train_s: float, epochs: int) -> dict[str, Any]:
-    return {
-        "epochs": epochs,
-        "phases": [
-            {"name": "sample", "gpu": True, "pool": "sampler", "seconds": sample_s},
-            {"name": "rewards", "gpu": False, "seconds": reward_s},
-            {"name": "train", "gpu": True, "pool": "trainer", "seconds": train_s},
-        ],
-    }
-
-
 def test_a_job_that_arrives_and_waits_gets_room_made_by_a_move(stack: Stack, address: str) -> None:
     """Two light jobs spread over the pool's two groups (one moved there by hand); a heavy job
     arrives that fits beside neither (predicted 1.38x): the pool orders one light job
@@ -240,7 +229,7 @@ def test_a_job_that_arrives_and_waits_gets_room_made_by_a_move(stack: Stack, add
             pool=pool, groups=[PoolGroup(name=g) for g in groups], move_every_epochs=1
         )
         await create_pool(client, config)
-        light_profile = _profile(0.1, 0.6, 0.1, light_epochs)
+        light_profile = declared_profile(OPTIONS, light_epochs)
         handles = [
             await start_rl_job(
                 client, parse_job_config(_job(j, pool, light_epochs, profile=light_profile))
@@ -256,7 +245,8 @@ def test_a_job_that_arrives_and_waits_gets_room_made_by_a_move(stack: Stack, add
         await move_pool_job(client, pool, lights[1], spare)
         await _until(lambda: _has_moved(client, lights[1]), "the hand move taken")
         await _until(lambda: _settled(client, pool), "the pool saw the move")
-        heavy_config = _job(heavy, pool, heavy_epochs, profile=_profile(1.0, 0.02, 1.0, 4))
+        heavy_profile = declared_profile(heavy_options, heavy_epochs)
+        heavy_config = _job(heavy, pool, heavy_epochs, profile=heavy_profile)
         heavy_config["workload_options"] = heavy_options
         handles.append(await start_rl_job(client, parse_job_config(heavy_config)))
         results = list(await asyncio.gather(*(h.result() for h in handles)))

@@ -31,6 +31,7 @@ from timeslice.protocol.rl_job import rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, start_worker, stop_process
+from tests.helpers import declared_profile
 from tests.histories.record import _enumerate
 
 HERE = Path(__file__).resolve().parent
@@ -57,17 +58,6 @@ HEAVY = "pool-heavy"
 HEAVY_OPTIONS = {"sample_s": 1.0, "reward_s": 0.02, "train_s": 1.0, "state_bytes": 1 << 16}
 
 
-def _profile(options: dict[str, float], epochs: int) -> dict[str, object]:
-    return {
-        "epochs": epochs,
-        "phases": [
-            {"name": "sample", "gpu": True, "pool": "sampler", "seconds": options["sample_s"]},
-            {"name": "rewards", "gpu": False, "seconds": options["reward_s"]},
-            {"name": "train", "gpu": True, "pool": "trainer", "seconds": options["train_s"]},
-        ],
-    }
-
-
 async def drive_queue(address: str, prefix: str) -> int:
     """The queue scenario (tests/test_pool_moves.py's, recorded)."""
     from timeslice.pools import move_pool_job, pool_status
@@ -80,7 +70,7 @@ async def drive_queue(address: str, prefix: str) -> int:
     for job in JOBS:
         config = {"job_id": job, "workload": "simulated", "workload_options": OPTIONS,
                   "pool": POOL, "epochs": 12, "checkpoint_every": 2,
-                  "profile": _profile(OPTIONS, 12)}  # fmt: skip
+                  "profile": declared_profile(OPTIONS, 12)}  # fmt: skip
         handles.append(await start_rl_job(client, parse_job_config(config)))
 
     async def until(probe: Callable[[], Awaitable[bool]]) -> None:
@@ -110,7 +100,7 @@ async def drive_queue(address: str, prefix: str) -> int:
     await until(settled)
     config = {"job_id": HEAVY, "workload": "simulated", "workload_options": HEAVY_OPTIONS,
               "pool": POOL, "epochs": 4, "checkpoint_every": 2,
-              "profile": _profile(HEAVY_OPTIONS, 4)}  # fmt: skip
+              "profile": declared_profile(HEAVY_OPTIONS, 4)}  # fmt: skip
     handles.append(await start_rl_job(client, parse_job_config(config)))
     await asyncio.gather(*(h.result() for h in handles))
     reasons = [d.reason for d in (await pool_status(client, POOL)).decisions]
