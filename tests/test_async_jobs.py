@@ -224,8 +224,13 @@ def test_killed_job_process_rewinds_and_applies_every_step_once(
     job = job_id("akill")
     proc = job_worker(job)
     start(address, async_config(job, epochs=14, checkpoint_every=3, heartbeat_timeout_s=3))
-    # Past a checkpoint, with batches queued and a step in hand.
-    wait_for(lambda: progress(address, job).epoch >= 5, timeout=120, what="step 5 of the job")
+    # Past a checkpoint, with batches queued and a step in hand, and a step applied since the
+    # last checkpoint, two before the next (a kill as a checkpoint lands leaves nothing to redo).
+    wait_for(
+        lambda: _past_its_checkpoint(progress(address, job), 5, every=3),
+        timeout=120,
+        what="step 5 of the job, a step past its last checkpoint",
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     job_worker(job)  # a fresh process: no state, no batch, until the job re-prepares it
@@ -234,6 +239,11 @@ def test_killed_job_process_rewinds_and_applies_every_step_once(
     assert_every_step_once(done, 14)
     assert all(r.staleness <= 2 for r in done.records)
     assert done.stale_dropped == 0
+
+
+def _past_its_checkpoint(p: AsyncRLJobProgress, steps: int, every: int) -> bool:
+    saved = p.last_checkpoint.epochs_done if p.last_checkpoint is not None else None
+    return p.epoch >= steps and saved is not None and p.epoch == saved + 1 and p.epoch % every == 1
 
 
 def test_async_job_from_the_temporal_cli_and_stop(
