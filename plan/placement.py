@@ -277,7 +277,10 @@ def decide_move(inp: MoveInput) -> MoveOutcome:
       with J moved and Q there): its gain is Q's GPU share alone times the horizon (the GPU
       time Q runs instead of waiting), plus any utilization gain; or
     - the pool's predicted utilization rises by ``MIN_MOVE_GAIN`` or more: its gain is that
-      rise times the horizon (seconds of GPU phases over the horizon, per group in use);
+      rise times the horizon (seconds of GPU phases over the horizon, per group in use); or
+    - a job is over the bound now (its profile drifted) and the move brings every job back
+      within it: its gain is the GPU-phase seconds the jobs run more over the horizon (each
+      job's GPU share over its slowdown, after less before; ``_served_gain``);
 
     and that gain exceeds the move's cost (``move_cost_s``). Of those, the largest gain less
     cost goes. Groups holding a job without a profile are not weighed (their demand is
@@ -300,6 +303,9 @@ def decide_move(inp: MoveInput) -> MoveOutcome:
     profiles = {p.job_id: (p, at) for p, at in predictor.placed}
     demands = {job_id: p.duty for job_id, (p, _) in profiles.items()}
     waiting = _admissible(inp)
+    # A job over the bound (a profile drifted, or a job placed anyway): a move that brings
+    # every job back within it counts by the GPU time the slowed jobs get back.
+    over = before.worst > inp.max_slowdown + 1e-9
     best: _Move | None = None
     for job_id in inp.movable:
         if job_id not in profiles:
@@ -320,15 +326,25 @@ def decide_move(inp: MoveInput) -> MoveOutcome:
                 move = _Move(net, cost, job_id, at, after, queued.job_id, admitted)
             elif gain >= MIN_MOVE_GAIN:
                 move = _Move(gain * inp.horizon_s - cost, cost, job_id, at, after)
+            elif over:
+                served = _served_gain(demands, before, after) * inp.horizon_s
+                move = _Move(served - cost, cost, job_id, at, after, restores_bound=True)
             else:
                 continue
             if move.net > 0 and (best is None or move.net > best.net):
                 best = move
     if best is None:
+        broken = (
+            f"; worst job {before.worst:.2f}x, over the bound, and no move brings every job "
+            "back within it for more than it costs"
+            if over
+            else ""
+        )
         return MoveOutcome(
             reason=f"no move: none gains {MIN_MOVE_GAIN:.0%} of pool utilization or more, or "
             f"makes room for a queued job, and more than it costs over {inp.horizon_s:g} s, "
-            f"within the bound {inp.max_slowdown:g}x (pool utilization {before.utilization:.0%})",
+            f"within the bound {inp.max_slowdown:g}x (pool utilization {before.utilization:.0%})"
+            f"{broken}",
             demands=demands,
         )
     gain = (best.after.utilization - before.utilization) * 100
@@ -340,6 +356,8 @@ def decide_move(inp: MoveInput) -> MoveOutcome:
             f" to make room for {q} (then {q} {best.admitted.slowdowns[q]:.2f}x, worst job "
             f"{best.admitted.worst:.2f}x)"
         )
+    elif best.restores_bound:
+        why += f" to bring the pool back within its bound (worst job was {before.worst:.2f}x)"
     return MoveOutcome(
         job_id=job_id,
         placement=best.placement,
@@ -360,6 +378,17 @@ class _Move:
     after: Prediction
     makes_room_for: str | None = None
     admitted: Prediction | None = None
+    restores_bound: bool = False
+
+
+def _served_gain(duties: dict[str, float], before: Prediction, after: Prediction) -> float:
+    """The GPU-phase seconds a second the pool's jobs run more after a move than before: each
+    job runs its GPU share (alone) divided by its slowdown."""
+    return sum(
+        duty * (1 / after.slowdowns[job_id] - 1 / before.slowdowns[job_id])
+        for job_id, duty in duties.items()
+        if job_id in after.slowdowns and job_id in before.slowdowns
+    )
 
 
 #: How many of the queue's first jobs a move is weighed for (each costs simulations).

@@ -43,6 +43,14 @@ MAX_MEASURED_PROFILE_CHARS = 16_384  # as a declared one (rl_job.MAX_PROFILE_CHA
 #: A job placed without a profile measures one from its records of this many epochs (after
 #: its first, which holds its start-up) and sends it to its pool.
 MEASURED_EPOCHS = 2
+#: A job whose pool knows its profile (declared, or measured and sent) compares the median
+#: of its last this-many epochs with it, and sends the pool the new one when it drifted.
+DRIFT_EPOCHS = 3
+#: A profile drifted when its GPU seconds an epoch, or its epoch's seconds, changed by more
+#: than this share of what the pool knows, and by more than DRIFT_MIN_S (so that a phase's
+#: few milliseconds of jitter do not count).
+PROFILE_DRIFT = 0.25
+DRIFT_MIN_S = 0.05
 MAX_REASON_CHARS = 300
 #: The tenant of a job that names none.
 DEFAULT_TENANT = "default"
@@ -341,8 +349,9 @@ class JobMoved(_Model):
 
 
 class JobProfiled(_Model):
-    """A job placed without a profile sends the one it measured (``PoolSignal.JOB_PROFILED``):
-    a ``JobProfile`` as JSON without its ``job_id``, from its own records."""
+    """A job sends its pool the profile it measured (``PoolSignal.JOB_PROFILED``): a
+    ``JobProfile`` as JSON without its ``job_id``, from its own records; once if it was placed
+    without one, and again whenever it drifted from what the pool knows (``profile_drift``)."""
 
     job_id: str
     profile: dict[str, Any]
@@ -413,3 +422,34 @@ class PoolStatus(_Model):
     config: PoolConfig
     jobs: list[PoolJob]
     decisions: list[Decision] = Field(default_factory=list)
+
+
+def profile_seconds(profile: dict[str, Any]) -> tuple[float, float] | None:
+    """A sync profile's GPU seconds an epoch and its epoch's seconds (a ``JobProfile`` as JSON:
+    each phase's ``seconds`` a number or ``{"mean": ...}``); None if it does not say."""
+    gpu = total = 0.0
+    phases = profile.get("phases")
+    if not isinstance(phases, list) or not phases:
+        return None
+    for phase in phases:
+        seconds = phase.get("seconds") if isinstance(phase, dict) else None
+        if isinstance(seconds, dict):
+            seconds = seconds.get("mean")
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            return None
+        if not math.isfinite(seconds) or seconds < 0:
+            return None
+        total += seconds
+        if phase.get("gpu"):
+            gpu += seconds
+    return gpu, total
+
+
+def profile_drift(known: tuple[float, float], measured: tuple[float, float]) -> str | None:
+    """How ``measured`` (GPU seconds, epoch seconds) drifted from ``known``, or None if it did
+    not (both within ``PROFILE_DRIFT`` of it, or within ``DRIFT_MIN_S``)."""
+    changed = []
+    for what, was, now in (("GPU", known[0], measured[0]), ("epoch", known[1], measured[1])):
+        if abs(now - was) > max(PROFILE_DRIFT * was, DRIFT_MIN_S):
+            changed.append(f"{what} {was:.2f} -> {now:.2f} s")
+    return ", ".join(changed) or None

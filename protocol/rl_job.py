@@ -772,6 +772,14 @@ class RLJobState(_Model):
     profile_sent: bool = Field(
         False, description="a job placed without a profile sent its pool the one it measured"
     )
+    sent_profile_s: tuple[float, float] | None = Field(
+        None,
+        description="GPU and epoch seconds of the profile the job last sent its pool (None: "
+        "its declared profile's, or none sent)",
+    )
+    sent_profile_at: int = Field(
+        0, ge=0, description="epochs done when the job last sent its pool a profile"
+    )
 
     def moved(self, move: JobMove) -> None:
         """Keep ``move`` (the last MOVES_KEPT)."""

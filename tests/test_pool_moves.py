@@ -269,6 +269,59 @@ def test_a_job_that_arrives_and_waits_gets_room_made_by_a_move(stack: Stack, add
     _assert_no_overlap_on(groups, results)
 
 
+@pytest.mark.long
+def test_a_job_whose_profile_drifts_past_the_bound_is_moved_off_its_neighbour(
+    stack: Stack, address: str
+) -> None:
+    """Two light jobs declare their profiles and are packed onto one group; from its epoch 3
+    one job's GPU phases take eight times as long (its responses lengthened), so its
+    neighbour would run past the pool's bound. It tells its pool the profile of its last
+    epochs, and the pool moves one of the two to the other group: the bound kept, though the
+    pool's predicted utilization falls."""
+    pool, uid = f"dpool-{_uid()}", _uid()
+    groups = [f"dg1-{uid}", f"dg2-{uid}"]
+    steady, drifting = f"dj-steady-{uid}", f"dj-drift-{uid}"
+    epochs = {steady: 20, drifting: 10}
+    drift = {**OPTIONS, "gpu_scale_from": 3, "gpu_scale": 8}
+    stack.job_workers(*(JobWorker((j,), "simulated", ("--threads", "1")) for j in epochs))
+
+    async def run() -> tuple[list[RLJobResult], list[RLJobProgress], PoolStatus]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=g) for g in groups]))
+        handles = []
+        for job, n in epochs.items():
+            config = _job(job, pool, n, profile=declared_profile(OPTIONS, n))
+            if job == drifting:
+                config["workload_options"] = drift
+            handles.append(await start_rl_job(client, parse_job_config(config)))
+        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        progress = [await _progress(client, j) for j in epochs]
+        return results, progress, await pool_status(client, pool)
+
+    results, progress, status = asyncio.run(run())
+    reasons = [d.reason for d in status.decisions]
+    placed_on = {
+        r.split(" ")[1]: r.split(" ")[3].rstrip(":") for r in reasons if r.startswith("placed ")
+    }
+    assert placed_on[steady] == placed_on[drifting], reasons  # packed while both were light
+    drifted = next(i for i, r in enumerate(reasons) if r.startswith(f"{drifting}'s profile"))
+    assert "drifted: GPU 0.20 -> 1.6" in reasons[drifted], reasons[drifted]
+    assert not any("profile drifted" in r for r in reasons if r.startswith(steady)), reasons
+    ordered = [i for i, r in enumerate(reasons) if r.startswith("moved ") and " to " in r]
+    (order,) = [i for i in ordered if "back within its bound" in reasons[i]]
+    assert order > drifted and len(ordered) == 1, reasons
+    was = float(reasons[order].split("worst job was ")[1].split("x")[0])
+    worst = float(reasons[order].split("worst job ")[2].split("x")[0])
+    assert was > 1.25 >= worst, reasons[order]
+    (mover,) = [p for p in progress if p.moves]
+    spare = next(g for g in groups if g != placed_on[mover.job_id])
+    result = {r.job_id: r for r in results}
+    _assert_moved_once(result[mover.job_id], mover, placed_on[mover.job_id], spare)
+    for job, n in epochs.items():
+        assert result[job].epochs_done == n and result[job].rewinds == 0, job
+    _assert_no_overlap_on(groups, results)
+
+
 async def _settled(client: Client, pool: str) -> bool:
     """Every job the pool placed is where the pool thinks it is (no move under way)."""
     status = await pool_status(client, pool)

@@ -20,8 +20,14 @@ from timeslice.workflows.group_patches import (
     ONE_DEADLINE_TIMER,
     STREAMED_SWITCHES,
 )
-from timeslice.workflows.pool import POOL_DECISION_EVENTS, POOL_MOVES, POOL_MOVES_FOR_QUEUE
+from timeslice.workflows.pool import (
+    POOL_DECISION_EVENTS,
+    POOL_MOVES,
+    POOL_MOVES_FOR_QUEUE,
+    POOL_PROFILE_DRIFT,
+)
 from timeslice.workflows.pool_job import POOL_MOVES as JOB_POOL_MOVES
+from timeslice.workflows.pool_job import POOL_PROFILE_DRIFT as JOB_POOL_PROFILE_DRIFT
 from timeslice.workflows.rl_job import JOB_PROTOCOL_V5, SEARCHED_STATES_ONLY
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
@@ -72,6 +78,7 @@ def _patch_markers(text: str) -> set[str]:
         POOL_MOVES,
         POOL_DECISION_EVENTS,
         POOL_MOVES_FOR_QUEUE,
+        POOL_PROFILE_DRIFT,
     ],
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):
@@ -89,6 +96,7 @@ def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
     with neither, and those after (``pool_moves_*``) with both (every pool, and the jobs that
     moved or measured their profile)."""
     assert POOL_MOVES == JOB_POOL_MOVES
+    assert POOL_PROFILE_DRIFT == JOB_POOL_PROFILE_DRIFT
     recordings: dict[str, list[bool]] = {}
     for path in HISTORIES:
         if not path.name.startswith("pool_"):

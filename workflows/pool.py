@@ -53,6 +53,8 @@ from timeslice.protocol.pool import (
     admission_order,
     admission_queue,
     pool_workflow_id,
+    profile_drift,
+    profile_seconds,
 )
 from timeslice.protocol.rl_job import JobSignal, rl_job_workflow_id
 
@@ -64,6 +66,9 @@ POOL_DECISION_EVENTS = "pool-decision-events"
 # workflow.patched id: a job that arrives and waits has a move weighed for it, and every move
 # weighed counts the room it makes for the queue.
 POOL_MOVES_FOR_QUEUE = "pool-moves-for-queue"
+# workflow.patched id: a job's drifted profile replaces the one the pool knew, and a move is
+# weighed (before, a job's second profile was dropped).
+POOL_PROFILE_DRIFT = "pool-profile-drift"
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -77,6 +82,16 @@ def _read_signal(model: type[M], raw: tuple[Any, ...], name: str) -> M | None:
     except MalformedMessage as err:
         workflow.logger.warning("dropped a malformed %s: %s", name, err)
         return None
+
+
+def _drift(known: dict[str, Any], measured: dict[str, Any]) -> str:
+    """What changed between two profiles, in GPU and epoch seconds."""
+    was, now = profile_seconds(known), profile_seconds(measured)
+    if was is None or now is None:
+        return "a new profile"
+    return profile_drift(was, now) or (
+        f"GPU {was[0]:.2f} -> {now[0]:.2f} s, epoch {was[1]:.2f} -> {now[1]:.2f} s"
+    )
 
 
 def _refusal(err: ActivityError) -> str:
@@ -232,21 +247,29 @@ class PoolWorkflow:
 
     @workflow.signal(
         name=PoolSignal.JOB_PROFILED,
-        description="A job placed without a profile sends the one it measured (JobProfiled: "
-        "job_id, profile): a move of it, or onto its group, is weighed.",
+        description="A job sends the profile it measured (JobProfiled: job_id, profile), once if "
+        "it was placed without one and again when it drifted: a move of it, or onto its group, "
+        "is weighed.",
     )
     async def job_profiled(self, *raw: Any) -> None:
-        """A job placed without a profile measured one: its demand is known from now on, so a
-        move of it (or onto its group) can be weighed."""
+        """A job measured its profile (placed without one, or its profile drifted from what the
+        pool knew): its demand is known from now on, so a move of it (or onto its group, or
+        one that brings its group back within the bound) is weighed."""
         profiled = _read_signal(JobProfiled, raw, PoolSignal.JOB_PROFILED)
         if profiled is None:
             return
         async with self._lock:
             job = self._job(profiled.job_id)
-            if job is None or job.profile is not None:
+            if job is None:
                 return
-            job.profile = profiled.profile
-            self._note(job.job_id, f"{job.job_id} measured its profile")
+            if job.profile is None:
+                note = f"{job.job_id} measured its profile"
+            elif workflow.patched(POOL_PROFILE_DRIFT):
+                note = f"{job.job_id}'s profile drifted: {_drift(job.profile, profiled.profile)}"
+            else:  # a pool from before drift kept the first profile a job sent
+                return
+            job.profile, job.demand = profiled.profile, None  # its demand comes back below
+            self._note(job.job_id, note)
             # Its demand comes back with the weighing, moves on or off.
             await self._weigh_a_move(order=self._status.config.auto_move)
 

@@ -22,6 +22,7 @@ from temporalio.exceptions import (
 from timeslice.protocol.async_rl_job import AsyncRLJobConfig
 from timeslice.protocol.group import MalformedMessage, parse_message
 from timeslice.protocol.pool import (
+    DRIFT_EPOCHS,
     MEASURED_EPOCHS,
     REQUEST_PLACEMENT_ACTIVITY,
     JobEnded,
@@ -34,13 +35,17 @@ from timeslice.protocol.pool import (
     PlaceRequest,
     PoolSignal,
     pool_workflow_id,
+    profile_drift,
+    profile_seconds,
 )
-from timeslice.protocol.rl_job import JobSignal, RLJobConfig, RLJobState
+from timeslice.protocol.rl_job import EpochRecord, JobSignal, RLJobConfig, RLJobState
 
 # workflow.patched id of a job's placement by its pool.
 POOL_PLACEMENT = "pool-placement"
 # workflow.patched id of a move the job took (only a job given a move order runs it).
 POOL_MOVES = "pool-moves"
+# workflow.patched id: a job whose pool knows its profile sends a new one when it drifted.
+POOL_PROFILE_DRIFT = "pool-profile-drift"
 
 # A job in its pool's queue asks again this often (its request activity's retries, which add
 # no event to the job's history), so it starts at most this long after its place frees.
@@ -185,16 +190,29 @@ def profile_due(config: RLJobConfig, state: RLJobState) -> bool:
 
 
 def measured_profile(
-    config: RLJobConfig, state: RLJobState, backends: dict[str, list[str]]
+    config: RLJobConfig,
+    state: RLJobState,
+    backends: dict[str, list[str]],
+    records: list[EpochRecord] | None = None,
+    *,
+    median: bool = False,
 ) -> dict[str, Any]:
-    """The job's profile (plan/profile.py's JobProfile as JSON, without its job_id) from its
-    records since its first epoch: each phase's mean seconds, and its states' bytes."""
-    records = [r for r in state.records if r.epoch >= 1]
+    """The job's profile (plan/profile.py's JobProfile as JSON, without its job_id) from
+    ``records`` (default: every record since its first epoch): each phase's mean seconds (with
+    ``median``, the median: one slow epoch, a rewind's, does not move it), its states' bytes."""
+    if records is None:
+        records = [r for r in state.records if r.epoch >= 1]
     phases = []
     for name, gpu, pool in (("sample", True, "sampler"), ("rewards", False, None),
                             ("train", True, "trainer")):  # fmt: skip
         times = [r.phase_s[name] for r in records if name in r.phase_s]
-        seconds = sum(times) / len(times) if times else 0.0
+        if not times:
+            seconds = 0.0
+        elif median:
+            ordered, mid = sorted(times), len(times) // 2
+            seconds = ordered[mid] if len(times) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        else:
+            seconds = sum(times) / len(times)
         phase: dict[str, Any] = {"name": name, "gpu": gpu, "seconds": round(seconds, 4)}
         if pool is not None:
             phase["pool"] = pool
@@ -216,11 +234,57 @@ async def send_profile(
     if not workflow.patched(POOL_MOVES):  # a run from before moves replays without it
         return
     profile = measured_profile(config, state, backends)
+    state.sent_profile_s = profile_seconds(profile)
+    state.sent_profile_at = state.epochs_done
     await _signal_pool(
         config,
         PoolSignal.JOB_PROFILED,
         JobProfiled(job_id=config.job_id, profile=profile),
         "sent its profile",
+    )
+
+
+def drifted_profile(
+    config: RLJobConfig, state: RLJobState, backends: dict[str, list[str]]
+) -> dict[str, Any] | None:
+    """The profile of the job's last ``DRIFT_EPOCHS`` epochs (medians) if it drifted from the
+    one its pool knows (its declared profile, or the last it sent), else None. Only a sync job
+    placed by a pool that knows its profile checks, once ``DRIFT_EPOCHS`` epochs have run since
+    it last sent one (its first epoch, which holds its start-up, is never read)."""
+    if config.pool is None or isinstance(config, AsyncRLJobConfig):
+        return None
+    known = state.sent_profile_s
+    if known is None:
+        if state.profile_sent or config.profile is None:
+            return None  # not sent yet, or sent by a run from before drift was tracked
+        known = profile_seconds(config.profile)
+        if known is None:
+            return None
+    since = max(1, state.sent_profile_at)
+    window = [r for r in state.records if r.epoch >= since][-DRIFT_EPOCHS:]
+    if len(window) < DRIFT_EPOCHS:
+        return None
+    profile = measured_profile(config, state, backends, window, median=True)
+    measured = profile_seconds(profile)
+    if measured is None or profile_drift(known, measured) is None:
+        return None
+    return profile
+
+
+async def send_drifted_profile(
+    config: RLJobConfig, state: RLJobState, profile: dict[str, Any]
+) -> None:
+    """Send the job's pool ``profile`` (``drifted_profile``'s), which it then knows."""
+    if not workflow.patched(POOL_PROFILE_DRIFT):  # a run from before drift replays without it
+        return
+    state.sent_profile_s = profile_seconds(profile)
+    state.sent_profile_at = state.epochs_done
+    workflow.logger.info("job %s: its profile drifted; sent its pool the new one", config.job_id)
+    await _signal_pool(
+        config,
+        PoolSignal.JOB_PROFILED,
+        JobProfiled(job_id=config.job_id, profile=profile),
+        "sent its drifted profile",
     )
 
 

@@ -434,6 +434,12 @@ class SimulatedOptions(WorkloadOptions):
         "the states stand for host memory (torch on the CPU): a switch frees no device memory, "
         "so the next job's restore does not wait for this job's eviction",
     )
+    gpu_scale_from: int = option(
+        0,
+        "from this epoch (async: batch and step) on, the GPU phases take gpu_scale times their "
+        "seconds (0: never): a profile that drifts",
+    )
+    gpu_scale: float = option(1.0, "what gpu_scale_from scales the GPU phases' seconds by")
 
     def _check(self) -> None:
         for f in dataclasses.fields(self):

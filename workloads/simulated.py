@@ -6,7 +6,10 @@ optional): ``sample_s`` 1.0, ``reward_s`` 1.5, ``train_s`` 0.5, ``state_bytes`` 
 ``snapshot_s`` 0.0, ``restore_s`` (default: ``snapshot_s``), ``shared_state`` false,
 ``chunk_bytes`` (a move's chunk, 64 MiB), ``residency_trace`` (a file each chunk's arrival on
 and departure from a device is appended to, for tests: ``SimulatedBackend``'s ``trace``),
-``state_on_host`` false (states that stand for host memory, as torch's on the CPU).
+``state_on_host`` false (states that stand for host memory, as torch's on the CPU),
+``gpu_scale_from`` 0 and ``gpu_scale`` 1.0 (from epoch ``gpu_scale_from`` on, when above 0,
+the GPU phases take ``gpu_scale`` times their seconds: a job whose profile drifts, as an RL
+job's sampling does when its responses lengthen).
 
 It also runs as an async job (``"mode": "async"``): the sampler holds its lease ``sample_s`` per
 batch, scoring takes ``reward_s``, the trainer holds its lease ``train_s`` per step; publishing
@@ -103,9 +106,13 @@ class SimulatedWorkload(AsyncWorkload):
             for name in dict.fromkeys([*sampler, *trainer])
         }
 
-    def _hold(self, ctx: PhaseContext, key: str) -> None:
-        ctx.progress(phase=ctx.phase, seconds=self._options[key])
-        ctx.wait(self._options[key])
+    def _hold(self, ctx: PhaseContext, key: str, epoch: int | None = None) -> None:
+        seconds = self._options[key]
+        start = self._options["gpu_scale_from"]
+        if epoch is not None and start > 0 and epoch >= start:  # a GPU phase, drifted
+            seconds *= self._options["gpu_scale"]
+        ctx.progress(phase=ctx.phase, seconds=seconds)
+        ctx.wait(seconds)
 
     def sample(self, epoch: int, ctx: PhaseContext) -> dict[str, float]:
         """Hold the sampler's lease ``sample_s`` seconds.
@@ -117,7 +124,7 @@ class SimulatedWorkload(AsyncWorkload):
         Returns:
             ``completions``: batch size times group size.
         """
-        self._hold(ctx, "sample_s")
+        self._hold(ctx, "sample_s", epoch)
         assert self._spec is not None
         return {"completions": float(self._spec.batch_size * self._spec.group_size)}
 
@@ -145,7 +152,7 @@ class SimulatedWorkload(AsyncWorkload):
         Returns:
             ``loss``: 0.5 * 0.9 ** epoch.
         """
-        self._hold(ctx, "train_s")
+        self._hold(ctx, "train_s", epoch)
         self.epochs_trained = epoch + 1
         return {"loss": 0.5 * 0.9**epoch}
 
@@ -161,7 +168,7 @@ class SimulatedWorkload(AsyncWorkload):
         Returns:
             ``completions``, as :meth:`sample`'s.
         """
-        self._hold(ctx, "sample_s")
+        self._hold(ctx, "sample_s", batch)
         with self._lock:
             self.batches[batch] = self.sampler_version
         assert self._spec is not None
@@ -201,7 +208,7 @@ class SimulatedWorkload(AsyncWorkload):
             if step != self.epochs_trained:
                 raise RuntimeError(f"step {step} asked of a model after {self.epochs_trained}")
             version = self.batches.pop(batch)
-        self._hold(ctx, "train_s")
+        self._hold(ctx, "train_s", step)
         with self._lock:
             self.applied.append([step, batch, version])
             self.epochs_trained = step + 1

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.histories.record_pool PREFIX EPOCHS
     .venv/bin/python -m tests.histories.record_pool pool_moves_queue queue
+    .venv/bin/python -m tests.histories.record_pool pool_moves_drift drift
 
 A pool of two groups and two light `simulated` jobs placed without profiles (one per group),
 ``EPOCHS`` epochs each, a checkpoint every two. With 4 epochs (``pool_run``, recorded on the
@@ -9,7 +10,10 @@ code before pools moved jobs) nothing moves; with 8 (``pool_moves_run``) each jo
 profile it measured and the pool moves one of them at a checkpoint boundary (the `pool-moves`
 patch). ``queue`` (``pool_moves_queue``): the two jobs declare their profiles and are placed on
 one group, one is moved to the other by hand, and a heavy job arrives that fits beside neither:
-the pool moves a light job to make room for it (the `pool-moves-for-queue` patch). Writes
+the pool moves a light job to make room for it (the `pool-moves-for-queue` patch). ``drift``
+(``pool_moves_drift``): the two jobs declare light profiles and are packed onto one group; from its
+epoch 3 one job's GPU phases take eight times as long, it sends its pool the drifted profile,
+and the pool moves one of them to bring its bound back (the `pool-profile-drift` patch). Writes
 `<PREFIX>_pool<N>.json` and `<PREFIX>_job<N>.json`; `tests/test_replay.py`
 replays them. Re-record only when the pool or the RL job workflow changes on purpose.
 """
@@ -110,6 +114,28 @@ async def drive_queue(address: str, prefix: str) -> int:
     return await _write(client, prefix, (*JOBS, HEAVY))
 
 
+async def drive_drift(address: str, prefix: str) -> int:
+    """The drift scenario (tests/test_pool_moves.py's, recorded)."""
+    from timeslice.pools import pool_status
+
+    client = await connect(connect_config(address))
+    groups = [PoolGroup(name=f"{POOL}-g{i}") for i in (1, 2)]
+    pool = await create_pool(client, PoolConfig(pool=POOL, groups=groups))
+    handles = []
+    for job, epochs in zip(JOBS, (16, 8), strict=True):
+        options = OPTIONS if job == JOBS[0] else {**OPTIONS, "gpu_scale_from": 3, "gpu_scale": 8}
+        config = {"job_id": job, "workload": "simulated", "workload_options": options,
+                  "pool": POOL, "epochs": epochs, "checkpoint_every": 2,
+                  "profile": declared_profile(OPTIONS, epochs)}  # fmt: skip
+        handles.append(await start_rl_job(client, parse_job_config(config)))
+    await asyncio.gather(*(h.result() for h in handles))
+    reasons = [d.reason for d in (await pool_status(client, POOL)).decisions]
+    if not any("back within its bound" in r for r in reasons):
+        raise SystemExit(f"no move brought the pool back within its bound: {reasons}")
+    await pool.terminate("recorded")
+    return await _write(client, prefix, JOBS)
+
+
 async def _write(client: Client, prefix: str, jobs: tuple[str, ...]) -> int:
     written = 0
     for kind, workflow_id in [("pool", pool_workflow_id(POOL))] + [
@@ -142,6 +168,8 @@ def main() -> None:
                 old.unlink()
             if epochs == "queue":
                 written = asyncio.run(drive_queue(server.address, prefix))
+            elif epochs == "drift":
+                written = asyncio.run(drive_drift(server.address, prefix))
             else:
                 written = asyncio.run(drive(server.address, prefix, int(epochs)))
             print(f"wrote {written} histories to {HERE}")
