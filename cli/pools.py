@@ -91,7 +91,12 @@ def add_parser(sub: argparse._SubParsersAction, connection: AddConnectionArgs) -
     )
     move.add_argument("name", help="the pool's name")
     move.add_argument("job", help="the job's id")
-    move.add_argument("group", help="the group it moves to")
+    move.add_argument("group", help="the group it moves to (an async job: its sampler's)")
+    move.add_argument(
+        "--trainer-group",
+        metavar="GROUP",
+        help="an async job: the group its trainer moves to (another than GROUP)",
+    )
     connection(move)
     status = commands.add_parser("status", help="a pool's groups, jobs, queue and decisions")
     status.add_argument("name", help="the pool's name")
@@ -201,12 +206,14 @@ async def run(
         if args.pool_command == "move":
             check_id("job id", args.job)
             check_id("group id", args.group)
+            if args.trainer_group is not None:
+                check_id("trainer group id", args.trainer_group)
     except ValueError as err:
         raise InvalidArgumentError(str(err)) from None
     client = await connect()
     await require_control_worker(client, flags)
     if args.pool_command == "move":
-        decision = await move_pool_job(client, args.name, args.job, args.group)
+        decision = await move_pool_job(client, args.name, args.job, args.group, args.trainer_group)
         print(f"{decision.reason}: it moves at its next checkpoint boundary")
         return 0
     status = await pool_status(client, args.name)

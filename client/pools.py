@@ -161,15 +161,17 @@ async def pool_members(client: Client, pool: str) -> tuple[list[str], list[str]]
 async def move_pool_job(
     client: Client, pool: str, job_id: str, group: str, trainer_group: str | None = None
 ) -> Decision:
-    """Move a job the pool placed to another of its groups (``timeslice pool move``); the job
-    takes it at its next checkpoint boundary (docs/pools.md, "Moving jobs").
+    """Move a job the pool placed to other groups of the pool (``timeslice pool move``): a
+    sync job to ``group``, an async job's sampler to ``group`` and its trainer to
+    ``trainer_group``. The job takes it at its next checkpoint boundary (docs/pools.md,
+    "Moving jobs").
 
     Returns:
         The pool's decision, as ``timeslice pool status`` lists it.
 
     Raises:
         InvalidArgumentError: No such pool, a job it has not placed, a group not in it, an
-            async job, or the job's group already.
+            async job given one group (or a sync job two), or the job's groups already.
     """
     try:
         request = MoveRequest(job_id=job_id, sampler_group=group, trainer_group=trainer_group)

@@ -24,8 +24,9 @@ import pytest
 from temporalio.client import Client
 from timeslice.cli.stack import JobWorker, Stack
 from timeslice.errors import InvalidArgumentError
-from timeslice.jobs import parse_job_config, start_rl_job
+from timeslice.jobs import parse_any_job_config, parse_job_config, start_any_rl_job, start_rl_job
 from timeslice.pools import PoolConfig, PoolGroup, create_pool, move_pool_job, pool_status
+from timeslice.protocol.async_rl_job import AsyncRLJobProgress, AsyncRLJobResult
 from timeslice.protocol.pool import PoolStatus, pool_workflow_id
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
@@ -322,6 +323,60 @@ def test_a_job_whose_profile_drifts_past_the_bound_is_moved_off_its_neighbour(
     _assert_no_overlap_on(groups, results)
 
 
+@pytest.mark.long
+def test_an_async_job_moved_by_hand_runs_both_loops_on_its_new_groups(
+    stack: Stack, address: str
+) -> None:
+    """An async job placed on two groups of a pool of three is moved by hand (`timeslice pool
+    move --trainer-group`): its sampler to the third group, its trainer to where its sampler
+    was. Both loops stop at its next checkpoint (batches sampled past it are dropped) and run
+    on from it on the new groups: every step once, those before the move sampled and trained
+    on the old groups, the rest on the new, no two holds of a group overlapping."""
+    pool, uid = f"apool-{_uid()}", _uid()
+    groups = [f"ag1-{uid}", f"ag2-{uid}", f"ag3-{uid}"]
+    job, steps = f"aj-move-{uid}", 10
+    stack.job_workers(JobWorker((job,), "simulated", ("--threads", "1")))
+
+    async def run() -> tuple[AsyncRLJobResult, AsyncRLJobProgress, PoolStatus, str]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=g) for g in groups]))
+        config = _job(job, pool, steps, mode="async", max_staleness=1)
+        handle = await start_any_rl_job(client, parse_any_job_config(config))
+        await _until(lambda: _placed(client, pool, 1), "the job placed", timeout=60)
+        (placed,) = (await pool_status(client, pool)).jobs
+        assert placed.placement is not None
+        old = placed.placement
+        spare = next(g for g in groups if g not in {old.sampler_group, old.trainer_group})
+        refused = run_cli("pool", "move", pool, job, spare, "--address", address, timeout=60)
+        assert refused.returncode != 0 and "two groups" in refused.stderr, refused
+        await _until(lambda: _async_step_at_least(client, job, 1), f"{job} past its first step")
+        moved = run_cli("pool", "move", pool, job, spare, "--trainer-group", old.sampler_group,
+                        "--address", address, timeout=60)  # fmt: skip
+        assert moved.returncode == 0, moved.stderr
+        result = AsyncRLJobResult.model_validate((await handle.result()).model_dump())
+        progress = await client.get_workflow_handle(rl_job_workflow_id(job)).query(
+            "progress", result_type=AsyncRLJobProgress
+        )
+        return result, progress, await pool_status(client, pool), moved.stdout
+
+    result, progress, status, said = asyncio.run(run())
+    (move,) = progress.moves
+    old, new = move.moved_from, move.moved_to
+    assert new.sampler_group not in {old.sampler_group, old.trainer_group}, move
+    assert new.trainer_group == old.sampler_group, move
+    assert f"moved {job} to {new.sampler_group} (sampler) + {new.trainer_group} (trainer)" in said
+    assert move.epoch > 0 and move.epoch % 2 == 0  # a checkpoint boundary
+    assert result.epochs_done == steps
+    assert [r.epoch for r in result.records] == list(range(steps))
+    for record in result.records:
+        at = old if record.epoch < move.epoch else new
+        used = {h.phase: h.group_id for h in record.holds}
+        assert used == {"sample": at.sampler_group, "train": at.trainer_group}, (record, move)
+    _assert_no_overlap_on(groups, [result])
+    reasons = [d.reason for d in status.decisions]
+    assert any(r.startswith(f"{job} moved from {old.sampler_group} (sampler) + ") for r in reasons)
+
+
 async def _settled(client: Client, pool: str) -> bool:
     """Every job the pool placed is where the pool thinks it is (no move under way)."""
     status = await pool_status(client, pool)
@@ -335,6 +390,11 @@ async def _placed(client: Client, pool: str, count: int) -> bool:
 
 async def _epoch_at_least(client: Client, job: str, epoch: int) -> bool:
     return (await _progress(client, job)).epoch >= epoch
+
+
+async def _async_step_at_least(client: Client, job: str, step: int) -> bool:
+    handle = client.get_workflow_handle(rl_job_workflow_id(job))
+    return (await handle.query("progress", result_type=AsyncRLJobProgress)).epoch >= step
 
 
 async def _has_moved(client: Client, job: str) -> bool:

@@ -21,6 +21,7 @@ from timeslice.workflows.group_patches import (
     STREAMED_SWITCHES,
 )
 from timeslice.workflows.pool import (
+    POOL_ASYNC_MOVES,
     POOL_DECISION_EVENTS,
     POOL_MOVES,
     POOL_MOVES_FOR_QUEUE,
@@ -79,6 +80,7 @@ def _patch_markers(text: str) -> set[str]:
         POOL_DECISION_EVENTS,
         POOL_MOVES_FOR_QUEUE,
         POOL_PROFILE_DRIFT,
+        POOL_ASYNC_MOVES,
     ],
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):
@@ -93,8 +95,9 @@ def test_a_stored_history_takes_the_patched_path(patch: str):
 def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
     """The pool's weighing and the job's move and measured profile share a patch id, so the
     stored pool histories from before moves (``pool_*``, recorded on the code before) replay
-    with neither, and those after (``pool_moves_*``) with both (every pool, and the jobs that
-    moved or measured their profile)."""
+    with neither, and those after (``pool_moves_*``) with both (every pool that weighed a move,
+    and the jobs that moved or measured their profile; the async scenario's pool moved its one
+    job by hand and weighed none, its job had no profile: ``pool-async-moves`` marks it)."""
     assert POOL_MOVES == JOB_POOL_MOVES
     assert POOL_PROFILE_DRIFT == JOB_POOL_PROFILE_DRIFT
     recordings: dict[str, list[bool]] = {}
@@ -105,7 +108,10 @@ def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
         if not path.name.startswith("pool_moves_"):
             assert not marked, path.name
         elif "_pool" in path.name:
-            assert marked, path.name
+            weighed = not path.name.startswith("pool_moves_async_")
+            assert marked is weighed, path.name
+            if not weighed:
+                assert POOL_ASYNC_MOVES in _patch_markers(path.read_text()), path.name
         else:  # a job that neither moved nor measured its profile has no need of the patch
             recordings.setdefault(path.name.rsplit("_job", 1)[0], []).append(marked)
     assert recordings and all(any(jobs) for jobs in recordings.values()), recordings

@@ -42,6 +42,7 @@ from timeslice.protocol.rl_job import JOB_PROTOCOL_VERSION, LeaseOrder, PrepareR
 from timeslice.workflows.async_pipeline import Pipeline
 from timeslice.workflows.job_base import JOB_PROTOCOL_V5, JobWorkflowBase
 from timeslice.workflows.job_failures import PhaseFailed
+from timeslice.workflows.pool_job import move_boundary
 
 # The error type a worker answers for an activity it does not have.
 _NOT_REGISTERED = "NotFoundError"
@@ -129,6 +130,13 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
         await super()._checkpoint(epochs_done, lease, **kwargs)
         self._state.checkpointed()
 
+    def _move_ordered(self) -> None:
+        """A move its pool ordered is taken at a checkpoint: both loops stop there (the
+        sampler admits no batch past it) and the job moves before it runs on."""
+        boundary = move_boundary(self._config, self._state)
+        if boundary is not None and boundary < self._pipeline.run_target:
+            self._pipeline.run_target = boundary
+
     # ---------------------------------------------------------------- the two loops
 
     async def _advance(self) -> None:
@@ -137,6 +145,7 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
         self._pipeline.run_target = min(
             cfg.epochs, state.epochs_done + cfg.continue_as_new_every - self._done_this_run
         )
+        self._move_ordered()
         self._pipeline.draining = False
         sampler = asyncio.ensure_future(self._sampler_loop())
         trainer = asyncio.ensure_future(self._trainer_loop())

@@ -979,6 +979,11 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
         order = read_move_order(self._config, raw)
         if order is not None:
             self._state.pending_move = order
+            self._move_ordered()
+
+    def _move_ordered(self) -> None:
+        """A move order was kept (an async job's loops stop at its boundary); a sync job
+        checks ``move_due`` between epochs."""
 
 
 # What TimeslicePhase says while a job runs its epochs under searched-states-only: one value for

@@ -69,6 +69,8 @@ POOL_MOVES_FOR_QUEUE = "pool-moves-for-queue"
 # workflow.patched id: a job's drifted profile replaces the one the pool knew, and a move is
 # weighed (before, a job's second profile was dropped).
 POOL_PROFILE_DRIFT = "pool-profile-drift"
+# workflow.patched id: async jobs are moved too (by the pool's weighing, and by hand).
+POOL_ASYNC_MOVES = "pool-async-moves"
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -92,6 +94,13 @@ def _drift(known: dict[str, Any], measured: dict[str, Any]) -> str:
     return profile_drift(was, now) or (
         f"GPU {was[0]:.2f} -> {now[0]:.2f} s, epoch {was[1]:.2f} -> {now[1]:.2f} s"
     )
+
+
+def _on(placement: Placement) -> str:
+    """Where a job runs, as decisions say it: a sync job's group, an async job's two."""
+    if placement.sampler_group == placement.trainer_group:
+        return placement.sampler_group
+    return f"{placement.sampler_group} (sampler) + {placement.trainer_group} (trainer)"
 
 
 def _refusal(err: ActivityError) -> str:
@@ -240,8 +249,8 @@ class PoolWorkflow:
             job.moves += 1
             self._note(
                 job.job_id,
-                f"{job.job_id} moved from {left.sampler_group} to "
-                f"{moved.placement.sampler_group} at epoch {moved.epoch}",
+                f"{job.job_id} moved from {_on(left)} to {_on(moved.placement)} at epoch "
+                f"{moved.epoch}",
             )
             await self._try_queue()
 
@@ -293,7 +302,7 @@ class PoolWorkflow:
             if refused is not None:
                 raise ApplicationError(refused, type="MoveRefused", non_retryable=True)
             assert job is not None
-            await self._order_move(job, to, f"moved {job.job_id} to {to.sampler_group} by hand")
+            await self._order_move(job, to, f"moved {job.job_id} to {_on(to)} by hand")
             return self._status.decisions[-1]
 
     @move.validator
@@ -306,13 +315,20 @@ class PoolWorkflow:
         if job is None or job.placement is None:
             return f"pool {pool} has placed no job of that id: `timeslice pool status {pool}`"
         if job.mode != "sync":
-            return f"job {job.job_id} is async: the pool does not move async jobs yet"
-        if to.sampler_group != to.trainer_group:
+            if not workflow.patched(POOL_ASYNC_MOVES):
+                return f"job {job.job_id} is async: the pool does not move async jobs yet"
+            if to.sampler_group == to.trainer_group:
+                return (
+                    f"job {job.job_id} is async: give its sampler and its trainer two groups "
+                    "(--trainer-group)"
+                )
+        elif to.sampler_group != to.trainer_group:
             return f"job {job.job_id} is sync: it runs on one group"
-        if to.sampler_group not in names:
-            return f"group {to.sampler_group!r} is not in pool {pool} ({', '.join(sorted(names))})"
+        for group in sorted({to.sampler_group, to.trainer_group}):
+            if group not in names:
+                return f"group {group!r} is not in pool {pool} ({', '.join(sorted(names))})"
         if to == job.placement:
-            return f"job {job.job_id} is on {to.sampler_group} already"
+            return f"job {job.job_id} is on {_on(to)} already"
         return None
 
     async def _order_move(self, job: PoolJob, to: Placement, reason: str) -> None:
@@ -344,7 +360,9 @@ class PoolWorkflow:
         movable = [
             j.job_id
             for j in placed
-            if j.mode == "sync" and j.profile is not None and j.moving_from is None
+            if j.profile is not None
+            and j.moving_from is None
+            and (j.mode == "sync" or workflow.patched(POOL_ASYNC_MOVES))
         ]
         can_move = order and bool(movable) and len(config.groups) > 1
         if not can_move and not any(j.profile is not None and j.demand is None for j in placed):

@@ -119,13 +119,30 @@ def read_move_order(config: RLJobConfig, raw: tuple[Any, ...]) -> MoveOrder | No
     if config.pool != order.pool:
         why = f"it was started with pool {config.pool!r}, not {order.pool!r}"
     elif isinstance(config, AsyncRLJobConfig):
-        why = "an async job is not moved yet (docs/pools.md)"
+        if order.sampler_group == order.trainer_group:
+            why = "an async job runs its sampler and its trainer on two groups"
     elif order.sampler_group != order.trainer_group:
         why = "a sync job runs on one group"
     if why is not None:
         workflow.logger.warning("job %s dropped a move to %s: %s", config.job_id, order, why)
         return None
     return order
+
+
+def move_boundary(config: RLJobConfig, state: RLJobState) -> int | None:
+    """The step an async job's loops stop at to take its pending move (None: no move
+    pending): its next checkpoint after the step in hand, and no sooner than the order's
+    ``epochs_apart`` after its last move. Its sampler admits no batch past it, so its
+    pipeline drains there (batches sampled past it are dropped, counted)."""
+    order = state.pending_move
+    if order is None:
+        return None
+    every = config.checkpoint_every
+    earliest = state.epochs_done + 1
+    if state.moves:
+        earliest = max(earliest, state.moves[-1].epoch + order.epochs_apart)
+    boundary = -(-earliest // every) * every  # the first multiple of every at or past it
+    return min(boundary, config.epochs)
 
 
 def move_due(state: RLJobState) -> bool:

@@ -3,6 +3,7 @@
     .venv/bin/python -m tests.histories.record_pool PREFIX EPOCHS
     .venv/bin/python -m tests.histories.record_pool pool_moves_queue queue
     .venv/bin/python -m tests.histories.record_pool pool_moves_drift drift
+    .venv/bin/python -m tests.histories.record_pool pool_moves_async async
 
 A pool of two groups and two light `simulated` jobs placed without profiles (one per group),
 ``EPOCHS`` epochs each, a checkpoint every two. With 4 epochs (``pool_run``, recorded on the
@@ -13,7 +14,10 @@ one group, one is moved to the other by hand, and a heavy job arrives that fits 
 the pool moves a light job to make room for it (the `pool-moves-for-queue` patch). ``drift``
 (``pool_moves_drift``): the two jobs declare light profiles and are packed onto one group; from its
 epoch 3 one job's GPU phases take eight times as long, it sends its pool the drifted profile,
-and the pool moves one of them to bring its bound back (the `pool-profile-drift` patch). Writes
+and the pool moves one of them to bring its bound back (the `pool-profile-drift` patch).
+``async`` (``pool_moves_async``): an async job placed on two of three groups is moved by hand,
+its sampler to the third and its trainer to where its sampler was (the `pool-async-moves`
+patch). Writes
 `<PREFIX>_pool<N>.json` and `<PREFIX>_job<N>.json`; `tests/test_replay.py`
 replays them. Re-record only when the pool or the RL job workflow changes on purpose.
 """
@@ -136,6 +140,37 @@ async def drive_drift(address: str, prefix: str) -> int:
     return await _write(client, prefix, JOBS)
 
 
+async def drive_async(address: str, prefix: str) -> int:
+    """The async move (tests/test_pool_moves.py's, recorded)."""
+    from timeslice.jobs import parse_any_job_config, start_any_rl_job
+    from timeslice.pools import move_pool_job, pool_status
+
+    client = await connect(connect_config(address))
+    groups = [PoolGroup(name=f"{POOL}-g{i}") for i in (1, 2, 3)]
+    pool = await create_pool(client, PoolConfig(pool=POOL, groups=groups))
+    config = {"job_id": JOBS[0], "workload": "simulated", "workload_options": OPTIONS,
+              "pool": POOL, "epochs": 8, "checkpoint_every": 2, "mode": "async",
+              "max_staleness": 1}  # fmt: skip
+    handle = await start_any_rl_job(client, parse_any_job_config(config))
+    for _ in range(600):
+        jobs = (await pool_status(client, POOL)).jobs
+        if jobs and jobs[0].placement is not None:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise SystemExit("the async job was not placed in 60 s")
+    old = jobs[0].placement
+    assert old is not None
+    spare = next(g.name for g in groups if g.name not in {old.sampler_group, old.trainer_group})
+    await move_pool_job(client, POOL, JOBS[0], spare, old.sampler_group)
+    await handle.result()
+    reasons = [d.reason for d in (await pool_status(client, POOL)).decisions]
+    if not any(r.startswith(f"{JOBS[0]} moved from ") for r in reasons):
+        raise SystemExit(f"the async job did not move: {reasons}")
+    await pool.terminate("recorded")
+    return await _write(client, prefix, JOBS[:1])
+
+
 async def _write(client: Client, prefix: str, jobs: tuple[str, ...]) -> int:
     written = 0
     for kind, workflow_id in [("pool", pool_workflow_id(POOL))] + [
@@ -150,7 +185,7 @@ async def _write(client: Client, prefix: str, jobs: tuple[str, ...]) -> int:
 
 def main() -> None:
     prefix, epochs = sys.argv[1], sys.argv[2]
-    jobs = (*JOBS, HEAVY) if epochs == "queue" else JOBS
+    jobs = (*JOBS, HEAVY) if epochs == "queue" else JOBS[:1] if epochs == "async" else JOBS
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedServer(port=free_port(), ui_port=None, db=Path(tmp) / "t.db").start()
         procs = [start_worker(server.address, Path(tmp) / "worker.log")]
@@ -170,6 +205,8 @@ def main() -> None:
                 written = asyncio.run(drive_queue(server.address, prefix))
             elif epochs == "drift":
                 written = asyncio.run(drive_drift(server.address, prefix))
+            elif epochs == "async":
+                written = asyncio.run(drive_async(server.address, prefix))
             else:
                 written = asyncio.run(drive(server.address, prefix, int(epochs)))
             print(f"wrote {written} histories to {HERE}")

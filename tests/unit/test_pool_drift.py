@@ -1,7 +1,8 @@
 """A job whose profile drifts (docs/pools.md, "Drifting profiles"): when it tells its pool
 (workflows/pool_job.py ``drifted_profile``, protocol/pool.py ``profile_drift``) and the move
-that brings a pool back within its bound (plan/placement.py ``decide_move``): the job's real
-state model and the planner's real simulator, no server, no process."""
+that brings a pool back within its bound (plan/placement.py ``decide_move``), for a sync job
+and an async one, and where an async job's loops stop to take a move (``move_boundary``): the
+job's real state model and the planner's real simulator, no server, no process."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ from typing import Any
 
 import pytest
 from timeslice.plan.placement import decide_move
+from timeslice.protocol.async_rl_job import AsyncRLJobConfig
 from timeslice.protocol.pool import (
     DRIFT_EPOCHS,
+    JobMove,
     MoveInput,
+    MoveOrder,
     Placement,
     PoolGroup,
+    PoolJob,
     profile_drift,
     profile_seconds,
 )
 from timeslice.protocol.rl_job import EpochRecord, RLJobConfig, RLJobState
-from timeslice.workflows.pool_job import drifted_profile
+from timeslice.workflows.pool_job import drifted_profile, move_boundary
 
 from tests.unit.test_pool_placement import BOUND, HEAVY, LIGHT, placed, profile
 
@@ -142,3 +147,57 @@ def test_a_move_back_within_the_bound_is_not_made_when_it_costs_more_than_it_gai
     assert outcome.job_id is None
     assert "over the bound, and no move brings every job back within it" in outcome.reason
     assert _weigh(jobs).job_id is not None  # over 600 s it pays
+
+
+def test_an_async_job_is_moved_off_a_group_it_overloads_onto_two_others() -> None:
+    asynchronous = profile(0.4, 0.2, mode="async")
+    jobs = [
+        placed("h", "g1", HEAVY, None),
+        PoolJob(
+            job_id="a",
+            mode="async",
+            profile=asynchronous,
+            placement=Placement(sampler_group="g1", trainer_group="g2"),
+        ),
+    ]
+    outcome = decide_move(
+        MoveInput(
+            groups=[PoolGroup(name=g) for g in ("g1", "g2", "g3")],
+            max_slowdown=BOUND,
+            placed=jobs,
+            movable=["a"],
+            horizon_s=600.0,
+        )
+    )
+    assert outcome.job_id == "a" and outcome.placement is not None
+    at = outcome.placement
+    assert at.sampler_group != at.trainer_group and "g1" not in {at.sampler_group, at.trainer_group}
+    assert outcome.reason.startswith(
+        f"moved a to {at.sampler_group} (sampler) + {at.trainer_group} (trainer) to bring the "
+        "pool back within its bound"
+    ), outcome.reason
+
+
+@pytest.mark.parametrize(
+    ("epochs_done", "last_move", "boundary"),
+    [
+        (0, None, 2),  # the next checkpoint after the step in hand
+        (3, None, 4),
+        (4, None, 6),  # at a checkpoint, a step may be in hand: the next one
+        (5, 4, 10),  # moved at 4, at most once in 5 steps: not before 9, so 10
+        (11, None, 12),  # the job's last step, whatever checkpoint_every says
+    ],
+)
+def test_an_async_jobs_loops_stop_for_its_move_at_its_next_checkpoint(
+    epochs_done: int, last_move: int | None, boundary: int
+) -> None:
+    config = AsyncRLJobConfig(job_id="a", workload="simulated", pool="p", epochs=12,
+                              checkpoint_every=2, max_staleness=1)  # fmt: skip
+    g = Placement(sampler_group="g1", trainer_group="g2")
+    state = RLJobState(
+        epochs_done=epochs_done,
+        pending_move=MoveOrder(pool="p", sampler_group="g3", trainer_group="g1", epochs_apart=5),
+        moves=[] if last_move is None else [JobMove(epoch=last_move, moved_from=g, moved_to=g)],
+    )
+    assert move_boundary(config, state) == boundary
+    assert move_boundary(config, RLJobState(epochs_done=epochs_done)) is None
