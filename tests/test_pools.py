@@ -141,7 +141,8 @@ def test_a_full_pool_queues_a_job_until_another_ends(
 
 def test_an_async_job_is_placed_on_two_groups_of_its_pool(stack: Stack, address: str) -> None:
     """An async job without a profile: its sampler and trainer on two different groups of the
-    pool (the least demand), every step once, and the pool told when it ended."""
+    pool (the least demand), every step once, its measured profile sent after its first
+    steps, and the pool told when it ended."""
     pool, uid = f"apool-{_uid()}", _uid()
     groups = [f"ag1-{uid}", f"ag2-{uid}", f"ag3-{uid}"]
     job = f"aj-{uid}"
@@ -166,6 +167,8 @@ def test_an_async_job_is_placed_on_two_groups_of_its_pool(stack: Stack, address:
     assert status.jobs == []
     assert any(d.reason.startswith(f"placed {job} on ") and "(sampler)" in d.reason
                for d in status.decisions), status.decisions  # fmt: skip
+    # Placed without a profile, it measured one after its first steps, as a sync job does.
+    assert f"{job} measured its profile" in [d.reason for d in status.decisions]
 
 
 def test_a_job_that_fails_tells_its_pool(address: str) -> None:

@@ -27,6 +27,7 @@ from timeslice.workflows.pool import (
     POOL_MOVES_FOR_QUEUE,
     POOL_PROFILE_DRIFT,
 )
+from timeslice.workflows.pool_job import POOL_ASYNC_PROFILES
 from timeslice.workflows.pool_job import POOL_MOVES as JOB_POOL_MOVES
 from timeslice.workflows.pool_job import POOL_PROFILE_DRIFT as JOB_POOL_PROFILE_DRIFT
 from timeslice.workflows.rl_job import JOB_PROTOCOL_V5, SEARCHED_STATES_ONLY
@@ -81,6 +82,7 @@ def _patch_markers(text: str) -> set[str]:
         POOL_MOVES_FOR_QUEUE,
         POOL_PROFILE_DRIFT,
         POOL_ASYNC_MOVES,
+        POOL_ASYNC_PROFILES,
     ],
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):
@@ -96,8 +98,9 @@ def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
     """The pool's weighing and the job's move and measured profile share a patch id, so the
     stored pool histories from before moves (``pool_*``, recorded on the code before) replay
     with neither, and those after (``pool_moves_*``) with both (every pool that weighed a move,
-    and the jobs that moved or measured their profile; the async scenario's pool moved its one
-    job by hand and weighed none, its job had no profile: ``pool-async-moves`` marks it)."""
+    and the jobs that moved or measured their profile; the async scenario's pool recorded
+    before async jobs measured profiles moved its one job by hand and weighed none:
+    ``pool-async-moves`` marks it)."""
     assert POOL_MOVES == JOB_POOL_MOVES
     assert POOL_PROFILE_DRIFT == JOB_POOL_PROFILE_DRIFT
     recordings: dict[str, list[bool]] = {}
@@ -108,7 +111,7 @@ def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
         if not path.name.startswith("pool_moves_"):
             assert not marked, path.name
         elif "_pool" in path.name:
-            weighed = not path.name.startswith("pool_moves_async_")
+            weighed = path.name != "pool_moves_async_pool0.json"
             assert marked is weighed, path.name
             if not weighed:
                 assert POOL_ASYNC_MOVES in _patch_markers(path.read_text()), path.name

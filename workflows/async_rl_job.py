@@ -42,7 +42,7 @@ from timeslice.protocol.rl_job import JOB_PROTOCOL_VERSION, LeaseOrder, PrepareR
 from timeslice.workflows.async_pipeline import Pipeline
 from timeslice.workflows.job_base import JOB_PROTOCOL_V5, JobWorkflowBase
 from timeslice.workflows.job_failures import PhaseFailed
-from timeslice.workflows.pool_job import move_boundary
+from timeslice.workflows.pool_job import move_boundary, send_profile_if_due
 
 # The error type a worker answers for an activity it does not have.
 _NOT_REGISTERED = "NotFoundError"
@@ -301,6 +301,7 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
             held = self._ledger.checkpoint_lease(order)
             if held is not None:
                 await self._checkpoint(done, held)
+        await send_profile_if_due(cfg, state, self._backends)
         self._publish_details()
 
     def _check_result(self, problem: str | None, phase: str) -> None:

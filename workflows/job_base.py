@@ -82,15 +82,12 @@ from timeslice.workflows.job_failures import (
 )
 from timeslice.workflows.job_leases import JobLeases, Release
 from timeslice.workflows.pool_job import (
-    drifted_profile,
     ended_in_pool,
     move_due,
     needs_placement,
     placed,
-    profile_due,
     read_move_order,
-    send_drifted_profile,
-    send_profile,
+    send_profile_if_due,
     take_move,
 )
 
@@ -292,10 +289,7 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
                 if move_due(self._state):
                     await self._move()
                     continue  # prepared again on its new groups, from the checkpoint
-                if profile_due(self._config, state):
-                    await send_profile(self._config, state, self._backends)
-                elif (drifted := drifted_profile(self._config, state, self._backends)) is not None:
-                    await send_drifted_profile(self._config, state, drifted)
+                await send_profile_if_due(self._config, state, self._backends)
                 if self._done_this_run >= cfg.continue_as_new_every or (
                     workflow.info().is_continue_as_new_suggested()
                 ):

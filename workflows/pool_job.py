@@ -46,6 +46,8 @@ POOL_PLACEMENT = "pool-placement"
 POOL_MOVES = "pool-moves"
 # workflow.patched id: a job whose pool knows its profile sends a new one when it drifted.
 POOL_PROFILE_DRIFT = "pool-profile-drift"
+# workflow.patched id: an async job measures its profile (and its drift) as a sync job does.
+POOL_ASYNC_PROFILES = "pool-async-profiles"
 
 # A job in its pool's queue asks again this often (its request activity's retries, which add
 # no event to the job's history), so it starts at most this long after its place frees.
@@ -201,7 +203,6 @@ def profile_due(config: RLJobConfig, state: RLJobState) -> bool:
         config.pool is not None
         and config.profile is None
         and not state.profile_sent
-        and not isinstance(config, AsyncRLJobConfig)
         and state.epochs_done >= 1 + MEASURED_EPOCHS
     )
 
@@ -239,7 +240,12 @@ def measured_profile(
         for pool in ("sampler", "trainer")
         for name in backends.get(pool, [])
     ]
-    return {"epochs": config.epochs, "phases": phases, "states": states}
+    profile: dict[str, Any] = {"epochs": config.epochs, "phases": phases, "states": states}
+    if isinstance(config, AsyncRLJobConfig):  # its sample and train seconds hold its weight moves
+        profile.update(
+            mode="async", max_staleness=config.max_staleness, sync_every=config.sync_every
+        )
+    return profile
 
 
 async def send_profile(
@@ -265,10 +271,10 @@ def drifted_profile(
     config: RLJobConfig, state: RLJobState, backends: dict[str, list[str]]
 ) -> dict[str, Any] | None:
     """The profile of the job's last ``DRIFT_EPOCHS`` epochs (medians) if it drifted from the
-    one its pool knows (its declared profile, or the last it sent), else None. Only a sync job
+    one its pool knows (its declared profile, or the last it sent), else None. Only a job
     placed by a pool that knows its profile checks, once ``DRIFT_EPOCHS`` epochs have run since
     it last sent one (its first epoch, which holds its start-up, is never read)."""
-    if config.pool is None or isinstance(config, AsyncRLJobConfig):
+    if config.pool is None:
         return None
     known = state.sent_profile_s
     if known is None:
@@ -303,6 +309,24 @@ async def send_drifted_profile(
         JobProfiled(job_id=config.job_id, profile=profile),
         "sent its drifted profile",
     )
+
+
+async def send_profile_if_due(
+    config: RLJobConfig, state: RLJobState, backends: dict[str, list[str]]
+) -> None:
+    """After an epoch (an async job: a step): send the job's pool its measured profile if it is
+    due, or its drifted profile if it drifted. An async job does either only from the
+    ``POOL_ASYNC_PROFILES`` patch on (a run from before replays without)."""
+    due = profile_due(config, state)
+    drifted = None if due else drifted_profile(config, state, backends)
+    if not due and drifted is None:
+        return
+    if isinstance(config, AsyncRLJobConfig) and not workflow.patched(POOL_ASYNC_PROFILES):
+        return
+    if due:
+        await send_profile(config, state, backends)
+    elif drifted is not None:
+        await send_drifted_profile(config, state, drifted)
 
 
 async def tell_pool(config: RLJobConfig, outcome: str) -> None:

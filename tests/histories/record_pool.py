@@ -4,6 +4,7 @@
     .venv/bin/python -m tests.histories.record_pool pool_moves_queue queue
     .venv/bin/python -m tests.histories.record_pool pool_moves_drift drift
     .venv/bin/python -m tests.histories.record_pool pool_moves_async async
+    .venv/bin/python -m tests.histories.record_pool pool_moves_async_profiled async
 
 A pool of two groups and two light `simulated` jobs placed without profiles (one per group),
 ``EPOCHS`` epochs each, a checkpoint every two. With 4 epochs (``pool_run``, recorded on the
@@ -17,7 +18,9 @@ epoch 3 one job's GPU phases take eight times as long, it sends its pool the dri
 and the pool moves one of them to bring its bound back (the `pool-profile-drift` patch).
 ``async`` (``pool_moves_async``): an async job placed on two of three groups is moved by hand,
 its sampler to the third and its trainer to where its sampler was (the `pool-async-moves`
-patch). Writes
+patch; recorded before async jobs measured their profiles). Recorded again after
+(``pool_moves_async_profiled``), the job sends its measured profile after its third step
+(the `pool-async-profiles` patch). Writes
 `<PREFIX>_pool<N>.json` and `<PREFIX>_job<N>.json`; `tests/test_replay.py`
 replays them. Re-record only when the pool or the RL job workflow changes on purpose.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from timeslice.plan.placement import decide_move
+from timeslice.plan.placement import decide_move, job_profile
 from timeslice.protocol.async_rl_job import AsyncRLJobConfig
 from timeslice.protocol.pool import (
     DRIFT_EPOCHS,
@@ -201,3 +201,18 @@ def test_an_async_jobs_loops_stop_for_its_move_at_its_next_checkpoint(
     )
     assert move_boundary(config, state) == boundary
     assert move_boundary(config, RLJobState(epochs_done=epochs_done)) is None
+
+
+def test_an_async_jobs_measured_profile_says_so_and_is_one_the_planner_reads() -> None:
+    config = AsyncRLJobConfig(job_id="a", workload="simulated", pool="p", epochs=12,
+                              max_staleness=2, sync_every=3)  # fmt: skip
+    sent = drifted_profile(
+        AsyncRLJobConfig(**{**config.model_dump(), "profile": profile(0.4, 1.0, mode="async")}),
+        _state([0.4, 0.4, 2.0, 2.0, 2.0]),
+        BACKENDS,
+    )
+    assert sent is not None
+    assert (sent["mode"], sent["max_staleness"], sent["sync_every"]) == ("async", 2, 3)
+    parsed = job_profile(PoolJob(job_id="a", mode="async", profile=sent))
+    assert parsed is not None and parsed.is_async
+    assert parsed.loop_s("trainer") == pytest.approx(1.0)
