@@ -266,7 +266,33 @@ async def run_trace(address: str, trace: dict[str, Any], pools: dict[str, str], 
     statuses = {
         mode: await pool_status(client, pool) for mode, pool in pools.items() if mode != "plan"
     }
-    return {"finished": finished, "arrivals": arrivals, "statuses": statuses}
+    decisions = {
+        mode: await every_decision(client, pool) for mode, pool in pools.items() if mode != "plan"
+    }
+    return {
+        "finished": finished,
+        "arrivals": arrivals,
+        "statuses": statuses,
+        "decisions": decisions,
+    }
+
+
+async def every_decision(client: Any, pool: str) -> list[str]:
+    """Every decision the pool took, from its history's decision events (every run of its
+    workflow), where its status keeps only the last ones."""
+    from timeslice.protocol.pool import pool_workflow_id
+
+    found: list[str] = []
+    query = f"WorkflowId = '{pool_workflow_id(pool)}'"
+    runs = sorted([r async for r in client.list_workflows(query)], key=lambda r: r.start_time)
+    for run in runs:
+        history = await client.get_workflow_handle(run.id, run_id=run.run_id).fetch_history()
+        for event in history.events:
+            if event.HasField("workflow_properties_modified_event_attributes"):
+                memo = event.workflow_properties_modified_event_attributes.upserted_memo.fields
+                if "decision" in memo:
+                    found.append(json.loads(memo["decision"].data))
+    return found
 
 
 def pool_figures(mode: str, run: dict[str, Any], trace: dict[str, Any], scale: float,
@@ -311,9 +337,7 @@ def pool_figures(mode: str, run: dict[str, Any], trace: dict[str, Any], scale: f
         "overlaps": sum(overlaps(holds) for holds in gpu.values()),
         "every_epoch_once": all(j["every_epoch_once"] for j in jobs.values()),
         "jobs": jobs,
-        "decisions": [d.reason for d in run["statuses"][mode].decisions]
-        if mode in run["statuses"]
-        else [],
+        "decisions": run["decisions"].get(mode, []),
     }
 
 
