@@ -118,3 +118,27 @@ def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
         else:  # a job that neither moved nor measured its profile has no need of the patch
             recordings.setdefault(path.name.rsplit("_job", 1)[0], []).append(marked)
     assert recordings and all(any(jobs) for jobs in recordings.values()), recordings
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: a group flooded by raw updates (tests/test_renewal_flood.py) recorded a "
+    "timer its main loop started (event 297) before the update accepted in the same workflow "
+    "task (298, sequenced at 294); every replay of that history fails with the SDK's "
+    "nondeterminism error 'Update machine does not handle this event: TimerStarted' "
+    "(temporalio 1.35.0), and the group's workflow task fails from then on",
+)
+def test_a_flooded_groups_history_with_a_timer_before_an_accepted_update_replays():
+    """A deterministic reproduction of the wedged group seen in CI runs of the raw flood (its
+    first 300 events, the last ones the workflow task that started the timer and accepted the
+    update). Strict: when a fix (ours or the SDK's) makes it replay, this fails until the mark
+    goes."""
+    path = Path(__file__).parent / "histories" / "known" / "gpu_group_flood_update_after_timer.json"
+    history = WorkflowHistory.from_json("gpu-group-raw-flood", path.read_text())
+    replayer = Replayer(
+        workflows=WORKFLOWS,
+        data_converter=pydantic_data_converter,
+        workflow_runner=workflow_runner(),
+    )
+    result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
+    assert result.replay_failure is None, str(result.replay_failure)
