@@ -19,6 +19,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from temporalio.api.common.v1 import Payloads, WorkflowExecution
 from temporalio.api.enums.v1 import UpdateWorkflowExecutionLifecycleStage
 from temporalio.api.update.v1 import Input, Meta, Request, WaitPolicy
@@ -107,6 +108,7 @@ async def _raw_flood(
     await asyncio.gather(*(spin() for _ in range(TRY_LOCKS)))
 
 
+@pytest.mark.long  # ~50 s of a flood that starves whatever shares the cores with it
 def test_a_raw_flood_past_the_in_flight_limit_costs_holders_at_ttl_1_and_10_s_nothing(
     address: str, make_client: Callable[..., Any]
 ) -> None:
