@@ -30,9 +30,11 @@ test: $(STAMP) bytecode
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not ray and not long" --ignore=tests/test_ray.py
 
 # The tests marked `long` (the slowest end-to-end tests: TRL's two time-sliced trainers and
-# one alone, the demo's three runs, the 30-s soak with every fault kind, the raw update flood,
-# a pool's drifting job and its async move): 222 s of the slowest tests' time in a 625-s `make test` (2026-12-03), which
-# then ran past ten minutes on two cores; apart from it, as the Ray tests are. `.ci/run` runs all three targets.
+# one alone, the demo's three runs, the 30-s soak with every fault kind; since the fourth
+# session, the raw and the maximal-message update floods, which starve whatever shares the
+# cores with them, and a pool's drifting job and its async move): 222 s of the slowest tests'
+# time in a 625-s `make test` (2026-12-03) first, which then ran past ten minutes on two
+# cores; apart from it, as the Ray tests are. `.ci/run` runs all three targets.
 test-long: $(STAMP) bytecode
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 -m long --ignore=tests/test_ray.py
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from timeslice.cli.stack import Stack
@@ -186,6 +187,7 @@ async def flood(address: str) -> list[int]:
     return [*tokens, final.stats.runs]
 
 
+@pytest.mark.long  # ~70 s of a flood that starves whatever shares the cores with it
 def test_a_group_flooded_with_maximal_messages_keeps_serving(tmp_path: Path):
     can_often = {"limit.historyCount.suggestContinueAsNew": 200}
     with Stack(tmp_path, dynamic_config=can_often).start() as stack:
