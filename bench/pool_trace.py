@@ -216,7 +216,7 @@ Planned = dict[str, tuple[str, str]]  # job -> (sampler group, trainer group)
 async def run_trace(address: str, trace: dict[str, Any], pools: dict[str, str], stamp: str,
                     scale: float, plan: Planned | None) -> dict[str, Any]:  # fmt: skip
     from timeslice.jobs import parse_any_job_config, start_any_rl_job
-    from timeslice.pools import pool_status
+    from timeslice.pools import pool_decisions, pool_status
     from timeslice.protocol.async_rl_job import AsyncRLJobProgress
     from timeslice.protocol.rl_job import RLJobProgress, rl_job_workflow_id
     from timeslice.transport.connection import connect, connect_config
@@ -267,7 +267,9 @@ async def run_trace(address: str, trace: dict[str, Any], pools: dict[str, str], 
         mode: await pool_status(client, pool) for mode, pool in pools.items() if mode != "plan"
     }
     decisions = {
-        mode: await every_decision(client, pool) for mode, pool in pools.items() if mode != "plan"
+        mode: [d.reason for d in await pool_decisions(client, pool)]
+        for mode, pool in pools.items()
+        if mode != "plan"
     }
     return {
         "finished": finished,
@@ -275,24 +277,6 @@ async def run_trace(address: str, trace: dict[str, Any], pools: dict[str, str], 
         "statuses": statuses,
         "decisions": decisions,
     }
-
-
-async def every_decision(client: Any, pool: str) -> list[str]:
-    """Every decision the pool took, from its history's decision events (every run of its
-    workflow), where its status keeps only the last ones."""
-    from timeslice.protocol.pool import pool_workflow_id
-
-    found: list[str] = []
-    query = f"WorkflowId = '{pool_workflow_id(pool)}'"
-    runs = sorted([r async for r in client.list_workflows(query)], key=lambda r: r.start_time)
-    for run in runs:
-        history = await client.get_workflow_handle(run.id, run_id=run.run_id).fetch_history()
-        for event in history.events:
-            if event.HasField("workflow_properties_modified_event_attributes"):
-                memo = event.workflow_properties_modified_event_attributes.upserted_memo.fields
-                if "decision" in memo:
-                    found.append(json.loads(memo["decision"].data))
-    return found
 
 
 def pool_figures(mode: str, run: dict[str, Any], trace: dict[str, Any], scale: float,

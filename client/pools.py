@@ -9,6 +9,7 @@ await create_pool(client, PoolConfig(pool="p", groups=[PoolGroup(name="g1"),
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,6 +44,7 @@ __all__ = [
     "create_pool",
     "move_pool_job",
     "parse_pool_config",
+    "pool_decisions",
     "pool_members",
     "pool_status",
     "require_pool",
@@ -125,9 +127,8 @@ async def pool_status(client: Client, pool: str) -> PoolStatus:
     )
 
 
-async def pool_members(client: Client, pool: str) -> tuple[list[str], list[str]]:
-    """The pool's groups, and every job it took a decision about (its decision events, every
-    run of its workflow: jobs that ended included), in the order it first decided on each.
+async def _pool_history(client: Client, pool: str) -> AsyncIterator[Any]:
+    """Every event of the pool's workflow, every run of it in the order they started.
 
     Raises:
         InvalidArgumentError: No pool of that name was ever started.
@@ -138,24 +139,61 @@ async def pool_members(client: Client, pool: str) -> tuple[list[str], list[str]]
         raise InvalidArgumentError(
             f"no pool {pool!r}: create it with `timeslice pool create {pool} --group NAME`"
         )
-    jobs: dict[str, None] = {}
-    groups: dict[str, None] = {}
     for run in sorted(runs, key=lambda r: r.start_time):
         history = await client.get_workflow_handle(run.id, run_id=run.run_id).fetch_history()
         for event in history.events:
-            if event.HasField("workflow_execution_started_event_attributes"):
-                started = event.workflow_execution_started_event_attributes
-                if started.input.payloads:
-                    data = json.loads(started.input.payloads[0].data)
-                    config = data.get("config", data)
-                    groups.update((g["name"], None) for g in config.get("groups", []))
-            if event.HasField("workflow_properties_modified_event_attributes"):
-                memo = event.workflow_properties_modified_event_attributes.upserted_memo.fields
-                if "job" in memo:
-                    job = json.loads(memo["job"].data)
-                    if job != "-":
-                        jobs[job] = None
+            yield event
+
+
+def _decision_memo(event: Any) -> Any:
+    """A decision event's memo fields (a memo upsert of the pool's), or None."""
+    if not event.HasField("workflow_properties_modified_event_attributes"):
+        return None
+    return event.workflow_properties_modified_event_attributes.upserted_memo.fields
+
+
+async def pool_members(client: Client, pool: str) -> tuple[list[str], list[str]]:
+    """The pool's groups, and every job it took a decision about (its decision events, every
+    run of its workflow: jobs that ended included), in the order it first decided on each.
+
+    Raises:
+        InvalidArgumentError: No pool of that name was ever started.
+    """
+    jobs: dict[str, None] = {}
+    groups: dict[str, None] = {}
+    async for event in _pool_history(client, pool):
+        if event.HasField("workflow_execution_started_event_attributes"):
+            started = event.workflow_execution_started_event_attributes
+            if started.input.payloads:
+                data = json.loads(started.input.payloads[0].data)
+                config = data.get("config", data)
+                groups.update((g["name"], None) for g in config.get("groups", []))
+        memo = _decision_memo(event)
+        if memo is not None and "job" in memo:
+            job = json.loads(memo["job"].data)
+            if job != "-":
+                jobs[job] = None
     return list(groups), list(jobs)
+
+
+async def pool_decisions(client: Client, pool: str) -> list[Decision]:
+    """Every decision the pool took, from its history's decision events (every run of its
+    workflow), where its status keeps only the last ``DECISIONS_KEPT``.
+
+    Raises:
+        InvalidArgumentError: No pool of that name was ever started.
+    """
+    found: list[Decision] = []
+    async for event in _pool_history(client, pool):
+        memo = _decision_memo(event)
+        if memo is not None and "decision" in memo:
+            found.append(
+                Decision(
+                    job_id=json.loads(memo["job"].data) if "job" in memo else "-",
+                    reason=json.loads(memo["decision"].data),
+                )
+            )
+    return found
 
 
 async def move_pool_job(

@@ -25,9 +25,16 @@ from temporalio.client import Client
 from timeslice.cli.stack import JobWorker, Stack
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_any_job_config, parse_job_config, start_any_rl_job, start_rl_job
-from timeslice.pools import PoolConfig, PoolGroup, create_pool, move_pool_job, pool_status
+from timeslice.pools import (
+    PoolConfig,
+    PoolGroup,
+    create_pool,
+    move_pool_job,
+    pool_decisions,
+    pool_status,
+)
 from timeslice.protocol.async_rl_job import AsyncRLJobProgress, AsyncRLJobResult
-from timeslice.protocol.pool import PoolStatus, pool_workflow_id
+from timeslice.protocol.pool import PoolStatus
 from timeslice.protocol.rl_job import RLJobProgress, RLJobResult, rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
@@ -404,10 +411,4 @@ async def _has_moved(client: Client, job: str) -> bool:
 
 async def _events(client: Client, pool: str) -> list[str]:
     """The decisions the pool's history records as events (its memo upserts)."""
-    history = await client.get_workflow_handle(pool_workflow_id(pool)).fetch_history()
-    decisions = []
-    for event in history.events:
-        if event.HasField("workflow_properties_modified_event_attributes"):
-            fields = event.workflow_properties_modified_event_attributes.upserted_memo.fields
-            decisions.append(json.loads(fields["decision"].data))
-    return decisions
+    return [d.reason for d in await pool_decisions(client, pool)]

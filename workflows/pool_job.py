@@ -256,15 +256,7 @@ async def send_profile(
     state.profile_sent = True
     if not workflow.patched(POOL_MOVES):  # a run from before moves replays without it
         return
-    profile = measured_profile(config, state, backends)
-    state.sent_profile_s = profile_seconds(profile)
-    state.sent_profile_at = state.epochs_done
-    await _signal_pool(
-        config,
-        PoolSignal.JOB_PROFILED,
-        JobProfiled(job_id=config.job_id, profile=profile),
-        "sent its profile",
-    )
+    await _send_profile(config, state, measured_profile(config, state, backends), "its profile")
 
 
 def drifted_profile(
@@ -300,14 +292,21 @@ async def send_drifted_profile(
     """Send the job's pool ``profile`` (``drifted_profile``'s), which it then knows."""
     if not workflow.patched(POOL_PROFILE_DRIFT):  # a run from before drift replays without it
         return
+    workflow.logger.info("job %s: its profile drifted; sent its pool the new one", config.job_id)
+    await _send_profile(config, state, profile, "its drifted profile")
+
+
+async def _send_profile(
+    config: RLJobConfig, state: RLJobState, profile: dict[str, Any], what: str
+) -> None:
+    """Signal the job's pool ``profile``, and keep what the pool knows of it from now on."""
     state.sent_profile_s = profile_seconds(profile)
     state.sent_profile_at = state.epochs_done
-    workflow.logger.info("job %s: its profile drifted; sent its pool the new one", config.job_id)
     await _signal_pool(
         config,
         PoolSignal.JOB_PROFILED,
         JobProfiled(job_id=config.job_id, profile=profile),
-        "sent its drifted profile",
+        f"sent {what}",
     )
 
 
