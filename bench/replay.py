@@ -348,6 +348,12 @@ def main() -> None:
     p.add_argument("--sample-s-per-job", type=_floats, help="per-job sample times, e.g. 2.0,3.0")
     p.add_argument("--train-s-per-job", type=_floats, help="per-job train times, e.g. 1.0,1.5")
     p.add_argument("--epochs-per-job", type=_ints, help="per-job epochs (async: steps), e.g. 30,20")
+    p.add_argument(
+        "--sandboxed",
+        action="store_true",
+        help="run the control worker's workflows in Temporal's sandbox (timeslice worker "
+        "--sandboxed), as before 2026-12-03",
+    )
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     p.add_argument("--records", type=Path, help="write every job's result here (JSON)")
     p.add_argument("--histories", type=Path, help="also write every workflow history here")
@@ -414,7 +420,7 @@ def main() -> None:
     }
 
     with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
-        stack.control_worker()
+        stack.control_worker(*(["--sandboxed"] if args.sandboxed else []))
         stack.job_workers(*(JobWorker((c["job_id"],)) for c in configs))
         print(
             f"{args.layout} ({args.mode}): {args.jobs} jobs x "

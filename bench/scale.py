@@ -218,6 +218,12 @@ def main() -> None:
         help="the control worker's --sticky-timeout (default: timeslice worker's)",
     )
     p.add_argument(
+        "--sandboxed",
+        action="store_true",
+        help="run the control worker's workflows in Temporal's sandbox (timeslice worker "
+        "--sandboxed), as before 2026-12-03",
+    )
+    p.add_argument(
         "--workdir",
         type=Path,
         help="keep the server's database and every process's log here (default: a temporary "
@@ -247,6 +253,7 @@ def main() -> None:
     memory_bytes = 2 * 2 * args.state_bytes
 
     sticky = [] if args.sticky_timeout is None else ["--sticky-timeout", str(args.sticky_timeout)]
+    sticky += ["--sandboxed"] if args.sandboxed else []
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = (

@@ -131,6 +131,12 @@ def _add_server_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
         "one before any control worker may take it: what a killed worker costs its groups "
         "(default 3)",
     )
+    worker.add_argument(
+        "--sandboxed",
+        action="store_true",
+        help="run the workflows in Temporal's sandbox, which checks every call they make at "
+        "run time (for developing workflow code; costs CPU on every workflow task)",
+    )
     _add_connection_args(worker)
 
 
@@ -770,10 +776,12 @@ async def _run_worker(args: argparse.Namespace) -> int:
             client,
             sticky_timeout_s=args.sticky_timeout or STICKY_TIMEOUT_S,
             extra_activities=[place_pool_job, plan_pool_move],
+            sandboxed=args.sandboxed,
         )
         print(
             f"control worker on task queue 'timeslice' at {config['target_host']} "
-            f"(namespace {client.namespace}); Ctrl-C to stop",
+            f"(namespace {client.namespace}"
+            f"{'; workflows in the sandbox' if args.sandboxed else ''}); Ctrl-C to stop",
             flush=True,
         )
         if metrics:

@@ -61,13 +61,14 @@ def wait_until_serving(
     """Wait for the first line of ``proc`` (started as ``service``); kill it and raise
     :class:`ServiceStartError` unless that line says it serves.
 
-    With ``drain`` (the default) whatever it writes to stdout after that line is copied to its
-    log by a thread of this process; without it the caller reads ``proc.stdout`` itself and
-    must keep reading it. Why the drain: a pipe holds 64 KiB, and a process whose stdout is a
-    pipe nobody reads blocks in its next write once that fills, whatever thread writes. The
-    Temporal SDK's core logs its own warnings to stdout (a workflow task over 5 s, under load),
-    so a control worker left that way stopped in the middle of a workflow task and every group
-    and job it served stalled for good (bench/scale.py, 200 jobs on a loaded machine)."""
+    That line is copied to its log. With ``drain`` (the default) whatever it writes to stdout
+    after it is copied there too, by a thread of this process; without it the caller reads
+    ``proc.stdout`` itself and must keep reading it. Why the drain: a pipe holds 64 KiB, and a
+    process whose stdout is a pipe nobody reads blocks in its next write once that fills,
+    whatever thread writes. The Temporal SDK's core logs its own warnings to stdout (a workflow
+    task over 5 s, under load), so a control worker left that way stopped in the middle of a
+    workflow task and every group and job it served stalled for good (bench/scale.py, 200 jobs
+    on a loaded machine)."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if service.ready not in line:
@@ -78,6 +79,8 @@ def wait_until_serving(
         )
     if echo:
         print(f"  {line.strip()}", flush=True)
+    with service.log.open("a") as log:  # the log starts where the process said it serves
+        log.write(line)
     if drain:
         assert proc.stdout is not None
         threading.Thread(

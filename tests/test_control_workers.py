@@ -1,5 +1,7 @@
 """Two control workers on one namespace: killing the one that runs a contended group costs the
-group a bounded stall, never a second holder.
+group a bounded stall, never a second holder. One of them runs its workflows in Temporal's
+sandbox (``--sandboxed``), the other outside it (the default): whichever is killed, the survivor
+replays what the other ran.
 
 The measured hand-off gaps are in BENCHMARKS.md ("Control-plane scale"); the bound asserted
 here is loose enough for a loaded 2-core machine, the figure printed is what the run saw."""
@@ -13,7 +15,7 @@ import signal
 from pathlib import Path
 
 from temporalio.client import Client
-from timeslice.cli.stack import Stack
+from timeslice.cli.stack import CONTROL_WORKER_READY, Stack
 from timeslice.protocol.group import group_workflow_id
 
 from .helpers import checked_holds, events, finish, spawn_contenders, wait_for
@@ -37,11 +39,31 @@ async def _last_task_worker(address: str, group: str) -> int | None:
     return pid
 
 
+def _ready_line(log: Path) -> str | None:
+    """The control worker's start line, once its log holds it (the services copy a process's
+    output into its log as it comes)."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return next((line for line in lines if CONTROL_WORKER_READY in line), None)
+
+
 def test_killing_the_control_worker_of_a_contended_group(tmp_path: Path) -> None:
     log = tmp_path / "holds.jsonl"
     group = "two-workers"
     with Stack(tmp_path).start() as stack:
-        workers = [stack.control_worker(log=f"worker{i}.log") for i in range(2)]
+        workers = [
+            stack.control_worker(log="worker0.log"),
+            stack.control_worker("--sandboxed", log="worker1.log"),
+        ]
+        started = {
+            i: wait_for(
+                lambda i=i: _ready_line(tmp_path / f"worker{i}.log"),
+                timeout=30,
+                what=f"worker{i}.log's start line",
+            )
+            for i in range(2)
+        }
+        assert "workflows in the sandbox" not in started[0]
+        assert "workflows in the sandbox" in started[1]
         args = ("--iterations", str(ITERATIONS), "--hold", "0.3")
         procs = stack.adopt(*spawn_contenders(stack.address, group, list(JOBS), log, *args))
         wait_for(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import sys
 import uuid
@@ -75,3 +76,93 @@ def test_passthrough_is_declared_in_one_place():
         if "imports_passed_through" in path.read_text() and path.name != "test_sandbox.py"
     ]
     assert offenders == []
+
+
+_MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "Counter", "deque", "OrderedDict"}
+_MUTABLE_NODES = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+_MUTATORS = {
+    "append", "extend", "insert", "add", "update", "setdefault", "pop", "popitem",
+    "remove", "discard", "clear", "sort", "reverse", "appendleft", "popleft",
+}  # fmt: skip
+
+
+def _mutable(value: ast.expr | None) -> bool:
+    if isinstance(value, _MUTABLE_NODES):
+        return True
+    if isinstance(value, ast.Call):
+        func = value.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        return name in _MUTABLE_CALLS
+    return False
+
+
+def _bound(body: list[ast.stmt]) -> dict[str, ast.expr | None]:
+    """The names a module's or a class's body binds, with their values."""
+    bound: dict[str, ast.expr | None] = {}
+    for stmt in body:
+        if isinstance(stmt, ast.Assign):
+            bound |= {t.id: stmt.value for t in stmt.targets if isinstance(t, ast.Name)}
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            bound[stmt.target.id] = stmt.value
+    return bound
+
+
+def _changed_in_place(tree: ast.Module, names: set[str]) -> set[str]:
+    """Which of ``names`` the module's functions change in place (an item stored or deleted, an
+    augmented assignment, a mutating method called); its body runs once, at import."""
+    changed: set[str] = set()
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    for node in (inner for function in functions for inner in ast.walk(function)):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            base = node.value
+        elif isinstance(node, ast.AugAssign):
+            base = node.target
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            base = node.func.value if node.func.attr in _MUTATORS else None
+        else:
+            continue
+        if isinstance(base, ast.Name) and base.id in names:
+            changed.add(base.id)
+    return changed
+
+
+def _shared_state(tree: ast.Module, models: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """State that one workflow run could change under another outside the sandbox: a
+    ``global`` statement, a module-level name the module changes in place, a mutable class
+    attribute (not a pydantic model's field default, which each instance copies)."""
+    found = [f"global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    found += sorted(_changed_in_place(tree, set(_bound(tree.body))))
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        if cls.name not in models:
+            bound = _bound(cls.body)
+            found += [f"{cls.name}.{name}" for name, value in bound.items() if _mutable(value)]
+    return found
+
+
+def test_workflow_modules_hold_no_state_a_run_could_change():
+    """The control worker runs workflows outside the sandbox (workers/sandbox.py,
+    ``control_workflow_runner``), where every run shares the modules, so none may hold state
+    that a run changes."""
+    shared: dict[str, list[str]] = {}
+    for folder in ("workflows", "protocol"):
+        for path in sorted((REPO / folder).glob("*.py")):
+            tree = ast.parse(path.read_text())
+            models = {
+                n.name
+                for n in ast.walk(tree)
+                if isinstance(n, ast.ClassDef)
+                and any(ast.unparse(b).endswith(("BaseModel", "Model")) for b in n.bases)
+            }
+            if found := _shared_state(tree, models):
+                shared[str(path.relative_to(REPO))] = found
+    assert shared == {}
+
+
+def test_the_probe_for_shared_state_finds_it():
+    tree = ast.parse(
+        "import collections\nCACHE = {}\nSEEN: list[int] = []\nKINDS = ('a',)\nUNITS = {}\n"
+        "UNITS.update(k=1)\n"
+        "class W:\n    runs = collections.Counter()\n    name = 'w'\n"
+        "def f(x):\n    global RUNS\n    CACHE[x] = 1\n    SEEN.append(x)\n    KINDS.count(x)\n"
+    )
+    assert _shared_state(tree) == ["global RUNS", "CACHE", "SEEN", "W.runs"]

@@ -29,7 +29,7 @@ from timeslice.protocol.group import (
     explain_validation_error,
 )
 from timeslice.transport.connection import control_workers_polling
-from timeslice.workers.sandbox import workflow_runner
+from timeslice.workers.sandbox import control_workflow_runner
 from timeslice.workflows.async_rl_job import AsyncRLJobWorkflow
 from timeslice.workflows.gpu_group import GpuGroupWorkflow
 from timeslice.workflows.pool import PoolClaimWorkflow, PoolWorkflow
@@ -190,6 +190,7 @@ def build_control_worker(
     max_cached_workflows: int = 1000,
     sticky_timeout_s: float = STICKY_TIMEOUT_S,
     extra_activities: Sequence[Callable[..., Any]] = (),
+    sandboxed: bool = False,
 ) -> Worker:
     """The control worker: the group and RL-job workflows and their activities, on
     ``CONTROL_TASK_QUEUE``.
@@ -202,6 +203,8 @@ def build_control_worker(
             before any control worker may take it (``STICKY_TIMEOUT_S``).
         extra_activities: Activities of the layers above (``timeslice worker`` passes the
             pools' placement, plan/placement.py, which this layer may not import).
+        sandboxed: Run the workflows in Temporal's sandbox, which checks every call they
+            make at run time for a CPU cost on every workflow task (``control_workflow_runner``).
 
     Raises:
         ValueError: ``sticky_timeout_s`` is not > 0.
@@ -224,5 +227,5 @@ def build_control_worker(
         ],
         max_cached_workflows=max_cached_workflows,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=sticky_timeout_s),
-        workflow_runner=workflow_runner(),
+        workflow_runner=control_workflow_runner(sandboxed=sandboxed),
     )

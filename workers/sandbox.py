@@ -1,4 +1,5 @@
-"""The one place that says how workflows run in Temporal's sandbox (workers and the Replayer).
+"""The one place that says how workflows run: in Temporal's sandbox (the Replayer, the tests'
+workers, ``timeslice worker --sandboxed``) or outside it (the control worker by default).
 
 Modules passed through are imported once per worker process instead of once per workflow run:
 the protocol's pydantic models (the whole ``timeslice.protocol`` package) and the workflows'
@@ -17,6 +18,7 @@ workflows' calls (group_lease, group_switch, pool_job), stay sandboxed.
 
 from __future__ import annotations
 
+from temporalio.worker import UnsandboxedWorkflowRunner, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 # Workflow modules that define no workflow: the group's and the jobs' bookkeeping and helpers.
@@ -50,3 +52,19 @@ def workflow_runner() -> SandboxedWorkflowRunner:
     return SandboxedWorkflowRunner(
         restrictions=SandboxRestrictions.default.with_passthrough_modules(*PASSED_THROUGH)
     )
+
+
+def control_workflow_runner(*, sandboxed: bool = False) -> WorkflowRunner:
+    """How the control worker runs its workflows: outside the sandbox unless ``sandboxed``.
+
+    The sandbox's checks are kept where they find mistakes, not where they cost the most: every
+    recorded history is replayed in the sandbox (tests/test_replay.py) and the tests' in-process
+    workers run in it, so a workflow that reads the clock or does I/O fails there. In the
+    control worker the sandbox costs every workflow task an ``exec`` per activation and per
+    payload it decodes or encodes (its serialization context is asked inside the sandbox):
+    measured, 30-45% of the control worker's CPU per GPU phase and ~8 ms of the job's workflow
+    task at each RL job phase boundary (BENCHMARKS.md, "Phase boundaries: the control worker
+    outside the sandbox"). Outside it, every run shares the worker's modules; the workflow and
+    protocol modules hold no state a run could change (tests/test_sandbox.py checks them).
+    """
+    return workflow_runner() if sandboxed else UnsandboxedWorkflowRunner()
