@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -85,6 +86,9 @@ log = logging.getLogger("timeslice.job")
 T = TypeVar("T")
 
 HEARTBEAT_EVERY_S = 1.0
+# A phase's first heartbeat waits until the phase has run this share of its heartbeat time-out
+# (``_heartbeat``).
+FIRST_HEARTBEAT_AFTER = 0.25
 # Exit status of a job process that stopped itself because work it could not interrupt ran on
 # past its lease (see LeaseFence): the GPU is freed with the process.
 FENCED_EXIT_STATUS = 75
@@ -784,7 +788,7 @@ class JobRuntime:
                 done, _ = await asyncio.wait({running}, timeout=wake)
                 if done:
                     break
-                activity.heartbeat(ctx.latest_progress())
+                _heartbeat(ctx.latest_progress())
                 now = time.monotonic()
                 if deadline is not None and now >= deadline and not ctx.stopped:
                     ctx.stop(f"its time ran out ({timeout_s:g} s)")
@@ -988,7 +992,7 @@ class WorkflowLeaseFence(LeaseFence):
         give_up = time.monotonic() + self.ttl_s / 2
         problem = ""
         while True:
-            activity.heartbeat()
+            _heartbeat()
             try:
                 holder = await asyncio.wait_for(runtime._holder(self.group_id), timeout_s)
             except Exception as err:
@@ -1068,6 +1072,29 @@ def _not_this_lease(holder: HolderView | None, token: int, key: str) -> str | No
     return None
 
 
+def _heartbeat(*details: Any) -> None:
+    """Heartbeat, once the activity has run ``FIRST_HEARTBEAT_AFTER`` of its heartbeat time-out.
+
+    The SDK sends an activity's first heartbeat at once, and each is a write on the server;
+    a phase shorter than its heartbeat time-out needs none (the time-out counts from the
+    activity's start), and most phases are: they cost the server 1.7 heartbeats per GPU phase
+    (BENCHMARKS.md, "Phase boundaries: the control worker outside the sandbox"). Later ones the
+    SDK throttles to one per 0.8 time-outs, as before. A cancellation reaches a phase with a
+    heartbeat's answer, so one asked in its first quarter time-out arrives at that point (the
+    phase's own lease checks stop its work sooner when the lease goes). The age is read on
+    the server's clock (the attempt's start) against this host's: a quarter of the time-out
+    leaves three quarters for skew."""
+    info = activity.info()
+    timeout = info.heartbeat_timeout
+    young = (
+        timeout
+        and info.started_time is not None
+        and datetime.now(UTC) - info.started_time < timeout * FIRST_HEARTBEAT_AFTER
+    )
+    if not young:
+        activity.heartbeat(*details)
+
+
 @contextlib.asynccontextmanager
 async def _keep_alive(every_s: float = HEARTBEAT_EVERY_S) -> AsyncIterator[None]:
     """Heartbeat for the whole activity: lock waits, restores and evictions included."""
@@ -1075,7 +1102,7 @@ async def _keep_alive(every_s: float = HEARTBEAT_EVERY_S) -> AsyncIterator[None]
     async def beat() -> None:
         while True:
             await asyncio.sleep(every_s)
-            activity.heartbeat()
+            _heartbeat()
 
     task = asyncio.create_task(beat())
     try:
