@@ -99,6 +99,12 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--handoffs", type=int, default=400, help="hand-offs to measure (>= 200)")
     p.add_argument("--hold", type=float, default=0.005, help="seconds each holder keeps the group")
+    p.add_argument(
+        "--sandboxed",
+        action="store_true",
+        help="run the control worker's workflows in Temporal's sandbox (timeslice worker "
+        "--sandboxed), as before 2026-12-03",
+    )
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     args = p.parse_args()
     if args.role == "player":
@@ -109,7 +115,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
         tmp = Path(tmp_dir)
-        stack.control_worker()
+        stack.control_worker(*(["--sandboxed"] if args.sandboxed else []))
         rounds = args.handoffs // 2 + 10  # a few extra for warm-up
         print(f"ping-pong: 2 processes x {rounds} rounds on {stack.address} ...", flush=True)
         procs = [
