@@ -115,7 +115,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
         tmp = Path(tmp_dir)
-        stack.control_worker(*(["--sandboxed"] if args.sandboxed else []))
+        stack.control_worker(sandboxed=args.sandboxed)
         rounds = args.handoffs // 2 + 10  # a few extra for warm-up
         print(f"ping-pong: 2 processes x {rounds} rounds on {stack.address} ...", flush=True)
         procs = [

@@ -420,7 +420,7 @@ def main() -> None:
     }
 
     with tempfile.TemporaryDirectory() as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
-        stack.control_worker(*(["--sandboxed"] if args.sandboxed else []))
+        stack.control_worker(sandboxed=args.sandboxed)
         stack.job_workers(*(JobWorker((c["job_id"],)) for c in configs))
         print(
             f"{args.layout} ({args.mode}): {args.jobs} jobs x "

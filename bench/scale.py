@@ -253,7 +253,6 @@ def main() -> None:
     memory_bytes = 2 * 2 * args.state_bytes
 
     sticky = [] if args.sticky_timeout is None else ["--sticky-timeout", str(args.sticky_timeout)]
-    sticky += ["--sandboxed"] if args.sandboxed else []
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = (
@@ -262,7 +261,7 @@ def main() -> None:
         else tempfile.TemporaryDirectory()
     )
     with workdir as tmp_dir, Stack(Path(tmp_dir)).start() as stack:
-        worker = stack.control_worker(*sticky)
+        worker = stack.control_worker(*sticky, sandboxed=args.sandboxed)
         started = time.monotonic()
         per = args.jobs_per_process
         stack.job_workers(

@@ -123,10 +123,14 @@ class Stack:
             self.server.start()
         return self
 
-    def control_worker(self, *args: str, log: str = "worker.log") -> ServiceProcess:
-        """Start `timeslice worker` (with ``args``) and wait until it polls."""
+    def control_worker(
+        self, *args: str, log: str = "worker.log", sandboxed: bool = False
+    ) -> ServiceProcess:
+        """Start `timeslice worker` (with ``args``; ``--sandboxed`` with ``sandboxed``) and wait
+        until it polls."""
+        flags = ("--sandboxed",) if sandboxed else ()
         service = Service(
-            (*self.cli_args, "worker", "--address", self.address, *args),
+            (*self.cli_args, "worker", "--address", self.address, *args, *flags),
             CONTROL_WORKER_READY,
             self.workdir / log,
         )

@@ -39,11 +39,9 @@ async def _last_task_worker(address: str, group: str) -> int | None:
     return pid
 
 
-def _ready_line(log: Path) -> str | None:
-    """The control worker's start line, once its log holds it (the services copy a process's
-    output into its log as it comes)."""
-    lines = log.read_text().splitlines() if log.exists() else []
-    return next((line for line in lines if CONTROL_WORKER_READY in line), None)
+def _ready_line(log: Path) -> str:
+    """The control worker's start line, which its log holds once the stack has started it."""
+    return next(line for line in log.read_text().splitlines() if CONTROL_WORKER_READY in line)
 
 
 def test_killing_the_control_worker_of_a_contended_group(tmp_path: Path) -> None:
@@ -52,16 +50,9 @@ def test_killing_the_control_worker_of_a_contended_group(tmp_path: Path) -> None
     with Stack(tmp_path).start() as stack:
         workers = [
             stack.control_worker(log="worker0.log"),
-            stack.control_worker("--sandboxed", log="worker1.log"),
+            stack.control_worker(log="worker1.log", sandboxed=True),
         ]
-        started = {
-            i: wait_for(
-                lambda i=i: _ready_line(tmp_path / f"worker{i}.log"),
-                timeout=30,
-                what=f"worker{i}.log's start line",
-            )
-            for i in range(2)
-        }
+        started = [_ready_line(tmp_path / f"worker{i}.log") for i in range(2)]
         assert "workflows in the sandbox" not in started[0]
         assert "workflows in the sandbox" in started[1]
         args = ("--iterations", str(ITERATIONS), "--hold", "0.3")

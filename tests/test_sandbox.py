@@ -6,6 +6,7 @@ import ast
 import asyncio
 import sys
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 
 from temporalio.client import Client
@@ -126,7 +127,7 @@ def _changed_in_place(tree: ast.Module, names: set[str]) -> set[str]:
     return changed
 
 
-def _shared_state(tree: ast.Module, models: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+def _shared_state(tree: ast.Module, models: Collection[str] = ()) -> list[str]:
     """State that one workflow run could change under another outside the sandbox: a
     ``global`` statement, a module-level name the module changes in place, a mutable class
     attribute (not a pydantic model's field default, which each instance copies)."""
