@@ -1065,6 +1065,11 @@ class GroupStats(_Model):
     off the device)."""
     restores: int = 0
     """Job states brought back onto the device."""
+    staged_restores: int = 0
+    """Restores of the next waiter's state run while the holder still worked (the device had room
+    for both): its grant then moved nothing."""
+    staged_unused: int = 0
+    """Staged states taken off the device again unused: another job was granted first."""
     snapshot_failures: int = 0
     """Evictions or restores that failed (the job is marked faulted)."""
     departed: int = 0
@@ -1114,6 +1119,11 @@ class GroupState(_Model):
     # That holder reports its eviction with its next release here (ReturnAnswer.report_with_next):
     # no report is waited for; a switch that needs the room asks its process by activity.
     evicting_report_later: bool = False
+    # The next waiter whose state the group brought onto the device while the holder worked
+    # (the device's declared memory holds both): its grant moves nothing. ``staged_ready`` is
+    # False while that restore still runs.
+    staged: ResidentJob | None = None
+    staged_ready: bool = False
     # job id -> flat [asked_at, waited_s, ...] of its last grants, seconds since
     # stats.created_at: the grant policy's waiting shares (most recently granted last).
     wait_shares: dict[str, list[float]] = Field(default_factory=dict)

@@ -18,6 +18,7 @@ from timeslice.workflows.group_patches import (
     BOUNDED_EVICTION_REPORT_WAIT,
     FORGET_GONE_EVICTOR,
     ONE_DEADLINE_TIMER,
+    STAGED_RESTORES,
     STREAMED_SWITCHES,
 )
 from timeslice.workflows.pool import (
@@ -74,6 +75,7 @@ def _patch_markers(text: str) -> set[str]:
         FORGET_GONE_EVICTOR,
         ONE_DEADLINE_TIMER,
         STREAMED_SWITCHES,
+        STAGED_RESTORES,
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
         LABELLED_LEASE_WAITS,
@@ -87,7 +89,7 @@ def _patch_markers(text: str) -> set[str]:
 )
 def test_a_stored_history_takes_the_patched_path(patch: str):
     """A history recorded after the patch (tests/histories/record_eviction_wait.py,
-    record_one_timer.py, record_streamed.py, record_rl_states.py, record_rl_v5.py,
+    record_one_timer.py, record_streamed.py, record_staged.py, record_rl_states.py, record_rl_v5.py,
     record_rl_labelled.py, record_pool.py), so the
     replay above runs the new branch too, not only the old one."""
     recorded = {path.name for path in HISTORIES if patch in _patch_markers(path.read_text())}

@@ -1,6 +1,9 @@
 """Two real RL jobs, each with a sampler and a trainer state, on a group with room for one
 job's states: every switch brings in only what the next phase uses, while the previous holder's
 state streams out, and at no instant are more bytes on the device than the group declares.
+Three such jobs on a group with room for two jobs' states: the group brings the next waiter's
+states in while the holder works (staged restores), so its grant moves nothing, again within
+the declared bytes.
 
 Checked on what the processes themselves record: the simulated backends' trace of every chunk
 that arrives on and leaves the device (independent of the device room that paces them), the
@@ -112,4 +115,52 @@ def test_a_switch_streams_only_the_next_phases_state_within_the_groups_memory(
     after_other = [h for (_, x, _), (_, y, h) in itertools.pairwise(holds) if x != y and h.restored]
     assert after_other, "no phase followed the other job's"
     assert all(sum(r.bytes for r in h.restored) == STATE for h in after_other)
+    assert status.stats.snapshot_failures == 0 and not status.faulted_jobs
+
+
+def test_the_next_waiters_state_comes_in_while_the_holder_works(
+    address: str, job_workers: Callable[[str], None], group: str, tmp_path: Path
+) -> None:
+    jobs = [f"{group}-a", f"{group}-b", f"{group}-c"]
+    epochs = 3
+    memory = 4 * STATE  # two jobs' states
+    trace = tmp_path / "residency.trace"
+    # Rewards shorter than the other jobs' GPU time: someone always waits while a job holds.
+    options = {"sample_s": 0.4, "reward_s": 0.2, "train_s": 0.4, "state_bytes": STATE,
+               "snapshot_s": 0.1, "chunk_bytes": STATE // 4,
+               "residency_trace": str(trace)}  # fmt: skip
+    for job in jobs:
+        job_workers(job)
+
+    async def main() -> tuple[list[RLJobResult], GroupStatus]:
+        client = await connect(connect_config(address))
+        await start_group(client, GroupConfig(group_id=group, memory_bytes=memory))
+        results = await run_simulated_jobs(
+            client, jobs, group, options, epochs=epochs, checkpoint_every=epochs
+        )
+        status = await client.get_workflow_handle(group_workflow_id(group)).query(
+            "status", result_type=GroupStatus
+        )
+        return results, status
+
+    results, status = asyncio.run(main())
+    for result in results:
+        assert [r.epoch for r in result.records] == list(range(epochs))
+    holds = sorted(
+        ((h.mono_start, r.job_id, h) for r in results for rec in r.records for h in rec.holds),
+        key=lambda x: x[0],
+    )
+    assert_no_overlap([Interval(j, h.token or 0, h.mono_start, h.mono_end) for _, j, h in holds])
+
+    # The device never held more than the group declares, staged states included.
+    resident = peak = 0
+    for _, _, delta, _ in trace_events(trace):
+        resident += delta
+        peak = max(peak, resident)
+    assert peak <= memory, f"{peak} bytes on a device that declares {memory}"
+
+    # The group staged restores, and a phase that followed another job's found its state in.
+    assert status.stats.staged_restores >= 1, status.stats
+    after_other = [h for (_, x, _), (_, y, h) in itertools.pairwise(holds) if x != y]
+    assert any(not h.restored for h in after_other), "every switch restored at its grant"
     assert status.stats.snapshot_failures == 0 and not status.faulted_jobs

@@ -216,6 +216,7 @@ class GpuGroupWorkflow:
         one_timer = self._one_timer()
         while True:
             await self._grant_if_free()
+            self._switch.stage_next()
             self._publish_details()
             if self._quiescent() and workflow.info().is_continue_as_new_suggested():
                 await self._continue_as_new()
@@ -263,6 +264,7 @@ class GpuGroupWorkflow:
             and self._book.switching_for is None
             and not self._delivery_tasks
             and not self._switch.evictions
+            and self._switch.staging is None
         )
 
     async def _continue_as_new(self) -> None:

@@ -40,3 +40,7 @@ BOUNDED_GRANT_DELIVERY = "bounded-grant-delivery"
 # is processed, and the holder's validity counts from before it sent the renewal); groups that
 # started before it replay ending such a lease as expired, as they ran.
 LATE_RENEWAL_RENEWS = "late-renewal-renews"
+# workflow.patched id: while the holder works, the group restores the next waiter's state when
+# the device's declared memory holds both (a staged restore), so that waiter's grant moves
+# nothing; groups that started before it replay restoring at the grant, as they ran.
+STAGED_RESTORES = "staged-restores"

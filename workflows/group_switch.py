@@ -27,7 +27,11 @@ from timeslice.protocol.group import (
     SnapshotTarget,
 )
 from timeslice.workflows.group_book import GroupBook, SwitchDone, SwitchPlan
-from timeslice.workflows.group_patches import BOUNDED_EVICTION_REPORT_WAIT, FORGET_GONE_EVICTOR
+from timeslice.workflows.group_patches import (
+    BOUNDED_EVICTION_REPORT_WAIT,
+    FORGET_GONE_EVICTOR,
+    STAGED_RESTORES,
+)
 from timeslice.workflows.snapshot_calls import process_gone, run_on_queues
 
 __all__ = ["GroupSwitch"]
@@ -67,6 +71,8 @@ class GroupSwitch:
         self.awaiting_eviction_of: str | None = None
         # With ONE_DEADLINE_TIMER: when that wait gives up.
         self.report_deadline: datetime | None = None
+        # The restore of the next waiter's state, running while the holder works.
+        self.staging: asyncio.Task[None] | None = None
 
     async def switch_to(self, request: AcquireRequest) -> str | None:
         """Evict the resident job if another job takes the group, then restore the new one
@@ -83,6 +89,7 @@ class GroupSwitch:
         book = self._book
         started = workflow.now()
         bytes_before = book.state.stats.bytes_moved
+        await self._settle_staged(request)
         waited_for = await self._await_own_eviction(request)
         plan = book.residency.plan_switch(request)
         if plan.fault is not None:
@@ -105,6 +112,69 @@ class GroupSwitch:
             )
         )
         return fault
+
+    # ------------------------------------------------------------------ staged restores
+
+    def stage_next(self) -> None:
+        """While a holder works, bring the state of the waiter served next onto the device when
+        it fits beside what is there (``Residency.may_stage``): that waiter's grant then moves
+        nothing, and its restore's time overlaps the holder's phase instead of following it."""
+        book = self._book
+        holder = book.state.holder
+        if self.staging is not None or holder is None or not book.state.queue:
+            return
+        waiter = book.waiters.peek_next(workflow.now())
+        request = waiter.request if waiter is not None else None
+        if not book.residency.may_stage(request, holder.request.job_id):
+            return
+        if not workflow.patched(STAGED_RESTORES):
+            return
+        assert request is not None and request.snapshot is not None
+        book.residency.stage(request)
+        job_id, target = request.job_id, request.snapshot
+
+        async def stage() -> None:
+            try:
+                bytes_before = book.state.stats.bytes_moved
+                result = await self._run_snapshot(RESTORE_ACTIVITY, job_id, target)
+                if result is _Moved.OK:
+                    book.residency.staged_in(job_id)
+                    moved = book.state.stats.bytes_moved - bytes_before
+                    if moved:  # beside the holder's lease: a mark of no width
+                        now = workflow.now()
+                        book.accounts.record_move(None, job_id, (now, now), moved, overlapped=True)
+                elif result is _Moved.GONE:
+                    book.forget(job_id)
+                else:  # failed: _run_snapshot faulted the job, and its state is unknown
+                    book.residency.drop_staged(job_id)
+            finally:
+                self.staging = None
+                self._wake()
+
+        self.staging = asyncio.create_task(stage())
+
+    async def _settle_staged(self, request: AcquireRequest) -> None:
+        """Before a switch to ``request``: wait for a staged restore still running, and if
+        another job was staged (the policy now serves ``request`` first), take that job's state
+        off the device again."""
+        book = self._book
+        if self.staging is not None:
+            await workflow.wait_condition(lambda: self.staging is None)
+        staged = book.state.staged
+        if (
+            staged is None
+            or staged.job_id == request.job_id
+            or book.residency.is_resident(request.job_id)
+        ):
+            return
+        assert staged.snapshot is not None
+        result = await self._run_snapshot(SNAPSHOT_ACTIVITY, staged.job_id, staged.snapshot)
+        if result is _Moved.OK:
+            book.residency.staged_left(staged.job_id)
+        elif result is _Moved.GONE:
+            book.forget(staged.job_id)
+        else:
+            book.residency.drop_staged(staged.job_id)
 
     async def _await_own_eviction(self, request: AcquireRequest) -> ResidentJob | None:
         """A previous holder still moving its state out: wait for its report unless both fit

@@ -107,8 +107,22 @@ class Residency(BookPiece):
             job_id in state.evicted_jobs
             or job_id in state.faulted_jobs
             or self.is_resident(job_id)
+            or self.is_staged(job_id)
             or (state.evicting is not None and state.evicting.job_id == job_id)
         )
+
+    def is_staged(self, job_id: str) -> bool:
+        """Whether the job's state was brought onto the device (or is on its way) ahead of its
+        grant, while another job holds the group.
+
+        Args:
+            job_id: the job.
+
+        Returns:
+            True if it is the staged job.
+        """
+        staged = self.state.staged
+        return staged is not None and staged.job_id == job_id
 
     def tracked_jobs(self) -> set[str]:
         """The jobs whose state the group keeps track of (the holder's aside).
@@ -118,7 +132,7 @@ class Residency(BookPiece):
         """
         state = self.state
         jobs = set(state.evicted_jobs) | set(state.faulted_jobs)
-        for resident in (state.resident, state.evicting):
+        for resident in (state.resident, state.evicting, state.staged):
             if resident is not None:
                 jobs.add(resident.job_id)
         return jobs
@@ -219,6 +233,87 @@ class Residency(BookPiece):
         targets = (resident.snapshot if resident is not None else None, request.snapshot)
         return all(t is not None and all(q.on_host for q in t.queues) for t in targets)
 
+    def may_stage(self, request: AcquireRequest | None, holder_job: str | None) -> bool:
+        """Whether to bring ``request``'s state onto the device now, while ``holder_job`` works:
+        the group declared its memory, the request's job restores itself at its grant (an RL
+        job), the group evicted it, and its state fits beside everything still on the device
+        (the resident, an eviction under way). Its grant then moves nothing.
+
+        Args:
+            request: the waiter the group serves next (None: nobody waits).
+            holder_job: the job holding the group (None: it is free, and grants at once).
+
+        Returns:
+            True if the restore may start now.
+        """
+        state = self.state
+        memory = self.config.memory_bytes
+        if (
+            memory is None
+            or request is None
+            or holder_job is None
+            or state.staged is not None
+            or request.job_id == holder_job
+            or not request.restores_itself
+            or request.state_bytes is None
+            or request.snapshot is None
+            or not request.snapshot.queues
+            or all(q.on_host for q in request.snapshot.queues)
+            or request.job_id not in state.evicted_jobs
+            or request.job_id in state.faulted_jobs
+        ):
+            return False
+        on_device = [r for r in (state.resident, state.evicting) if r is not None]
+        if any(r.job_id == request.job_id or r.state_bytes is None for r in on_device):
+            return False
+        return sum(r.state_bytes or 0 for r in on_device) + request.state_bytes <= memory
+
+    def stage(self, request: AcquireRequest) -> None:
+        """The group starts bringing ``request``'s state onto the device ahead of its grant
+        (:meth:`may_stage` said it fits): from now on its bytes count as on the device.
+
+        Args:
+            request: the waiter the group serves next.
+        """
+        self.state.staged = ResidentJob(
+            job_id=request.job_id, snapshot=request.snapshot, state_bytes=request.state_bytes
+        )
+        self.state.staged_ready = False
+
+    def staged_in(self, job_id: str) -> None:
+        """The staged job's state is on the device: its grant restores nothing.
+
+        Args:
+            job_id: the staged job.
+        """
+        if self.is_staged(job_id):
+            self.state.staged_ready = True
+            self.state.stats.staged_restores += 1
+            self.restored(job_id)
+
+    def drop_staged(self, job_id: str | None = None) -> None:
+        """Nothing is staged any more (of ``job_id``, if given): granted, forgotten, faulted.
+
+        Args:
+            job_id: the job whose staged state is no longer tracked; None for whichever.
+        """
+        staged = self.state.staged
+        if staged is not None and (job_id is None or staged.job_id == job_id):
+            self.state.staged = None
+            self.state.staged_ready = False
+
+    def staged_left(self, job_id: str) -> None:
+        """The staged state was taken off the device again unused (another job was granted
+        first and needed the room).
+
+        Args:
+            job_id: the staged job.
+        """
+        if self.is_staged(job_id):
+            self.drop_staged(job_id)
+            self.state.stats.staged_unused += 1
+            self.evicted(job_id)
+
     def memory_for(self, request: AcquireRequest) -> int | None:
         """What a grant tells ``request`` of the group's memory: the declared bytes if its
         target names a device room (the room holds its restores to them), else nothing.
@@ -311,6 +406,7 @@ class Residency(BookPiece):
             )
         else:
             self.state.resident = None
+        self.drop_staged(request.job_id)
 
     # ------------------------------------------------------------------ moves
 
@@ -342,6 +438,9 @@ class Residency(BookPiece):
         if self.is_resident(job_id):
             self.evicted(job_id)
             self.state.resident = None
+        elif self.is_staged(job_id):
+            self.drop_staged(job_id)
+            self.evicted(job_id)
 
     def evicted(self, job_id: str, *, preempted: bool = False) -> None:
         """The job's state left the device.
@@ -454,6 +553,7 @@ class Residency(BookPiece):
         self.fault(job_id, message)
         self.state.stats.snapshot_failures += 1
         self.unsaved(job_id)
+        self.drop_staged(job_id)
 
     def forget(self, job_id: str) -> None:
         """The job's processes are gone: drop its residency, saved state and faults (its key
@@ -468,5 +568,6 @@ class Residency(BookPiece):
         if job_id in state.evicted_jobs:
             state.evicted_jobs.remove(job_id)
         self.clear_evicting(job_id)
+        self.drop_staged(job_id)
         state.faulted_jobs.pop(job_id, None)
         state.stats.departed += 1

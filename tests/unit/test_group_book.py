@@ -19,6 +19,7 @@ from timeslice.protocol.group import (
     QueueTarget,
     ReleaseRequest,
     RenewRequest,
+    ResidentJob,
     SnapshotReport,
     SnapshotTarget,
     lease_key_hash,
@@ -346,6 +347,94 @@ def test_one_eviction_beside_a_grant_at_a_time():
     assert b.state.evicting is not None and b.state.evicting.job_id == "a"
     plan = b.residency.plan_switch(request("c", snapshot=target("c"), state_bytes=300))
     assert plan.evict is not None and plan.evict.job_id == "b" and not plan.overlapped
+
+
+# ---------------------------------------------------------------------------- staged restores
+
+
+def _holder_and_waiter(memory: int | None, *, waiter_bytes: int = 400, **waiter: object):
+    """``a`` holds the group (400 bytes on the device); ``b``, evicted before, waits."""
+    b = book(memory_bytes=memory)
+    b.enqueue(request("a", snapshot=target("a"), state_bytes=400), at(0))
+    grant_next(b, at(0))
+    b.state.evicted_jobs.append("b")
+    fields: dict[str, object] = {
+        "snapshot": target("b"), "state_bytes": waiter_bytes, "restores_itself": True, **waiter
+    }  # fmt: skip
+    b.enqueue(request("b", "b:2", **fields), at(1))
+    return b, b.state.queue[0].request
+
+
+@pytest.mark.parametrize(
+    ("memory", "waiter", "stages"),
+    [
+        (800, {}, True),  # the holder's 400 and the waiter's 400 fit in 800
+        (799, {}, False),  # one byte short
+        (None, {}, False),  # no declared memory: the group cannot know it fits
+        (800, {"restores_itself": False}, False),  # the group restores it at its grant
+        (800, {"state_bytes": None}, False),  # undeclared bytes
+        (800, {"snapshot": None}, False),  # nothing to move it with
+    ],
+)
+def test_the_next_waiter_is_staged_only_when_it_fits_beside_the_holder(memory, waiter, stages):
+    b, req = _holder_and_waiter(memory, **waiter)
+    assert b.residency.may_stage(req, "a") is stages
+    assert not b.residency.may_stage(req, None)  # a free group grants at once instead
+    assert not b.residency.may_stage(req, "b")  # its own job holds
+
+
+def test_an_eviction_under_way_counts_against_a_staged_restore():
+    b, req = _holder_and_waiter(1200)
+    b.state.evicting = ResidentJob(job_id="c", snapshot=target("c"), state_bytes=500)
+    assert not b.residency.may_stage(req, "a")  # 400 + 500 + 400 > 1200
+    b.residency.clear_evicting("c")
+    assert b.residency.may_stage(req, "a")
+
+
+def test_a_job_not_evicted_here_is_not_staged():
+    b, req = _holder_and_waiter(800)
+    b.state.evicted_jobs.remove("b")  # never here, or forgotten: where its state is is unknown
+    assert not b.residency.may_stage(req, "a")
+
+
+def test_a_staged_job_is_granted_without_a_restore_and_becomes_resident():
+    b, req = _holder_and_waiter(800)
+    b.residency.stage(req)
+    assert not b.residency.may_stage(req, "a")  # one staged at a time
+    assert b.residency.knows("b") and "b" in b.residency.tracked_jobs()
+    b.residency.staged_in("b")
+    assert b.state.staged_ready and b.state.stats.staged_restores == 1
+    assert "b" not in b.state.evicted_jobs
+    b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1, evicts_itself=True), at(2))
+    plan = b.residency.plan_switch(req)
+    assert not plan.restore and not plan.restores_itself  # its state is already in
+    b.finish_switch(SwitchDone(plan, req, at(2), at(2), moved_bytes=0, waited_for=None))
+    assert b.residency.is_resident("b") and b.state.staged is None
+
+
+def test_a_staged_state_taken_off_again_is_counted_and_restored_at_its_grant():
+    b, req = _holder_and_waiter(800)
+    b.residency.stage(req)
+    b.residency.staged_in("b")
+    b.residency.staged_left("b")  # another job was granted first
+    assert b.state.staged is None and b.state.stats.staged_unused == 1
+    assert "b" in b.state.evicted_jobs  # its next grant restores it again
+    assert b.residency.plan_switch(req).restores_itself
+
+
+@pytest.mark.parametrize("how", ["forget", "failed", "left"])
+def test_a_staged_job_that_is_gone_failed_or_moved_out_is_no_longer_staged(how):
+    b, req = _holder_and_waiter(800)
+    b.residency.stage(req)
+    b.residency.staged_in("b")
+    if how == "forget":
+        b.forget("b")
+    elif how == "failed":
+        b.residency.move_failed("b", "restore failed")
+    else:
+        b.residency.left_device("b")
+    assert b.state.staged is None and not b.residency.is_staged("b")
+    assert ("b" in b.state.evicted_jobs) is (how == "left")
 
 
 def test_a_faulted_job_is_refused_and_others_served():
