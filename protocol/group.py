@@ -198,6 +198,10 @@ RECENT_DONE_KEEP = 2048  # fingerprints of finished requests (16 hex digits each
 JOB_KEYS_KEEP = 1024  # job id -> its last lease's key hash; jobs the group still tracks go last
 EVICTED_JOBS_KEEP = 256  # jobs whose state the group saved; past it the oldest is forgotten
 FAULTED_JOBS_KEEP = 64  # faults shown and refused; past it the oldest is forgotten
+# A waiter's restore is staged (run while the holder works) only if its own last restore here
+# took at least this long: a staged restore costs the control plane an activity (a few server
+# writes and two group workflow tasks), which a restore shorter than that does not repay.
+STAGE_MIN_RESTORE_S = 0.05
 MAX_FAULT_BYTES = 512  # a fault's text, encoded, is cut to this (it quotes others' errors)
 MAX_WAIT_SAMPLES_KEEP = 2048
 # The grant policy's waiting shares (workflows/grant_policy.py): grants per job a share is
@@ -1124,6 +1128,9 @@ class GroupState(_Model):
     # False while that restore still runs.
     staged: ResidentJob | None = None
     staged_ready: bool = False
+    # job id -> the seconds its last own restore here took (what staging it would save; the
+    # last EVICTED_JOBS_KEEP jobs).
+    restore_s: dict[str, float] = Field(default_factory=dict)
     # job id -> flat [asked_at, waited_s, ...] of its last grants, seconds since
     # stats.created_at: the grant policy's waiting shares (most recently granted last).
     wait_shares: dict[str, list[float]] = Field(default_factory=dict)

@@ -565,6 +565,8 @@ class GroupBook:
         if not restored and not evicted:
             return
         job_id = holder.request.job_id
+        if restored:
+            self.residency.note_restore_time(job_id, sum(r.seconds for r in restored))
         if evicted:
             self.residency.left_device(job_id)
         self.accounts.own_moves(job_id, restored, evicted, granted_at=holder.granted_at, now=now)

@@ -16,6 +16,7 @@ from timeslice.protocol.group import (
     EVICTED_JOBS_KEEP,
     FAULTED_JOBS_KEEP,
     MAX_FAULT_BYTES,
+    STAGE_MIN_RESTORE_S,
     AcquireRequest,
     ResidentJob,
     cut_to_encoded,
@@ -233,11 +234,26 @@ class Residency(BookPiece):
         targets = (resident.snapshot if resident is not None else None, request.snapshot)
         return all(t is not None and all(q.on_host for q in t.queues) for t in targets)
 
+    def note_restore_time(self, job_id: str, seconds: float) -> None:
+        """The job restored its own state here in ``seconds``: what staging its next restore
+        would take off the critical path.
+
+        Args:
+            job_id: the job.
+            seconds: its restore's time, all its states.
+        """
+        times = self.state.restore_s
+        times.pop(job_id, None)  # most recent last
+        times[job_id] = seconds
+        while len(times) > EVICTED_JOBS_KEEP:
+            del times[next(iter(times))]
+
     def may_stage(self, request: AcquireRequest | None, holder_job: str | None) -> bool:
         """Whether to bring ``request``'s state onto the device now, while ``holder_job`` works:
         the group declared its memory, the request's job restores itself at its grant (an RL
-        job), the group evicted it, and its state fits beside everything still on the device
-        (the resident, an eviction under way). Its grant then moves nothing.
+        job), the group evicted it, its last own restore here took long enough to repay the
+        activity (``STAGE_MIN_RESTORE_S``), and its state fits beside everything still on the
+        device (the resident, an eviction under way). Its grant then moves nothing.
 
         Args:
             request: the waiter the group serves next (None: nobody waits).
@@ -261,6 +277,7 @@ class Residency(BookPiece):
             or all(q.on_host for q in request.snapshot.queues)
             or request.job_id not in state.evicted_jobs
             or request.job_id in state.faulted_jobs
+            or state.restore_s.get(request.job_id, 0.0) < STAGE_MIN_RESTORE_S
         ):
             return False
         on_device = [r for r in (state.resident, state.evicting) if r is not None]
@@ -569,5 +586,6 @@ class Residency(BookPiece):
             state.evicted_jobs.remove(job_id)
         self.clear_evicting(job_id)
         self.drop_staged(job_id)
+        state.restore_s.pop(job_id, None)
         state.faulted_jobs.pop(job_id, None)
         state.stats.departed += 1

@@ -6,7 +6,8 @@ waiter's grant moves nothing.
 
 Two "jobs" (this recorder, speaking the group's updates; job b's snapshot activities served
 here by the job processes' own ``SnapshotActivities`` over a ``simulated`` backend). b holds the
-group, releases evicting itself as a waits, and reports that eviction; a holds; b asks again.
+group (reporting a 0.1-s restore of its own), releases evicting itself as a waits, and reports
+that eviction; a holds; b asks again.
 The group restores b's state while a holds (the `staged-restores` patch); a releases, b is
 granted with nothing to restore, and releases. The history, `gpu_group_staged_run0.json`, holds
 the patch's marker; `tests/test_replay.py` replays it and checks that the marker is there.
@@ -94,15 +95,21 @@ async def drive(address: str) -> None:
             await asyncio.sleep(0.1)
         raise TimeoutError(f"the group never got there: {status}")
 
-    async def release(job: str, n: int, token: int) -> ReturnAnswer:
-        ret = LeaseReturn(request_id=f"{job}-{n}", token=token, key=_key(job), evicts_itself=True)
+    async def release(
+        job: str, n: int, token: int, restored: list[SnapshotReport] | None = None
+    ) -> ReturnAnswer:
+        ret = LeaseReturn(request_id=f"{job}-{n}", token=token, key=_key(job), evicts_itself=True,
+                          restored=restored or [])  # fmt: skip
         return await group.execute_update(GroupUpdate.RELEASE, ret, result_type=ReturnAnswer)
 
     b1 = await acquire("b", 1)
     assert b1.notice is not None, b1
     a_waits = asyncio.ensure_future(acquire("a", 1))
     await status_until(lambda s: s.queue)
-    assert (await release("b", 1, b1.notice.token)).evict
+    # b restored its own state in its lease (0.1 s): long enough for the group to stage the next.
+    restored = SnapshotReport(job_id="b", backend="simulated", mode="simulated", bytes=STATE,
+                              seconds=0.1)  # fmt: skip
+    assert (await release("b", 1, b1.notice.token, [restored])).evict
     a1 = await asyncio.wait_for(a_waits, 60)
     assert a1.notice is not None, a1
     await group.execute_update(GroupUpdate.MOVED, _evicted("b"))
@@ -120,7 +127,7 @@ async def drive(address: str) -> None:
     )
     status = await group.query("status", result_type=GroupStatus)
     assert status.resident_job == "b" and status.stats.staged_restores == 1, status
-    assert status.stats.restores == 1 and not status.faulted_jobs, status
+    assert status.stats.restores == 2 and not status.faulted_jobs, status
     OUT.write_text((await group.fetch_history()).to_json())
 
 

@@ -352,12 +352,16 @@ def test_one_eviction_beside_a_grant_at_a_time():
 # ---------------------------------------------------------------------------- staged restores
 
 
-def _holder_and_waiter(memory: int | None, *, waiter_bytes: int = 400, **waiter: object):
-    """``a`` holds the group (400 bytes on the device); ``b``, evicted before, waits."""
+def _holder_and_waiter(
+    memory: int | None, *, waiter_bytes: int = 400, restore_s: float = 0.1, **waiter: object
+):
+    """``a`` holds the group (400 bytes on the device); ``b``, evicted before (its last own
+    restore took ``restore_s``), waits."""
     b = book(memory_bytes=memory)
     b.enqueue(request("a", snapshot=target("a"), state_bytes=400), at(0))
     grant_next(b, at(0))
     b.state.evicted_jobs.append("b")
+    b.residency.note_restore_time("b", restore_s)
     fields: dict[str, object] = {
         "snapshot": target("b"), "state_bytes": waiter_bytes, "restores_itself": True, **waiter
     }  # fmt: skip
@@ -374,6 +378,8 @@ def _holder_and_waiter(memory: int | None, *, waiter_bytes: int = 400, **waiter:
         (800, {"restores_itself": False}, False),  # the group restores it at its grant
         (800, {"state_bytes": None}, False),  # undeclared bytes
         (800, {"snapshot": None}, False),  # nothing to move it with
+        (800, {"restore_s": 0.049}, False),  # too quick to repay the activity it costs
+        (800, {"restore_s": 0.05}, True),
     ],
 )
 def test_the_next_waiter_is_staged_only_when_it_fits_beside_the_holder(memory, waiter, stages):
@@ -389,6 +395,15 @@ def test_an_eviction_under_way_counts_against_a_staged_restore():
     assert not b.residency.may_stage(req, "a")  # 400 + 500 + 400 > 1200
     b.residency.clear_evicting("c")
     assert b.residency.may_stage(req, "a")
+
+
+def test_a_holders_own_restore_time_is_kept_from_its_release():
+    b = book(memory_bytes=800)
+    b.enqueue(request("a", snapshot=target("a"), state_bytes=400), at(0))
+    grant_next(b, at(0))
+    ret = LeaseReturn(request_id="a:r", key=key("a:r"), token=1, restored=[report("a", 400, 0.2)])
+    b.release(ret, at(1))
+    assert b.state.restore_s == {"a": 0.2}
 
 
 def test_a_job_not_evicted_here_is_not_staged():
@@ -429,6 +444,7 @@ def test_a_staged_job_that_is_gone_failed_or_moved_out_is_no_longer_staged(how):
     b.residency.staged_in("b")
     if how == "forget":
         b.forget("b")
+        assert "b" not in b.state.restore_s
     elif how == "failed":
         b.residency.move_failed("b", "restore failed")
     else:
