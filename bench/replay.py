@@ -68,6 +68,7 @@ sys.path.insert(0, str(REPO))
 
 from timeslice.protocol import utilization as one_definition  # noqa: E402
 from timeslice.protocol.group import DEFAULT_GRANT_POLICY, GrantPolicy  # noqa: E402
+from timeslice.protocol.rl_job import RECENT_EPOCH_RECORDS  # noqa: E402
 
 from bench import boundary  # noqa: E402
 from bench.handoff import cpu_model, percentile  # noqa: E402
@@ -289,7 +290,10 @@ async def run_jobs(
     configs: list[dict[str, Any]],
     memory: dict[str, int | None],
     policy: str = POLICIES[0],
+    finished: dict[str, float] | None = None,
 ) -> list[Any]:
+    """Start the groups and the jobs, and return the jobs' results; ``finished``, if given,
+    gets each job's result time (``time.monotonic()``) by job id."""
     from timeslice.activities.group_requests import start_group
     from timeslice.jobs import parse_any_job_config, start_any_rl_job
     from timeslice.protocol.group import GrantPolicy, GroupConfig
@@ -305,7 +309,14 @@ async def run_jobs(
             ),
         )
     handles = [await start_any_rl_job(client, parse_any_job_config(c)) for c in configs]
-    return list(await asyncio.gather(*(h.result() for h in handles)))
+
+    async def result_of(handle: Any) -> Any:
+        result = await handle.result()
+        if finished is not None:
+            finished[result.job_id] = time.monotonic()
+        return result
+
+    return list(await asyncio.gather(*(result_of(h) for h in handles)))
 
 
 def main() -> None:
@@ -428,7 +439,8 @@ def main() -> None:
             flush=True,
         )
         started = time.monotonic()
-        results = asyncio.run(run_jobs(stack.address, configs, memory, args.policy))
+        finished: dict[str, float] = {}
+        results = asyncio.run(run_jobs(stack.address, configs, memory, args.policy, finished))
         elapsed = time.monotonic() - started
         job_histories, group_histories = asyncio.run(
             boundary.fetch(stack.address, stamp, args.histories)
@@ -492,13 +504,28 @@ def main() -> None:
             "p99": round(percentile(overheads, 0.99) * 1000, 1),
             "max": round(max(overheads) * 1000, 1),
         },
-        "job_completion_s": {r.job_id: round(r_s, 1) for r, r_s in _completions(results)},
+        "job_completion_is": "from the bench starting the jobs (their groups, the jobs' "
+        "workflows and preparation included) to each job's result, on the bench's clock",
+        "job_completion_s": {job: round(at - started, 1) for job, at in sorted(finished.items())},
+        "job_phase_span_is": "the job's first kept phase start to its last phase end (its "
+        "process's clock); only the last RECENT_EPOCH_RECORDS epochs' records are kept, and "
+        "every figure read from the records (utilization, switches) covers those",
+        "job_phase_span_s": {r.job_id: round(r_s, 1) for r, r_s in _completions(results)},
+        "records_cover_epochs": {r.job_id: len(r.records) for r in results},
         "run_s": round(elapsed, 1),
         "rewinds": sum(r.rewinds for r in results),
         "phase_boundaries": boundaries,
     }
     print(json.dumps(result, indent=2))
     print(boundary.table(boundaries), flush=True)
+    shed = {r.job_id: r.epochs_done - len(r.records) for r in results if r.records}
+    if any(shed.values()):
+        print(
+            f"note: the jobs kept the records of their last {RECENT_EPOCH_RECORDS} epochs only; "
+            "utilization and switches are over those epochs (the boundaries, read from the "
+            "histories, over all of them)",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.records:
