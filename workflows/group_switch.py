@@ -137,13 +137,16 @@ class GroupSwitch:
             try:
                 bytes_before = book.state.stats.bytes_moved
                 result = await self._run_snapshot(RESTORE_ACTIVITY, job_id, target)
+                # Granted meanwhile (``_settle_staged`` does not wait for its own job's): its
+                # process held the states until this restore was done, and its grant counted.
+                still_staged = book.residency.is_staged(job_id)
                 if result is _Moved.OK:
                     book.residency.staged_in(job_id)
                     moved = book.state.stats.bytes_moved - bytes_before
                     if moved:  # beside the holder's lease: a mark of no width
                         now = workflow.now()
                         book.accounts.record_move(None, job_id, (now, now), moved, overlapped=True)
-                elif result is _Moved.GONE:
+                elif result is _Moved.GONE and still_staged:
                     book.forget(job_id)
                 else:  # failed: _run_snapshot faulted the job, and its state is unknown
                     book.residency.drop_staged(job_id)
@@ -154,11 +157,16 @@ class GroupSwitch:
         self.staging = asyncio.create_task(stage())
 
     async def _settle_staged(self, request: AcquireRequest) -> None:
-        """Before a switch to ``request``: wait for a staged restore still running, and if
-        another job was staged (the policy now serves ``request`` first), take that job's state
-        off the device again."""
+        """Before a switch to ``request``: if another job was staged (the policy now serves
+        ``request`` first), wait for its restore to end and take its state off the device again.
+        A restore of ``request``'s own job still running is not waited for: the job restores
+        itself at its grant, and its process, which runs the staged restore, lets the phase
+        use the states only once that restore is done (then nothing is left to move)."""
         book = self._book
-        if self.staging is not None:
+        staged = book.state.staged
+        if self.staging is not None and not (
+            staged is not None and staged.job_id == request.job_id and request.restores_itself
+        ):
             await workflow.wait_condition(lambda: self.staging is None)
         staged = book.state.staged
         if (

@@ -280,8 +280,15 @@ class Residency(BookPiece):
             or state.restore_s.get(request.job_id, 0.0) < STAGE_MIN_RESTORE_S
         ):
             return False
-        on_device = [r for r in (state.resident, state.evicting) if r is not None]
-        if any(r.job_id == request.job_id or r.state_bytes is None for r in on_device):
+        evicting = state.evicting
+        if evicting is not None and evicting.job_id == request.job_id:
+            if not state.evicting_report_later:
+                return False  # its report comes soon: stage it once the group has heard it
+            # Its own eviction, reported only with its next release: its process restores
+            # after that eviction is done, and the same bytes count once.
+            evicting = None
+        on_device = [r for r in (state.resident, evicting) if r is not None]
+        if any(r.state_bytes is None for r in on_device):
             return False
         return sum(r.state_bytes or 0 for r in on_device) + request.state_bytes <= memory
 
@@ -298,15 +305,16 @@ class Residency(BookPiece):
         self.state.staged_ready = False
 
     def staged_in(self, job_id: str) -> None:
-        """The staged job's state is on the device: its grant restores nothing.
+        """The staged job's state is on the device: its grant restores nothing (or, granted
+        while the restore ran, its phase found nothing left to restore).
 
         Args:
             job_id: the staged job.
         """
         if self.is_staged(job_id):
             self.state.staged_ready = True
-            self.state.stats.staged_restores += 1
-            self.restored(job_id)
+        self.state.stats.staged_restores += 1
+        self.restored(job_id)
 
     def drop_staged(self, job_id: str | None = None) -> None:
         """Nothing is staged any more (of ``job_id``, if given): granted, forgotten, faulted.

@@ -406,6 +406,15 @@ def test_a_holders_own_restore_time_is_kept_from_its_release():
     assert b.state.restore_s == {"a": 0.2}
 
 
+@pytest.mark.parametrize("report_later", [False, True])
+def test_a_waiter_still_evicting_itself_is_staged_only_if_its_report_comes_later(report_later):
+    b, req = _holder_and_waiter(800)
+    b.state.evicting = ResidentJob(job_id="b", snapshot=target("b"), state_bytes=400)
+    b.state.evicting_report_later = report_later
+    # Its process restores after its own eviction; its bytes count once (400 + 400 fit).
+    assert b.residency.may_stage(req, "a") is report_later
+
+
 def test_a_job_not_evicted_here_is_not_staged():
     b, req = _holder_and_waiter(800)
     b.state.evicted_jobs.remove("b")  # never here, or forgotten: where its state is is unknown
