@@ -1023,7 +1023,8 @@ def format_status(status: GroupStatus, figures: GroupFigures | None = None) -> s
         [
             f"group {status.group_id}",
             f"  holder:      {held}",
-            f"  resident:    {status.resident_job or 'none'}",
+            f"  resident:    {status.resident_job or 'none'}"
+            + (f" (staged next: {status.staged_job})" if status.staged_job else ""),
             f"  queue:       {', '.join(queue) or 'empty'}",
             *([f"  utilization: {utilization_line(figures)}"] if figures is not None else []),
             f"  held:        {status.held_share:.1%} of {status.wall_s:.1f} s {SINCE_CREATED} "

@@ -1199,6 +1199,8 @@ class GroupStatus(_Model):
         queue: The waiting requests in the order they queued, each with its priority and wait
             (the best score, priority plus ageing, is granted next).
         resident_job: The job whose state is on the device now (held or not), or None.
+        staged_job: The waiter whose state the group brought onto the device (or is
+            bringing) ahead of its grant, beside the resident's, or None.
         faulted_jobs: Jobs whose state could not be evicted or restored, with why; their
             next acquire raises ``JobFaultedError``.
         held_share: The share of its life since creation the group was **held** (its
@@ -1228,6 +1230,7 @@ class GroupStatus(_Model):
     holder: HolderView | None
     queue: list[WaiterView]
     resident_job: str | None
+    staged_job: str | None = None
     faulted_jobs: dict[str, str]
     held_share: float
     wall_s: float

@@ -119,6 +119,7 @@ _NOT_A_TASK_FAILURE = {
 }
 _SDK_HISTORY_OUT_OF_ORDER = "Fatal error in workflow machines: History is out of order"
 _SDK_UNTRACKED_TASK = "this event had an initial command ID but we could not find a matching"
+_SDK_DEADLOCK = "[TMPRL1101] Potential deadlock detected"
 _DEFAULT_CONVERTER = DataConverter.default.payload_converter
 _PYDANTIC_CONVERTER = pydantic_data_converter.payload_converter
 _DECODER = TolerantPayloadConverter()
@@ -688,6 +689,12 @@ async def task_failures(client: Client, workflow_id: str) -> list[str]:
                 # cores, never when this test runs alone): no workflow code of the task ran,
                 # the worker replayed the run from its history, the next task completed, and
                 # the whole history replays here with this release's workflows.
+                continue
+            if _SDK_DEADLOCK in attrs.failure.message and await _replays(history):
+                # A task that ran past the SDK's 2-s deadlock limit on a loaded machine (seen
+                # once in a two-worker `make test` on two cores, a group's very first task): the
+                # same history, input included, replays here within that limit, so no input
+                # made the workflow loop (an input that did would fail the replay the same way).
                 continue
             if attrs.cause not in _NOT_A_TASK_FAILURE:
                 cause = WorkflowTaskFailedCause.Name(attrs.cause)

@@ -241,6 +241,12 @@ _CONTENDED = {"sample_s": 0.25, "reward_s": 0.02, "train_s": 0.25, "state_bytes"
 # events a lease while every own eviction sent its `report_moved` (15 of them: each an update and
 # most of a workflow task), 13.6 since the report goes with the holder's next release.
 GROUP_EVENTS_PER_LEASE = 15.5
+# A staged restore (the next holder's state brought in beside the lease, when the memory holds
+# both) is an activity of the group's, scheduled in a task the group runs anyway: its start and
+# completion and the workflow task that learns of it. A staged state taken off again unused is
+# one more such activity. Its patch's marker and version search attribute come once a run.
+STAGED_MOVE_EVENTS = 6
+STAGED_PATCH_EVENTS = 2
 
 
 @pytest.mark.parametrize("room", ["memory-for-both", "host-memory"])
@@ -286,7 +292,11 @@ def test_a_shared_groups_lease_costs_no_eviction_report_of_its_own(address, grou
     assert updates[GroupUpdate.MOVED] <= len(jobs), updates
     # Every byte the holders moved is still counted (with their next release, or on leaving).
     assert status.stats.bytes_moved > 0 and status.stats.snapshot_failures == 0, status.stats
-    assert cost.events_per_unit <= GROUP_EVENTS_PER_LEASE, (cost, updates)
+    staged_moves = status.stats.staged_restores + status.stats.staged_unused
+    budget = GROUP_EVENTS_PER_LEASE * cost.units
+    if staged_moves:
+        budget += STAGED_MOVE_EVENTS * staged_moves + STAGED_PATCH_EVENTS * len(histories)
+    assert cost.events <= budget, (cost, updates, status.stats)
 
 
 def _job_process(address: str, job: str, tmp_path: Path):

@@ -735,6 +735,7 @@ class GroupBook:
                 for w in state.queue
             ],
             resident_job=state.resident.job_id if state.resident else None,
+            staged_job=state.staged.job_id if state.staged else None,
             faulted_jobs=dict(state.faulted_jobs),
             held_share=min(1.0, max(0.0, busy / wall)),
             wall_s=wall,
@@ -764,7 +765,8 @@ class GroupBook:
             f"**holder**: {holder.request.job_id} · token {holder.token}"
             if holder
             else "**holder**: none",
-            f"**resident**: {state.resident.job_id if state.resident else 'none'}",
+            f"**resident**: {state.resident.job_id if state.resident else 'none'}"
+            + (f" · staged: {state.staged.job_id}" if state.staged else ""),
             f"**queue**: {queue or 'empty'}",
             f"**leases**: {state.stats.leases} · switches {state.stats.switches}",
             # The group sees leases, not phases: its utilization proper is `timeslice status`'s.

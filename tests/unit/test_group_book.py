@@ -425,6 +425,7 @@ def test_a_staged_job_is_granted_without_a_restore_and_becomes_resident():
     b, req = _holder_and_waiter(800)
     b.residency.stage(req)
     assert not b.residency.may_stage(req, "a")  # one staged at a time
+    assert b.status(at(1)).staged_job == "b" and "staged: b" in b.details(at(1))
     assert b.residency.knows("b") and "b" in b.residency.tracked_jobs()
     b.residency.staged_in("b")
     assert b.state.staged_ready and b.state.stats.staged_restores == 1
