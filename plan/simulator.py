@@ -7,7 +7,11 @@ What it models, each rule taken from the code it stands for:
   equals (``grant_policy.next_waiter``, called here as ``GroupBook`` calls it); sticky
   residency (a release with nobody waiting leaves the state on the device); when the group's
   ``memory_bytes`` holds both jobs' states the next holder is granted at once and its restore
-  overlaps the eviction, otherwise the grant waits for the eviction's report.
+  overlaps the eviction, otherwise the grant waits for the eviction's report; while a holder
+  works, the waiter served next (an RL job the group evicted, whose last restore here took at
+  least ``STAGE_MIN_RESTORE_S``) has its states restored beside the lease when they fit
+  beside the holder's and an eviction under way (a staged restore, ``GroupSwitch.stage_next``);
+  a staged job passed over is evicted again before the other job's grant.
 - **the grant policy** (``workflows/grant_policy.py``, called here, not copied): a holder whose
   next GPU phase on the same group follows at once asks to *carry* its lease into it (what
   ``LeaseReturn.carry_into`` says), stating that phase's length (the step's mean: a job knows
@@ -70,6 +74,7 @@ from timeslice.protocol.group import (
     DEFAULT_GRANT_POLICY,
     DEFAULT_MAX_CARRIES,
     DEFAULT_SHARE_SLACK,
+    STAGE_MIN_RESTORE_S,
     GrantPolicy,
 )
 from timeslice.protocol.staleness import may_sample, publishes_after, sync_every_problem, trained_by
@@ -131,6 +136,9 @@ class GroupSpec:
     max_carries: int = DEFAULT_MAX_CARRIES
     carry_limit_s: float = DEFAULT_CARRY_LIMIT_S
     share_slack: float = DEFAULT_SHARE_SLACK
+    # The group stages the next waiter's restore while the holder works (groups that started
+    # before the ``staged-restores`` patch do not).
+    staged_restores: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -236,7 +244,16 @@ class Outcome:
 
 
 class _State:
-    __slots__ = ("bytes", "free_at", "name", "pool", "restore_s", "snapshot_s", "where")
+    __slots__ = (
+        "arrives_at",
+        "bytes",
+        "free_at",
+        "name",
+        "pool",
+        "restore_s",
+        "snapshot_s",
+        "where",
+    )
 
     def __init__(self, state: StateProfile, move_bps: float) -> None:
         self.name = state.name
@@ -247,6 +264,7 @@ class _State:
         self.restore_s = estimate if state.restore_s is None else state.restore_s
         self.where: str | None = None  # the group whose device holds it; None: host memory
         self.free_at = 0.0  # an eviction in flight ends then
+        self.arrives_at = 0.0  # a staged restore brings it onto ``where``'s device then
 
 
 class _Step:
@@ -395,6 +413,7 @@ class _Waiter:
 class _Group:
     __slots__ = (
         "carries",
+        "evicted",
         "evicting",
         "holder",
         "id",
@@ -402,9 +421,11 @@ class _Group:
         "lease_start",
         "queue",
         "resident",
+        "restore_s",
         "result",
         "shares",
         "spec",
+        "staged",
         "states",
         "switching",
     )
@@ -426,6 +447,9 @@ class _Group:
         # past waiters; job id -> flat [asked_at, waited_s, ...] of its last grants.
         self.carries = 0
         self.shares: dict[str, list[float]] = {}
+        self.evicted: set[str] = set()  # jobs this group evicted (Residency.evicted_jobs)
+        self.restore_s: dict[str, float] = {}  # job id -> its last own restore here
+        self.staged: _Job | None = None
 
 
 # ---------------------------------------------------------------- the simulation
@@ -605,9 +629,12 @@ class Simulation:
             self._segment(job, group.id, step.name, job.ready_at, t, "wait")
         job.ready_at = job.grant_at = None
         start = t
+        restored_s: float | None = None
         for state in step.states:
             if state.where == group.id:
+                t = max(t, state.arrives_at)  # a staged restore still under way
                 continue
+            restored_s = (restored_s or 0.0) + state.restore_s
             t = max(t, state.free_at)  # its own eviction still under way: restore after it
             if state.where is not None:
                 # On another group's device (a state that follows the lease): out of there
@@ -617,6 +644,8 @@ class Simulation:
             t += state.restore_s
             state.where = group.id
             group.result.bytes_moved += state.bytes
+        if restored_s is not None:
+            group.restore_s[job.id] = restored_s
         if self.record:
             self._segment(job, group.id, step.name, start, t, "restore")
         end = t + self._duration(step)
@@ -731,6 +760,7 @@ class Simulation:
         self._seq += 1
         group.queue.append(_Waiter(job, t, self._seq, asked))
         self._decide(t, group)
+        self._stage(t, group)
 
     def _best(self, t: float, group: _Group) -> _Waiter | None:
         """The waiter the group serves next, by the group's own rule (``next_waiter``)."""
@@ -814,6 +844,9 @@ class Simulation:
             group.result.bytes_moved += state.bytes
         if group.resident is job:
             group.resident = None
+        if group.staged is job:
+            group.staged = None
+        group.evicted.add(job.id)
         group.evicting = (job, end + self.ov.request_s)
         self._segment(job, group.id, "evict", t, end, "evict")
         return end
@@ -831,6 +864,14 @@ class Simulation:
         group.queue.remove(best)
         job = best.job
         grant_at = t
+        staged = group.staged
+        if staged is not None and staged is not job and group.resident is not job:
+            # Another job was staged: the group takes its states off the device again first.
+            begin = max([t, *(s.arrives_at for s in group.states.get(staged.id, ()))])
+            grant_at = self._evict(begin + self.ov.group_move_s, group, staged) + self.ov.request_s
+        elif staged is job:
+            group.staged = None
+        group.evicted.discard(job.id)
         resident = group.resident
         if resident is not None and resident is not job:
             # Sticky residency met a different job: the group evicts with its own activity,
@@ -838,11 +879,11 @@ class Simulation:
             fit = self._fit(group, resident, job)
             end = self._evict(t + self.ov.group_move_s, group, resident)
             if not fit:
-                grant_at = end + self.ov.request_s
+                grant_at = max(grant_at, end + self.ov.request_s)
         elif group.evicting is not None and group.evicting[1] > t:
             other, reported = group.evicting
             if other is not job and not self._fit(group, other, job):
-                grant_at = reported  # wait for the eviction's report
+                grant_at = max(grant_at, reported)  # wait for the eviction's report
         if job.client:
             missing = [s for s in group.states.get(job.id, ()) if s.where != group.id]
             if missing:
@@ -872,6 +913,54 @@ class Simulation:
             group.result.switches += 1
         group.last_holder = job
         self._at(t + self.ov.grant_s, self._granted, job, group)
+        self._stage(t, group)
+
+    def _stage(self, t: float, group: _Group) -> None:
+        """While a holder works, restore the next waiter's states beside its lease when they
+        fit (``Residency.may_stage``, ``GroupSwitch.stage_next``)."""
+        holder = group.holder
+        memory = group.spec.memory_bytes
+        if holder is None or group.staged is not None or memory is None:
+            return
+        if not group.spec.staged_restores:
+            return
+        best = self._best(t, group)
+        if best is None or best.job is holder or best.job.client:
+            return
+        job = best.job
+        mine = group.states.get(job.id, ())
+        missing = [s for s in mine if s.where != group.id]
+        if (
+            not missing
+            or job.id not in group.evicted
+            or group.restore_s.get(job.id, 0.0) < STAGE_MIN_RESTORE_S
+        ):
+            return
+        on_device = [holder]
+        if group.evicting is not None:
+            other, reported = group.evicting
+            if other is not job and reported > t:
+                on_device.append(other)
+                if not self._fits(group, [*on_device, job]):
+                    self._at(reported, self._stage, group)  # once its report is in
+                    return
+        if not self._fits(group, [*on_device, job]):
+            return
+        group.staged = job
+        group.evicted.discard(job.id)
+        begin = max([t + self.ov.group_move_s, *(s.free_at for s in missing)])
+        end = begin + sum(s.restore_s for s in missing)
+        for state in missing:
+            state.where = group.id
+            state.arrives_at = end
+            group.result.bytes_moved += state.bytes
+        if self.record:
+            self._segment(job, group.id, "staged", begin, end, "restore")
+
+    def _fits(self, group: _Group, jobs: list[_Job]) -> bool:
+        memory = group.spec.memory_bytes
+        size = sum(s.bytes for j in jobs for s in group.states.get(j.id, ()))
+        return memory is not None and size <= memory
 
 
 class SimulationSettings(TypedDict, total=False):

@@ -210,9 +210,16 @@ MIXES = [
 
 
 def figures(
-    layout: str, shapes: list[tuple[float, float, float]], states, policy: GrantPolicy, epochs: int
+    layout: str,
+    shapes: list[tuple[float, float, float]],
+    states,
+    policy: GrantPolicy,
+    epochs: int,
+    *,
+    staged: bool = True,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
-    """Utilization per group, slowdown per job, switches per group, under ``policy``."""
+    """Utilization per group, slowdown per job, switches per group, under ``policy`` (with
+    ``staged``, the groups stage the next waiter's restore)."""
     groups = ("g", "g") if layout == "one-group" else ("s", "t")
     placements = [
         Placement(
@@ -223,13 +230,20 @@ def figures(
         for i, (s, r, t) in enumerate(shapes)
     ]
     footprint = sum(s.bytes for s in states()) if layout == "one-group" else PLAN_CHECK.STATE_BYTES
-    specs = {g: GroupSpec(memory_bytes=2 * footprint, grant_policy=policy) for g in set(groups)}
+    specs = {
+        g: GroupSpec(memory_bytes=2 * footprint, grant_policy=policy, staged_restores=staged)
+        for g in set(groups)
+    }
     out = simulate(placements, groups=specs)
     slowdowns = {}
     for p in placements:
         alone = simulate(
             [Placement(p.profile, "own", "own")],
-            groups={"own": GroupSpec(memory_bytes=2 * footprint, grant_policy=policy)},
+            groups={
+                "own": GroupSpec(
+                    memory_bytes=2 * footprint, grant_policy=policy, staged_restores=staged
+                )
+            },
         )
         job = p.profile.job_id
         slowdowns[job] = out.jobs[job].completion_s / alone.jobs[job].completion_s
@@ -240,8 +254,14 @@ def figures(
 @pytest.mark.parametrize("epochs", [8, 12])
 @pytest.mark.parametrize(("name", "layout", "shapes", "states"), MIXES, ids=[m[0] for m in MIXES])
 def test_phase_aware_is_never_worse_than_fifo(name, layout, shapes, states, epochs: int) -> None:
-    fifo_util, fifo_slow, _ = figures(layout, shapes, states, GrantPolicy.FIFO, epochs)
-    util, slow, _ = figures(layout, shapes, states, GrantPolicy.PHASE_AWARE, epochs)
+    """Issue 21's claim, on groups that restore at the grant (before staged restores). With
+    staging, FIFO gains more than phase_aware in a GPU-bound pair (97.1% against 95.6%) and
+    three jobs on one group (phase_aware's slowdown 1.70x against FIFO's 1.58x): the carries
+    that phase_aware keeps past a waiter now stand against restores that cost nothing."""
+    fifo_util, fifo_slow, _ = figures(
+        layout, shapes, states, GrantPolicy.FIFO, epochs, staged=False
+    )
+    util, slow, _ = figures(layout, shapes, states, GrantPolicy.PHASE_AWARE, epochs, staged=False)
     for group, u in util.items():
         assert u >= fifo_util[group] - 0.01, f"{name}: {group} {fifo_util[group]:.1%} -> {u:.1%}"
     for job, s in slow.items():
@@ -251,12 +271,21 @@ def test_phase_aware_is_never_worse_than_fifo(name, layout, shapes, states, epoc
 def test_the_demo_pair_gains_what_issue_21_measured() -> None:
     """The prototype's figures for the demo pair (12 epochs): FIFO 55.0%, 1.39x / 1.41x, 47
     switches; phase_aware about 70.6%, 1.11x / 1.06x, 26 switches."""
-    fifo = figures("one-group", [DEMO, DEMO], one_state, GrantPolicy.FIFO, 12)
-    ours = figures("one-group", [DEMO, DEMO], one_state, GrantPolicy.PHASE_AWARE, 12)
+    fifo = figures("one-group", [DEMO, DEMO], one_state, GrantPolicy.FIFO, 12, staged=False)
+    ours = figures("one-group", [DEMO, DEMO], one_state, GrantPolicy.PHASE_AWARE, 12, staged=False)
     assert fifo[0]["g"] == pytest.approx(0.550, abs=0.005)
     assert ours[0]["g"] == pytest.approx(0.706, abs=0.005)
     assert max(ours[1].values()) < 1.12 < 1.39 < min(fifo[1].values())
     assert ours[2]["g"] < 0.6 * fifo[2]["g"]
+
+
+@pytest.mark.parametrize("policy", list(GrantPolicy))
+@pytest.mark.parametrize(("name", "layout", "shapes", "states"), MIXES, ids=[m[0] for m in MIXES])
+def test_staged_restores_never_cost_utilization(name, layout, shapes, states, policy) -> None:
+    before, _, _ = figures(layout, shapes, states, policy, 12, staged=False)
+    after, _, _ = figures(layout, shapes, states, policy, 12)
+    for group, u in after.items():
+        assert u >= before[group] - 0.005, f"{name}: {group} {before[group]:.1%} -> {u:.1%}"
 
 
 def _replay() -> ModuleType:

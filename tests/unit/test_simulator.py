@@ -183,24 +183,28 @@ def test_protocol_costs_of_a_job_alone() -> None:
 
 
 @pytest.mark.parametrize(
-    ("memory", "expected"),
+    ("memory", "staged", "expected"),
     [
         # b prepared last, so its state is on the device and a's is not. Not both fit: each
         # switch waits for the eviction (0.2; at first the group's own, of b) before the
         # grant, then the next job restores its state (0.3) before its phase.
-        (None, [("a", 0.5, 1.5), ("b", 2, 3), ("a", 3.5, 4.5), ("b", 5, 6)]),
+        (None, True, [("a", 0.5, 1.5), ("b", 2, 3), ("a", 3.5, 4.5), ("b", 5, 6)]),
         # Both fit: the grant comes at once; the restore overlaps the eviction.
-        (20, [("a", 0.3, 1.3), ("b", 1.6, 2.6), ("a", 2.9, 3.9), ("b", 4.2, 5.2)]),
+        (20, False, [("a", 0.3, 1.3), ("b", 1.6, 2.6), ("a", 2.9, 3.9), ("b", 4.2, 5.2)]),
+        # ... and a waiter that restored here before is staged while the holder works: a,
+        # asking at 2.3, comes in 2.3-2.6 during b's phase and starts at b's release. b asks
+        # at 3.6 as a releases, so its restore is not hidden (3.6-3.9).
+        (20, True, [("a", 0.3, 1.3), ("b", 1.6, 2.6), ("a", 2.6, 3.6), ("b", 3.9, 4.9)]),
     ],
 )
 def test_cooperative_switches_overlapped_or_not(
-    memory: int | None, expected: list[tuple[str, float, float]]
+    memory: int | None, staged: bool, expected: list[tuple[str, float, float]]
 ) -> None:
     a = rl("a", 1, 1, 1, states=[state()])
     b = rl("b", 1, 1, 1, states=[state()])
     out = simulate(
         [on("g", a), on("g", b, start=0.5)],
-        groups={"g": GroupSpec(memory_bytes=memory)},
+        groups={"g": GroupSpec(memory_bytes=memory, staged_restores=staged)},
         overheads=ZERO,
     )
     assert holds(out) == expected
