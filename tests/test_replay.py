@@ -144,3 +144,27 @@ def test_a_flooded_groups_history_with_a_timer_before_an_accepted_update_replays
     )
     result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
     assert result.replay_failure is None, str(result.replay_failure)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known, the same SDK ordering as above: a flooded group's main loop started a timer "
+    "(event 150) and a renewal's update handler, in the same workflow task, called "
+    "workflow.patched('late-renewal-renews') for the first time (its marker and version "
+    "search attribute, 151-152); every replay fails with the SDK's nondeterminism error "
+    "'UpsertWorkflowSearchAttributesMachine does not handle HistoryEvent(id: 150, "
+    "TimerStarted)' (temporalio 1.35.0), and the group's workflow task fails from then on",
+)
+def test_a_flooded_groups_history_with_a_timer_before_a_handlers_patch_marker_replays():
+    """A second deterministic reproduction, from a CI run of the raw flood on 2026-12-04 (its
+    first 156 events, the last ones the task that started the timer, recorded the patch and
+    answered two updates). Strict, as above."""
+    path = Path(__file__).parent / "histories" / "known" / "gpu_group_flood_patch_after_timer.json"
+    history = WorkflowHistory.from_json("gpu-group-raw-flood-1s", path.read_text())
+    replayer = Replayer(
+        workflows=WORKFLOWS,
+        data_converter=pydantic_data_converter,
+        workflow_runner=workflow_runner(),
+    )
+    result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
+    assert result.replay_failure is None, str(result.replay_failure)
