@@ -18,6 +18,7 @@ from timeslice.workflows.group_patches import (
     BOUNDED_EVICTION_REPORT_WAIT,
     FORGET_GONE_EVICTOR,
     ONE_DEADLINE_TIMER,
+    PATCHES_AT_START,
     STAGED_RESTORES,
     STREAMED_SWITCHES,
 )
@@ -36,6 +37,16 @@ from timeslice.workflows.rl_job import JOB_PROTOCOL_V5, SEARCHED_STATES_ONLY
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 
 
+def _replay_failure(history: WorkflowHistory) -> Exception | None:
+    replayer = Replayer(
+        workflows=WORKFLOWS,
+        data_converter=pydantic_data_converter,
+        workflow_runner=workflow_runner(),
+    )
+    result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
+    return result.replay_failure
+
+
 def test_histories_are_stored():
     # The recorder covers continue-as-new, so several runs are stored.
     assert len(HISTORIES) >= 2
@@ -47,13 +58,8 @@ def test_stored_history_replays(path: Path):
     # Replayed under the id it ran with: a workflow may check its own id (RLJobWorkflow does).
     started = json.loads(text)["events"][0]["workflowExecutionStartedEventAttributes"]
     history = WorkflowHistory.from_json(started.get("workflowId", path.stem), text)
-    replayer = Replayer(
-        workflows=WORKFLOWS,
-        data_converter=pydantic_data_converter,
-        workflow_runner=workflow_runner(),
-    )
-    result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
-    assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
+    failure = _replay_failure(history)
+    assert failure is None, f"{path.name} no longer replays: {failure}"
 
 
 def _patch_markers(text: str) -> set[str]:
@@ -76,6 +82,7 @@ def _patch_markers(text: str) -> set[str]:
         ONE_DEADLINE_TIMER,
         STREAMED_SWITCHES,
         STAGED_RESTORES,
+        PATCHES_AT_START,
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
         LABELLED_LEASE_WAITS,
@@ -90,10 +97,24 @@ def _patch_markers(text: str) -> set[str]:
 def test_a_stored_history_takes_the_patched_path(patch: str):
     """A history recorded after the patch (tests/histories/record_eviction_wait.py,
     record_one_timer.py, record_streamed.py, record_staged.py, record_rl_states.py, record_rl_v5.py,
-    record_rl_labelled.py, record_pool.py), so the
+    record_rl_labelled.py, record_pool.py, record_patches_at_start.py), so the
     replay above runs the new branch too, not only the old one."""
     recorded = {path.name for path in HISTORIES if patch in _patch_markers(path.read_text())}
     assert recorded, f"no stored history records the {patch!r} patch"
+
+
+def test_a_group_that_asked_patches_at_start_records_no_other_patch():
+    """A run down PATCHES_AT_START takes every older patch's branch without asking it: no
+    marker of its own that a handler could record after the main loop's timer (the SDK
+    ordering of the known history below). The run's jobs restore themselves at their grants,
+    so the one restore the group scheduled is the staged one: that branch ran."""
+    path = Path(__file__).parent / "histories" / "gpu_group_patches_at_start_run0.json"
+    text = path.read_text()
+    assert _patch_markers(text) == {PATCHES_AT_START}
+    events = json.loads(text)["events"]
+    scheduled = [e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
+                 for e in events if "activityTaskScheduledEventAttributes" in e]  # fmt: skip
+    assert scheduled.count("timeslice.restore") == 1, scheduled
 
 
 def test_pool_moves_are_one_patch_for_the_pool_and_its_jobs():
@@ -137,13 +158,8 @@ def test_a_flooded_groups_history_with_a_timer_before_an_accepted_update_replays
     goes."""
     path = Path(__file__).parent / "histories" / "known" / "gpu_group_flood_update_after_timer.json"
     history = WorkflowHistory.from_json("gpu-group-raw-flood", path.read_text())
-    replayer = Replayer(
-        workflows=WORKFLOWS,
-        data_converter=pydantic_data_converter,
-        workflow_runner=workflow_runner(),
-    )
-    result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
-    assert result.replay_failure is None, str(result.replay_failure)
+    failure = _replay_failure(history)
+    assert failure is None, str(failure)
 
 
 @pytest.mark.xfail(
@@ -161,10 +177,5 @@ def test_a_flooded_groups_history_with_a_timer_before_a_handlers_patch_marker_re
     answered two updates). Strict, as above."""
     path = Path(__file__).parent / "histories" / "known" / "gpu_group_flood_patch_after_timer.json"
     history = WorkflowHistory.from_json("gpu-group-raw-flood-1s", path.read_text())
-    replayer = Replayer(
-        workflows=WORKFLOWS,
-        data_converter=pydantic_data_converter,
-        workflow_runner=workflow_runner(),
-    )
-    result = asyncio.run(replayer.replay_workflow(history, raise_on_replay_failure=False))
-    assert result.replay_failure is None, str(result.replay_failure)
+    failure = _replay_failure(history)
+    assert failure is None, str(failure)

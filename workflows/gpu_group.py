@@ -70,6 +70,7 @@ from timeslice.workflows.group_patches import (
     FAULT_ONLY_ASKED_EVICTION,
     LATE_RENEWAL_RENEWS,
     ONE_DEADLINE_TIMER,
+    PATCHES_AT_START,
     PHASE_AWARE_GRANTS,
     STREAMED_SWITCHES,
 )
@@ -163,6 +164,8 @@ def _parses_within_budget(model: type[GroupMessage], what: str) -> Callable[...,
 class GpuGroupWorkflow:
     @workflow.init
     def __init__(self, *raw: Any) -> None:
+        # First, before any handler can ask a patch (group_patches.PATCHES_AT_START).
+        self._patched_at_start = workflow.patched(PATCHES_AT_START)
         inp, self._input_error = parse_input(
             GroupInput,
             raw,
@@ -176,8 +179,8 @@ class GpuGroupWorkflow:
             inp.state or GroupState(stats=GroupStats(created_at=workflow.now())),
             self._metrics,
         )
-        self._book.policy_gate = lambda: workflow.patched(PHASE_AWARE_GRANTS)
-        self._book.residency.stream_gate = lambda: workflow.patched(STREAMED_SWITCHES)
+        self._book.policy_gate = lambda: self._patched(PHASE_AWARE_GRANTS)
+        self._book.residency.stream_gate = lambda: self._patched(STREAMED_SWITCHES)
         self._book.late_renewal_gate = self._late_renewal_renews
         self._late_renewal: bool | None = None  # the LATE_RENEWAL_RENEWS patch's answer, once asked
         self._wake = False
@@ -198,6 +201,7 @@ class GpuGroupWorkflow:
             wake=self._wake_up,
             one_timer=self._one_timer,
             set_timer=self._set_timer,
+            patched=self._patched,
         )
 
     # ---------------------------------------------------------------- main loop
@@ -233,8 +237,13 @@ class GpuGroupWorkflow:
             self._wake = False
             self._book.expire(workflow.now())
 
+    def _patched(self, patch_id: str) -> bool:
+        """Whether this run takes ``patch_id``'s branch: always, in a run that recorded
+        PATCHES_AT_START; otherwise as ``workflow.patched`` answers (groups from before it)."""
+        return self._patched_at_start or workflow.patched(patch_id)
+
     def _one_timer(self) -> bool:
-        return workflow.patched(ONE_DEADLINE_TIMER)
+        return self._patched(ONE_DEADLINE_TIMER)
 
     def _wake_up(self) -> None:
         self._wake = True
@@ -367,7 +376,7 @@ class GpuGroupWorkflow:
             # A lost waiter (its process took the task and stopped) holds the group for the
             # confirmation window counted from the grant, not for a 30-s delivery and a
             # window after it (docs/architecture.md, "Limits").
-            bounded = workflow.patched(BOUNDED_GRANT_DELIVERY)
+            bounded = self._patched(BOUNDED_GRANT_DELIVERY)
             ack_timeout = timedelta(seconds=self._config.grant_ack_timeout_s)
             try:
                 # Results are validated here, not by the converter: a malformed reply from one
@@ -403,7 +412,7 @@ class GpuGroupWorkflow:
         now = workflow.now()
         if (
             notice.reply_task_queue is not None
-            and workflow.patched(AUTHENTICATED_GRANT_ANSWERS)
+            and self._patched(AUTHENTICATED_GRANT_ANSWERS)
             and not self._book.leases.answer_is_proven(notice.token, answer_key)
         ):
             # Anyone in the namespace can complete or fail an activity by its id: an outcome
@@ -414,7 +423,7 @@ class GpuGroupWorkflow:
             self._book.leases.unconfirmed(notice.token, now, from_grant=bounded)
         elif outcome is None:
             self._book.leases.confirm(notice.token, now)
-        elif holder.delivered and workflow.patched(CONFIRMED_GRANT_OUTLIVES_DELIVERY):
+        elif holder.delivered and self._patched(CONFIRMED_GRANT_OUTLIVES_DELIVERY):
             # The holder confirmed the grant by a renewal while this activity was on its way
             # (it took the grant by asking again): it holds it, whatever became of the activity.
             workflow.logger.info(
@@ -556,7 +565,7 @@ class GpuGroupWorkflow:
         report = parse_message(MovedReport, raw, "the report_moved update")
         self._spend(report)
         awaited = report.job_id == self._switch.awaiting_eviction_of
-        asked_only = report.error is None or workflow.patched(FAULT_ONLY_ASKED_EVICTION)
+        asked_only = report.error is None or self._patched(FAULT_ONLY_ASKED_EVICTION)
         self._book.moved(
             report, workflow.now(), marked=not awaited, faults_only_if_asked=asked_only
         )
@@ -631,7 +640,7 @@ class GpuGroupWorkflow:
         return self._late_renewal is not False
 
     def _late_renewal_renews(self) -> bool:
-        self._late_renewal = workflow.patched(LATE_RENEWAL_RENEWS)
+        self._late_renewal = self._patched(LATE_RENEWAL_RENEWS)
         return self._late_renewal
 
     def _publish_details(self) -> None:

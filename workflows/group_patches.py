@@ -44,3 +44,13 @@ LATE_RENEWAL_RENEWS = "late-renewal-renews"
 # the device's declared memory holds both (a staged restore), so that waiter's grant moves
 # nothing; groups that started before it replay restoring at the grant, as they ran.
 STAGED_RESTORES = "staged-restores"
+# workflow.patched id: every id above holds without its own marker. A run asks this one first
+# thing (in the workflow's __init__, before any handler runs) and, recorded, asks no other:
+# a patch first asked from an update handler, in the workflow task in which the main loop
+# started a timer, recorded its marker after that timer, and the SDK (temporalio 1.35.0)
+# replays the handler first, so every later task of the group failed with a nondeterminism
+# error (tests/histories/known/gpu_group_flood_patch_after_timer.json). One marker a run also
+# replaces one marker and version search attribute per patch. Groups that started before it
+# ask each patch where they asked it, as they ran. A patch added after this one is asked in
+# __init__ too, never first from a handler.
+PATCHES_AT_START = "patches-at-start"

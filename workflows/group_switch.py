@@ -55,15 +55,18 @@ class GroupSwitch:
         wake: Callable[[], None],
         one_timer: Callable[[], bool],
         set_timer: Callable[[], None],
+        patched: Callable[[str], bool],
     ) -> None:
         """``wake``: wakes the workflow's main loop; ``one_timer``: whether the run keeps one
         deadline timer (``ONE_DEADLINE_TIMER``); ``set_timer``: sets it for the earliest
-        deadline (this one's ``report_deadline`` among them)."""
+        deadline (this one's ``report_deadline`` among them); ``patched``: whether the run
+        takes a patch's branch (the workflow's answer, ``workflow.patched`` or all of them)."""
         self._book = book
         self._config = config
         self._wake = wake
         self._one_timer = one_timer
         self._set_timer = set_timer
+        self._patched = patched
         # Evictions running beside the holder's lease (both states fit, or they stream).
         self.evictions: set[asyncio.Task[None]] = set()
         # A switch waiting for the previous holder's report of its own eviction: the report's
@@ -127,7 +130,7 @@ class GroupSwitch:
         request = waiter.request if waiter is not None else None
         if not book.residency.may_stage(request, holder.request.job_id):
             return
-        if not workflow.patched(STAGED_RESTORES):
+        if not self._patched(STAGED_RESTORES):
             return
         assert request is not None and request.snapshot is not None
         book.residency.stage(request)
@@ -210,7 +213,7 @@ class GroupSwitch:
         # the group's own snapshot activity takes over. On a live process it waits for the
         # eviction under way and finds nothing left to move; on a dead one it is not picked up.
         report_wait = self._config.snapshot_timeout_s
-        if workflow.patched(BOUNDED_EVICTION_REPORT_WAIT):
+        if self._patched(BOUNDED_EVICTION_REPORT_WAIT):
             report_wait = min(report_wait, self._config.grant_ack_timeout_s)
         try:
             if self._one_timer():
@@ -243,7 +246,7 @@ class GroupSwitch:
         snapshot activity (on a live process it waits for the eviction under way)."""
         assert late.snapshot is not None
         result = await self._run_snapshot(SNAPSHOT_ACTIVITY, late.job_id, late.snapshot)
-        if result is _Moved.GONE and workflow.patched(FORGET_GONE_EVICTOR):
+        if result is _Moved.GONE and self._patched(FORGET_GONE_EVICTOR):
             # No process picked the task up: the job's processes are gone, and its
             # state with them (as in _evict), so nothing is left to restore.
             self._book.evictor_gone(late.job_id)

@@ -12,6 +12,9 @@ The group restores b's state while a holds (the `staged-restores` patch); a rele
 granted with nothing to restore, and releases. The history, `gpu_group_staged_run0.json`, holds
 the patch's marker; `tests/test_replay.py` replays it and checks that the marker is there.
 Re-record only when the workflow changes on purpose; the other recorders leave this file alone.
+Recorded before the `patches-at-start` patch: a group recorded now asks no other patch, so
+re-recording would lose the marker this file is kept for (``record_patches_at_start.py``
+records the same run down that patch's branch).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def _evicted(job: str) -> MovedReport:
     return MovedReport(job_id=job, key=_key(job), evicted=[report])
 
 
-async def drive(address: str) -> None:
+async def drive(address: str, out: Path) -> None:
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     await start_group(client, GroupConfig(group_id=GROUP, memory_bytes=MEMORY))
     group = client.get_workflow_handle(group_workflow_id(GROUP))
@@ -128,10 +131,10 @@ async def drive(address: str) -> None:
     status = await group.query("status", result_type=GroupStatus)
     assert status.resident_job == "b" and status.stats.staged_restores == 1, status
     assert status.stats.restores == 2 and not status.faulted_jobs, status
-    OUT.write_text((await group.fetch_history()).to_json())
+    out.write_text((await group.fetch_history()).to_json())
 
 
-async def serve_b_and_drive(address: str) -> None:
+async def serve_b_and_drive(address: str, out: Path) -> None:
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     backend = SimulatedBackend(nbytes=STATE, snapshot_s=0.01)
     moves = SnapshotActivities({"simulated": backend}, job_id="b")
@@ -140,16 +143,16 @@ async def serve_b_and_drive(address: str) -> None:
         task_queue=job_task_queue("b"),
         activities=[moves.snapshot, moves.restore],
     ):
-        await drive(address)
+        await drive(address, out)
 
 
-def main() -> None:
+def main(out: Path = OUT) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedServer(port=free_port(), ui_port=None, db=Path(tmp) / "t.db").start()
         worker = start_worker(server.address, Path(tmp) / "worker.log")
         try:
-            asyncio.run(serve_b_and_drive(server.address))
-            print(f"wrote {OUT}")
+            asyncio.run(serve_b_and_drive(server.address, out))
+            print(f"wrote {out}")
         finally:
             stop_process(worker)
             server.stop()
