@@ -134,6 +134,24 @@ class Bench:
 
         return asyncio.run(read())
 
+    def group_stats(self, group_ids: list[str]) -> dict[str, Any]:
+        """Each group's counters after a mix (``GroupStats``), to line up with the model's."""
+        from timeslice.protocol.group import GroupQuery, GroupStatus, group_workflow_id
+        from timeslice.transport.connection import connect, connect_config
+
+        async def read() -> dict[str, Any]:
+            client = await connect(connect_config(self.address))
+            return {
+                g: (
+                    await client.get_workflow_handle(group_workflow_id(g)).query(
+                        GroupQuery.STATUS, result_type=GroupStatus
+                    )
+                ).stats
+                for g in group_ids
+            }
+
+        return asyncio.run(read())
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -244,10 +262,12 @@ def main() -> None:
                 for g, m in memory.items()
             }
             outcome = predict(placements, specs)
+            real_stats = bench.group_stats(sorted(memory))
             groups = []
             for group, holds in sorted(holds_by_group(results).items()):
                 measured = utilization(holds)["utilization"]
                 predicted = outcome.groups[group].utilization
+                model, real = outcome.groups[group], real_stats[group]
                 bound = demand_bound(
                     pl.profile.gpu_share(
                         {
@@ -269,6 +289,11 @@ def main() -> None:
                         "measured": round(measured, 4),
                         "error_points": round((predicted - measured) * 100, 2),
                         "demand_bound": round(bound, 4),
+                        # What the groups did, predicted / measured: where they part, the
+                        # model's group and the real one decided differently.
+                        "carried": [model.carried, real.carried],
+                        "staged_restores": [model.staged_restores, real.staged_restores],
+                        "staged_unused": [model.staged_unused, real.staged_unused],
                     }
                 )
             jobs = []
@@ -292,6 +317,14 @@ def main() -> None:
                     f"{g['predicted']:.1%}, measured {g['measured']:.1%} "
                     f"({g['error_points']:+.1f} points); demand bound "
                     f"{g['demand_bound']:.1%} (the jobs' GPU share alone, summed, capped)",
+                    flush=True,
+                )
+                print(
+                    "    predicted / measured: "
+                    + ", ".join(
+                        f"{key.replace('_', ' ')} {g[key][0]} / {g[key][1]}"
+                        for key in ("carried", "staged_restores", "staged_unused")
+                    ),
                     flush=True,
                 )
             for j in jobs:

@@ -198,6 +198,8 @@ class GroupResult:
     switches: int = 0
     carried: int = 0  # leases kept past waiters into their holder's next phase
     bytes_moved: int = 0
+    staged_restores: int = 0  # a waiter's states brought in while the holder worked
+    staged_unused: int = 0  # ... and taken off again: another job was granted first
     holds: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
@@ -867,6 +869,7 @@ class Simulation:
         staged = group.staged
         if staged is not None and staged is not job and group.resident is not job:
             # Another job was staged: the group takes its states off the device again first.
+            group.result.staged_unused += 1
             begin = max([t, *(s.arrives_at for s in group.states.get(staged.id, ()))])
             grant_at = self._evict(begin + self.ov.group_move_s, group, staged) + self.ov.request_s
         elif staged is job:
@@ -947,6 +950,7 @@ class Simulation:
         if not self._fits(group, [*on_device, job]):
             return
         group.staged = job
+        group.result.staged_restores += 1
         group.evicted.discard(job.id)
         begin = max([t + self.ov.group_move_s, *(s.free_at for s in missing)])
         end = begin + sum(s.restore_s for s in missing)

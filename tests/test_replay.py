@@ -16,6 +16,7 @@ from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.group_lease import LABELLED_LEASE_WAITS
 from timeslice.workflows.group_patches import (
     BOUNDED_EVICTION_REPORT_WAIT,
+    EVICTION_REPORTS_FOR_STAGING,
     FORGET_GONE_EVICTOR,
     ONE_DEADLINE_TIMER,
     PATCHES_AT_START,
@@ -83,6 +84,7 @@ def _patch_markers(text: str) -> set[str]:
         STREAMED_SWITCHES,
         STAGED_RESTORES,
         PATCHES_AT_START,
+        EVICTION_REPORTS_FOR_STAGING,
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
         LABELLED_LEASE_WAITS,
@@ -110,7 +112,8 @@ def test_a_group_that_asked_patches_at_start_records_no_other_patch():
     so the one restore the group scheduled is the staged one: that branch ran."""
     path = Path(__file__).parent / "histories" / "gpu_group_patches_at_start_run0.json"
     text = path.read_text()
-    assert _patch_markers(text) == {PATCHES_AT_START}
+    # Only the patches asked in __init__, before any handler could run.
+    assert _patch_markers(text) == {PATCHES_AT_START, EVICTION_REPORTS_FOR_STAGING}
     events = json.loads(text)["events"]
     scheduled = [e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
                  for e in events if "activityTaskScheduledEventAttributes" in e]  # fmt: skip

@@ -67,6 +67,7 @@ from timeslice.workflows.group_patches import (
     AUTHENTICATED_GRANT_ANSWERS,
     BOUNDED_GRANT_DELIVERY,
     CONFIRMED_GRANT_OUTLIVES_DELIVERY,
+    EVICTION_REPORTS_FOR_STAGING,
     FAULT_ONLY_ASKED_EVICTION,
     LATE_RENEWAL_RENEWS,
     ONE_DEADLINE_TIMER,
@@ -166,6 +167,7 @@ class GpuGroupWorkflow:
     def __init__(self, *raw: Any) -> None:
         # First, before any handler can ask a patch (group_patches.PATCHES_AT_START).
         self._patched_at_start = workflow.patched(PATCHES_AT_START)
+        reports_for_staging = workflow.patched(EVICTION_REPORTS_FOR_STAGING)
         inp, self._input_error = parse_input(
             GroupInput,
             raw,
@@ -182,6 +184,7 @@ class GpuGroupWorkflow:
         self._book.policy_gate = lambda: self._patched(PHASE_AWARE_GRANTS)
         self._book.residency.stream_gate = lambda: self._patched(STREAMED_SWITCHES)
         self._book.late_renewal_gate = self._late_renewal_renews
+        self._book.reports_for_staging = reports_for_staging
         self._late_renewal: bool | None = None  # the LATE_RENEWAL_RENEWS patch's answer, once asked
         self._wake = False
         # Fault notices live nowhere else, so they hold up continue-as-new; so does any

@@ -93,6 +93,10 @@ class GroupBook:
         # Asked before renewing a lease whose expiry time has passed unprocessed: the workflow
         # answers with workflow.patched(LATE_RENEWAL_RENEWS), so older groups replay as they ran.
         self.late_renewal_gate: Callable[[], bool] = lambda: True
+        # Whether an eviction report is asked at once where a third job could be staged
+        # (``_report_can_wait``): the workflow sets it from workflow.patched(
+        # EVICTION_REPORTS_FOR_STAGING) when its run starts, so older groups replay as they ran.
+        self.reports_for_staging = True
 
     @property
     def carry_limits(self) -> CarryLimits:
@@ -432,10 +436,18 @@ class GroupBook:
         instead of at once: nothing the group does before that release needs it. The next
         holder's restore does not wait for it (its state fits beside, or they stream), and no
         third job waits whose restore might. The releasing job's own next grant does not need
-        it either: its process restores its state only after its own eviction is done."""
+        it either: its process restores its state only after its own eviction is done. Nor
+        does a third job's staged restore, which cannot start beside an eviction still under
+        way: where the group knows such a job, the report comes at once."""
         resident = self.state.resident
         others = {w.request.job_id for w in self.state.queue} - {job_id, after.job_id}
-        return not others and self.residency.overlaps(resident, after)
+        if others or not self.residency.overlaps(resident, after):
+            return False
+        # Until the report comes, the group counts the eviction as under way, and no third
+        # job's state is staged beside it: where one could be, the report is asked at once.
+        return not (
+            self.reports_for_staging and self.residency.could_stage_another({job_id, after.job_id})
+        )
 
     def _carry(self, holder: HeldLease, ret: LeaseReturn, now: datetime) -> tuple[bool, str]:
         """Keep the lease into the holder's next phase if the grant policy allows: whether it

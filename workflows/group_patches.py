@@ -54,3 +54,8 @@ STAGED_RESTORES = "staged-restores"
 # ask each patch where they asked it, as they ran. A patch added after this one is asked in
 # __init__ too, never first from a handler.
 PATCHES_AT_START = "patches-at-start"
+# workflow.patched id (asked in __init__, after PATCHES_AT_START): a holder that evicts its own
+# state reports it at once, not with its next release, when the group knows a third job whose
+# state it could stage: a report held back keeps that eviction under way in the group's eyes,
+# and nothing is staged beside it. Groups that started before it replay as they ran.
+EVICTION_REPORTS_FOR_STAGING = "eviction-reports-for-staging"

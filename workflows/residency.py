@@ -292,6 +292,27 @@ class Residency(BookPiece):
             return False
         return sum(r.state_bytes or 0 for r in on_device) + request.state_bytes <= memory
 
+    def could_stage_another(self, besides: set[str]) -> bool:
+        """Whether a job not in ``besides`` may be staged here once it waits: the group
+        declared its memory, evicted that job, and its own last restore here took long enough
+        (the conditions of ``may_stage`` that outlast a lease).
+
+        Args:
+            besides: the jobs not to count (the releasing holder and the next one).
+
+        Returns:
+            True if such a job is known here.
+        """
+        state = self.state
+        if self.config.memory_bytes is None:
+            return False
+        return any(
+            job_id not in besides
+            and job_id not in state.faulted_jobs
+            and state.restore_s.get(job_id, 0.0) >= STAGE_MIN_RESTORE_S
+            for job_id in state.evicted_jobs
+        )
+
     def stage(self, request: AcquireRequest) -> None:
         """The group starts bringing ``request``'s state onto the device ahead of its grant
         (:meth:`may_stage` said it fits): from now on its bytes count as on the device.

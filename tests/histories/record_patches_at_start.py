@@ -1,13 +1,13 @@
-"""Record a GpuGroupWorkflow history down the `patches-at-start` branch: the run asks that one
-patch when it starts and no other, and takes every older patch's branch (staged restores
-among them) without their markers.
+"""Record a GpuGroupWorkflow history down the `patches-at-start` branch: the run asks that
+patch when it starts (and the patches added after it, all in ``__init__``) and no other, and
+takes every older patch's branch (staged restores among them) without their markers.
 
     .venv/bin/python -m tests.histories.record_patches_at_start
 
 The run is ``record_staged.py``'s (two jobs, a staged restore, streamed evictions, the one
-deadline timer). The history, `gpu_group_patches_at_start_run0.json`, holds that patch's marker
-and no other; `tests/test_replay.py` replays it and checks both. Re-record only when the
-workflow changes on purpose.
+deadline timer). The history, `gpu_group_patches_at_start_run0.json`, holds the markers of
+the patches asked at start and no other; `tests/test_replay.py` replays it and checks both.
+Re-record only when the workflow changes on purpose.
 """
 
 from __future__ import annotations

@@ -829,6 +829,38 @@ def test_an_own_evictions_report_waits_for_the_next_release_only_when_nothing_ne
     assert ("report_with_next" in answer.model_dump(mode="json")) is later
 
 
+@pytest.mark.parametrize(
+    ("third_restore_s", "gate", "later"),
+    [
+        pytest.param(0.1, True, False, id="a-third-job-could-be-staged"),
+        pytest.param(0.01, True, True, id="its-restores-too-short-to-stage"),
+        pytest.param(0.1, False, True, id="a-group-from-before-the-patch"),
+    ],
+)
+def test_an_own_evictions_report_comes_at_once_where_a_third_job_could_be_staged(
+    third_restore_s: float, gate: bool, later: bool
+):
+    """A report held back keeps the holder's eviction under way in the group's eyes until its
+    next release, and no third job's state may be staged beside it meanwhile. So where the
+    group knows a third job it could stage (evicted here, its own restores long enough), the
+    report comes at once; not with only two jobs, nor for jobs whose restores are not staged."""
+    b = book(memory_bytes=300)
+    b.reports_for_staging = gate
+    # c held the group, restored itself in third_restore_s, and was evicted.
+    b.enqueue(request("c", snapshot=target("c"), state_bytes=100), at(0))
+    grant_next(b, at(0))
+    b.residency.note_restore_time("c", third_restore_s)
+    b.enqueue(request("a", snapshot=target("a"), state_bytes=200), at(1))
+    b.release(LeaseReturn(request_id="c:r", key=key("c:r"), token=1), at(2))
+    grant_next(b, at(2))  # a: the group evicts c (sticky residency met another job)
+    b.residency.clear_evicting("c")
+    assert "c" in b.state.evicted_jobs
+    b.enqueue(request("small", snapshot=target("small"), state_bytes=100), at(3))
+    answer = _release_offering(b, "a:r", 2, at(4))
+    assert answer.evict and answer.report_with_next is later
+    assert b.state.evicting_report_later is later
+
+
 def test_a_late_eviction_report_counts_its_bytes_and_leaves_the_state_where_it_is():
     b = book(memory_bytes=300)
     b.enqueue(request("a", snapshot=target("a"), state_bytes=200), at(0))

@@ -209,6 +209,11 @@ def test_cooperative_switches_overlapped_or_not(
     )
     assert holds(out) == expected
     assert out.groups["g"].bytes_moved == 8 * 10  # 4 evictions, 4 restores
+    # Counted as the real group counts them (GroupStats): a's and b's second restores were
+    # staged (b's started as a released, so its grant still waited for it), both used.
+    staged_restores = 2 if memory is not None and staged else 0
+    assert out.groups["g"].staged_restores == staged_restores
+    assert out.groups["g"].staged_unused == 0
 
 
 def test_restore_waits_for_own_eviction_and_sticky_state_is_evicted_by_the_group() -> None:
