@@ -38,6 +38,7 @@ from timeslice.protocol.group import (
 )
 from timeslice.transport.renewals import renew_by_signal
 
+from tests.conftest import ARTIFACTS
 from tests.helpers import wait_for
 
 # Temporal admits 10 updates in flight per workflow on the dev server. The flood keeps it
@@ -268,9 +269,14 @@ _KNOWN_WEDGES = ("Update machine does not handle",)
 
 async def _known_sdk_wedge(address: str, group: str) -> str | None:
     """The message of a workflow task of the group that failed with the known SDK ordering
-    error (then the group's task fails from there on, whatever the test asks), or None."""
+    error (then the group's task fails from there on, whatever the test asks), or None. The
+    group's history is kept in ``test-artifacts/flood/`` either way (what it held before the
+    wedge, a timed-out workflow task for one, is what the upstream issue turns on)."""
     client = await Client.connect(address)
     history = await client.get_workflow_handle(group_workflow_id(group)).fetch_history()
+    kept = ARTIFACTS / "flood" / f"{group}.json"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(history.to_json())
     for event in history.events:
         if event.HasField("workflow_task_failed_event_attributes"):
             message = event.workflow_task_failed_event_attributes.failure.message

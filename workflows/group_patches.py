@@ -45,7 +45,7 @@ LATE_RENEWAL_RENEWS = "late-renewal-renews"
 # nothing; groups that started before it replay restoring at the grant, as they ran.
 STAGED_RESTORES = "staged-restores"
 # workflow.patched id: every id above holds without its own marker. A run asks this one first
-# thing (in the workflow's __init__, before any handler runs) and, recorded, asks no other:
+# thing (in the workflow's __init__, before any handler runs) and, recorded, asks none of them:
 # a patch first asked from an update handler, in the workflow task in which the main loop
 # started a timer, recorded its marker after that timer, and the SDK (temporalio 1.35.0)
 # replays the handler first, so every later task of the group failed with a nondeterminism
