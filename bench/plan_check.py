@@ -52,7 +52,13 @@ sys.path.insert(0, str(REPO))
 from timeslice.protocol.utilization import WHILE_JOBS_RAN, demand_bound  # noqa: E402
 
 from bench.handoff import cpu_model  # noqa: E402
-from bench.replay import POLICIES, holds_by_group, run_jobs, utilization  # noqa: E402
+from bench.replay import (  # noqa: E402
+    POLICIES,
+    group_stats,
+    holds_by_group,
+    run_jobs,
+    utilization,
+)
 
 STATE_BYTES = 4 * 2**30
 MOVE_S = 0.1
@@ -136,21 +142,7 @@ class Bench:
 
     def group_stats(self, group_ids: list[str]) -> dict[str, Any]:
         """Each group's counters after a mix (``GroupStats``), to line up with the model's."""
-        from timeslice.protocol.group import GroupQuery, GroupStatus, group_workflow_id
-        from timeslice.transport.connection import connect, connect_config
-
-        async def read() -> dict[str, Any]:
-            client = await connect(connect_config(self.address))
-            return {
-                g: (
-                    await client.get_workflow_handle(group_workflow_id(g)).query(
-                        GroupQuery.STATUS, result_type=GroupStatus
-                    )
-                ).stats
-                for g in group_ids
-            }
-
-        return asyncio.run(read())
+        return asyncio.run(group_stats(self.address, group_ids))
 
 
 def main() -> None:

@@ -319,6 +319,31 @@ async def run_jobs(
     return list(await asyncio.gather(*(result_of(h) for h in handles)))
 
 
+async def group_stats(address: str, group_ids: list[str]) -> dict[str, Any]:
+    """Each group's counters (``GroupStats``: switches that moved state, carried leases,
+    staged restores, ...) as its status query gives them."""
+    from timeslice.protocol.group import GroupQuery, GroupStatus, group_workflow_id
+    from timeslice.transport.connection import connect, connect_config
+
+    client = await connect(connect_config(address))
+    stats = {}
+    for group in group_ids:
+        handle = client.get_workflow_handle(group_workflow_id(group))
+        stats[group] = (await handle.query(GroupQuery.STATUS, result_type=GroupStatus)).stats
+    return stats
+
+
+# The group counters bench/replay.py reports (GroupStats' names).
+GROUP_COUNTERS = (
+    "switches",
+    "overlapped_switches",
+    "streamed_switches",
+    "carried",
+    "staged_restores",
+    "staged_unused",
+)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layout", choices=LAYOUTS, default="one-group")
@@ -445,6 +470,7 @@ def main() -> None:
         job_histories, group_histories = asyncio.run(
             boundary.fetch(stack.address, stamp, args.histories)
         )
+        counters = asyncio.run(group_stats(stack.address, list(memory)))
 
     by_group = holds_by_group(results)
     boundaries = boundary.summary(boundary.boundaries(job_histories, group_histories))
@@ -473,12 +499,20 @@ def main() -> None:
             "of_demand_bound": round(measured["utilization"] / bounds[group], 4),
             "phases": len(holds),
             "switches_per_job_epoch": round(switches_per_job_epoch(holds, args.jobs), 3),
+            "group_stats": {k: getattr(counters[group], k) for k in GROUP_COUNTERS},
         }
         print(
             f"{group}: utilization {measured['utilization']:.1%} of {measured['wall_s']:.1f} s "
             f"{WHILE_JOBS_RAN}; ideal {best:.1%} (free "
             f"switches, {args.policy}); demand bound {bounds[group]:.1%} (the jobs' GPU "
             "seconds per epoch here / their epoch alone, summed, capped at 100%)",
+            flush=True,
+        )
+        print(
+            "  the group counted: "
+            + ", ".join(
+                f"{k.replace('_', ' ')} {v}" for k, v in groups[group]["group_stats"].items()
+            ),
             flush=True,
         )
     result = {
