@@ -140,10 +140,6 @@ class Bench:
 
         return asyncio.run(read())
 
-    def group_stats(self, group_ids: list[str]) -> dict[str, Any]:
-        """Each group's counters after a mix (``GroupStats``), to line up with the model's."""
-        return asyncio.run(group_stats(self.address, group_ids))
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -254,7 +250,8 @@ def main() -> None:
                 for g, m in memory.items()
             }
             outcome = predict(placements, specs)
-            real_stats = bench.group_stats(sorted(memory))
+            # The groups' own counters, to line up with the model's.
+            real_stats = asyncio.run(group_stats(stack.address, sorted(memory)))
             groups = []
             for group, holds in sorted(holds_by_group(results).items()):
                 measured = utilization(holds)["utilization"]
