@@ -1123,6 +1123,13 @@ class GroupState(_Model):
     # That holder reports its eviction with its next release here (ReturnAnswer.report_with_next):
     # no report is waited for; a switch that needs the room asks its process by activity.
     evicting_report_later: bool = False
+    # Evictions still counted under way when another holder's own eviction took ``evicting``'s
+    # place (its report, or the group's own activity, had not come back yet): until each is
+    # confirmed (its report, or the group's snapshot activity, which waits for the eviction
+    # under way), no other job's state is restored or staged beside it.
+    unconfirmed_evictions: list[ResidentJob] = Field(
+        default_factory=list, max_length=EVICTED_JOBS_KEEP
+    )
     # The next waiter whose state the group brought onto the device while the holder worked
     # (the device's declared memory holds both): its grant moves nothing. ``staged_ready`` is
     # False while that restore still runs.

@@ -22,6 +22,7 @@ from timeslice.workflows.group_patches import (
     PATCHES_AT_START,
     STAGED_RESTORES,
     STREAMED_SWITCHES,
+    UNCONFIRMED_EVICTIONS_KEPT,
 )
 from timeslice.workflows.pool import (
     POOL_ASYNC_MOVES,
@@ -85,6 +86,7 @@ def _patch_markers(text: str) -> set[str]:
         STAGED_RESTORES,
         PATCHES_AT_START,
         EVICTION_REPORTS_FOR_STAGING,
+        UNCONFIRMED_EVICTIONS_KEPT,
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
         LABELLED_LEASE_WAITS,
@@ -113,7 +115,11 @@ def test_a_group_that_asked_patches_at_start_records_no_other_patch():
     path = Path(__file__).parent / "histories" / "gpu_group_patches_at_start_run0.json"
     text = path.read_text()
     # Only the patches asked in __init__, before any handler could run.
-    assert _patch_markers(text) == {PATCHES_AT_START, EVICTION_REPORTS_FOR_STAGING}
+    assert _patch_markers(text) == {
+        PATCHES_AT_START,
+        EVICTION_REPORTS_FOR_STAGING,
+        UNCONFIRMED_EVICTIONS_KEPT,
+    }
     events = json.loads(text)["events"]
     scheduled = [e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
                  for e in events if "activityTaskScheduledEventAttributes" in e]  # fmt: skip

@@ -74,6 +74,7 @@ from timeslice.workflows.group_patches import (
     PATCHES_AT_START,
     PHASE_AWARE_GRANTS,
     STREAMED_SWITCHES,
+    UNCONFIRMED_EVICTIONS_KEPT,
 )
 from timeslice.workflows.group_switch import GroupSwitch
 from timeslice.workflows.inputs import fail_on_bad_input, parse_input
@@ -168,6 +169,7 @@ class GpuGroupWorkflow:
         # First, before any handler can ask a patch (group_patches.PATCHES_AT_START).
         self._patched_at_start = workflow.patched(PATCHES_AT_START)
         reports_for_staging = workflow.patched(EVICTION_REPORTS_FOR_STAGING)
+        evictions_kept = workflow.patched(UNCONFIRMED_EVICTIONS_KEPT)
         inp, self._input_error = parse_input(
             GroupInput,
             raw,
@@ -185,6 +187,7 @@ class GpuGroupWorkflow:
         self._book.residency.stream_gate = lambda: self._patched(STREAMED_SWITCHES)
         self._book.late_renewal_gate = self._late_renewal_renews
         self._book.reports_for_staging = reports_for_staging
+        self._book.residency.keeps_unconfirmed = evictions_kept
         self._late_renewal: bool | None = None  # the LATE_RENEWAL_RENEWS patch's answer, once asked
         self._wake = False
         # Fault notices live nowhere else, so they hold up continue-as-new; so does any
@@ -216,7 +219,7 @@ class GpuGroupWorkflow:
         if holder is not None and not holder.delivered and holder.confirm_by is None:
             # Granted by activity or signal in the last run, not yet confirmed: deliver again
             # (the process's inbox answers a duplicate grant as accepted).
-            notice = self._book.leases.holder_notice()
+            notice = self._book.holder_notice()
             assert notice is not None
             self._start_delivery(notice)
         self._publish_details()
@@ -455,7 +458,7 @@ class GpuGroupWorkflow:
             raise ApplicationError(refusal, type="QueueFull", non_retryable=True)
         rid = request.request_id
         if book.leases.holds(rid):
-            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.leases.holder_notice())
+            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.holder_notice())
         if book.leases.done(rid):
             return AcquireAnswer(outcome=AcquireOutcome.GONE)
         busy = book.state.holder is not None or book.state.queue or book.switching_for
@@ -497,7 +500,7 @@ class GpuGroupWorkflow:
         if answer is not None:
             return answer
         if book.leases.holds(rid):  # granted by another path while parked
-            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.leases.holder_notice())
+            return AcquireAnswer(outcome=AcquireOutcome.GRANTED, notice=book.holder_notice())
         if book.settled(rid):
             return AcquireAnswer(outcome=AcquireOutcome.GONE)
         return AcquireAnswer(outcome=AcquireOutcome.RETRY)

@@ -338,6 +338,17 @@ class GroupBook:
             memory_bytes=self.residency.memory_for(request),
         )
 
+    def holder_notice(self) -> GrantNotice | None:
+        """The current lease's grant notice again, as :meth:`grant` made it (to deliver it
+        again, or to answer a request asked again).
+
+        Returns:
+            The notice, or None if nobody holds the group.
+        """
+        holder = self.state.holder
+        memory = self.residency.memory_for(holder.request) if holder is not None else None
+        return self.leases.holder_notice(memory_bytes=memory)
+
     def refuse(self, waiter: Waiter, fault: str, now: datetime) -> GrantNotice:
         """The waiter's job is faulted: no lease, a notice saying why.
 

@@ -59,3 +59,10 @@ PATCHES_AT_START = "patches-at-start"
 # state it could stage: a report held back keeps that eviction under way in the group's eyes,
 # and nothing is staged beside it. Groups that started before it replay as they ran.
 EVICTION_REPORTS_FOR_STAGING = "eviction-reports-for-staging"
+# workflow.patched id (asked in __init__): a holder's own eviction that begins while another
+# eviction is still counted under way keeps that one on the books (unconfirmed_evictions) until
+# its report comes or the group's snapshot activity confirms it, before another job's state is
+# restored or staged beside it. Before, the second eviction took the first one's place, and a
+# third job could be restored beside both: three jobs' states against memory declared for two.
+# Groups that started before it replay as they ran.
+UNCONFIRMED_EVICTIONS_KEPT = "unconfirmed-evictions-kept"

@@ -93,6 +93,8 @@ class GroupSwitch:
         started = workflow.now()
         bytes_before = book.state.stats.bytes_moved
         await self._settle_staged(request)
+        for unconfirmed in book.residency.take_unconfirmed(request):
+            await self._evict_late(unconfirmed)
         waited_for = await self._await_own_eviction(request)
         plan = book.residency.plan_switch(request)
         if plan.fault is not None:

@@ -274,8 +274,13 @@ class LeaseLedger(BookPiece):
         )
         return prove_notice(notice, request.key_hash)
 
-    def holder_notice(self) -> GrantNotice | None:
+    def holder_notice(self, memory_bytes: int | None = None) -> GrantNotice | None:
         """The current lease's grant notice again (to deliver it again, or to answer a retry).
+
+        Args:
+            memory_bytes: what the first notice told of the group's memory
+                (``Residency.memory_for``): a process that takes its grant from this one sets
+                its device room's capacity from it just the same.
 
         Returns:
             The notice, or None if nobody holds the group.
@@ -290,6 +295,7 @@ class LeaseLedger(BookPiece):
             None,
             parked=not holder.delivered and holder.confirm_by is not None,
             granted_at=holder.granted_at,
+            memory_bytes=memory_bytes,
         )
 
     def confirm(self, token: int, now: datetime) -> None:

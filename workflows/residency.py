@@ -80,6 +80,10 @@ class Residency(BookPiece):
     # the workflow answers with workflow.patched, so groups that started before streamed
     # switches replay as they ran.
     stream_gate: Callable[[], bool] = field(default=_always, repr=False)
+    # Whether an eviction still under way stays on the books when another holder's own
+    # eviction begins (``unconfirmed_evictions``): the workflow answers with workflow.patched(
+    # UNCONFIRMED_EVICTIONS_KEPT) when its run starts, so older groups replay as they ran.
+    keeps_unconfirmed: bool = field(default=True, repr=False)
 
     def is_resident(self, job_id: str) -> bool:
         """Whether the job's state is on the device (and no eviction of it is under way).
@@ -110,6 +114,7 @@ class Residency(BookPiece):
             or self.is_resident(job_id)
             or self.is_staged(job_id)
             or (state.evicting is not None and state.evicting.job_id == job_id)
+            or any(r.job_id == job_id for r in state.unconfirmed_evictions)
         )
 
     def is_staged(self, job_id: str) -> bool:
@@ -136,6 +141,7 @@ class Residency(BookPiece):
         for resident in (state.resident, state.evicting, state.staged):
             if resident is not None:
                 jobs.add(resident.job_id)
+        jobs.update(r.job_id for r in state.unconfirmed_evictions)
         return jobs
 
     # ------------------------------------------------------------------ planning a switch
@@ -269,6 +275,7 @@ class Residency(BookPiece):
             or request is None
             or holder_job is None
             or state.staged is not None
+            or state.unconfirmed_evictions
             or request.job_id == holder_job
             or not request.restores_itself
             or request.state_bytes is None
@@ -468,6 +475,14 @@ class Residency(BookPiece):
         """
         state = self.state
         state.stats.evictions += 1
+        previous = state.evicting
+        if self.keeps_unconfirmed and previous is not None and previous.job_id != job_id:
+            # Its report (or the group's own activity) has not come back: it may still be on
+            # the device, so it stays counted until confirmed (``take_unconfirmed``).
+            state.unconfirmed_evictions = [
+                *(r for r in state.unconfirmed_evictions if r.job_id != previous.job_id),
+                previous,
+            ][-EVICTED_JOBS_KEEP:]
         state.evicting = state.resident
         state.evicting_key_hash = key_hash
         state.evicting_report_later = report_later
@@ -527,6 +542,35 @@ class Residency(BookPiece):
             state.evicting = None
             state.evicting_key_hash = None
             state.evicting_report_later = False
+        if job_id is not None and state.unconfirmed_evictions:
+            state.unconfirmed_evictions = [
+                r for r in state.unconfirmed_evictions if r.job_id != job_id
+            ]
+
+    def take_unconfirmed(self, request: AcquireRequest) -> list[ResidentJob]:
+        """The evictions still unconfirmed that must be confirmed (by the group's snapshot
+        activity, which waits for an eviction under way and finds nothing left to move) before
+        ``request`` is granted; the group stops counting all of them from here.
+
+        Not the request's own job's (its process restores only after its own eviction is
+        done), not one the group cannot reach (no snapshot target), and not one whose states
+        and the request's all live in host memory (no device memory is at stake).
+
+        Args:
+            request: the request about to be granted.
+
+        Returns:
+            The jobs to confirm, oldest first.
+        """
+        state = self.state
+        pending, state.unconfirmed_evictions = state.unconfirmed_evictions, []
+        return [
+            r
+            for r in pending
+            if r.job_id != request.job_id
+            and r.snapshot is not None
+            and not self.both_on_host(r, request)
+        ]
 
     def asked_to_evict(self, job_id: str, key: str) -> bool:
         """Whether the lease under ``key`` was answered ``evict`` and its eviction is still

@@ -275,6 +275,76 @@ def test_holder_evicts_itself_only_for_another_job_and_the_next_waits_unless_bot
     assert b.state.stats.bytes_moved == 200 and "a" in b.state.evicted_jobs
 
 
+def _a_then_b_evict_themselves(b: GroupBook) -> None:
+    """Memory for two of three 100-byte jobs: ``a`` holds, releases evicting itself with ``b``
+    next (the two fit: ``b`` is granted beside ``a``'s eviction); then ``c`` waits and ``b``
+    releases evicting itself before ``a``'s report came."""
+    for job in ("a", "b"):
+        b.enqueue(request(job, snapshot=target(job), state_bytes=100), at(0))
+    grant_next(b, at(0))
+    answer = b.release(
+        LeaseReturn(request_id="a:r", key=key("a:r"), token=1, evicts_itself=True), at(1)
+    )
+    assert answer.evict
+    assert b.residency.eviction_to_await(b.state.queue[0].request) is None  # a and b fit
+    grant_next(b, at(1))
+    b.enqueue(request("c", snapshot=target("c"), state_bytes=100), at(2))
+    answer = b.release(
+        LeaseReturn(request_id="b:r", key=key("b:r"), token=2, evicts_itself=True), at(3)
+    )
+    assert answer.evict and b.state.evicting is not None and b.state.evicting.job_id == "b"
+
+
+def test_an_eviction_under_way_is_not_forgotten_when_another_holder_evicts_itself():
+    """The reviewer's case: b's own eviction began while a's was still counted under way. c
+    fits beside b, but not beside a and b: a stays on the books until it is confirmed, and
+    nothing is staged meanwhile."""
+    b = book(memory_bytes=200)
+    _a_then_b_evict_themselves(b)
+    assert [r.job_id for r in b.state.unconfirmed_evictions] == ["a"]
+    assert b.residency.knows("a") and "a" in b.residency.tracked_jobs()
+    c = b.state.queue[0].request
+    assert b.residency.eviction_to_await(c) is None  # b and c fit: only a is in question
+    staged = request("s", "s:1", snapshot=target("s"), state_bytes=1, restores_itself=True)
+    b.state.evicted_jobs.append("s")
+    b.residency.note_restore_time("s", 1.0)
+    assert not b.residency.may_stage(staged, "c")
+    # The switch to c confirms a first (the group's snapshot activity), and counts it no more.
+    assert [r.job_id for r in b.residency.take_unconfirmed(c)] == ["a"]
+    assert b.state.unconfirmed_evictions == []
+
+
+def test_an_unconfirmed_eviction_ends_with_its_report_or_its_jobs_departure():
+    b = book(memory_bytes=200)
+    _a_then_b_evict_themselves(b)
+    b.moved(MovedReport(job_id="a", key=key("a:r"), evicted=[report("a", 100)]), at(4))
+    assert b.state.unconfirmed_evictions == []
+    assert b.state.evicting is not None and b.state.evicting.job_id == "b"  # b's still runs
+    b2 = book(memory_bytes=200)
+    _a_then_b_evict_themselves(b2)
+    assert b2.depart("a", key("a:r"))
+    assert b2.state.unconfirmed_evictions == []
+
+
+def test_an_unconfirmed_eviction_is_not_confirmed_for_its_own_job_or_in_host_memory():
+    b = book(memory_bytes=200)
+    _a_then_b_evict_themselves(b)
+    # a itself asks again: its process restores only after its own eviction is done.
+    assert b.residency.take_unconfirmed(request("a", "a:2", snapshot=target("a"))) == []
+    b2 = book(memory_bytes=200)
+    _a_then_b_evict_themselves(b2)
+    b2.state.unconfirmed_evictions[0].snapshot = hosted("a")
+    assert b2.residency.take_unconfirmed(request("c", "c:2", snapshot=hosted("c"))) == []
+
+
+def test_before_the_patch_an_eviction_under_way_was_overwritten():
+    """Groups that started before UNCONFIRMED_EVICTIONS_KEPT replay as they ran."""
+    b = book(memory_bytes=200)
+    b.residency.keeps_unconfirmed = False
+    _a_then_b_evict_themselves(b)
+    assert b.state.unconfirmed_evictions == []
+
+
 # ---------------------------------------------------------------------------- cancel
 
 
@@ -912,3 +982,16 @@ def test_with_no_memory_declared_host_resident_jobs_restore_beside_an_eviction(
     # A queue that is not on the host encodes as before (older groups refuse unknown fields).
     assert "on_host" not in hosted("c", False).model_dump(mode="json")["queues"][0]
     assert hosted("c").model_dump(mode="json")["queues"][0]["on_host"] is True
+
+
+def test_a_grant_notice_given_again_tells_the_groups_memory_as_the_first_did():
+    """A process that takes its grant by asking again (or from a delivery made again by a new
+    run) sets its device room's capacity from the notice, as from the first one."""
+    b = book(memory_bytes=1000)
+    b.enqueue(request("a", snapshot=roomed("a"), state_bytes=100), at(0))
+    waiter = b.take_next(at(0))
+    assert waiter is not None
+    first = b.grant(waiter, at(0), parked=True)
+    again = b.holder_notice()
+    assert first.memory_bytes == 1000 and again is not None and again.memory_bytes == 1000
+    assert again.proof == first.proof and again.token == first.token
