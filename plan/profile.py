@@ -149,6 +149,19 @@ class PhaseProfile(_Model):
         return self
 
 
+def _byte_count(v: Any) -> Any:
+    """A byte count as a profile may write it: YAML reads ``16e9`` as a float (or, without a
+    decimal point, a string); a whole number written that way is meant."""
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
 class StateProfile(_Model):
     """A state the job keeps on a group's device, moved out when another job takes the group.
 
@@ -165,15 +178,7 @@ class StateProfile(_Model):
     @field_validator("bytes", mode="before")
     @classmethod
     def _bytes(cls, v: Any) -> Any:
-        # YAML reads 16e9 as a float (or a string); a byte count written that way is meant.
-        if isinstance(v, str):
-            try:
-                v = float(v)
-            except ValueError:
-                return v
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        return v
+        return _byte_count(v)
 
 
 class Overheads(_Model):
@@ -229,6 +234,11 @@ class WeightSync(_Model):
     loads: int = Field(0, ge=0, description="loads into the sampler measured")
     load_s: Seconds | None = Field(None, description="one load")
     load_bytes: int = Field(0, ge=0, description="bytes one load moved")
+
+    @field_validator("publish_bytes", "load_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any) -> Any:
+        return _byte_count(v)
 
 
 class JobProfile(_Model):

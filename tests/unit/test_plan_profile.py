@@ -270,3 +270,15 @@ def test_profile_model_round_trip_is_lossless() -> None:
         }
     )
     assert JobProfile.model_validate(p.model_dump(mode="json")) == p
+
+
+def test_the_async_profile_in_docs_plan_md_loads_as_written(tmp_path: Path) -> None:
+    """docs/plan.md's async example, verbatim: YAML reads ``4e9`` (no decimal point) as a
+    string, which a byte count in ``weight_sync`` takes as a state's ``bytes`` does."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "plan.md").read_text()
+    block = next(
+        b.split("```", 1)[0] for b in doc.split("```yaml\n")[1:] if "job_id: grpo-async" in b
+    )
+    p = load_profile(write(tmp_path, block))
+    assert p.mode == "async" and p.weight_sync is not None
+    assert p.weight_sync.publish_bytes == 4_000_000_000
