@@ -276,3 +276,74 @@ async def wait_until(client: Client, workflow_id: str, condition, timeout_s: flo
     while not condition(await status_of(client, workflow_id)):
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+def test_an_eviction_under_way_is_confirmed_before_a_third_job_is_restored_beside_it(
+    address: str, group: str
+):
+    """Memory for two of three jobs' states. ``a`` releases evicting itself (``b``, which fits
+    beside it, is granted at once); before ``a`` reports, ``b`` releases evicting itself with
+    ``c`` next. ``c`` fits beside ``b`` but not beside both: the group confirms ``a``'s
+    eviction by its own snapshot activity first. Here nobody serves ``a``'s queue, so that
+    activity is not picked up: ``a``'s processes are gone, and the group forgets it. Before
+    ``unconfirmed-evictions-kept`` ``b``'s eviction took ``a``'s place on the books and ``c``
+    was granted beside both, ``a`` never asked about."""
+    workflow_id = group_workflow_id(group)
+
+    async def scenario() -> tuple[GrantNotice, GroupStatus]:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        config = GroupConfig(group_id=group, grant_ack_timeout_s=1.0, memory_bytes=200)
+        await client.start_workflow(
+            GROUP_WORKFLOW_TYPE,
+            GroupInput(config=config).model_dump(mode="json"),
+            id=workflow_id,
+            task_queue=CONTROL_TASK_QUEUE,
+        )
+
+        async def acquire_as(job_id: str) -> GrantNotice:
+            rid = f"{job_id}:1"
+            request = AcquireRequest(
+                request_id=rid, job_id=job_id, reply_task_queue="nobody-polls",
+                key_hash=lease_key_hash(key(rid)), ttl_s=600, state_bytes=100,
+                snapshot=SnapshotTarget(
+                    queues=[QueueTarget(task_queue=f"nobody-{job_id}", backends=["x"])]
+                ),
+            )  # fmt: skip
+            while True:
+                answer = await send_update(
+                    client, workflow_id, "acquire", AcquireCall(request=request), AcquireAnswer
+                )
+                if answer.outcome is not AcquireOutcome.RETRY:
+                    break
+            notice = answer.notice
+            assert notice is not None and notice.fault is None, answer
+            # Confirmed at once (the short bound is for the snapshot activity's pickup).
+            renew = RenewRequest(request_id=rid, token=notice.token, key=key(rid))
+            confirmed = await send_update(client, workflow_id, "renew", renew, RenewResult)
+            assert confirmed.valid, confirmed.reason
+            return notice
+
+        async def release_evicting(notice: GrantNotice) -> None:
+            rid = notice.request_id
+            ret = LeaseReturn(request_id=rid, token=notice.token, key=key(rid), evicts_itself=True)
+            answer = await send_update(client, workflow_id, "release_lease", ret, ReturnAnswer)
+            assert answer.released and answer.evict  # ... and no report comes
+
+        async def next_in_line(job_id: str) -> asyncio.Future[GrantNotice]:
+            waiting = asyncio.ensure_future(acquire_as(job_id))
+            await wait_until(client, workflow_id, lambda s: len(s.queue) == 1)
+            return waiting
+
+        a = await acquire_as("a")
+        waiting_b = await next_in_line("b")
+        await release_evicting(a)
+        b = await waiting_b  # beside a's eviction: the two fit
+        waiting_c = await next_in_line("c")
+        await release_evicting(b)
+        return await waiting_c, await status_of(client, workflow_id)
+
+    c, final = asyncio.run(scenario())
+    assert c.job_id == "c"
+    # a was asked about (and, gone, forgotten) before c's grant; b's eviction is still awaited.
+    assert final.stats.departed == 1, final.stats
+    assert final.resident_job == "c" and final.faulted_jobs == {}
