@@ -349,20 +349,44 @@ class TorchBackend(BlockingBackend):
             entries = [e for e in self._plan() if e.evicted]
             moved = 0
             for chunk in self._chunks(entries):
+                nbytes = sum(e.nbytes for e in chunk)
                 if request.room is not None:  # waits while the device has no room for it
-                    request.room.take(sum(e.nbytes for e in chunk))
-                for e in chunk:
-                    e.storage.resize_(e.nbytes)
-                    if e.device.type == "cpu":
-                        advise_huge_pages(e.storage.data_ptr(), e.nbytes)
-                if self.mode == "offload":
-                    moved += self._copy(chunk, to_host=False)
+                    request.room.take(nbytes)
+                try:
+                    for e in chunk:
+                        e.storage.resize_(e.nbytes)
+                        if e.device.type == "cpu":
+                            advise_huge_pages(e.storage.data_ptr(), e.nbytes)
+                    if self.mode == "offload":
+                        moved += self._copy(chunk, to_host=False)
+                    else:
+                        for e in chunk:
+                            e.storage.fill_(0)  # discarded state comes back as zeros
+                except BaseException:
+                    # Out of device memory part-way, say: the chunk stays evicted (its bytes
+                    # are still in their host buffers) and its room goes back, so the next
+                    # eviction and restore see the state as it is.
+                    self._undo_restore(chunk, request.room, nbytes)
+                    raise
                 for e in chunk:
                     e.evicted = False
                     if not self._keeps(e):
                         e.host = None  # CPU state needs no pool: give the memory back now
         back = moved if self.mode == "offload" else sum(e.nbytes for e in entries)
         return move_report(self.name, request.job_id, self.mode, back, started)
+
+    @staticmethod
+    def _undo_restore(chunk: list[_Entry], room: DeviceRoom | None, nbytes: int) -> None:
+        """Shrink a chunk whose restore failed back to nothing and give its room back."""
+        cuda = [e for e in chunk if e.device.type == "cuda"]
+        if cuda:  # a copy into these storages may still be queued on the side stream
+            torch.cuda.synchronize(cuda[0].device)
+        for e in chunk:
+            e.storage.resize_(0)
+        if cuda:
+            torch.cuda.empty_cache()
+        if room is not None:
+            room.give(nbytes)
 
     def hold_in(self, room: DeviceRoom) -> None:
         """Count the selected storages that are on the device now in ``room``.

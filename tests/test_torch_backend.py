@@ -337,3 +337,55 @@ def test_state_on_the_cpu_says_it_lives_in_host_memory_and_device_state_does_not
     mixed.register_tensor("kv", torch.empty(4, 4, device="meta"))
     assert not on_host(mixed)
     assert not on_host(TorchBackend())
+
+
+def test_a_restore_that_fails_part_way_gives_its_room_back_and_stays_evicted(tmp_path, monkeypatch):
+    """Growing a storage fails part-way through a chunk (out of device memory, say): the chunk
+    shrinks back, its room is given back, and the state stays evicted with its bytes in their
+    host buffers, so the next eviction moves nothing wrong and the next restore brings every
+    byte back."""
+    import timeslice.snapshot.torch_backend as torch_backend
+    from timeslice.snapshot.device_room import DeviceRooms
+
+    tensors = [torch.randn(256) for _ in range(4)]  # 1 KiB each: one 4-KiB chunk
+    expected = [t.clone() for t in tensors]
+    backend = TorchBackend(chunk_bytes=4096, keep_host_buffers="all")
+    for i, t in enumerate(tensors):
+        backend.register_tensor(f"t{i}", t)
+    room = DeviceRooms(tmp_path).room("g")
+    room.set_capacity(4096)
+    backend.hold_in(room)
+    backend.snapshot_sync(SnapshotRequest("a", "g", room=room))
+    assert room.status().used == 0
+
+    grown = 0
+    advise = torch_backend.advise_huge_pages
+
+    def third_fails(address: int, nbytes: int) -> None:
+        nonlocal grown
+        grown += 1
+        if grown == 3:
+            raise RuntimeError("out of memory (injected)")
+        advise(address, nbytes)
+
+    monkeypatch.setattr(torch_backend, "advise_huge_pages", third_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.restore_sync(SnapshotRequest("a", "g", room=room))
+    assert room.status().used == 0  # the chunk's room went back
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    assert backend.evicted
+    # Nothing on the device to move out; then the restore succeeds with every byte.
+    assert backend.snapshot_sync(SnapshotRequest("a", "g", room=room)).bytes == 0
+    monkeypatch.setattr(torch_backend, "advise_huge_pages", advise)
+    backend.restore_sync(SnapshotRequest("a", "g", room=room))
+    assert room.status().used == 4096
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
+
+
+def test_discard_mode_restores_zeros():
+    tensor = torch.full((1024,), 7.0)
+    backend = TorchBackend(mode="discard")
+    backend.register_tensor("cache", tensor)
+    backend.snapshot_sync(SnapshotRequest("job"))
+    backend.restore_sync(SnapshotRequest("job"))
+    assert torch.count_nonzero(tensor) == 0
