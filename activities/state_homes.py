@@ -79,6 +79,8 @@ class StateHomes:
         self._home: dict[str, str | None] = {}
         # name -> uses in progress (a phase, a checkpoint, a move, an eviction in the background)
         self._busy: Counter[str] = Counter()
+        # name -> the group a restore running now brings it to (its home is set only after)
+        self._bringing: dict[str, str] = {}
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         # group id -> the last report of a move off its device, still on its way
@@ -254,10 +256,16 @@ class StateHomes:
                 report = await backend.snapshot(self._request(name, home, f"move to {group_id}"))
                 moved_out.setdefault(home, []).append(report)
                 self._home[name] = None
-            restored.append(
-                await backend.restore(self._request(name, group_id, f"restore for {group_id}"))
-            )
-            self._home[name] = group_id
+            self._bringing[name] = group_id
+            try:
+                restored.append(
+                    await backend.restore(self._request(name, group_id, f"restore for {group_id}"))
+                )
+                self._home[name] = group_id
+            finally:
+                del self._bringing[name]
+                async with self._changed:
+                    self._changed.notify_all()  # an eviction may wait for this restore to end
         if moved_out:
             async with self._changed:
                 self._changed.notify_all()  # an eviction waiting for this state has nothing to do
@@ -267,18 +275,33 @@ class StateHomes:
 
     async def evict_for(self, names: list[str], group_id: str) -> list[SnapshotReport]:
         """Move the named states out of ``group_id``'s device (what the group's snapshot
-        activity asks). States at home elsewhere or in host memory move nothing."""
+        activity asks). States at home elsewhere or in host memory move nothing; one on its
+        way to this device (a restore at a grant that has since ended: an early restore, or
+        one behind a phase) is moved out once it arrives, so the group never counts the job
+        evicted while its state is still coming in. Those at home go first: the room they free
+        may be what such a restore waits for."""
         wanted = [n for n in names if n in self.backends]
-        async with self._changed:
-            await self._changed.wait_for(
-                lambda: all(self._home.get(n) != group_id or not self._busy[n] for n in wanted)
-            )
-            here = [n for n in wanted if self._home.get(n) == group_id]
-            self._busy.update(here)
-        try:
-            return await self.move_out(here, group_id, f"evict for {group_id}")
-        finally:
-            await self._done_with(set(here))
+        reports: list[SnapshotReport] = []
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda: all(self._home.get(n) != group_id or not self._busy[n] for n in wanted)
+                )
+                here = [n for n in wanted if self._home.get(n) == group_id]
+                arriving = [n for n in wanted if self._bringing.get(n) == group_id]
+                self._busy.update(here)
+            try:
+                reports += await self.move_out(here, group_id, f"evict for {group_id}")
+            finally:
+                await self._done_with(set(here))
+            if not arriving:
+                return reports
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda names=tuple(arriving): all(
+                        self._bringing.get(n) != group_id for n in names
+                    )
+                )
 
     async def move_out(self, names: list[str], group_id: str, reason: str) -> list[SnapshotReport]:
         """Snapshot the named states off ``group_id``'s device to host memory, the most
