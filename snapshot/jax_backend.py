@@ -346,10 +346,15 @@ class JaxBackend(BlockingBackend):
                     continue
                 flat, treedef = jax.tree_util.tree_flatten_with_path(state._tree)
                 leaves = [leaf for _, leaf in flat]
-                chosen = []
+                # Every array leaf, chosen or not: one left out by a pattern may be the same
+                # array as a chosen one (tied weights), and is deleted with it.
+                arrays = []
                 for i, (path, leaf) in enumerate(flat):
                     name = path_name(state.name, path)
-                    if not isinstance(leaf, jax.Array) or not self._selected(name):
+                    if not isinstance(leaf, jax.Array):
+                        continue
+                    arrays.append((i, name))
+                    if not self._selected(name):
                         continue
                     if leaf.is_deleted():
                         raise SnapshotError(
@@ -357,10 +362,9 @@ class JaxBackend(BlockingBackend):
                             f"or deleted by hand): assign the arrays each step returns to "
                             f"{state.name}.value, so the holder never keeps a spent one"
                         )
-                    chosen.append((i, name))
                     distinct.setdefault(id(leaf), leaf)
-                if chosen:
-                    plans.append((state, treedef, leaves, chosen))
+                if arrays:
+                    plans.append((state, treedef, leaves, arrays))
             homes: dict[int, _Moved] = {}
             try:
                 for chunk in self._chunks(list(distinct.values())):
@@ -372,8 +376,8 @@ class JaxBackend(BlockingBackend):
             finally:
                 # Even after a failure part-way, each holder says where its arrays are: what
                 # moved is on the host (a restore brings it back), the rest stays resident.
-                for state, treedef, leaves, chosen in plans:
-                    gone = [(i, name) for i, name in chosen if id(leaves[i]) in homes]
+                for state, treedef, leaves, arrays in plans:
+                    gone = [(i, name) for i, name in arrays if id(leaves[i]) in homes]
                     if not gone:
                         continue
                     for i, _ in gone:

@@ -211,6 +211,21 @@ def test_exclude_patterns_and_an_array_in_two_places_moves_once() -> None:
     assert holder.value["a"] is holder.value["tied"]  # still one array, in both places
 
 
+def test_an_array_a_pattern_left_out_but_also_chosen_elsewhere_comes_back_in_both_places():
+    """Tied weights where a pattern chose one name and not the other (or another holder holds
+    the same array unchosen): the array moves once, is deleted from the device, and every place
+    that holds it reads it back after the restore, still one array."""
+    backend = JaxBackend(exclude=["policy.head", "other.*"])
+    w = jnp.arange(64.0)
+    policy = backend.register("policy", {"embed": w, "head": w})
+    other = backend.register("other", {"w": w})
+    assert backend.selected_names() == ["policy.embed"]
+    assert backend.snapshot_sync(REQUEST).bytes == w.nbytes
+    assert backend.restore_sync(REQUEST).bytes == w.nbytes
+    assert policy.value["embed"] is policy.value["head"] is other.value["w"]
+    assert jnp.array_equal(policy.value["head"], jnp.arange(64.0))
+
+
 @pytest.mark.parametrize("host_memory", ["numpy", "unpinned_host"])
 def test_other_host_memories_round_trip_bit_identically(host_memory: str) -> None:
     backend, params, opt_state = registered(host_memory=host_memory)
