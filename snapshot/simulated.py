@@ -154,8 +154,10 @@ class SimulatedBackend:
         """
         job_id = request.job_id
         moves = job_id in self._out
+        report = await self._pretend(request, "in", self.restore_s, moves)
+        # In only once it came: a restore that found no room stays out, to be brought again.
         self._out.discard(job_id)
-        return await self._pretend(request, "in", self.restore_s, moves)
+        return report
 
     async def _pretend(
         self, request: SnapshotRequest, direction: Direction, seconds: float, moves: bool
@@ -178,10 +180,19 @@ class SimulatedBackend:
         sizes = self._chunk_sizes()
         per_chunk = seconds / len(sizes)
         scheduled = time.monotonic()  # when the previous chunk's copy ended
+        taken = 0  # a restore's room so far: given back if it fails part-way, as torch's is
         for size in sizes:
             ready = scheduled
-            if room is not None and direction == "in" and room.take(size) > 0:
-                ready = max(ready, time.monotonic())
+            if room is not None and direction == "in":
+                try:
+                    if room.take(size) > 0:
+                        ready = max(ready, time.monotonic())
+                except BaseException:
+                    if taken:
+                        self._witness(-taken)
+                        room.give(taken)
+                    raise
+                taken += size
             if direction == "in":
                 self._witness(size)
             with room.link(direction) if room is not None else _no_wait() as waited:

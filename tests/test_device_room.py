@@ -259,3 +259,27 @@ def test_a_holder_that_exited_unreaped_holds_no_room(tmp_path: Path) -> None:
         room.give(100)
     finally:
         holder.wait(timeout=30)
+
+
+def test_a_simulated_restore_that_finds_no_room_stays_out_and_gives_back_what_it_took(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore whose third chunk finds no room fails: the two chunks it took go back to the
+    room, and the state stays out, so the next restore moves it all (not 0 bytes)."""
+    room = DeviceRooms(tmp_path).room("g")
+    room.set_capacity(1000)
+    room.hold(600)  # another state still on the device
+    take = DeviceRoom.take
+    monkeypatch.setattr(DeviceRoom, "take", lambda self, n: take(self, n, timeout_s=0.2))
+    backend = SimulatedBackend(nbytes=1000, chunk_bytes=200)
+
+    async def scenario() -> int:
+        await backend.snapshot(SnapshotRequest("a", "g"))
+        with pytest.raises(SnapshotError, match="no room"):
+            await backend.restore(SnapshotRequest("a", "g", room=room))
+        assert room.status().used == 600
+        room.give(600)
+        return (await backend.restore(SnapshotRequest("a", "g", room=room))).bytes
+
+    assert asyncio.run(scenario()) == 1000
+    assert room.status().used == 1000
