@@ -422,6 +422,7 @@ class JobRuntime:
             try:
                 fences = self._fences(order, lease)
                 await _confirm(self, fences)
+                self._refuse_if_gone(fences)  # a lease asked ahead may have ended meanwhile
                 # Only GPU phases use the state: the rewards phase runs while other jobs hold
                 # the group, and a switch that evicts this job must not wait for it.
                 names = inp.group_backends if order is not None else []
@@ -431,6 +432,7 @@ class JobRuntime:
                 async with self.homes.using(
                     names, inp.group_id, first=uses, ahead=inp.carry_into is not None
                 ) as restored:
+                    self._refuse_if_gone(fences)  # the restore may have waited long for room
                     started = time.monotonic()
                     metrics = await self._run_step(inp, step, fences, token)
                     ended = time.monotonic()
@@ -587,6 +589,19 @@ class JobRuntime:
         # What the group's device room holds this job's restores to (streamed switches).
         self.homes.set_memory(order.group_id, lease.memory_bytes)
         return lease, asked, time.monotonic()
+
+    def _refuse_if_gone(self, fences: list[LeaseFence]) -> None:
+        """Start no work (and no restore) under a lease this process can no longer vouch for:
+        revoked, or past its local bound (a lease asked ahead whose renewals failed while the
+        job was off the GPU, say). The phase fails with ``LeaseRevoked`` and nothing ran."""
+        now = time.monotonic()
+        for fence in fences:
+            why = fence.gone(now)
+            if why is not None:
+                raise ApplicationError(
+                    f"job {self.job_id}: {why}; not starting", type=LEASE_REVOKED,
+                    non_retryable=True,
+                )  # fmt: skip
 
     def _fences(self, order: LeaseOrder | None, lease: Lease | None) -> list[LeaseFence]:
         """What fences work under ``order``: this process's own lease, or the workflow's."""
