@@ -343,6 +343,10 @@ class TorchBackend(BlockingBackend):
 
         Returns:
             The bytes copied back (``offload``) or re-allocated (``discard``).
+
+        Raises:
+            RuntimeError: torch could not grow a storage (out of device memory) or copy into
+                it; the chunk it was in is evicted again and its room given back.
         """
         started = time.perf_counter()
         with self._lock:
