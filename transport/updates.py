@@ -26,7 +26,12 @@ from temporalio.api.update.v1 import Meta as UpdateMeta
 from temporalio.api.update.v1 import Request as UpdateRequest
 from temporalio.api.update.v1 import WaitPolicy
 from temporalio.api.workflowservice.v1 import UpdateWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowUpdateFailedError, WorkflowUpdateHandle
+from temporalio.client import (
+    Client,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateHandle,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
 from temporalio.converter import PayloadConverter
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.errors import VersionMismatchError
@@ -206,6 +211,13 @@ async def _send(
     return result
 
 
+def _cancelling() -> bool:
+    """Whether the task running this is being cancelled: the SDK ends a poll that its caller
+    cancelled with its own timeout-or-cancelled error, which is then no reason to poll again."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _mismatch(name: str, workflow_id: str, result_type: type, err: ValidationError) -> Exception:
     first = err.errors()[0] if err.errors() else {}
     where = ".".join(str(part) for part in first.get("loc", ())) or "?"
@@ -226,7 +238,9 @@ async def _await_result(
     """The result of an accepted update, polled for again — same update id — while polling
     fails transiently: a server that restarts ends the poll with a transport error, which the
     SDK does not retry. The workflow answers this update and no other, so sending a new one
-    would lose the answer (a parked acquire's grant: see ``_RESENDABLE``)."""
+    would lose the answer (a parked acquire's grant: see ``_RESENDABLE``). The SDK reports a
+    poll that timed out or was cancelled by the server (``DEADLINE_EXCEEDED``, ``CANCELLED``)
+    as its own error, not an ``RPCError``: that one is polled again too."""
     failing_since: float | None = None
     attempt = 0
     while True:
@@ -234,10 +248,11 @@ async def _await_result(
             return await update.result()
         except ValidationError as err:
             raise _mismatch(name, workflow_id, result_type, err) from None
-        except RPCError as err:
+        except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
             now = time.monotonic()
             failing_since = now if failing_since is None else failing_since
-            if err.status not in _RESENDABLE or now - failing_since >= give_up_after_s:
+            transient = not isinstance(err, RPCError) or err.status in _RESENDABLE
+            if not transient or now - failing_since >= give_up_after_s or _cancelling():
                 raise
             log.debug("update %s of %s: its result: %s; polling again", name, workflow_id, err)
         await asyncio.sleep(_REPOLL_DELAYS_S[min(attempt, len(_REPOLL_DELAYS_S) - 1)])

@@ -31,6 +31,7 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -553,20 +554,30 @@ class LeaseSession:
         # Retried while the acquire wants it (its own time-out ends it); a wait parks for long,
         # so a failing group is timed from its first failure, not from the first ask.
         retrying = Retrying(f"acquire {group_id}", group_id=group_id, quiet=True)
+        # One update id until the group answers: an ask whose answer was lost (its poll gave
+        # up through a long outage) is sent again as the same update, so the server hands back
+        # the one the group parked, whose result the grant becomes. A new id would be a second
+        # ask, answered "queued" while the grant went to the first, which nobody awaited.
+        update_id = str(uuid.uuid4())
         while not granted.done():
             try:
-                answer = await self._send_ask(group_id, call, accepted)
+                answer = await self._send_ask(group_id, call, accepted, update_id)
             except RateLimitedError:
                 if call.only_if_free:
                     raise  # a try-lock is told at once: the group wants no more of them now
                 continue  # the next ask waits out the group's quiet time
-            except RPCError as err:
+            except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
                 if granted.done():
                     # The grant came another way (its activity) while this ask was in flight:
                     # whatever ended the ask (the group's run ended, say) is no reason to act,
                     # least of all to create the group again with a request already granted.
                     return
-                if err.status == RPCStatusCode.NOT_FOUND:
+                if not isinstance(err, RPCError):  # the poll for its result timed out
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # ... because this ask was cancelled: it ends here
+                    await retrying.pause()
+                elif err.status == RPCStatusCode.NOT_FOUND:
                     await self._create_with_request(group_id, request)
                 else:
                     await self.retries.after(err, retrying)
@@ -575,9 +586,10 @@ class LeaseSession:
             self._known_groups.add(group_id)
             if await self._answered(group_id, answer, call, granted, asked, retrying):
                 return
+            update_id = str(uuid.uuid4())  # answered: the next ask is a new one
 
     async def _send_ask(
-        self, group_id: str, call: AcquireCall, accepted: asyncio.Event
+        self, group_id: str, call: AcquireCall, accepted: asyncio.Event, update_id: str
     ) -> AcquireAnswer:
         """One ``acquire`` update, parked until the group answers. A refusal by the group
         becomes a typed error; an RPC failure is raised as it came, for :meth:`_ask`. While
@@ -605,6 +617,7 @@ class LeaseSession:
                 wait_for_completion=False,  # it parks until granted
                 on_slow=self._check_control_worker,
                 on_accepted=taken,
+                update_id=update_id,
             )
         except WorkflowUpdateFailedError as err:
             limited = self._limited(err, group_id)
@@ -1006,7 +1019,23 @@ class LeaseSession:
         else:
             lease.valid_until = sent + lease.ttl_s  # kept: the group renewed it
             lease.releasing = False
+            self._renew_again(lease)
         return answer
+
+    def _renew_again(self, lease: Lease) -> None:
+        """A lease the group kept although its renewals here had given up (the control worker
+        was down past the TTL, and this release reached the group before it processed the
+        expiry): it is valid again from the release's sending, so it is renewed again."""
+        heartbeat = self._heartbeats.get(lease.group_id)
+        if lease.revoked_reason is None or lease.revoked_by_group:
+            return
+        if heartbeat is not None and not heartbeat.done():
+            return
+        log.info("lease on %s kept by its group after local renewals gave up", lease.group_id)
+        lease.revoked_reason = None
+        spans = self._spans.get(lease.group_id)
+        with trace.use_span(spans[1]) if spans is not None else contextlib.nullcontext():
+            self._heartbeats[lease.group_id] = asyncio.create_task(self._heartbeat(lease))
 
     async def _send_release(self, lease: Lease, ret: LeaseReturn) -> tuple[ReturnAnswer, int]:
         """Send ``ret`` (retried); its answer and the attempts it took. A release that cannot
@@ -1246,7 +1275,7 @@ class LeaseSession:
         for lease in list(self.held.values()):
             try:
                 await asyncio.wait_for(self.release(lease), timeout=5)
-            except (TimeoutError, TimesliceError, RPCError) as err:
+            except Exception as err:  # the others are released all the same
                 log.warning("releasing %s on close: %s", lease.group_id, err)
         for task in self._heartbeats.values():
             task.cancel()
