@@ -430,7 +430,7 @@ class TimeSliceOrchestratorClient(_ClientBase):
             ServerUnreachableError: The Temporal server did not answer within ``rpc_retry``.
             ClientClosedError: The client was closed, also by another thread meanwhile.
         """
-        return self._engine.run_sync(self._acquiring(group_id, timeout, priority, ttl))
+        return self._engine.run_sync(self._acquiring(group_id, timeout, priority, ttl), leases=True)
 
     def release(
         self,
@@ -620,7 +620,9 @@ class AsyncTimeSliceOrchestratorClient(_ClientBase):
     ) -> Lease:
         """Wait until this job holds the group, and return the lease (as
         :meth:`TimeSliceOrchestratorClient.acquire`, without blocking the caller's loop)."""
-        return await self._engine.run_async(self._acquiring(group_id, timeout, priority, ttl))
+        return await self._engine.run_async(
+            self._acquiring(group_id, timeout, priority, ttl), leases=True
+        )
 
     @_twin_of(TimeSliceOrchestratorClient.release)
     async def release(
@@ -710,7 +712,9 @@ class _AcceleratorScope:
         if not isinstance(owner, TimeSliceOrchestratorClient):
             raise TypeError("use `async with` with AsyncTimeSliceOrchestratorClient")
         group, timeout, priority = owner._acquire_args(*self._args)
-        self.lease = owner._engine.run_sync(owner._session.acquire(group, timeout, priority, None))
+        self.lease = owner._engine.run_sync(
+            owner._session.acquire(group, timeout, priority, None), leases=True
+        )
         self._began = time.monotonic()
         return self.lease
 
@@ -730,7 +734,7 @@ class _AcceleratorScope:
         owner = self._owner
         group, timeout, priority = owner._acquire_args(*self._args)
         self.lease = await owner._engine.run_async(
-            owner._session.acquire(group, timeout, priority, None)
+            owner._session.acquire(group, timeout, priority, None), leases=True
         )
         self._began = time.monotonic()
         return self.lease

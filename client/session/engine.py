@@ -81,7 +81,10 @@ class Engine:
         self._worker: Worker | None = None
         self._worker_task: asyncio.Task[None] | None = None
 
-    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run_sync(self, coro: Coroutine[Any, Any, T], *, leases: bool = False) -> T:
+        """Run ``coro`` on the client's loop and wait for it. ``leases``: it returns a lease,
+        which is released if the caller stops waiting just as it came (see
+        :meth:`_release_if_orphaned`)."""
         if self.thread.in_loop_thread:
             coro.close()
             raise TimesliceError("blocking client call made from the client's own event loop")
@@ -98,13 +101,47 @@ class Engine:
         except BaseException:
             # e.g. KeyboardInterrupt while waiting: cancel the coroutine so it withdraws cleanly.
             future.cancel()
+            if leases:
+                self._release_if_orphaned(future)
             raise
 
-    async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def run_async(self, coro: Coroutine[Any, Any, T], *, leases: bool = False) -> T:
+        """Await ``coro`` run on the client's loop (``leases`` as for :meth:`run_sync`)."""
         if not self.thread.loop.is_running():
             coro.close()
             raise ClientClosedError(CLOSED)
-        return await asyncio.wrap_future(self.thread.submit(coro))
+        future = self.thread.submit(coro)
+        try:
+            return await asyncio.wrap_future(future)
+        except BaseException:
+            if leases:
+                self._release_if_orphaned(future)
+            raise
+
+    def _release_if_orphaned(self, future: Future[Any]) -> None:
+        """The caller of an acquire stopped waiting (cancelled, timed out, interrupted), and the
+        acquire finished anyway, too late to be cancelled: nobody has its lease, which would be
+        held and renewed until the client closed. It is released instead."""
+
+        def done(finished: Future[Any]) -> None:
+            if finished.cancelled() or finished.exception() is not None:
+                return  # withdrawn, or failed: nothing is held
+            if self.thread.loop.is_running():
+                self.thread.submit(self._release_orphan(finished.result()))
+
+        future.add_done_callback(done)
+
+    async def _release_orphan(self, lease: Any) -> None:
+        log.warning(
+            "released the lease on %s (token %s): its acquire's caller stopped waiting as it "
+            "was granted",
+            lease.group_id,
+            lease.token,
+        )
+        try:
+            await self.session.release(lease)
+        except Exception as err:  # the group ends it at its TTL: the renewals stopped
+            log.warning("could not release the lease on %s: %s", lease.group_id, err)
 
     async def start(self) -> Client:
         """Connect and serve this job's task queue (grants, snapshots)."""
