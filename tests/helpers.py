@@ -231,3 +231,30 @@ def declared_profile(options: dict[str, Any], epochs: int) -> dict[str, Any]:
         epochs=epochs,
     )
     return profile.model_dump(mode="json", exclude={"job_id"}, exclude_none=True)
+
+
+async def activities_and_signals(handle: Any) -> list[str]:
+    """A workflow's activity events and the signals it sent, in history order
+    (``activity_task_scheduled``, ``activity_task_canceled``, ``signal release``, ...)."""
+    order: list[str] = []
+    async for event in handle.fetch_history_events():
+        kind = event.WhichOneof("attributes") or ""
+        if kind.startswith("activity_task_"):
+            order.append(kind.removesuffix("_event_attributes"))
+        elif kind == "signal_external_workflow_execution_initiated_event_attributes":
+            attributes = event.signal_external_workflow_execution_initiated_event_attributes
+            order.append(f"signal {attributes.signal_name}")
+    return order
+
+
+def assert_the_phase_ended_before_the_lease_went_back(order: list[str]) -> None:
+    """In a cancelled job's ``activities_and_signals``: its last activity (the phase it was
+    cancelled in) was asked to cancel and ended so before the job sent its group anything
+    that hands a lease back."""
+    last = max(i for i, kind in enumerate(order) if kind == "activity_task_scheduled")
+    after = order[last:]
+    assert "activity_task_cancel_requested" in after, order
+    assert "activity_task_canceled" in after, order
+    ended = after.index("activity_task_canceled")
+    signals = [i for i, kind in enumerate(after) if kind.startswith("signal ")]
+    assert signals and ended < min(signals), after

@@ -43,7 +43,12 @@ from timeslice.protocol.rl_job import (
 from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
-from tests.helpers import run_cli, wait_for
+from tests.helpers import (
+    activities_and_signals,
+    assert_the_phase_ended_before_the_lease_went_back,
+    run_cli,
+    wait_for,
+)
 
 SIZE = 1 << 20
 # The trainer is the slower: batches queue up, and the staleness bound is what holds them back.
@@ -597,3 +602,37 @@ def test_stop_cancels_the_sampling_no_step_would_train(
     # The sampling was cancelled, not waited for: no step would have trained its batch.
     kinds = {e.event_type for e in events}
     assert EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED in kinds
+
+
+def test_a_cancelled_async_job_ends_its_phases_before_it_hands_its_leases_back(
+    address: str, job_worker: Callable[..., Any]
+) -> None:
+    """Cancelling an async job's run while its sampler samples cancels both loops, each ending
+    its phase's activity, before the job hands its leases back."""
+    job = job_id("acancel")
+    job_worker(job)
+    sampler = f"s-{job}"
+
+    async def go(client: Client) -> list[str]:
+        config = async_config(
+            job, workload_options={"sample_s": 60.0, "reward_s": 0.05, "train_s": 0.05}, epochs=1
+        )
+        handle = await start_any_rl_job(client, parse_any_job_config(config))
+        group_handle = client.get_workflow_handle(group_workflow_id(sampler))
+
+        async def sampling() -> bool:
+            with contextlib.suppress(RPCError):  # the group's workflow may not exist yet
+                held = await group_handle.query("holder", result_type=HolderView | None)
+                now = await handle.query("progress", result_type=AsyncRLJobProgress)
+                return held is not None and now.sampler_phase == "batch 0 · sample"
+            return False
+
+        while not await sampling():
+            await asyncio.sleep(0.1)
+        await handle.cancel()
+        with contextlib.suppress(WorkflowFailureError):
+            await handle.result()
+        assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+        return await activities_and_signals(handle)
+
+    assert_the_phase_ended_before_the_lease_went_back(run(go, address))

@@ -24,6 +24,7 @@ from timeslice.workflows.group_patches import (
     STREAMED_SWITCHES,
     UNCONFIRMED_EVICTIONS_KEPT,
 )
+from timeslice.workflows.job_base import PHASES_END_WITH_A_CANCELLED_JOB
 from timeslice.workflows.pool import (
     POOL_ASYNC_MOVES,
     POOL_DECISION_EVENTS,
@@ -89,6 +90,7 @@ def _patch_markers(text: str) -> set[str]:
         UNCONFIRMED_EVICTIONS_KEPT,
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
+        PHASES_END_WITH_A_CANCELLED_JOB,
         LABELLED_LEASE_WAITS,
         POOL_MOVES,
         POOL_DECISION_EVENTS,
@@ -101,8 +103,8 @@ def _patch_markers(text: str) -> set[str]:
 def test_a_stored_history_takes_the_patched_path(patch: str):
     """A history recorded after the patch (tests/histories/record_eviction_wait.py,
     record_one_timer.py, record_streamed.py, record_staged.py, record_rl_states.py, record_rl_v5.py,
-    record_rl_labelled.py, record_pool.py, record_patches_at_start.py), so the
-    replay above runs the new branch too, not only the old one."""
+    record_rl_labelled.py, record_pool.py, record_patches_at_start.py, record_rl_cancelled.py),
+    so the replay above runs the new branch too, not only the old one."""
     recorded = {path.name for path in HISTORIES if patch in _patch_markers(path.read_text())}
     assert recorded, f"no stored history records the {patch!r} patch"
 

@@ -44,7 +44,14 @@ from timeslice.transport.connection import connect, connect_config
 from timeslice.workers.sandbox import workflow_runner
 
 from tests.conftest import start_service, stop_process
-from tests.helpers import Interval, assert_no_overlap, run_rl_jobs, wait_for
+from tests.helpers import (
+    Interval,
+    activities_and_signals,
+    assert_no_overlap,
+    assert_the_phase_ended_before_the_lease_went_back,
+    run_rl_jobs,
+    wait_for,
+)
 from tests.requester_workflows import OtherReleaseJobWorkflow
 
 torch = pytest.importorskip("torch")
@@ -865,3 +872,42 @@ def test_a_phase_never_waits_for_another_jobs_phase_on_another_group(
     # other group would leave a gap of a whole phase, so the bound stays clear of that.
     job, _, phase, gap = max(waits, key=lambda w: w[3])
     assert gap < 0.8 * options["sample_s"], f"{job} {phase} waited {gap:.2f} s for an idle group"
+
+
+def test_a_cancelled_job_ends_its_phase_before_it_hands_its_lease_back(
+    address: str, job_workers: Callable[..., Any], group: str
+) -> None:
+    """Cancelling a job's run mid-phase cancels the phase's activity and waits for its end
+    before the job hands its lease back: the group never grants the next job while the phase
+    still runs (phases-end-with-a-cancelled-job)."""
+    job = job_id("cancel")
+    job_workers(job, "simulated")
+
+    async def go(client: Client) -> list[str]:
+        config = {
+            "job_id": job,
+            "workload": "simulated",
+            "workload_options": {"sample_s": 60.0, "reward_s": 0.05, "train_s": 0.05},
+            "sampler_group": group,
+            "epochs": 1,
+        }
+        handle = await start_rl_job(client, parse_job_config(config))
+        group_handle = client.get_workflow_handle(group_workflow_id(group))
+
+        async def sampling() -> bool:
+            with contextlib.suppress(RPCError):  # the group's workflow may not exist yet
+                held = await group_handle.query("holder", result_type=HolderView | None)
+                progress = await handle.query("progress", result_type=RLJobProgress)
+                return held is not None and held.job_id == job and progress.phase == "sample"
+            return False
+
+        while not await sampling():
+            await asyncio.sleep(0.1)
+        await handle.cancel()
+        with contextlib.suppress(WorkflowFailureError):
+            await handle.result()
+        assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+        return await activities_and_signals(handle)
+
+    order = run(go, address)
+    assert_the_phase_ended_before_the_lease_went_back(order)

@@ -40,7 +40,11 @@ from timeslice.protocol.async_rl_job import (
 )
 from timeslice.protocol.rl_job import JOB_PROTOCOL_VERSION, LeaseOrder, PrepareResult
 from timeslice.workflows.async_pipeline import Pipeline
-from timeslice.workflows.job_base import JOB_PROTOCOL_V5, JobWorkflowBase
+from timeslice.workflows.job_base import (
+    JOB_PROTOCOL_V5,
+    PHASES_END_WITH_A_CANCELLED_JOB,
+    JobWorkflowBase,
+)
 from timeslice.workflows.job_failures import PhaseFailed
 from timeslice.workflows.pool_job import move_boundary, send_profile_if_due
 
@@ -150,7 +154,19 @@ class AsyncRLJobWorkflow(JobWorkflowBase[AsyncRLJobConfig, AsyncRLJobState]):
         sampler = asyncio.ensure_future(self._sampler_loop())
         trainer = asyncio.ensure_future(self._trainer_loop())
         loops = [trainer, sampler]
-        await workflow.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await workflow.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the job's run was cancelled
+            if workflow.patched(PHASES_END_WITH_A_CANCELLED_JOB):
+                # Each loop cancels its phase's activity and waits for its end, so no lease
+                # is handed back (by the caller, next) while a phase still runs under it.
+                for loop in loops:
+                    loop.cancel()
+                await workflow.wait(loops)
+                for loop in loops:
+                    if not loop.cancelled():
+                        loop.exception()  # retrieved: the cancel is what ends the job
+            raise
         if trainer.done() and trainer.exception() is None:
             if not sampler.done() and state.stop_requested:
                 # Stopped: no step will train the batch in hand, so its sampling stops too.

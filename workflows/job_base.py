@@ -101,6 +101,11 @@ JOB_PROTOCOL_V5 = "job-protocol-v5"
 # workflow.patched id: a lease of the workflow's that every rank refused before any work
 # (GrantNotHeld) is asked for again and the activity run again, instead of a rewind.
 REFUSED_GRANTS_ASKED_AGAIN = "refused-grants-asked-again"
+# workflow.patched id (asked when the job's run is cancelled during a phase): the phase's
+# activities are cancelled and their end awaited before any lease is handed back. Before it a
+# cancelled sync job (or both loops of an async one) handed its leases back while the phases
+# still ran, and the group could grant the next job beside them until the processes noticed.
+PHASES_END_WITH_A_CANCELLED_JOB = "phases-end-with-a-cancelled-job"
 
 _NO_RETRY = RetryPolicy(maximum_attempts=1)
 # A phase that waits for its lease without a limit still needs an activity time-out; its
@@ -813,7 +818,9 @@ class JobWorkflowBase(Generic[ConfigT, StateT]):
                 raise PhaseFailed(f"{lost}; the job's work under it was stopped")
             raws = await gathered
         except asyncio.CancelledError:
-            if self._PHASES_END_WITH_THEIR_CALLER:
+            if self._PHASES_END_WITH_THEIR_CALLER or workflow.patched(
+                PHASES_END_WITH_A_CANCELLED_JOB
+            ):
                 await self._cancel_all(tasks, gathered)
             raise
         except ActivityError as err:
