@@ -382,3 +382,34 @@ def test_a_tenant_at_its_quota_waits_while_another_tenants_job_runs(
     assert "team-a" in shown and "team-b" in shown and "tenant" in shown, shown
     assert not any(f"tiny-{uid}" in r for r in reasons), reasons  # nothing started
     assert status.jobs == []
+
+
+def test_a_pool_created_again_without_a_group_leaves_that_group_to_another_pool(
+    address: str,
+) -> None:
+    """A pool deleted (terminated) and created again under its name without one of its groups
+    no longer holds that group: its old claim is stale, and another pool takes the group over
+    (only that claim's run is ended, so two pools taking one stale claim over at once cannot
+    end each other's new claims)."""
+    from timeslice.session.pool_claims import group_owner
+
+    uid = _uid()
+    pool, other, kept, left = f"rp-{uid}", f"rq-{uid}", f"rg1-{uid}", f"rg2-{uid}"
+
+    async def run() -> tuple[str | None, str | None]:
+        client = await connect(connect_config(address))
+        both = [PoolGroup(name=kept), PoolGroup(name=left)]
+        await create_pool(client, PoolConfig(pool=pool, groups=both))
+
+        async def owned_by(group: str, owner: str) -> bool:
+            return await group_owner(client, group) == owner
+
+        await _wait_async(lambda: owned_by(left, pool))
+        await client.get_workflow_handle(pool_workflow_id(pool)).terminate("deleted")
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=kept)]))
+        await create_pool(client, PoolConfig(pool=other, groups=[PoolGroup(name=left)]))
+        await _wait_async(lambda: owned_by(left, other))
+        await _wait_async(lambda: owned_by(kept, pool))
+        return await group_owner(client, left), await group_owner(client, kept)
+
+    assert asyncio.run(run()) == (other, pool)
