@@ -87,6 +87,16 @@ def job_profile(job: PoolJob) -> JobProfile | None:
     return profile
 
 
+def placed_profile(job: PoolJob) -> JobProfile | None:
+    """A placed job's profile as the placement weighs it: one that does not parse counts as
+    none (its demand unknown, its groups not weighed), so one job's bad profile refuses no
+    other job's placement (before, every placement after it failed with its error)."""
+    try:
+        return job_profile(job)
+    except InvalidProfile:
+        return None
+
+
 def candidates(groups: Sequence[str], mode: str) -> list[Placement]:
     """Every place a job could run: one group (sync), or two different ones (async)."""
     if mode == "sync":
@@ -110,7 +120,7 @@ class Predictor:
         self.specs = {g.name: GroupSpec(memory_bytes=g.memory_bytes) for g in inp.groups}
         self.placed: list[tuple[JobProfile, Placement]] = []
         for job in inp.placed:
-            profile = job_profile(job)
+            profile = placed_profile(job)
             if profile is not None and job.placement is not None:
                 self.placed.append((profile, job.placement))
         self._alone: dict[str, float] = {}
@@ -293,11 +303,12 @@ def decide_move(inp: MoveInput) -> MoveOutcome:
     before = predictor.predict([])
     if before is None:
         return MoveOutcome(reason="no move: the pool has no profiled job yet")
-    # A job placed without a profile that has not sent a measured one: demand unknown.
+    # A job placed without a profile that has not sent a measured one (or one that does not
+    # parse): demand unknown.
     unknown = {
         g
         for j in inp.placed
-        if j.profile is None and j.placement is not None
+        if j.placement is not None and placed_profile(j) is None
         for g in _groups_of(j.placement)
     }
     profiles = {p.job_id: (p, at) for p, at in predictor.placed}
@@ -399,7 +410,7 @@ def _admissible(inp: MoveInput) -> list[JobProfile]:
     """The queue's first jobs with a profile that their tenants' quotas let in now."""
     found: list[JobProfile] = []
     for job in inp.queued:
-        profile = job_profile(job)
+        profile = placed_profile(job)  # a bad one is refused at its own placement, not here
         if profile is None:
             continue
         check = PlaceInput(

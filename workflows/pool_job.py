@@ -235,10 +235,16 @@ def measured_profile(
         if pool is not None:
             phase["pool"] = pool
         phases.append(phase)
+    # A state both loops use (one backend listed for both groups) is one state that follows
+    # the job's lease, pool "both", as the profile collector writes it (plan/collect.py): two
+    # of the same name make a profile the planner refuses, and with it every placement after.
+    pool_of: dict[str, str] = {}
+    for pool in ("sampler", "trainer"):
+        for name in backends.get(pool, []):
+            pool_of[name] = "both" if pool_of.get(name, pool) != pool else pool
     states = [
         {"name": name, "pool": pool, "bytes": state.backend_bytes.get(name) or 0}
-        for pool in ("sampler", "trainer")
-        for name in backends.get(pool, [])
+        for name, pool in pool_of.items()
     ]
     profile: dict[str, Any] = {"epochs": config.epochs, "phases": phases, "states": states}
     if isinstance(config, AsyncRLJobConfig):  # its sample and train seconds hold its weight moves

@@ -23,7 +23,7 @@ from timeslice.protocol.pool import (
     profile_seconds,
 )
 from timeslice.protocol.rl_job import EpochRecord, RLJobConfig, RLJobState
-from timeslice.workflows.pool_job import drifted_profile, move_boundary
+from timeslice.workflows.pool_job import drifted_profile, measured_profile, move_boundary
 
 from tests.unit.test_pool_placement import BOUND, HEAVY, LIGHT, placed, profile
 
@@ -216,3 +216,19 @@ def test_an_async_jobs_measured_profile_says_so_and_is_one_the_planner_reads() -
     parsed = job_profile(PoolJob(job_id="a", mode="async", profile=sent))
     assert parsed is not None and parsed.is_async
     assert parsed.loop_s("trainer") == pytest.approx(1.0)
+
+
+def test_a_state_both_loops_use_is_one_state_of_pool_both_in_the_measured_profile() -> None:
+    """A backend listed for the sampler and the trainer (workloads/base.py allows it) is one
+    state that follows the lease, as the profile collector writes it: two states of one name
+    made a profile the planner refused, and with it every placement in the pool after."""
+    config = RLJobConfig(job_id="a", workload="simulated", pool="p", epochs=12)
+    shared = {"sampler": ["policy", "kv"], "trainer": ["policy", "adam"]}
+    state = _state([0.4, 0.4, 0.4])
+    state.backend_bytes = {"policy": 100, "kv": 10, "adam": 200}
+    sent = measured_profile(config, state, shared)
+    assert [(s["name"], s["pool"], s["bytes"]) for s in sent["states"]] == [
+        ("policy", "both", 100), ("kv", "sampler", 10), ("adam", "trainer", 200)
+    ]  # fmt: skip
+    parsed = job_profile(PoolJob(job_id="a", profile=sent))
+    assert parsed is not None and [s.name for s in parsed.states] == ["policy", "kv", "adam"]

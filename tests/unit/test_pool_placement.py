@@ -180,3 +180,16 @@ def test_a_job_names_its_groups_or_its_pool() -> None:
     # A job without a pool encodes as before pools existed.
     plain = RLJobConfig.model_validate({**base, "sampler_group": "g"}).model_dump()
     assert not {"pool", "profile", "place_anyway"} & set(plain)
+
+
+def test_a_placed_jobs_profile_that_does_not_parse_refuses_no_other_job() -> None:
+    """A placed job's measured profile the planner refuses (two states of one name, say)
+    counts as no profile: its group is not weighed, and another job is placed elsewhere
+    instead of being refused with the first job's error."""
+    bad = {**HEAVY, "states": [{"name": "policy", "pool": "sampler", "bytes": 1},
+                               {"name": "policy", "pool": "trainer", "bytes": 1}]}  # fmt: skip
+    with pytest.raises(InvalidProfile):
+        job_profile(PoolJob(job_id="a", profile=bad))
+    jobs = [placed("a", "g1", bad, None)]
+    outcome = ask(groups("g1", "g2"), jobs, PoolJob(job_id="b", profile=HEAVY))
+    assert outcome.placement is not None and outcome.placement.sampler_group == "g2"
