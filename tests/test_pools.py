@@ -413,3 +413,45 @@ def test_a_pool_created_again_without_a_group_leaves_that_group_to_another_pool(
         return await group_owner(client, left), await group_owner(client, kept)
 
     assert asyncio.run(run()) == (other, pool)
+
+
+def test_a_queued_job_is_placed_once_a_placed_jobs_measured_profile_leaves_room(
+    address: str,
+) -> None:
+    """One group: a job placed without a profile fills it (its demand unknown), so a profiled
+    job queues. When the first job's measured profile comes (light: 2% GPU), the queue is
+    tried again and the queued job placed beside it, without waiting for a job to end."""
+    from timeslice.protocol.pool import JobProfiled, PoolSignal
+
+    uid = _uid()
+    pool, first, second = f"qp-{uid}", f"qa-{uid}", f"qb-{uid}"
+    light = {**PROFILE, "phases": [
+        {"name": "sample", "gpu": True, "pool": "sampler", "seconds": 0.01},
+        {"name": "rewards", "gpu": False, "seconds": 1.0},
+        {"name": "train", "gpu": True, "pool": "trainer", "seconds": 0.01},
+    ]}  # fmt: skip
+
+    async def run() -> list[str]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=f"qg-{uid}")]))
+        handles = []
+        for job, profile in ((first, None), (second, PROFILE)):  # no process serves them
+            config = _job(job, pool, process_wait_s=120)
+            if profile is not None:
+                config["profile"] = profile
+            handles.append(await start_rl_job(client, parse_job_config(config)))
+            known = len(handles)
+            await _wait_async(lambda known=known: _known(client, pool, known))
+        await _wait_async(lambda: _placed(client, pool, 1))
+        status = await pool_status(client, pool)
+        assert [j.placement is None for j in status.jobs] == [False, True], status.jobs
+        await client.get_workflow_handle(pool_workflow_id(pool)).signal(
+            PoolSignal.JOB_PROFILED, JobProfiled(job_id=first, profile=light)
+        )
+        await _wait_async(lambda: _placed(client, pool, 2))
+        for handle in handles:
+            await handle.cancel()
+        return [d.reason for d in (await pool_status(client, pool)).decisions]
+
+    reasons = asyncio.run(run())
+    assert any(r.startswith(f"placed {second}") for r in reasons), reasons

@@ -71,6 +71,10 @@ POOL_MOVES_FOR_QUEUE = "pool-moves-for-queue"
 POOL_PROFILE_DRIFT = "pool-profile-drift"
 # workflow.patched id: async jobs are moved too (by the pool's weighing, and by hand).
 POOL_ASYNC_MOVES = "pool-async-moves"
+# workflow.patched id: a job's measured (or drifted) profile is followed by a try of the queue:
+# its demand, known now, may leave room a queued job fits in (before, the queue was tried only
+# when a job ended or moved, and a queued job waited for that).
+POOL_QUEUE_AFTER_PROFILE = "pool-queue-after-profile"
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -281,6 +285,8 @@ class PoolWorkflow:
             self._note(job.job_id, note)
             # Its demand comes back with the weighing, moves on or off.
             await self._weigh_a_move(order=self._status.config.auto_move)
+            if workflow.patched(POOL_QUEUE_AFTER_PROFILE):
+                await self._try_queue()
 
     @workflow.update(
         name=PoolUpdate.MOVE,
