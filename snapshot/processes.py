@@ -69,7 +69,10 @@ class PidRegistry:
     """The processes each job registered on this node; only these may be checkpointed."""
 
     def __init__(self) -> None:
-        self._by_job: dict[str, set[ProcessIdentity]] = {}
+        # job id -> each registered process and how many registrations (connections) it has:
+        # one process may register twice (two clients of the job, say), and stays registered
+        # until the last of them closes.
+        self._by_job: dict[str, dict[ProcessIdentity, int]] = {}
 
     def register(self, job_id: str, identity: ProcessIdentity) -> None:
         owner = self.owner_of(identity.pid)
@@ -77,14 +80,18 @@ class PidRegistry:
             raise ProcessMismatchError(
                 f"process {identity.pid} is already registered by job {owner}, not {job_id}"
             )
-        self._by_job.setdefault(job_id, set()).add(identity)
+        identities = self._by_job.setdefault(job_id, {})
+        identities[identity] = identities.get(identity, 0) + 1
 
     def unregister(self, job_id: str, identity: ProcessIdentity) -> None:
         identities = self._by_job.get(job_id)
-        if identities is not None:
-            identities.discard(identity)
-            if not identities:
-                del self._by_job[job_id]
+        if identities is None or identity not in identities:
+            return
+        identities[identity] -= 1
+        if identities[identity] <= 0:
+            del identities[identity]
+        if not identities:
+            del self._by_job[job_id]
 
     def owner_of(self, pid: int) -> str | None:
         for job_id, identities in self._by_job.items():

@@ -50,6 +50,21 @@ def test_process_identity_of_a_live_and_a_gone_process(child):
         process_start_time(0)
 
 
+def test_a_process_registered_twice_stays_registered_until_both_close(child):
+    """One process with two registrations (two clients of its job, each its own connection to
+    the agent): closing one leaves the process registered, so an eviction still finds it."""
+    registry = PidRegistry()
+    real = ProcessIdentity.of(child.pid)
+    registry.register("job-a", real)
+    registry.register("job-a", real)
+    registry.unregister("job-a", real)
+    assert registry.verified("job-a") == [real]
+    registry.unregister("job-a", real)
+    with pytest.raises(ProcessMismatchError, match="registered no process"):
+        registry.verified("job-a")
+    registry.unregister("job-a", real)  # a third close changes nothing
+
+
 def test_registry_refuses_reused_foreign_and_unregistered_pids(child):
     registry = PidRegistry()
     real = ProcessIdentity.of(child.pid)
