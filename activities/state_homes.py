@@ -33,7 +33,6 @@ from typing import Protocol
 from timeslice.protocol.group import SnapshotReport
 from timeslice.snapshot.base import (
     SnapshotBackend,
-    SnapshotError,
     SnapshotRequest,
     StreamingBackend,
     on_host,
@@ -198,7 +197,8 @@ class StateHomes:
             try:
                 reports = await self._bring(sorted(wanted), group_id)
                 self._early.setdefault(group_id, []).extend(reports)
-            except SnapshotError as err:  # the phase moves them itself, or fails there
+            except Exception as err:  # the phase moves them itself, or fails there
+                # (a backend's own error too: torch's out of memory is a RuntimeError)
                 log.warning("early restore of %s for %s failed: %s", self.job_id, group_id, err)
             finally:
                 await self._done_with(wanted)
@@ -221,7 +221,8 @@ class StateHomes:
             return []
         try:
             return await asyncio.shield(behind)
-        except SnapshotError as err:
+        except Exception as err:  # torch's out of memory is a RuntimeError, not a SnapshotError
+            # The phase's work is done: this state's next use restores it (or fails there).
             log.warning("bringing %s's next state to %s failed: %s", self.job_id, group_id, err)
             return []
 
@@ -346,7 +347,7 @@ class StateHomes:
                         sorted(owned), group_id, f"yield {group_id} (co-operative)"
                     )
                     error = None
-                except SnapshotError as err:  # the group faults us or evicts by its activity
+                except Exception as err:  # the group faults us or evicts by its activity
                     log.warning("co-operative eviction of %s failed: %s", self.job_id, err)
                     evicted, error = [], str(err)
                 # Reported before the state is free again: the group must hear of this

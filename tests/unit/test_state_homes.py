@@ -45,3 +45,57 @@ def test_an_eviction_of_another_group_does_not_wait_for_a_restore_here():
         return await asyncio.wait_for(homes.evict_for(["policy"], "other"), timeout=1.5)
 
     assert asyncio.run(scenario()) == []
+
+
+class _OutOfMemory(SimulatedBackend):
+    """A backend whose restore fails as torch's does when the device is full."""
+
+    async def restore(self, request):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA out of memory (injected)")
+
+
+def test_a_state_brought_in_behind_a_phase_that_fails_with_a_backend_error_fails_no_phase():
+    """The restore of the job's next state behind a phase fails with the backend's own error
+    (torch's out of memory is a RuntimeError): the phase, whose work is done, is not failed
+    for it; the state is left where it was, for its next use to restore."""
+
+    async def scenario() -> tuple[list[SnapshotReport], str | None]:
+        homes = StateHomes("job", _told)
+        first, second = SimulatedBackend(nbytes=10), _OutOfMemory(nbytes=10)
+        homes.settle({"a": first, "b": second}, {"a": None, "b": None})
+        async with homes.using(["a", "b"], "g", first=["a"], ahead=True):
+            # the phase's work, under "a"; then, as the job process does, what came behind it
+            reports = await homes.brought_ahead("g")
+        return reports, homes.home("b")
+
+    reports, home = asyncio.run(scenario())
+    assert reports == [] and home is None
+
+
+class _StuckOnDevice(SimulatedBackend):
+    """A backend whose eviction fails with its own error, not a SnapshotError."""
+
+    async def snapshot(self, request):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA error: an illegal memory access (injected)")
+
+
+def test_a_cooperative_eviction_that_fails_with_a_backend_error_is_reported_as_failed():
+    """The group hears of it (and faults the job) instead of waiting for a report that the
+    failed background task never sends."""
+    told: list[tuple[str, list[SnapshotReport], str | None]] = []
+
+    async def tell(group_id: str, reports: list[SnapshotReport], error: str | None, **_: object):
+        told.append((group_id, reports, error))
+
+    async def scenario() -> None:
+        homes = StateHomes("job", tell)
+        homes.settle({"a": _StuckOnDevice(nbytes=10)}, {"a": "g"})
+        claim = homes.claim(["a"])
+        homes.evict_in_background(["a"], "g")
+        await claim.done()
+        await asyncio.wait_for(homes.settled(), timeout=30)
+
+    asyncio.run(scenario())
+    assert len(told) == 1
+    group_id, reports, error = told[0]
+    assert group_id == "g" and reports == [] and error is not None and "illegal" in error
