@@ -452,8 +452,18 @@ def job_task_queue(job_id: str, rank: int = 0) -> str:
     return f"timeslice-job-{check_id('job id', job_id)}-{rank}"
 
 
+NODE_QUEUE_PREFIX = "timeslice-node-"
+
+
 def node_task_queue(node: str) -> str:
-    return f"timeslice-node-{check_id('node name', node)}"
+    return f"{NODE_QUEUE_PREFIX}{check_id('node name', node)}"
+
+
+def is_node_queue(task_queue: str) -> bool:
+    """Whether ``task_queue`` is a node agent's (a long-lived service on the node), not a job
+    process's: nobody taking a task there says the agent is down or busy, not that the job's
+    processes are gone."""
+    return task_queue.startswith(NODE_QUEUE_PREFIX)
 
 
 class _Model(BaseModel):

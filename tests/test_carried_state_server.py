@@ -36,6 +36,7 @@ from timeslice.protocol.group import (
     encoded_size,
     group_workflow_id,
     lease_key_hash,
+    node_task_queue,
 )
 from timeslice.transport.updates import send_update
 
@@ -347,3 +348,57 @@ def test_an_eviction_under_way_is_confirmed_before_a_third_job_is_restored_besid
     # a was asked about (and, gone, forgotten) before c's grant; b's eviction is still awaited.
     assert final.stats.departed == 1, final.stats
     assert final.resident_job == "c" and final.faulted_jobs == {}
+
+
+def test_a_node_agent_that_does_not_take_an_eviction_faults_the_job_instead_of_forgetting_it(
+    address: str, group: str
+):
+    """The eviction of a holder whose state a node agent moves, with no agent serving that
+    node (restarting, or busy): the group waits for the agent as long as a move may take
+    (``snapshot_timeout_s``), then faults the job, saying so. Before
+    ``agent-queues-waited-for`` it gave up after ``grant_ack_timeout_s``, read the silence as
+    the job's processes gone, forgot the job, and restored the next beside its live state."""
+    workflow_id = group_workflow_id(group)
+    agent_queue = node_task_queue(f"nobody-{group}")
+
+    async def scenario() -> tuple[GrantNotice, GroupStatus]:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        config = GroupConfig(group_id=group, grant_ack_timeout_s=1.0, snapshot_timeout_s=3.0)
+        await client.start_workflow(
+            GROUP_WORKFLOW_TYPE,
+            GroupInput(config=config).model_dump(mode="json"),
+            id=workflow_id,
+            task_queue=CONTROL_TASK_QUEUE,
+        )
+
+        async def acquire_as(job_id: str, target: SnapshotTarget | None) -> GrantNotice:
+            rid = f"{job_id}:1"
+            request = AcquireRequest(
+                request_id=rid, job_id=job_id, reply_task_queue="nobody-polls",
+                key_hash=lease_key_hash(key(rid)), snapshot=target, ttl_s=600,
+            )  # fmt: skip
+            while True:
+                answer = await send_update(
+                    client, workflow_id, "acquire", AcquireCall(request=request), AcquireAnswer
+                )
+                if answer.outcome is not AcquireOutcome.RETRY:
+                    break
+            assert answer.notice is not None and answer.notice.fault is None, answer
+            renew = RenewRequest(request_id=rid, token=answer.notice.token, key=key(rid))
+            confirmed = await send_update(client, workflow_id, "renew", renew, RenewResult)
+            assert confirmed.valid, confirmed.reason
+            return answer.notice
+
+        on_agent = SnapshotTarget(queues=[QueueTarget(task_queue=agent_queue, backends=["x"])])
+        held = await acquire_as("on-node", on_agent)
+        waiting = asyncio.ensure_future(acquire_as("next", None))
+        await wait_until(client, workflow_id, lambda s: len(s.queue) == 1)
+        ret = LeaseReturn(request_id=held.request_id, token=held.token, key=key("on-node:1"))
+        await send_update(client, workflow_id, "release_lease", ret, ReturnAnswer)
+        return await waiting, await status_of(client, workflow_id)
+
+    granted, final = asyncio.run(scenario())
+    assert granted.job_id == "next"
+    assert final.stats.departed == 0, "the job was forgotten as gone"
+    assert "node agent" in final.faulted_jobs.get("on-node", ""), final.faulted_jobs
+    assert granted.waited_s >= 2.9  # the agent was waited for snapshot_timeout_s, not 1 s

@@ -15,6 +15,7 @@ from timeslice.workers.control import WORKFLOWS
 from timeslice.workers.sandbox import workflow_runner
 from timeslice.workflows.group_lease import LABELLED_LEASE_WAITS
 from timeslice.workflows.group_patches import (
+    AGENT_QUEUES_WAITED_FOR,
     BOUNDED_EVICTION_REPORT_WAIT,
     EVICTION_REPORTS_FOR_STAGING,
     FORGET_GONE_EVICTOR,
@@ -88,6 +89,7 @@ def _patch_markers(text: str) -> set[str]:
         PATCHES_AT_START,
         EVICTION_REPORTS_FOR_STAGING,
         UNCONFIRMED_EVICTIONS_KEPT,
+        AGENT_QUEUES_WAITED_FOR,
         SEARCHED_STATES_ONLY,
         JOB_PROTOCOL_V5,
         PHASES_END_WITH_A_CANCELLED_JOB,
@@ -121,6 +123,7 @@ def test_a_group_that_asked_patches_at_start_records_no_other_patch():
         PATCHES_AT_START,
         EVICTION_REPORTS_FOR_STAGING,
         UNCONFIRMED_EVICTIONS_KEPT,
+        AGENT_QUEUES_WAITED_FOR,
     }
     events = json.loads(text)["events"]
     scheduled = [e["activityTaskScheduledEventAttributes"]["activityType"]["name"]

@@ -64,6 +64,7 @@ from timeslice.protocol.group import GROUP_MESSAGE_ABOUT as ABOUT
 from timeslice.workflows.deadline_timer import DeadlineTimer
 from timeslice.workflows.group_book import GroupBook, GroupMessage
 from timeslice.workflows.group_patches import (
+    AGENT_QUEUES_WAITED_FOR,
     AUTHENTICATED_GRANT_ANSWERS,
     BOUNDED_GRANT_DELIVERY,
     CONFIRMED_GRANT_OUTLIVES_DELIVERY,
@@ -170,6 +171,7 @@ class GpuGroupWorkflow:
         self._patched_at_start = workflow.patched(PATCHES_AT_START)
         reports_for_staging = workflow.patched(EVICTION_REPORTS_FOR_STAGING)
         evictions_kept = workflow.patched(UNCONFIRMED_EVICTIONS_KEPT)
+        agents_waited_for = workflow.patched(AGENT_QUEUES_WAITED_FOR)
         inp, self._input_error = parse_input(
             GroupInput,
             raw,
@@ -209,6 +211,7 @@ class GpuGroupWorkflow:
             set_timer=self._set_timer,
             patched=self._patched,
         )
+        self._switch.agents_waited_for = agents_waited_for
 
     # ---------------------------------------------------------------- main loop
 

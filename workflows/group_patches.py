@@ -66,3 +66,9 @@ EVICTION_REPORTS_FOR_STAGING = "eviction-reports-for-staging"
 # third job could be restored beside both: three jobs' states against memory declared for two.
 # Groups that started before it replay as they ran.
 UNCONFIRMED_EVICTIONS_KEPT = "unconfirmed-evictions-kept"
+# workflow.patched id (asked in __init__): a node agent's queue is waited for as long as a move
+# may take (snapshot_timeout_s, not grant_ack_timeout_s), and an agent that does not take a
+# move faults the job instead of reading as "the job's processes are gone": an agent
+# restarting, or busy, made the group forget a live job and restore the next beside it.
+# Groups that started before it replay as they ran.
+AGENT_QUEUES_WAITED_FOR = "agent-queues-waited-for"

@@ -25,6 +25,7 @@ from timeslice.protocol.group import (
     GroupConfig,
     ResidentJob,
     SnapshotTarget,
+    is_node_queue,
 )
 from timeslice.workflows.group_book import GroupBook, SwitchDone, SwitchPlan
 from timeslice.workflows.group_patches import (
@@ -76,6 +77,10 @@ class GroupSwitch:
         self.report_deadline: datetime | None = None
         # The restore of the next waiter's state, running while the holder works.
         self.staging: asyncio.Task[None] | None = None
+        # A node agent's queue is waited for as long as a move may take, and its not taking a
+        # move faults the job rather than reading as the job's processes gone: the workflow
+        # sets it from workflow.patched(AGENT_QUEUES_WAITED_FOR) when its run starts.
+        self.agents_waited_for = True
 
     async def switch_to(self, request: AcquireRequest) -> str | None:
         """Evict the resident job if another job takes the group, then restore the new one
@@ -304,6 +309,7 @@ class GroupSwitch:
 
     async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
         verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
+        agents = self.agents_waited_for
         results = await run_on_queues(
             activity,
             job_id,
@@ -311,18 +317,34 @@ class GroupSwitch:
             context=self._config.group_id,
             pickup_timeout_s=self._config.grant_ack_timeout_s,
             run_timeout_s=self._config.snapshot_timeout_s,
+            agent_pickup_timeout_s=self._config.snapshot_timeout_s if agents else None,
         )
-        failures = [r for r in results if isinstance(r, BaseException)]
+        failed = [
+            (queue.task_queue, r)
+            for queue, r in zip(target.queues, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
         for reports in results:
             if isinstance(reports, list):
                 self._book.accounts.count_moved(verb, reports)
-        if not failures:
+        if not failed:
             return _Moved.OK
-        if all(process_gone(f) for f in failures):
+
+        def gone(queue: str, failure: BaseException) -> bool:
+            # A node agent not taking its task is down or busy: the job's processes may live.
+            return process_gone(failure) and not (agents and is_node_queue(queue))
+
+        if all(gone(q, f) for q, f in failed):
             workflow.logger.warning("%s of job %s: no process serves its queue", verb, job_id)
             return _Moved.GONE
-        cause = next(f for f in failures if not process_gone(f))
-        message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
+        queue, cause = next((q, f) for q, f in failed if not gone(q, f))
+        if process_gone(cause):
+            message = (
+                f"{verb} failed: the node agent on {queue} did not take it within "
+                f"{self._config.snapshot_timeout_s:g} s (down, or busy)"
+            )
+        else:
+            message = f"{verb} failed: {getattr(cause, 'cause', None) or cause}"
         workflow.logger.error("job %s: %s; marking the job faulted", job_id, message)
         self._book.residency.move_failed(job_id, message)
         return _Moved.FAILED

@@ -18,6 +18,7 @@ from timeslice.protocol.group import (
     SnapshotCall,
     SnapshotReport,
     SnapshotTarget,
+    is_node_queue,
 )
 
 Outcome = list[SnapshotReport] | BaseException
@@ -31,11 +32,14 @@ async def run_on_queues(
     context: str,
     pickup_timeout_s: float,
     run_timeout_s: float,
+    agent_pickup_timeout_s: float | None = None,
 ) -> list[Outcome]:
     """Run ``activity`` on every queue of ``target``; one outcome per queue, never raising.
 
     Results are validated here rather than by the data converter, so a malformed answer from
     one process becomes that queue's failure instead of failing the calling workflow's task.
+    ``agent_pickup_timeout_s``: how long a node agent's queue may take to pick its task up
+    (an agent restarting, or busy); None: ``pickup_timeout_s``, as a job process's.
     """
     verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
     calls = [
@@ -50,8 +54,13 @@ async def run_on_queues(
             ),
             task_queue=queue.task_queue,
             # A dead process never picks the task up, and one that dies (or exits) holding it
-            # stops heartbeating: learn either fast, not at the run time-out.
-            schedule_to_start_timeout=timedelta(seconds=pickup_timeout_s),
+            # stops heartbeating: learn either fast, not at the run time-out. A node agent is
+            # a service that comes back: its queue may be waited for longer.
+            schedule_to_start_timeout=timedelta(
+                seconds=agent_pickup_timeout_s
+                if agent_pickup_timeout_s is not None and is_node_queue(queue.task_queue)
+                else pickup_timeout_s
+            ),
             heartbeat_timeout=timedelta(seconds=pickup_timeout_s),
             start_to_close_timeout=timedelta(seconds=run_timeout_s),
             retry_policy=RetryPolicy(maximum_attempts=1),
