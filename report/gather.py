@@ -121,15 +121,30 @@ async def collect_report(
             for name in names
         ]
         job_reports.append(job_figures(record, spans, (dedicated_s or {}).get(record.job_id)))
-    # A job with no RL job workflow is an embedded client: its leases are its phases.
-    rl_jobs = {r.job_id for r in records if r.found}
+    # The groups' figures count every RL job that held them, not only the jobs this report
+    # shows (``--job``, or the most recent ``max_jobs``): one not read would pass for an
+    # embedded client, its leases whole as phases. A job with no RL job workflow is one.
+    holders = {
+        holder
+        for answer in answers
+        if isinstance(answer, GroupStatus)
+        for holder in _holders(answer)
+    }
+    shown = {r.job_id for r in records}
+    others = await asyncio.gather(
+        *(_job(client, j, now, progress=False) for j in sorted(holders - shown))
+    )
+    rl_jobs = {r.job_id for r in [*records, *others] if r.found}
+    phase_lanes = job_lanes + [
+        Lane(name=r.job_id, kind="job", spans=job_spans(r)) for r in others if r.found
+    ]
     group_reports = []
     group_lanes: list[Lane] = []
     client_lanes: dict[str, Lane] = {}  # a lane per embedded client's job, across groups
     for group_id, answer in zip(groups, answers, strict=True):
         if isinstance(answer, GroupStatus):
             figures, spans = group_figures(
-                answer, queried, gpu_phases(job_lanes, group_id), rl_jobs
+                answer, queried, gpu_phases(phase_lanes, group_id), rl_jobs
             )
             group_reports.append(figures)
             group_lanes.append(Lane(name=group_id, kind="group", spans=spans))
@@ -165,9 +180,7 @@ async def status_figures(client: Client, status: GroupStatus) -> GroupFigures:
     RL jobs among its holders (its lease history and its holder) are read for their phases,
     the others are embedded clients. What `timeslice status` and `timeslice plan profile
     --group` print, so they say what `timeslice report` says."""
-    holders = {r.job_id for r in status.history}
-    if status.holder is not None:
-        holders.add(status.holder.job_id)
+    holders = _holders(status)
     now = datetime.now(UTC)
     records = await asyncio.gather(*(_job(client, j, now, progress=False) for j in sorted(holders)))
     found = [r for r in records if r.found]
@@ -176,6 +189,14 @@ async def status_figures(client: Client, status: GroupStatus) -> GroupFigures:
         status, status.as_of or now, gpu_phases(lanes, status.group_id), {r.job_id for r in found}
     )
     return figures
+
+
+def _holders(status: GroupStatus) -> set[str]:
+    """The jobs that held the group: its lease history and its holder now."""
+    holders = {r.job_id for r in status.history}
+    if status.holder is not None:
+        holders.add(status.holder.job_id)
+    return holders
 
 
 async def running_groups(client: Client) -> list[str]:

@@ -118,6 +118,13 @@ def test_report_of_two_time_sliced_jobs(
         handles = [await start_rl_job(client, parse_job_config(c)) for c in configs]
         results = list(await asyncio.gather(*(h.result() for h in handles)))
         named = await collect_report(client, groups=[group], jobs=jobs)
+        # One job shown (`--job`): the group's figures still count the other's phases, not
+        # its leases whole as an embedded client's.
+        one = await collect_report(client, groups=[group], jobs=jobs[:1])
+        (all_g,), (one_g,) = named.groups, one.groups
+        assert one_g.phase_s == pytest.approx(all_g.phase_s, abs=1e-3)
+        assert [j.job_id for j in one.jobs] == jobs[:1]
+        assert jobs[1] not in {lane.name for lane in one.lanes}
 
         async def discovered() -> Report | None:
             report = await collect_report(client)
