@@ -15,7 +15,17 @@ from pathlib import Path
 
 from timeslice.plan.search import Assignment
 from timeslice.plan.simulator import Outcome, Segment
+from timeslice.protocol.utilization import Interval, merged, phase_time
 from timeslice.report.model import GroupFigures, JobFigures, Lane, Report, Span
+
+
+def _outside(intervals: list[Interval], covered: list[Interval]) -> float:
+    """Seconds of ``intervals`` (disjoint, in order) that ``covered`` (likewise) leaves out."""
+    total = 0.0
+    for start, end in intervals:
+        inside = sum(max(0.0, min(end, c_end) - max(start, c_start)) for c_start, c_end in covered)
+        total += max(0.0, end - start - inside)
+    return total
 
 
 def timeline_rows(outcome: Outcome) -> list[dict[str, object]]:
@@ -74,8 +84,10 @@ class _Drawing:
         self.phase_s: dict[str, dict[str, float]] = {j: {} for j in outcome.jobs}
         self.waiting = dict.fromkeys(outcome.jobs, 0.0)
         self.moving = dict.fromkeys(outcome.jobs, 0.0)
-        self.switching_on = dict.fromkeys(outcome.groups, 0.0)
-        self.leased_on = dict.fromkeys(outcome.groups, 0.0)
+        # Per group, the intervals of its leases and of its moves: a move beside a lease (an
+        # overlapped or staged one) is no switching time, as in the report of a real run.
+        self.leases_on: dict[str, list[Interval]] = {g: [] for g in outcome.groups}
+        self.moves_on: dict[str, list[Interval]] = {g: [] for g in outcome.groups}
 
     def when(self, seconds: float) -> datetime:
         return self.at + timedelta(seconds=seconds)
@@ -112,7 +124,7 @@ class _Drawing:
                     s.job_id if leased else f"{s.job_id} {s.kind}",
                 )
             )
-            (self.leased_on if leased else self.switching_on)[s.group_id] += seconds
+            (self.leases_on if leased else self.moves_on)[s.group_id].append((s.start, s.end))
 
     def _span(self, s: Segment, lane: str, kind: str, label: str) -> Span:
         return Span(
@@ -130,8 +142,10 @@ class _Drawing:
         figures = []
         for gid, g in sorted(self.outcome.groups.items()):
             wall = g.wall_s
-            switching = min(self.switching_on[gid], wall)
-            overhead = max(0.0, min(self.leased_on[gid], wall) - g.busy_s - switching)
+            leases = merged(self.leases_on[gid])
+            leased = min(phase_time(leases), wall)
+            switching = min(_outside(merged(self.moves_on[gid]), leases), wall - leased)
+            overhead = max(0.0, leased - g.busy_s)
             figures.append(
                 GroupFigures(
                     group_id=gid,

@@ -52,6 +52,26 @@ def test_simulated_run_becomes_a_report() -> None:
     assert job_b.dedicated_from == "simulated"
 
 
+def test_a_simulated_groups_shares_add_up_to_its_wall_time_with_moves_beside_leases() -> None:
+    """With memory for both jobs' states, moves run beside the other job's lease (overlapped,
+    staged): those are no switching time, and phases, overhead, switching and idle add up to
+    the wall time (the group's table once summed to 134%)."""
+    from timeslice.plan.simulator import GroupSpec
+
+    a, b = jobs()
+    best = plan([a, b], Layout(groups=("g",), memory_bytes=40), overheads=Overheads.zero())
+    outcome = simulate(
+        [Placement(a, "g", "g"), Placement(b, "g", "g", start_s=0.5)],
+        groups={"g": GroupSpec(memory_bytes=40)},
+        overheads=Overheads.zero(),
+        record=True,
+    )
+    (group,) = to_report(outcome, best.assignments[0]).groups
+    parts = (group.phase_s, group.overhead_s, group.switching_s, group.idle_s)
+    assert all(p >= 0 for p in parts)
+    assert sum(parts) == pytest.approx(group.wall_s)
+
+
 def test_write_timeline(tmp_path: Path) -> None:
     pytest.importorskip("plotly")
     result = plan(jobs(), Layout(groups=("g1", "g2")))
