@@ -44,6 +44,18 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help="temporal CLI config profile ($TEMPORAL_PROFILE)")
 
 
+def _ipv4_address(value: str) -> str:
+    """An argparse type: an IPv4 address to bind, as the dev server takes it."""
+    import ipaddress
+
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an IPv4 address (e.g. 127.0.0.1, or 0.0.0.0 for every interface)"
+        ) from None
+
+
 def _metrics_address(value: str) -> str:
     from timeslice.transport.telemetry import parse_metrics_address
 
@@ -108,7 +120,10 @@ def _add_server_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     server = sub.add_parser("server", help="run the embedded Temporal server (dev server + UI)")
     server.add_argument("--port", type=int, default=7233, help="gRPC port (default 7233)")
     server.add_argument("--ui-port", type=int, default=8233, help="Web UI port (default 8233)")
-    server.add_argument("--ip", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    server.add_argument(
+        "--ip", type=_ipv4_address, default="127.0.0.1",
+        help="IPv4 address to bind (default 127.0.0.1; 0.0.0.0: every interface)",
+    )  # fmt: skip
     server.add_argument(
         "--db", type=Path, default=DEFAULT_DB, help=f"SQLite database file (default {DEFAULT_DB})"
     )
@@ -447,7 +462,13 @@ def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
             mode="json", exclude={"job_id"}
         )
     if args.option:
-        options = dict(data.get("workload_options") or {})  # type: ignore[call-overload]
+        given = data.get("workload_options") or {}
+        if not isinstance(given, dict):
+            raise TimesliceError(
+                f"workload_options must be a JSON object (name: value), not "
+                f"{type(given).__name__}: {given!r:.80}"
+            )
+        options = dict(given)
         options.update(_key_json_pairs("--option", args.option))
         data["workload_options"] = options
     return data
@@ -459,6 +480,18 @@ MAX_CONFIG_BYTES = 1 << 20
 def _refuse_non_finite(constant: str) -> float:
     """JSON's NaN / Infinity (Python's json reads them) are not numbers a setting can take."""
     raise ValueError(f"{constant} is not a finite number")
+
+
+def _check_ids(*kinds: tuple[str, list[str]]) -> None:
+    """Refuse a malformed id before connecting, saying what an id may hold."""
+    from timeslice.protocol.group import check_id
+
+    for kind, values in kinds:
+        for value in values:
+            try:
+                check_id(kind, value)
+            except ValueError as err:
+                raise TimesliceError(str(err)) from None
 
 
 def _check_writable_dir(path: Path, flag: str) -> None:
@@ -502,6 +535,9 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
 
     if len(set(args.job_ids)) < len(args.job_ids):
         raise TimesliceError(f"--job-id names a job twice: {' '.join(args.job_ids)}")
+    # At start-up, not at the first checkpoint: one that cannot be written fails every epoch
+    # that checkpoints, and the job only after max_failures rewinds of GPU time.
+    _check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
     try:
         runtimes = [
             build_job_runtime(
@@ -796,6 +832,11 @@ async def _run_agent(args: argparse.Namespace) -> int:
     from timeslice.transport.telemetry import worker_telemetry
     from timeslice.workers.node_agent import build_node_agent
 
+    if args.simulated_bytes is None and args.simulated_seconds:
+        raise TimesliceError(
+            "--simulated-seconds sets the simulated backend's switch time: give "
+            "--simulated-bytes too (the backend serves only with its size)"
+        )
     try:
         queue = node_task_queue(args.node)
         extra = (
@@ -904,6 +945,7 @@ async def _run_report(args: argparse.Namespace) -> int:
         _check_writable_dir(args.out, "--out")  # before the work, not after it
     if args.trace is not None:
         _check_writable_dir(args.trace.parent, "--trace")
+    _check_ids(("group id", args.group), ("job id", args.job), ("pool name", [args.pool or "p"]))
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     print("reading groups and jobs from Temporal ...", file=sys.stderr, flush=True)
     groups, jobs = list(args.group), list(args.job)

@@ -185,11 +185,37 @@ def _add_profile_args(plan: argparse.ArgumentParser) -> None:
     conn.add_argument("--profile", help="temporal CLI config profile ($TEMPORAL_PROFILE)")
 
 
+def _writable_folder(path: Path, flag: str) -> None:
+    """Check, before any work, that files can be written in the folder ``path``."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise InvalidArgumentError(
+            f"{flag} {path}: cannot write there ({err.strerror}); pick a writable folder"
+        ) from None
+
+
+def _ids(kind: str, values: list[str]) -> None:
+    for value in values:
+        try:
+            check_id(kind, value)
+        except ValueError as err:
+            raise InvalidArgumentError(str(err)) from None
+
+
 async def run(args: argparse.Namespace) -> int:
     head, rest = args.items[0], args.items[1:]
     if head == "profile":
         if not rest:
             raise InvalidArgumentError("plan profile: name at least one job")
+        # Before connecting: a bad id or folder fails at once, not after the reads.
+        _ids("job id", rest)
+        _ids("group id", args.group)
+        _writable_folder(args.out, "--out")
         return await _profile(args, rest)
     if head == "schema":
         from timeslice.plan.profile import profile_schema
@@ -489,6 +515,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     profiles = _priorities(args.priority, load_all(args.items))
     layout = layout_from_args(args)
+    # Before the search, which may run for minutes: its answer must have somewhere to go.
+    for flag, path in (("--json", args.json), ("--html", args.html)):
+        if path is not None:
+            _writable_folder(path.resolve().parent, flag)
     default, per_job = _limits(args.max_slowdown)
     overheads, origin = pick_overheads(profiles, args.overheads)
     _within("--move-gbps", args.move_gbps, 1e-3, 1e4)

@@ -205,6 +205,42 @@ def test_numbers_that_are_not_finite_are_named_so(argv: list[str], said: str) ->
     assert "should be" not in result.stderr and "Traceback" not in result.stderr
 
 
+def _bad_workload_options(tmp: Path) -> str:
+    path = tmp / "bad.json"
+    path.write_text(json.dumps({"job_id": "j", "workload": "simulated", "sampler_group": "g",
+                                "workload_options": "x"}))  # fmt: skip
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["server", "--ip", "bogus.invalid"], "'bogus.invalid' is not an IPv4 address"),
+        (["report", "--pool", "x y", "--text-only"], "invalid pool name 'x y'"),
+        (["report", "--job", "a/b", "--text-only"], "invalid job id 'a/b'"),
+        (["plan", "profile", "j1", "--group", "x y"], "invalid group id 'x y'"),
+        (["plan", "examples/profiles/light.yaml", "--groups", "1", "--json", "/proc/x/p.json"],
+         "--json /proc/x: cannot write there"),
+        (["agent", "--node", "n1", "--simulated-seconds", "1"], "give --simulated-bytes too"),
+        (["job", "worker", "--job-id", "j", "--workload", "simulated", "--checkpoint-dir",
+          "/proc/nope"], "--checkpoint-dir /proc/nope: cannot write there"),
+        (["job", "start", "--config", "BAD", "--option", "sample_s=1"],
+         "workload_options must be a JSON object"),
+    ],
+)  # fmt: skip
+def test_bad_input_fails_before_any_work_in_one_line(
+    argv: list[str], said: str, tmp_path: Path
+) -> None:
+    """Each refused at once, with exit 2 and one line saying what to fix, before connecting or
+    searching: no traceback, and no work thrown away at its end."""
+    argv = [_bad_workload_options(tmp_path) if a == "BAD" else a for a in argv]
+    needs_server = argv[0] in ("report", "job", "agent") or argv[:2] == ["plan", "profile"]
+    result = timeslice(*argv, *(["--address", "127.0.0.1:1"] if needs_server else []))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert said in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def watch(*argv: str) -> tuple[subprocess.Popen[str], list[tuple[float, str]]]:
     """Run `timeslice ARGV` with its output read line by line as it comes, each line with the
     seconds since the command started."""
