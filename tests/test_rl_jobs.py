@@ -49,6 +49,7 @@ from tests.helpers import (
     activities_and_signals,
     assert_no_overlap,
     assert_the_phase_ended_before_the_lease_went_back,
+    run_cli,
     run_rl_jobs,
     wait_for,
 )
@@ -560,6 +561,9 @@ def test_stop_ends_a_job_whose_process_never_came(address: str, group: str) -> N
     done = run(go, address)
     assert done.stopped and done.epochs_done == 0 and done.last_checkpoint is None
     assert progress(address, job).phase == "stopped while waiting for job processes"
+    # Stopped again from the command line, once it has ended: said so, not "no job".
+    again = run_cli("job", "stop", job, "--address", address, timeout=60)
+    assert again.returncode == 2 and "has already ended" in again.stderr, again.stderr
 
 
 def test_job_process_refuses_a_workflow_of_another_protocol_version(
