@@ -84,6 +84,19 @@ def key_path(folder: Path | None = None) -> Path:
     return (folder or agent_dir()) / KEY_FILE_NAME
 
 
+async def _answers(path: Path) -> bool:
+    """Whether a live agent listens on the unix socket ``path`` (one left by an agent that
+    died refuses connections)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 2.0)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 class RegistrationError(Exception):
     """The process could not register with its node agent (the message says why)."""
 
@@ -276,6 +289,7 @@ class RegistrationServer:
         self.key_file = key_file or key_path(self.path.parent)
         self._key = b""
         self._server: asyncio.AbstractServer | None = None
+        self._inode: int | None = None  # the socket this agent made (another may replace it)
 
     async def start(self) -> None:
         try:
@@ -283,11 +297,16 @@ class RegistrationServer:
             prepare_agent_dir(self.path.parent)
             self._key = load_agent_key(self.key_file, create=True)
             with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                    self.path.unlink()  # left by an agent that did not exit cleanly
-                else:
+                if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
                     raise RegistrationError(f"{self.path} exists and is not a socket; remove it")
+                if await _answers(self.path):
+                    raise RegistrationError(
+                        f"another node agent serves node {self.node!r} at {self.path}: stop it "
+                        "first (two agents of one node would split its job processes)"
+                    )
+                self.path.unlink()  # left by an agent that did not exit cleanly
             self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+            self._inode = os.lstat(self.path).st_ino
             # Any local process may ask; what it may register is checked per connection.
             _chmod_socket(self.path, stat.S_IRWXU | stat.S_IRWXG | stat.S_IRWXO)
         except OSError as err:
@@ -301,7 +320,8 @@ class RegistrationServer:
             self._server.close()
             await self._server.wait_closed()
             with contextlib.suppress(OSError):
-                self.path.unlink()
+                if os.lstat(self.path).st_ino == self._inode:  # not another agent's since
+                    self.path.unlink()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         identity: ProcessIdentity | None = None

@@ -242,3 +242,39 @@ def test_registration_over_a_real_socket_needs_the_jobs_token(shared_tmp, umask_
     assert answers[1].startswith("refused:") and "is not job j1's" in answers[1]
     assert answers[2] == "registered"
     assert owners == [None, None, "j1"] and after_exit is None
+
+
+def test_a_second_agent_of_a_node_is_refused_and_never_removes_the_firsts_socket(shared_tmp):
+    """Two agents of one node started on one host (an overlapping restart): the second is
+    refused while the first serves; a socket left by an agent that died is taken over; and an
+    agent that closes removes its own socket only, never one another agent made since."""
+    import socket as sockets
+
+    folder = shared_tmp / "timeslice-agents"
+    path = folder / "agent-n.sock"
+
+    async def scenario() -> None:
+        first = RegistrationServer("n", PidRegistry(), path=path)
+        await first.start()
+        second = RegistrationServer("n", PidRegistry(), path=path)
+        with pytest.raises(RegistrationError, match="another node agent serves node 'n'"):
+            await second.start()
+        assert path.exists()  # the first's socket is still there
+        await first.close()
+        assert not path.exists()
+        # A socket with nobody listening: what an agent that died leaves behind.
+        stale = sockets.socket(sockets.AF_UNIX)
+        stale.bind(str(path))
+        stale.close()
+        await second.start()  # takes it over
+        # Its socket removed by hand while it runs, and a new agent started: the older one's
+        # exit leaves the new one's socket in place.
+        path.unlink()
+        third = RegistrationServer("n", PidRegistry(), path=path)
+        await third.start()
+        await second.close()
+        assert path.exists()
+        await third.close()
+        assert not path.exists()
+
+    asyncio.run(scenario())
