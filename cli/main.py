@@ -765,8 +765,7 @@ async def _rpc_job(job_id: str, call: Awaitable[T]) -> T:
             # Temporal answers a signal to a run that has ended NOT_FOUND too.
             if "already completed" in err.message:
                 raise TimesliceError(
-                    f"job {job_id!r} has already ended: `timeslice job progress {job_id}` "
-                    "says how"
+                    f"job {job_id!r} has already ended: `timeslice job progress {job_id}` says how"
                 ) from err
             raise TimesliceError(f"no job {job_id!r} (workflow rl-job-{job_id})") from err
         raise
