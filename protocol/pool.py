@@ -149,8 +149,8 @@ class TenantLimits(_Model):
     jobs may hold together (None: no limit); ``weight``, how much of the pool's room it is
     owed when jobs wait (a tenant holding less demand per weight is admitted first)."""
 
-    quota: float | None = Field(None, gt=0, le=MAX_POOL_GROUPS)
-    weight: float = Field(1.0, gt=0, le=1e6)
+    quota: float | None = Field(None, gt=0, le=MAX_POOL_GROUPS, allow_inf_nan=False)
+    weight: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
 
     @classmethod
     def parse(cls, text: str) -> tuple[str, TenantLimits]:
@@ -182,6 +182,7 @@ class PoolConfig(_Model):
         DEFAULT_MAX_SLOWDOWN,
         ge=1.0,
         le=100.0,
+        allow_inf_nan=False,
         description="no job is placed where its predicted slowdown (vs alone) exceeds this",
     )
     auto_move: bool = Field(
@@ -193,6 +194,7 @@ class PoolConfig(_Model):
         DEFAULT_MOVE_HORIZON_S,
         gt=0,
         le=1e7,
+        allow_inf_nan=False,
         description="the time over which a move's predicted gain is counted against its cost",
     )
     move_every_epochs: int = Field(

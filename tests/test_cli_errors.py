@@ -195,14 +195,28 @@ def test_backends_lists_the_registry() -> None:
         (["job", "start", "--job-id", "j", "--option", "lr=NaN"], "NaN is not a finite number"),
         (["plan", "p.json", "--groups", "1", "--aging", "nan"], "'nan' is not a finite number"),
         (["plan", "p.json", "--groups", "1", "--time-limit", "inf"], "is not a finite number"),
+        (
+            ["pool", "create", "p", "--group", "g", "--max-slowdown", "nan"],
+            "max_slowdown: Input should be a finite number",
+        ),
+        (
+            ["pool", "create", "p", "--group", "g", "--move-horizon", "inf"],
+            "move_horizon_s: Input should be a finite number",
+        ),
+        (
+            ["pool", "create", "p", "--group", "g", "--tenant", "t:nan"],
+            "Input should be a finite number",
+        ),
     ],
 )
 def test_numbers_that_are_not_finite_are_named_so(argv: list[str], said: str) -> None:
     """`nan` parses as a float; it must be refused as not a number, not as out of range."""
-    result = timeslice(*argv, "--address", "127.0.0.1:1") if argv[0] == "job" else timeslice(*argv)
+    connects = argv[0] in ("job", "pool")
+    result = timeslice(*argv, "--address", "127.0.0.1:1") if connects else timeslice(*argv)
     assert result.returncode == 2, result.stdout + result.stderr
     assert said in result.stderr
-    assert "should be" not in result.stderr and "Traceback" not in result.stderr
+    for out_of_range in ("less than", "greater than", "Traceback"):
+        assert out_of_range not in result.stderr
 
 
 def _bad_workload_options(tmp: Path) -> str:
