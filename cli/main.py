@@ -439,11 +439,10 @@ _START_FIELDS = (
 def _job_config_data(args: argparse.Namespace) -> dict[str, object]:
     data: dict[str, object] = {}
     if args.config is not None:
+        # Its own errors name the file already.
+        text = read_small_file(args.config, "--config", MAX_CONFIG_BYTES)
         try:
-            loaded = json.loads(
-                read_small_file(args.config, "--config", MAX_CONFIG_BYTES),
-                parse_constant=_refuse_non_finite,
-            )
+            loaded = json.loads(text, parse_constant=_refuse_non_finite)
         except json.JSONDecodeError as err:
             raise TimesliceError(f"--config {args.config}: not valid JSON ({err})") from err
         except ValueError as err:

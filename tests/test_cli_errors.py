@@ -240,6 +240,7 @@ def _bad_workload_options(tmp: Path) -> str:
           "/proc/nope"], "--checkpoint-dir /proc/nope: cannot write there"),
         (["job", "start", "--config", "BAD", "--option", "sample_s=1"],
          "workload_options must be a JSON object"),
+        (["job", "start", "--config", "MISSING"], "error: --config MISSING: cannot read"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_before_any_work_in_one_line(
@@ -248,6 +249,8 @@ def test_bad_input_fails_before_any_work_in_one_line(
     """Each refused at once, with exit 2 and one line saying what to fix, before connecting or
     searching: no traceback, and no work thrown away at its end."""
     argv = [_bad_workload_options(tmp_path) if a == "BAD" else a for a in argv]
+    said = said.replace("MISSING", str(tmp_path / "missing.json"))
+    argv = [str(tmp_path / "missing.json") if a == "MISSING" else a for a in argv]
     needs_server = argv[0] in ("report", "job", "agent") or argv[:2] == ["plan", "profile"]
     result = timeslice(*argv, *(["--address", "127.0.0.1:1"] if needs_server else []))
     assert result.returncode == 2, result.stdout + result.stderr
