@@ -783,12 +783,18 @@ def run_server(args: argparse.Namespace) -> int:
         dynamic_config=_dynamic_config(args.dynamic_config),
         log_path=args.db.parent / "server.log",
     )
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"starting Temporal dev server (database {args.db}) ...", flush=True)
-    server.start()
+    try:
+        server.start()
+    except KeyboardInterrupt:
+        # Stopped while it started (Ctrl-C, or SIGTERM above): its child goes too.
+        print("stopping Temporal server (it had not started) ...", flush=True)
+        server.stop()
+        return 130
     print(f"Temporal server ready at {server.address}", flush=True)
     print(f"Web UI: {server.ui_url}", flush=True)
     print(f"log: {server.log_path}; press Ctrl-C to stop", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         code = server.wait()
         print(f"Temporal server exited with code {code}", file=sys.stderr)

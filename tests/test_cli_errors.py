@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -124,6 +125,32 @@ def test_killed_server_command_takes_its_temporal_child_along(tmp_path: Path) ->
         return state == "Z"
 
     wait_for(gone, timeout=60, what="the temporal child to exit with its parent")
+
+
+def test_server_stopped_while_it_starts_stops_its_child_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C before the server listens (a stand-in `temporal` that never does)."""
+    never_listens = tmp_path / "temporal"
+    never_listens.write_text("#!/bin/sh\nexec sleep 600\n")
+    never_listens.chmod(0o755)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "timeslice.cli", "server", "--port", str(free_port()),
+         "--ui-port", str(free_port()), "--db", str(tmp_path / "t.db")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TIMESLICE_TEMPORAL_BIN": str(never_listens)},
+    )  # fmt: skip
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    try:
+        wait_for(lambda: children.read_text().split(), timeout=60, what="the server's child")
+        child = int(children.read_text().split()[0])
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "it had not started" in out and "Traceback" not in out, out
+    assert not Path(f"/proc/{child}").exists(), "the server's child outlived it"
 
 
 def test_unreachable_explicit_address_says_the_environment_was_not_used(monkeypatch) -> None:
