@@ -917,6 +917,9 @@ class RLJobProgress(_Model):
     phase_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
     wait_s: dict[str, float] = Field(default_factory=dict, description="totals, every epoch")
     rewinds: int
+    redone_epochs: int = Field(
+        0, description="epochs (an async job: steps) the rewinds threw away, to be run again"
+    )
     last_checkpoint: CheckpointRef | None
     shed_records: int = Field(
         0, description="records folded early so that a continue-as-new input fits (RLJobState)"
@@ -958,6 +961,7 @@ class RLJobProgress(_Model):
             phase_s=phase_s,
             wait_s=wait_s,
             rewinds=state.rewinds,
+            redone_epochs=state.redone_epochs,
             last_checkpoint=state.last_checkpoint,
             shed_records=state.shed_records,
             sampler_group=config.sampler_group,

@@ -315,19 +315,32 @@ def test_jobs_on_separate_sampler_and_trainer_groups(
 
 
 def test_killed_job_process_resumes_from_checkpoint_and_runs_every_epoch_once(
-    address: str, job_workers: Callable[..., Any], group: str, dedicated_run: RLJobResult
+    address: str,
+    job_workers: Callable[..., Any],
+    group: str,
+    dedicated_run: RLJobResult,
+    checkpoints: Path,
 ) -> None:
     job = job_id("kill")
     proc = job_workers(job, "grpo-toy")
 
     async def start(client: Client) -> None:
-        await start_rl_job(client, parse_job_config(grpo_config(job, group, heartbeat_timeout_s=3)))
+        config = grpo_config(job, group, heartbeat_timeout_s=3, max_failures=10)
+        await start_rl_job(client, parse_job_config(config))
 
     run(start, address)
     wait_for(lambda: progress(address, job).epoch >= 3, timeout=120, what="epoch 3 of the job")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    # The checkpoint out of reach for a while: each preparation of the fresh process fails
+    # and rewinds again, with no epoch under way, so no epoch more is counted as redone.
+    hidden = checkpoints.rename(checkpoints.with_name("hidden"))
     job_workers(job, "grpo-toy")  # a fresh process: no state until the job re-prepares it
+    wait_for(lambda: progress(address, job).rewinds >= 2, timeout=120, what="a failed prepare")
+    after_the_kill = progress(address, job)
+    wait_for(lambda: progress(address, job).rewinds >= 4, timeout=120, what="3 failed prepares")
+    assert progress(address, job).redone_epochs == after_the_kill.redone_epochs >= 1
+    hidden.rename(checkpoints)
 
     async def result(client: Client) -> RLJobResult:
         handle = client.get_workflow_handle(rl_job_workflow_id(job), result_type=RLJobResult)
@@ -335,7 +348,7 @@ def test_killed_job_process_resumes_from_checkpoint_and_runs_every_epoch_once(
 
     done = run(result, address)
     assert_every_epoch_once(done, GRPO_EPOCHS)
-    assert done.rewinds >= 1 and done.redone_epochs >= 1
+    assert done.rewinds >= 4 and done.redone_epochs == after_the_kill.redone_epochs
     # Resumed from the checkpoint, not from scratch and not skipping: same weights as a run
     # that was never interrupted.
     assert_bit_identical(final_state(done), final_state(dedicated_run))

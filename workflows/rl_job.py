@@ -60,6 +60,8 @@ class RLJobWorkflow(JobWorkflowBase[RLJobConfig, RLJobState]):
     @workflow.init
     def __init__(self, *raw: Any) -> None:
         super().__init__(*raw)
+        # An epoch began and has not ended: a rewind now redoes it too.
+        self._epoch_under_way = False
 
     @workflow.run
     async def run(self, *raw: Any) -> RLJobResult:
@@ -91,7 +93,9 @@ class RLJobWorkflow(JobWorkflowBase[RLJobConfig, RLJobState]):
         return protocol, workflow.patched(SEARCHED_STATES_ONLY)
 
     async def _advance(self) -> None:
+        self._epoch_under_way = True
         await self._run_epoch(self._state.epochs_done)
+        self._epoch_under_way = False
 
     # ---------------------------------------------------------------- an epoch
 
@@ -172,7 +176,9 @@ class RLJobWorkflow(JobWorkflowBase[RLJobConfig, RLJobState]):
 
     def _rewind(self) -> None:
         super()._rewind()
-        self._state.redone_epochs += 1  # the epoch that failed midway
+        if self._epoch_under_way:  # not a failed prepare, move or final checkpoint
+            self._state.redone_epochs += 1
+            self._epoch_under_way = False
 
     # ---------------------------------------------------------------- leases and phases
 
