@@ -163,7 +163,8 @@ def write_html(report: Report, path: Path) -> Path:
         for n in g.notes
     )
     utilization = "".join(
-        f"<li>{html.escape(g.group_id)}: {html.escape(utilization_line(g))}</li>"
+        f"<li>{html.escape(g.group_id)}: "
+        f"{html.escape(utilization_line(g, simulated=report.simulated))}</li>"
         for g in report.groups
     )
     about_jobs = " ".join(html.escape(line) for line in JOBS_ABOUT)

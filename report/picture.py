@@ -64,7 +64,10 @@ def write_png(report: Report, path: Path, *, zoom_s: float = 20.0) -> Path:
         if report.simulated
         else "the whole run: from the first group's creation to the report, as in the tables"
     ]
-    shown += [f"{g.group_id}: utilization {utilization_line(g)}" for g in report.groups[:4]]
+    shown += [
+        f"{g.group_id}: utilization {utilization_line(g, simulated=report.simulated)}"
+        for g in report.groups[:4]
+    ]
     if len(report.groups) > 4:
         shown.append(f"... and {len(report.groups) - 4} more groups (report.txt)")
     overview.set_title(

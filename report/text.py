@@ -85,9 +85,10 @@ def group_row(g: GroupFigures) -> tuple[str, ...]:
     )
 
 
-def utilization_line(g: GroupFigures) -> str:
-    """Both windows, labelled: the same words `timeslice status` prints (docs/report.md)."""
-    return f"{g.since_created}; {g.while_jobs_ran}"
+def utilization_line(g: GroupFigures, *, simulated: bool = False) -> str:
+    """Both windows, labelled: the same words `timeslice status` prints (docs/report.md). A
+    simulated group (``timeslice plan``) has no life before its first phase: one window."""
+    return str(g.while_jobs_ran) if simulated else f"{g.since_created}; {g.while_jobs_ran}"
 
 
 def job_row(j: JobFigures) -> tuple[str, ...]:
@@ -185,7 +186,10 @@ def format_text(report: Report) -> str:
     out += _notes((g.group_id, _group_notes(g)) for g in report.groups)
     if report.groups:
         out += ["", "Utilization: GPU phase time / the window named (docs/report.md)"]
-        out += [f"  {g.group_id}: {utilization_line(g)}" for g in report.groups]
+        out += [
+            f"  {g.group_id}: {utilization_line(g, simulated=report.simulated)}"
+            for g in report.groups
+        ]
     out += ["", *JOBS_ABOUT]
     out += table(JOB_HEADERS, [job_row(j) for j in report.jobs]) if report.jobs else ["  none"]
     out += _notes((j.job_id, _job_notes(j)) for j in report.jobs)

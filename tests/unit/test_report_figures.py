@@ -25,6 +25,7 @@ from timeslice.report import (
     format_text,
     human_bytes,
     trace_events,
+    write_html,
     write_report,
 )
 from timeslice.report.figures import (
@@ -188,7 +189,7 @@ def test_group_shares_add_up_and_phase_time_is_what_the_phases_ran():
     ]
 
 
-def test_the_group_reads_in_both_windows_by_the_one_definition():
+def test_the_group_reads_in_both_windows_by_the_one_definition(tmp_path: Path):
     job = job_a()
     phases = [s for s in job_spans(job) if s.kind in ("sample", "train") and s.group_id == "g"]
     g, _ = group_figures(status(), None, phases, {"a"})  # b: a client, its lease 3-5 s a phase
@@ -200,6 +201,14 @@ def test_the_group_reads_in_both_windows_by_the_one_definition():
     assert g.utilization == g.since_created.share
     text = format_text(Report(generated_at=at(10.0), groups=[g], jobs=[], lanes=[], problems=[]))
     assert "  g: 40.0% of 10.0 s since the group was created; 61.5% of 6.5 s while jobs ran" in text
+    # A simulated run (`timeslice plan --html`) has no group life before its first phase.
+    simulated = Report(
+        generated_at=at(10.0), groups=[g], jobs=[], lanes=[], problems=[], simulated=True
+    )
+    page = write_html(simulated, tmp_path / "page.html").read_text()
+    for made in (format_text(simulated), page):
+        assert "61.5% of 6.5 s while jobs ran" in made
+        assert "since the group was created" not in made
 
 
 def test_the_status_json_says_the_reports_utilization_and_the_held_share_apart():
