@@ -248,30 +248,32 @@ class StateHomes:
         if pending is not None:
             # This group must hear that the state left before it sees it come back.
             await asyncio.gather(pending, return_exceptions=True)
-        for name in names:
-            home = self._home.get(name)
-            if home == group_id:
-                continue
-            backend = self.backends[name]
-            if home is not None:  # on another group's device: take it from there first
-                report = await backend.snapshot(self._request(name, home, f"move to {group_id}"))
-                moved_out.setdefault(home, []).append(report)
-                self._home[name] = None
-            self._bringing[name] = group_id
-            try:
-                restored.append(
-                    await backend.restore(self._request(name, group_id, f"restore for {group_id}"))
-                )
-                self._home[name] = group_id
-            finally:
-                del self._bringing[name]
+        try:
+            for name in names:
+                home = self._home.get(name)
+                if home == group_id:
+                    continue
+                backend = self.backends[name]
+                if home is not None:  # on another group's device: take it from there first
+                    request = self._request(name, home, f"move to {group_id}")
+                    moved_out.setdefault(home, []).append(await backend.snapshot(request))
+                    self._home[name] = None
+                self._bringing[name] = group_id
+                try:
+                    request = self._request(name, group_id, f"restore for {group_id}")
+                    restored.append(await backend.restore(request))
+                    self._home[name] = group_id
+                finally:
+                    del self._bringing[name]
+                    async with self._changed:
+                        self._changed.notify_all()  # an eviction may wait for this restore
+        finally:
+            # Told even when a restore after them failed: the state left those devices.
+            if moved_out:
                 async with self._changed:
-                    self._changed.notify_all()  # an eviction may wait for this restore to end
-        if moved_out:
-            async with self._changed:
-                self._changed.notify_all()  # an eviction waiting for this state has nothing to do
-            for home, reports in moved_out.items():
-                self._reports[home] = self._spawn(self._tell_moved(home, reports, None))
+                    self._changed.notify_all()  # an eviction waiting for it has nothing to do
+                for home, reports in moved_out.items():
+                    self._reports[home] = self._spawn(self._tell_moved(home, reports, None))
         return restored
 
     async def evict_for(self, names: list[str], group_id: str) -> list[SnapshotReport]:

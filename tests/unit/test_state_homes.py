@@ -99,3 +99,28 @@ def test_a_cooperative_eviction_that_fails_with_a_backend_error_is_reported_as_f
     assert len(told) == 1
     group_id, reports, error = told[0]
     assert group_id == "g" and reports == [] and error is not None and "illegal" in error
+
+
+def test_a_state_taken_off_another_group_is_reported_there_when_its_restore_fails():
+    """Moving a state from g1's device to g2's: it left g1 (g1's room is free) even though
+    the restore on g2 failed; g1 must hear so, or it counts the state as still on its device."""
+    told: list[tuple[str, list[SnapshotReport], str | None]] = []
+
+    async def tell(group_id: str, reports: list[SnapshotReport], error: str | None, **_: object):
+        told.append((group_id, reports, error))
+
+    async def scenario() -> tuple[str | None, str | None]:
+        homes = StateHomes("job", tell)
+        homes.settle({"a": _OutOfMemory(nbytes=10)}, {"a": "g1"})
+        failed = None
+        try:
+            await homes.bring({"a": "g2"})
+        except RuntimeError as err:
+            failed = str(err)
+        await asyncio.wait_for(homes.settled(), timeout=30)
+        return failed, homes.home("a")
+
+    failed, home = asyncio.run(scenario())
+    assert failed is not None and "out of memory" in failed
+    assert home is None  # in host memory: neither device holds it
+    assert [(g, [r.bytes for r in reports], e) for g, reports, e in told] == [("g1", [10], None)]
