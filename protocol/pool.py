@@ -55,6 +55,8 @@ MAX_REASON_CHARS = 300
 #: The tenant of a job that names none.
 DEFAULT_TENANT = "default"
 MAX_TENANTS = 256
+#: Ended jobs' first run ids a pool keeps, to refuse a request of theirs that comes late.
+ENDED_RUNS_KEPT = 256
 
 
 class PoolUpdate(StrEnum):
@@ -237,6 +239,12 @@ class PlaceRequest(_Model):
     profile: dict[str, Any] | None = None
     place_anyway: bool = False
     tenant: TenantName | None = None
+    run_id: str | None = Field(
+        None,
+        max_length=64,
+        description="the job's first run id: a request that arrives after that job told the "
+        "pool it ended (a try in flight when it was cancelled) is refused, not placed",
+    )
 
 
 class PlacementCall(_Model):
@@ -418,12 +426,18 @@ class PlaceOutcome(_Model):
 class JobEnded(_Model):
     job_id: str
     outcome: str = "ended"
+    run_id: str | None = Field(None, max_length=64, description="the job's first run id")
 
 
 class PoolStatus(_Model):
     config: PoolConfig
     jobs: list[PoolJob]
     decisions: list[Decision] = Field(default_factory=list)
+    ended_runs: list[str] = Field(
+        default_factory=list,
+        description=f"the first run ids of the last {ENDED_RUNS_KEPT} jobs that told the pool "
+        "they ended: a placement request of theirs that comes later is refused",
+    )
 
 
 def profile_seconds(profile: dict[str, Any]) -> tuple[float, float] | None:

@@ -17,14 +17,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client, WorkflowFailureError
+from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
 from timeslice.cli.stack import JobWorker, Stack
 from timeslice.errors import InvalidArgumentError
 from timeslice.jobs import parse_any_job_config, parse_job_config, start_any_rl_job, start_rl_job
 from timeslice.pools import PoolConfig, PoolGroup, create_pool, pool_status
 from timeslice.protocol.async_rl_job import AsyncRLJobResult
 from timeslice.protocol.group import CONTROL_TASK_QUEUE
-from timeslice.protocol.pool import POOL_WORKFLOW, PoolStatus, pool_workflow_id
+from timeslice.protocol.pool import (
+    POOL_WORKFLOW,
+    JobEnded,
+    PlaceAnswer,
+    PlaceRequest,
+    PoolSignal,
+    PoolStatus,
+    PoolUpdate,
+    pool_workflow_id,
+)
 from timeslice.protocol.rl_job import RL_JOB_WORKFLOW_TYPE, RLJobResult, rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
 
@@ -227,6 +236,38 @@ def test_a_cancelled_job_leaves_its_pool(address: str) -> None:
     assert reasons[1].startswith(f"queued {jobs[1]}"), reasons
     assert reasons[2:] == [f"{jobs[1]} cancelled: its groups are free",
                            f"{jobs[0]} cancelled: its groups are free"], reasons  # fmt: skip
+
+
+def test_a_placement_request_that_comes_after_its_job_ended_is_refused(address: str) -> None:
+    """A job cancelled while its placement request's try was in flight told the pool it
+    ended; the try reaches the pool after that and must not put the job back (it stayed
+    there, holding room, before). A later run of the same job id is placed."""
+    pool, uid = f"epool-{_uid()}", _uid()
+    job = f"ej-{uid}"
+
+    def request(run_id: str) -> PlaceRequest:
+        return PlaceRequest(job_id=job, profile=PROFILE, run_id=run_id)
+
+    async def run() -> tuple[str, PlaceAnswer, PoolStatus]:
+        client = await connect(connect_config(address))
+        await create_pool(client, PoolConfig(pool=pool, groups=[PoolGroup(name=f"eg-{uid}")]))
+        handle = client.get_workflow_handle(pool_workflow_id(pool))
+        ended = JobEnded(job_id=job, outcome="cancelled", run_id="first-run")
+        await handle.signal(PoolSignal.JOB_ENDED, ended)
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update(PoolUpdate.PLACE, request("first-run"))
+        status_after_refusal = await pool_status(client, pool)
+        assert status_after_refusal.jobs == []
+        again = await handle.execute_update(
+            PoolUpdate.PLACE, request("second-run"), result_type=PlaceAnswer
+        )
+        return str(refused.value.cause), again, await pool_status(client, pool)
+
+    refusal, again, status = asyncio.run(run())
+    assert f"job {job}'s run first-run has ended: not placed" in refusal
+    assert again.placement is not None
+    assert [j.job_id for j in status.jobs] == [job]
+    assert status.ended_runs == ["first-run"]
 
 
 async def _known(client: Client, pool: str, n: int) -> bool:

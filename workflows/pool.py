@@ -26,6 +26,7 @@ from timeslice.protocol.pool import (
     CLAIM_GROUPS_ACTIVITY,
     CLAIM_WORKFLOW,
     DECISIONS_KEPT,
+    ENDED_RUNS_KEPT,
     MAX_REASON_CHARS,
     MOVE_DECISION_ACTIVITY,
     PLACE_JOB_ACTIVITY,
@@ -75,6 +76,10 @@ POOL_ASYNC_MOVES = "pool-async-moves"
 # its demand, known now, may leave room a queued job fits in (before, the queue was tried only
 # when a job ended or moved, and a queued job waited for that).
 POOL_QUEUE_AFTER_PROFILE = "pool-queue-after-profile"
+# workflow.patched id, asked only when it decides: a placement request from a job run that had
+# told the pool it ended is refused (before, a try in flight when the job was cancelled put the
+# job back in the pool after its end, where it stayed, holding room or a place in the queue).
+POOL_ENDED_RUNS_REFUSED = "pool-ended-runs-refused"
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -184,8 +189,18 @@ class PoolWorkflow:
         await workflow.wait_condition(lambda: self._claimed)
         async with self._lock:
             job = self._job(req.job_id)
+            if (
+                job is None
+                and req.run_id in self._status.ended_runs
+                and workflow.patched(POOL_ENDED_RUNS_REFUSED)
+            ):
+                raise ApplicationError(
+                    f"job {req.job_id}'s run {req.run_id} has ended: not placed",
+                    type="PlacementRefused",
+                    non_retryable=True,
+                )
             if job is None:
-                job = PoolJob(**req.model_dump())
+                job = PoolJob(**req.model_dump(exclude={"run_id"}))
                 self._status.jobs.append(job)
                 refused = await self._decide(job)
                 if refused is not None:
@@ -223,6 +238,9 @@ class PoolWorkflow:
         if ended is None:
             return
         async with self._lock:
+            if ended.run_id is not None:
+                self._status.ended_runs.append(ended.run_id)
+                del self._status.ended_runs[:-ENDED_RUNS_KEPT]
             job = self._job(ended.job_id)
             if job is None:
                 return

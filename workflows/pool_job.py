@@ -88,6 +88,7 @@ async def placed(config: C) -> C:
         profile=config.profile,
         place_anyway=config.place_anyway,
         tenant=config.tenant,
+        run_id=workflow.info().first_execution_run_id,
     )
     try:
         placement = await workflow.execute_activity(
@@ -342,7 +343,11 @@ async def tell_pool(config: RLJobConfig, outcome: str) -> None:
     await _signal_pool(
         config,
         PoolSignal.JOB_ENDED,
-        JobEnded(job_id=config.job_id, outcome=outcome),
+        JobEnded(
+            job_id=config.job_id,
+            outcome=outcome,
+            run_id=workflow.info().first_execution_run_id,
+        ),
         "told it ended",
     )
 
