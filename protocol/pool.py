@@ -57,6 +57,10 @@ DEFAULT_TENANT = "default"
 MAX_TENANTS = 256
 #: Ended jobs' first run ids a pool keeps, to refuse a request of theirs that comes late.
 ENDED_RUNS_KEPT = 256
+#: The most characters of JSON a pool's jobs' profiles take together: each placement and move
+#: decision carries every placed job's profile to its activity, the pool carries them all
+#: across continue-as-new, and a Temporal payload is at most 2 MB (16-KiB profiles: 61 jobs).
+MAX_POOL_PROFILE_CHARS = 1_000_000
 
 
 class PoolUpdate(StrEnum):
@@ -437,6 +441,31 @@ class PoolStatus(_Model):
         default_factory=list,
         description=f"the first run ids of the last {ENDED_RUNS_KEPT} jobs that told the pool "
         "they ended: a placement request of theirs that comes later is refused",
+    )
+
+
+def profile_chars(profile: dict[str, Any] | None) -> int:
+    """The characters of JSON ``profile`` takes (0 for none), as its size is checked."""
+    return 0 if profile is None else len(json.dumps(profile, default=str))
+
+
+def profiles_past_budget(
+    jobs: list[PoolJob], profile: dict[str, Any] | None, instead_of: PoolJob | None = None
+) -> str | None:
+    """Why a pool of ``jobs`` cannot keep ``profile`` too (in place of ``instead_of``'s), or
+    None if their profiles stay within ``MAX_POOL_PROFILE_CHARS``."""
+    if profile is None:
+        return None
+    total = profile_chars(profile) + sum(
+        profile_chars(j.profile) for j in jobs if j is not instead_of
+    )
+    if total <= MAX_POOL_PROFILE_CHARS:
+        return None
+    return (
+        f"the pool's jobs' profiles would take {total:,} characters of JSON, past the "
+        f"{MAX_POOL_PROFILE_CHARS:,} a pool keeps (every placement carries them, and a Temporal "
+        "payload is at most 2 MB): let some of its jobs end, send smaller profiles, or use "
+        "another pool"
     )
 
 

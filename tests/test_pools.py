@@ -25,6 +25,7 @@ from timeslice.pools import PoolConfig, PoolGroup, create_pool, pool_status
 from timeslice.protocol.async_rl_job import AsyncRLJobResult
 from timeslice.protocol.group import CONTROL_TASK_QUEUE
 from timeslice.protocol.pool import (
+    MAX_POOL_PROFILE_CHARS,
     POOL_WORKFLOW,
     JobEnded,
     PlaceAnswer,
@@ -33,6 +34,7 @@ from timeslice.protocol.pool import (
     PoolStatus,
     PoolUpdate,
     pool_workflow_id,
+    profile_chars,
 )
 from timeslice.protocol.rl_job import RL_JOB_WORKFLOW_TYPE, RLJobResult, rl_job_workflow_id
 from timeslice.transport.connection import connect, connect_config
@@ -268,6 +270,35 @@ def test_a_placement_request_that_comes_after_its_job_ended_is_refused(address: 
     assert again.placement is not None
     assert [j.job_id for j in status.jobs] == [job]
     assert status.ended_runs == ["first-run"]
+
+
+def test_a_pool_refuses_a_job_whose_profile_would_take_it_past_its_budget(address: str) -> None:
+    """Every placement carries the pool's jobs' profiles to its activity: past Temporal's
+    2-MB payload the pool was wedged. The job past the budget is refused, saying why, and the
+    pool goes on answering."""
+    pool, uid = f"bpool-{_uid()}", _uid()
+    # 16 KiB as a profile is allowed at most (source notes are the planner's free text).
+    big = {**PROFILE, "source": {"notes": ["x" * 16_000]}}
+    fits = MAX_POOL_PROFILE_CHARS // profile_chars(big)
+
+    async def run() -> tuple[int, str, PoolStatus]:
+        client = await connect(connect_config(address))
+        config = PoolConfig(pool=pool, groups=[PoolGroup(name=f"bg-{uid}")], auto_move=False)
+        await create_pool(client, config)
+        handle = client.get_workflow_handle(pool_workflow_id(pool))
+        for n in range(fits + 1):
+            request = PlaceRequest(job_id=f"bj{n}-{uid}", profile=big, run_id=f"run-{n}")
+            try:
+                await handle.execute_update(PoolUpdate.PLACE, request, result_type=PlaceAnswer)
+            except WorkflowUpdateFailedError as err:
+                return n, str(err.cause), await pool_status(client, pool)
+        return fits + 1, "", await pool_status(client, pool)
+
+    refused_at, why, status = asyncio.run(run())
+    assert refused_at == fits, why
+    assert "characters of JSON, past the 1,000,000 a pool keeps" in why
+    assert len(status.jobs) == fits
+    assert status.decisions[-1].reason.startswith(f"refused bj{fits}-{uid}: the pool's jobs'")
 
 
 async def _known(client: Client, pool: str, n: int) -> bool:

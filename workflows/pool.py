@@ -56,6 +56,7 @@ from timeslice.protocol.pool import (
     pool_workflow_id,
     profile_drift,
     profile_seconds,
+    profiles_past_budget,
 )
 from timeslice.protocol.rl_job import JobSignal, rl_job_workflow_id
 
@@ -80,6 +81,10 @@ POOL_QUEUE_AFTER_PROFILE = "pool-queue-after-profile"
 # told the pool it ended is refused (before, a try in flight when the job was cancelled put the
 # job back in the pool after its end, where it stayed, holding room or a place in the queue).
 POOL_ENDED_RUNS_REFUSED = "pool-ended-runs-refused"
+# workflow.patched id, asked only when it decides: a job whose profile would take the pool's
+# jobs' profiles past MAX_POOL_PROFILE_CHARS is refused (a measured one: not kept); before,
+# the next decision's activity input passed Temporal's payload limit and the pool was wedged.
+POOL_PROFILE_BUDGET = "pool-profile-budget"
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -199,6 +204,12 @@ class PoolWorkflow:
                     type="PlacementRefused",
                     non_retryable=True,
                 )
+            past_budget = (
+                None if job is not None else profiles_past_budget(self._status.jobs, req.profile)
+            )
+            if past_budget is not None and workflow.patched(POOL_PROFILE_BUDGET):
+                self._note(req.job_id, f"refused {req.job_id}: {past_budget}")
+                raise ApplicationError(past_budget, type="PlacementRefused", non_retryable=True)
             if job is None:
                 job = PoolJob(**req.model_dump(exclude={"run_id"}))
                 self._status.jobs.append(job)
@@ -298,6 +309,10 @@ class PoolWorkflow:
             elif workflow.patched(POOL_PROFILE_DRIFT):
                 note = f"{job.job_id}'s profile drifted: {_drift(job.profile, profiled.profile)}"
             else:  # a pool from before drift kept the first profile a job sent
+                return
+            past_budget = profiles_past_budget(self._status.jobs, profiled.profile, job)
+            if past_budget is not None and workflow.patched(POOL_PROFILE_BUDGET):
+                self._note(job.job_id, f"{note}, not kept: {past_budget}")
                 return
             job.profile, job.demand = profiled.profile, None  # its demand comes back below
             self._note(job.job_id, note)
