@@ -195,6 +195,10 @@ CARRIED_STATE_BUDGET_BYTES = 1536 * 1024
 # The most a carried input may take and still be sent (beside metadata and a codec's envelope).
 CARRY_CEILING_BYTES = PAYLOAD_LIMIT_BYTES - 128 * 1024
 RECENT_DONE_KEEP = 2048  # fingerprints of finished requests (16 hex digits each)
+# Fingerprints of leases their holders released (request, token and key): a release sent
+# again after the first landed in a run since continued as new is answered released, not
+# "not valid" as a lease that was revoked is.
+RECENT_RELEASED_KEEP = 1024
 JOB_KEYS_KEEP = 1024  # job id -> its last lease's key hash; jobs the group still tracks go last
 EVICTED_JOBS_KEEP = 256  # jobs whose state the group saved; past it the oldest is forgotten
 FAULTED_JOBS_KEEP = 64  # faults shown and refused; past it the oldest is forgotten
@@ -241,7 +245,7 @@ def group_state_budget(history_keep: int, wait_samples_keep: int) -> int:
         + EVICTED_JOBS_KEEP * _ID_BYTES
         + FAULTED_JOBS_KEEP * (_ID_BYTES + MAX_FAULT_BYTES + 1)
         + JOB_KEYS_KEEP * (_ID_BYTES + _KEY_HASH_BYTES)
-        + RECENT_DONE_KEEP * _FINGERPRINT_BYTES
+        + (RECENT_DONE_KEEP + RECENT_RELEASED_KEEP) * _FINGERPRINT_BYTES
         + history_keep * (_LEASE_RECORD_BYTES + _SWITCH_RECORD_BYTES)
         + WAIT_SHARE_JOBS_KEEP * (_ID_BYTES + 2 * WAIT_RECORDS_KEEP * _FLOAT_BYTES)
     )
@@ -1122,6 +1126,11 @@ class GroupState(_Model):
     job_keys: dict[str, str] = Field(default_factory=dict)
     recent_done: list[str] = Field(
         default_factory=list, description="fingerprints of recently finished requests"
+    )
+    recent_released: list[str] = Field(
+        default_factory=list,
+        description="fingerprints of leases recently released by their holders (request, "
+        "token, key): a release of one sent again is answered released",
     )
     history: list[LeaseRecord] = Field(default_factory=list)
     switch_history: list[SwitchRecord] = Field(default_factory=list)

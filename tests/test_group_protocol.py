@@ -29,10 +29,12 @@ from timeslice.protocol.group import (
     GroupSignal,
     GroupUpdate,
     LeaseOutcome,
+    LeaseReturn,
     QueueTarget,
     ReleaseRequest,
     RenewRequest,
     RenewResult,
+    ReturnAnswer,
     SnapshotJobInput,
     SnapshotTarget,
     group_workflow_id,
@@ -140,6 +142,29 @@ def test_stale_token_release_and_renew_are_ignored(address, group, make_client):
     assert status.holder is not None and status.holder.token == lease.token
     assert lease.valid
     holder.release(lease)
+    assert holder.group_status(group).stats.released == 1
+
+
+def test_a_release_sent_again_is_answered_released_not_revoked(address, group, make_client):
+    """A release whose answer was lost is sent again; if its first sending landed in a run
+    that has since continued as new, the next run never saw its update id and handles it
+    afresh (here: a new update id). It is answered released, as the lease was, not "not
+    valid", which the holder must read as a lease revoked under it; the wrong key is not."""
+    holder = make_client(job_id="released-once")
+    lease = holder.acquire(group)
+    holder.release(lease)
+
+    async def send_again(key: str) -> ReturnAnswer:
+        handle = (await _raw_client(address)).get_workflow_handle(group_workflow_id(group))
+        again = LeaseReturn(request_id=lease.request_id, token=lease.token, key=key)
+        return await handle.execute_update(
+            GroupUpdate.RELEASE, again, id=str(uuid.uuid4()), result_type=ReturnAnswer
+        )
+
+    answer = asyncio.run(send_again(lease.key))
+    assert answer.valid and answer.released and not answer.evict
+    forged = asyncio.run(send_again("not-the-holders-key-0123456789"))
+    assert not forged.valid and not forged.released
     assert holder.group_status(group).stats.released == 1
 
 

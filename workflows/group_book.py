@@ -401,6 +401,10 @@ class GroupBook:
         """
         holder, forged = self.leases.held(ret.request_id, ret.token, ret.key)
         if holder is None:
+            if not forged and self.leases.released_before(ret.request_id, ret.token, ret.key):
+                # Its first sending ended it, in a run since continued as new (in the same run
+                # the server answers a sending again as it answered the first).
+                return ReturnAnswer(valid=True, released=True)
             # A retried release of a lease that ended is neither stale nor forged.
             if not forged and not self.leases.done(ret.request_id):
                 self.leases.stale("release")
@@ -437,6 +441,7 @@ class GroupBook:
             # Its own eviction runs from now on; until its report comes, only a job whose
             # state fits beside it may be restored.
             self.residency.evicts_itself(job_id, holder.request.key_hash, report_later=later)
+        self.leases.remember_released(holder, ret.key)
         self.end_lease(LeaseOutcome.RELEASED, now)
         return ReturnAnswer(
             valid=True, released=True, evict=evict, reason=why, report_with_next=later

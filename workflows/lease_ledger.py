@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from timeslice.protocol.group import (
     JOB_KEYS_KEEP,
     RECENT_DONE_KEEP,
+    RECENT_RELEASED_KEEP,
     AcquireRequest,
     GrantNotice,
     HeldLease,
@@ -65,6 +66,32 @@ class LeaseLedger(BookPiece):
         if mark not in done:
             done.append(mark)
             del done[: max(0, len(done) - RECENT_DONE_KEEP)]
+
+    def remember_released(self, holder: HeldLease, key: str) -> None:
+        """Mark the lease released by its holder, so that the same release sent again (the
+        first landed in a run since continued as new) is answered released; the oldest of
+        more than ``RECENT_RELEASED_KEEP`` marks is forgotten.
+
+        Args:
+            holder: the lease its holder released.
+            key: the key the release presented (the lease's own).
+        """
+        released = self.state.recent_released
+        released.append(_fingerprint(f"{holder.request.request_id}:{holder.token}:{key}"))
+        del released[: max(0, len(released) - RECENT_RELEASED_KEEP)]
+
+    def released_before(self, request_id: str, token: int, key: str) -> bool:
+        """Whether a release names a lease its holder released recently.
+
+        Args:
+            request_id: the request the release names.
+            token: the fencing token it names.
+            key: the lease key it presents.
+
+        Returns:
+            True if that lease, under that key, ended by its holder's release.
+        """
+        return _fingerprint(f"{request_id}:{token}:{key}") in self.state.recent_released
 
     def done(self, request_id: str) -> bool:
         """Whether the request ended recently (granted and ended, cancelled, timed out).

@@ -1002,18 +1002,16 @@ class LeaseSession:
         )
         sent = time.monotonic()
         try:
-            answer, attempts = await self._send_release(lease, ret)
+            answer = await self._send_release(lease, ret)
         except BaseException:
             self._keep_late(lease.group_id, late)  # not taken: they go with the next message
             raise
         if not answer.valid:
             # Not taken: the attempts share one update id, so one that landed would have been
-            # answered as it was (valid). The reports go with the next message. (A retry that
-            # crossed a continue-as-new meets a run that never saw the id; it too reads the
-            # lease as ended, below.)
+            # answered as it was (valid); and one that landed in a run since continued as new
+            # is answered released by the next run, which keeps the leases released. So the
+            # lease had ended otherwise: revoked. The reports go with the next message.
             self._keep_late(lease.group_id, late)
-            if attempts > 1:
-                answer = ReturnAnswer(valid=True, released=True)
         if answer.released or not answer.valid:
             self._drop(lease)
         else:
@@ -1037,19 +1035,16 @@ class LeaseSession:
         with trace.use_span(spans[1]) if spans is not None else contextlib.nullcontext():
             self._heartbeats[lease.group_id] = asyncio.create_task(self._heartbeat(lease))
 
-    async def _send_release(self, lease: Lease, ret: LeaseReturn) -> tuple[ReturnAnswer, int]:
-        """Send ``ret`` (retried); its answer and the attempts it took. A release that cannot
-        be sent drops the lease here (this process no longer renews it) and raises."""
+    async def _send_release(self, lease: Lease, ret: LeaseReturn) -> ReturnAnswer:
+        """Send ``ret`` (retried); its answer. A release that cannot be sent drops the lease
+        here (this process no longer renews it) and raises."""
         spans = self._spans.get(lease.group_id)
-        attempts = 0
         lease.releasing = True
         # One id for every attempt: an attempt that landed but whose answer was lost is
         # answered again by the server as it was, not handled a second time.
         update_id = str(uuid.uuid4())
 
         async def call() -> ReturnAnswer:
-            nonlocal attempts
-            attempts += 1
             try:
                 return await send_update(
                     self._client_now(),
@@ -1086,7 +1081,7 @@ class LeaseSession:
         except BaseException as err:
             self._drop(lease, err)
             raise
-        return answer, attempts
+        return answer
 
     def forget(self, lease: Lease) -> None:
         """Stop renewing ``lease`` and let it go without a release (the group revokes it when

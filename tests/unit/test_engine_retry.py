@@ -158,7 +158,7 @@ def test_a_lease_the_group_kept_after_local_renewals_gave_up_is_valid_and_renewe
 
     class Kept(LeaseSession):
         async def _send_release(self, lease, ret):  # type: ignore[override]
-            return ReturnAnswer(valid=True, released=False), 1
+            return ReturnAnswer(valid=True, released=False)
 
         async def _heartbeat(self, lease: Lease) -> None:  # type: ignore[override]
             renewing.append(lease)  # the renewals themselves go to a server; not here

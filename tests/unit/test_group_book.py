@@ -210,9 +210,23 @@ def test_release_is_fenced_by_token_and_request():
         assert not answer.valid and not answer.released
     assert b.state.holder is not None and b.state.stats.stale_messages == 3
     assert b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(2)).released
-    # A retried release of a lease already ended is not counted as stale.
-    assert not b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(3)).valid
+    # The release sent again (its answer lost) is answered released, and counted once; with
+    # another key it is not valid. Neither is counted as stale.
+    again = b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(3))
+    assert again.valid and again.released and not again.evict
+    assert not b.release(LeaseReturn(request_id="a:r", key=key("b:r"), token=1), at(3)).valid
     assert b.state.stats.stale_messages == 3 and b.state.stats.released == 1
+
+
+def test_a_release_of_a_lease_that_expired_is_not_valid_however_often_sent():
+    b = book()
+    b.enqueue(request("a"), at(0))
+    grant_next(b, at(0))
+    b.expire(at(1_000))
+    assert b.state.holder is None
+    for when in (1_001, 1_002):
+        answer = b.release(LeaseReturn(request_id="a:r", key=key("a:r"), token=1), at(when))
+        assert not answer.valid and not answer.released
 
 
 def test_a_release_without_the_lease_key_is_refused_by_update_and_by_signal():
