@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
+import threading
 import time
 from enum import IntEnum
 from types import ModuleType
@@ -268,6 +269,11 @@ class CudaCheckpointBackend:
             raise ValueError(f"lock_timeout_s must be > 0, not {lock_timeout_s}")
         self._driver = driver
         self.lock_timeout_s = lock_timeout_s
+        # Job id -> its turn: one move of a job at a time, held by the thread that makes the
+        # driver calls, so a move whose activity was cancelled (it timed out at the group)
+        # keeps the job's processes until its calls have ended.
+        self._turns: dict[str, threading.Lock] = {}
+        self._turns_guard = threading.Lock()
 
     @property
     def driver(self) -> CheckpointDriver:
@@ -317,7 +323,7 @@ class CudaCheckpointBackend:
                 registered.
             SnapshotError: A process failed (those already checkpointed are restored first).
         """
-        return await asyncio.to_thread(self._run, request, checkpoint=True)
+        return await self._in_turn(request, checkpoint=True)
 
     async def restore(self, request: SnapshotRequest) -> SnapshotReport:
         """Restore and unlock each process checkpointed, all or none.
@@ -332,7 +338,32 @@ class CudaCheckpointBackend:
             ProcessMismatchError: As :meth:`snapshot` raises it.
             SnapshotError: A process failed (those restored already are checkpointed again).
         """
-        return await asyncio.to_thread(self._run, request, checkpoint=False)
+        return await self._in_turn(request, checkpoint=False)
+
+    async def _in_turn(self, request: SnapshotRequest, *, checkpoint: bool) -> SnapshotReport:
+        """Run the move in a thread, in the job's turn; a move cancelled before its turn came
+        never runs (a restore asked by a switch the group has given up on would otherwise run
+        after the eviction that followed it)."""
+        abandoned = threading.Event()
+        try:
+            return await asyncio.to_thread(self._run_in_turn, request, checkpoint, abandoned)
+        except asyncio.CancelledError:
+            abandoned.set()  # begun: it ends as it would (a driver call cannot be stopped)
+            raise
+
+    def _run_in_turn(
+        self, request: SnapshotRequest, checkpoint: bool, abandoned: threading.Event
+    ) -> SnapshotReport:
+        with self._turns_guard:
+            turn = self._turns.setdefault(request.job_id, threading.Lock())
+        with turn:
+            if abandoned.is_set():
+                verb = "checkpoint" if checkpoint else "restore"
+                raise SnapshotError(
+                    f"{verb} of job {request.job_id} abandoned by its caller while another "
+                    "move of the job ran; not started"
+                )
+            return self._run(request, checkpoint=checkpoint)
 
     def _run(self, request: SnapshotRequest, *, checkpoint: bool) -> SnapshotReport:
         """All or nothing: if any process fails, those already moved (and the one that failed,

@@ -16,8 +16,10 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
+from timeslice.protocol.group import SnapshotReport
 from timeslice.snapshot import SnapshotError, SnapshotRequest
 from timeslice.snapshot.cuda_checkpoint import CudaCheckpointBackend, ProcessState
 from timeslice.snapshot.processes import (
@@ -345,3 +347,55 @@ def test_real_cuda_checkpoint_rollback_when_the_second_process_fails():
         for proc in [cuda_proc, *spawned]:
             proc.kill()
             proc.wait()
+
+
+def _a_thread_waits_in(function: str) -> bool:
+    """Whether some thread's innermost Python frame is ``function`` (blocked in a C call it
+    made, such as acquiring a lock)."""
+    return any(f.f_code.co_name == function for f in sys._current_frames().values())
+
+
+class _SlowCheckpoint(DriverStateMachine):
+    """A driver whose checkpoint call takes until the test lets it end (a slow device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def checkpoint(self, pid: int) -> None:
+        self.entered.set()
+        self.go.wait(60)
+        super().checkpoint(pid)
+
+
+def test_moves_of_one_job_take_turns_and_one_abandoned_before_its_turn_never_runs(child):
+    """The group's eviction timed out (its activity cancelled) while the driver still
+    checkpoints; the job's next restore must wait for that checkpoint to end, not fail on a
+    process still LOCKED (or restore beside it), and a restore cancelled while it waited its
+    turn (its switch given up) must never run."""
+    job = request_for(ProcessIdentity.of(child.pid))
+    driver = _SlowCheckpoint()
+    backend = CudaCheckpointBackend(driver)
+
+    async def scenario() -> tuple[SnapshotReport, bool, bool]:
+        eviction = asyncio.create_task(backend.snapshot(job))
+        await asyncio.to_thread(driver.entered.wait, 60)
+        eviction.cancel()  # timed out at the group; the driver call goes on
+        given_up = asyncio.create_task(backend.restore(job))
+        await asyncio.sleep(0)  # its thread asked for the job's turn
+        given_up.cancel()
+        restore = asyncio.create_task(backend.restore(job))
+        # Until it has failed (moving beside the checkpoint) or waits for the job's turn.
+        while not (restore.done() or _a_thread_waits_in("_run_in_turn")):
+            await asyncio.sleep(0.01)
+        driver.go.set()
+        report = await asyncio.wait_for(restore, timeout=60)
+        await asyncio.gather(eviction, given_up, return_exceptions=True)
+        return report, eviction.cancelled(), given_up.cancelled()
+
+    report, eviction_cancelled, given_up_cancelled = asyncio.run(scenario())
+    assert eviction_cancelled and given_up_cancelled
+    assert report.mode == "restore"
+    pid = child.pid
+    assert driver.calls == [("lock", pid), ("checkpoint", pid), ("restore", pid), ("unlock", pid)]
+    assert driver.states[pid] is ProcessState.RUNNING
