@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import sys
 import threading
 import time
@@ -38,6 +39,8 @@ from timeslice.snapshot.processes import (
     process_start_time,
     resident_bytes,
 )
+
+log = logging.getLogger(__name__)
 
 MIN_DRIVER_VERSION = MIN_CUDA_VERSION  # CUDA 12.8, shipped with driver 570: the first with this API
 
@@ -274,6 +277,9 @@ class CudaCheckpointBackend:
         # keeps the job's processes until its calls have ended.
         self._turns: dict[str, threading.Lock] = {}
         self._turns_guard = threading.Lock()
+        # Job id -> the processes its last checkpoint here moved out, until they are restored:
+        # a process of the job that registered since never was, and its restore leaves it be.
+        self._out: dict[str, frozenset[ProcessIdentity]] = {}
 
     @property
     def driver(self) -> CheckpointDriver:
@@ -376,7 +382,8 @@ class CudaCheckpointBackend:
         started = time.perf_counter()
         moved = 0
         done: list[ProcessIdentity] = []
-        for identity in sorted(request.processes, key=lambda i: i.pid):
+        processes = request.processes if checkpoint else self._to_restore(request)
+        for identity in sorted(processes, key=lambda i: i.pid):
             touched: list[ProcessIdentity] = []
             try:
                 moved += self._move(job_id, identity, checkpoint=checkpoint, touched=touched)
@@ -385,8 +392,33 @@ class CudaCheckpointBackend:
                     raise  # nothing was moved: nothing to roll back
                 raise self._rolled_back(err, [*done, *touched], checkpoint=checkpoint) from err
             done.append(identity)
+        if checkpoint:
+            self._out[job_id] = frozenset(done)
+        else:
+            self._out.pop(job_id, None)
         mode = "checkpoint" if checkpoint else "restore"
         return move_report(self.name, job_id, mode, moved, started)
+
+    def _to_restore(self, request: SnapshotRequest) -> tuple[ProcessIdentity, ...]:
+        """The request's processes less those that registered after the job's checkpoint here
+        and run: they were never checkpointed (a rank that started again meanwhile), and
+        restoring them would fail the job's restore. Without a record of that checkpoint (the
+        agent started since) every process is restored, and one not checkpointed fails."""
+        out = self._out.get(request.job_id)
+        if out is None:
+            return request.processes
+        since = [
+            p
+            for p in request.processes
+            if p not in out and self.driver.state(p.pid) is ProcessState.RUNNING
+        ]
+        for identity in since:
+            log.info(
+                "job %s: process %d registered after its checkpoint and runs; not restored",
+                request.job_id,
+                identity.pid,
+            )
+        return tuple(p for p in request.processes if p not in since)
 
     def _move(
         self,

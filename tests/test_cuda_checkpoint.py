@@ -178,6 +178,26 @@ def test_restore_failing_on_the_second_process_checkpoints_the_first_again(two_c
     assert set(driver.states.values()) == {ProcessState.RUNNING}
 
 
+def test_a_process_registered_while_its_job_was_checkpointed_is_left_running(two_children):
+    """A rank of the job started again (and registered) while the job was out: it was never
+    checkpointed, so the job's restore brings back the process it checkpointed and leaves the
+    new one be, instead of failing on it and checkpointing the first again."""
+    first, second = (ProcessIdentity.of(p.pid) for p in two_children)
+    driver = DriverStateMachine()
+    backend = CudaCheckpointBackend(driver)
+    asyncio.run(backend.snapshot(request_for(first)))
+    report = asyncio.run(backend.restore(request_for(first, second)))
+    assert report.mode == "restore"
+    assert driver.states == {first.pid: ProcessState.RUNNING, second.pid: ProcessState.RUNNING}
+    assert driver.calls == [("lock", first.pid), ("checkpoint", first.pid),
+                            ("restore", first.pid), ("unlock", first.pid)]  # fmt: skip
+    # Both are the job's from now on: the next eviction moves both.
+    asyncio.run(backend.snapshot(request_for(first, second)))
+    assert set(driver.states.values()) == {ProcessState.CHECKPOINTED}
+    asyncio.run(backend.restore(request_for(first, second)))
+    assert set(driver.states.values()) == {ProcessState.RUNNING}
+
+
 def test_a_rollback_that_fails_says_which_process_is_left_where(two_children):
     first, second = (ProcessIdentity.of(p.pid) for p in two_children)
     driver = DriverStateMachine(
