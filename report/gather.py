@@ -130,13 +130,22 @@ async def collect_report(
         if isinstance(answer, GroupStatus)
         for holder in _holders(answer)
     }
+    # A shown job id's earlier runs held them too (the job's own figures read its latest run
+    # only): their phases count for the groups, not as leases with no phase running.
     shown = {r.job_id for r in records}
+    again = {r.job_id for r in records if r.earlier_runs}
     others = await asyncio.gather(
-        *(_job(client, j, now, progress=False) for j in sorted(holders - shown))
+        *(
+            _job(client, j, now, progress=False, every_run=True)
+            for j in sorted((holders - shown) | (holders & again))
+        )
     )
     rl_jobs = {r.job_id for r in [*records, *others] if r.found}
-    phase_lanes = job_lanes + [
-        Lane(name=r.job_id, kind="job", spans=job_spans(r)) for r in others if r.found
+    whole = {r.job_id for r in others}
+    phase_lanes = [
+        Lane(name=r.job_id, kind="job", spans=job_spans(r))
+        for r in [*(r for r in records if r.job_id not in whole), *others]
+        if r.found
     ]
     group_reports = []
     group_lanes: list[Lane] = []
@@ -182,7 +191,9 @@ async def status_figures(client: Client, status: GroupStatus) -> GroupFigures:
     --group` print, so they say what `timeslice report` says."""
     holders = _holders(status)
     now = datetime.now(UTC)
-    records = await asyncio.gather(*(_job(client, j, now, progress=False) for j in sorted(holders)))
+    records = await asyncio.gather(
+        *(_job(client, j, now, progress=False, every_run=True) for j in sorted(holders))
+    )
     found = [r for r in records if r.found]
     lanes = [Lane(name=r.job_id, kind="job", spans=job_spans(r)) for r in found]
     figures, _ = group_figures(
@@ -242,9 +253,12 @@ async def read_group_status(client: Client, group_id: str) -> GroupStatus:
         raise
 
 
-async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = True) -> JobRecord:
+async def _job(
+    client: Client, job_id: str, now: datetime, *, progress: bool = True, every_run: bool = False
+) -> JobRecord:
     """One RL job's record; ``progress=False`` reads its phases only (no result, no query a
-    worker must answer)."""
+    worker must answer); ``every_run``: of every run of the job id, not only the latest (what
+    a group's figures count)."""
     workflow_id = rl_job_workflow_id(job_id)
     try:
         latest = await client.get_workflow_handle(workflow_id).describe()
@@ -256,7 +270,7 @@ async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = T
         raise
     status = _STATUS_NAMES.get(latest.status, "unknown") if latest.status else "unknown"
     record = JobRecord(job_id=job_id, status=status, ended=latest.close_time)
-    histories, earlier = await _latest_run(client, workflow_id)
+    histories, earlier = await _latest_run(client, workflow_id, every_run=every_run)
     for history in histories:
         await _read_run(client, history.events, record)
     if histories:
@@ -298,10 +312,13 @@ async def _job(client: Client, job_id: str, now: datetime, *, progress: bool = T
     return record
 
 
-async def _latest_run(client: Client, workflow_id: str) -> tuple[list[WorkflowHistory], int]:
+async def _latest_run(
+    client: Client, workflow_id: str, *, every_run: bool = False
+) -> tuple[list[WorkflowHistory], int]:
     """The histories of a job's latest run — its workflow's latest execution and those it
     continued as new from, oldest first — and how many earlier runs of the same job id
-    there were (a job id started again after its run ended: another run, left out)."""
+    there were (a job id started again after its run ended: another run, left out).
+    ``every_run``: every execution of the job id, oldest first, none left out."""
     query = f"WorkflowId = '{workflow_id}'"
     executions = [execution async for execution in client.list_workflows(query)]
     executions.sort(key=lambda e: e.start_time)
@@ -311,7 +328,7 @@ async def _latest_run(client: Client, workflow_id: str) -> tuple[list[WorkflowHi
         history = await handle.fetch_history()
         chain.insert(0, history)
         started = history.events[0].workflow_execution_started_event_attributes
-        if not started.continued_execution_run_id:
+        if not started.continued_execution_run_id and not every_run:
             break  # the first execution of this run
     return chain, len(executions) - len(chain)
 
