@@ -127,6 +127,10 @@ def test_killed_server_command_takes_its_temporal_child_along(tmp_path: Path) ->
     wait_for(gone, timeout=60, what="the temporal child to exit with its parent")
 
 
+def _sigint_as_from_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_server_stopped_while_it_starts_stops_its_child_without_a_traceback(
     tmp_path: Path,
 ) -> None:
@@ -139,6 +143,9 @@ def test_server_stopped_while_it_starts_stops_its_child_without_a_traceback(
          "--ui-port", str(free_port()), "--db", str(tmp_path / "t.db")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TIMESLICE_TEMPORAL_BIN": str(never_listens)},
+        # As from a terminal: a shell without job control starts background commands with
+        # SIGINT ignored (CI run as one), and Python then never turns it into Ctrl-C.
+        preexec_fn=_sigint_as_from_a_terminal,
     )  # fmt: skip
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     try:
