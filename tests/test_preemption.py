@@ -307,3 +307,29 @@ def test_real_cuda_holder_frozen_is_preempted_and_its_device_memory_freed(
         f"B's phase began {b_start - run.stopped_at:.2f} s after A froze; "
         f"tokens {first} -> {b_token} -> {second}"
     )
+
+
+def test_a_frozen_holder_with_state_of_its_own_too_is_evicted_not_forgotten(
+    address, group, fake_agent, tmp_path, make_client
+):
+    """A also moves state itself (an in-process backend: its own snapshot queue) besides
+    being registered with its node agent. Frozen, it takes nothing from its own queue, while
+    the agent finds it alive and checkpoints it whole: the group counts A evicted (a
+    preemption), not gone, and A's return is restored through the agent, which unlocks it.
+    Before, the own queue's silence read as "A's processes are gone": the group forgot A
+    while the agent had it locked, and nothing unlocked it again."""
+    node, calls = fake_agent
+    run = preempt_a_frozen_holder(
+        address, group, node, tmp_path, make_client,
+        a_extra=("--backend", "noop", "--data-mb", "1"), b_node=node,
+    )  # fmt: skip
+    check_the_group_and_the_jobs(run)
+    a_pid = run.a.pid
+    driver = [(c["call"], c["pid"], c["state"]) for c in read_calls(calls)]
+    a_moves = [(call, state) for call, pid, state in driver if pid == a_pid]
+    assert a_moves == [
+        ("lock", "LOCKED"),
+        ("checkpoint", "CHECKPOINTED"),
+        ("restore", "LOCKED"),
+        ("unlock", "RUNNING"),
+    ], driver

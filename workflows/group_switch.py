@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from enum import Enum
+from typing import Any
 
 from temporalio import workflow
 from timeslice.protocol.group import (
@@ -307,6 +308,14 @@ class GroupSwitch:
         fault = "restore found no process on a rank queue"
         return self._book.residency.fault(request.job_id, fault)
 
+    @staticmethod
+    def _agent_moved(target: SnapshotTarget, results: list[Any]) -> bool:
+        """Whether a node agent's queue of ``target`` moved the job (its outcome a report)."""
+        return any(
+            is_node_queue(queue.task_queue) and not isinstance(outcome, BaseException)
+            for queue, outcome in zip(target.queues, results, strict=True)
+        )
+
     async def _run_snapshot(self, activity: str, job_id: str, target: SnapshotTarget) -> _Moved:
         verb = "evict" if activity == SNAPSHOT_ACTIVITY else "restore"
         agents = self.agents_waited_for
@@ -318,6 +327,7 @@ class GroupSwitch:
             pickup_timeout_s=self._config.grant_ack_timeout_s,
             run_timeout_s=self._config.snapshot_timeout_s,
             agent_pickup_timeout_s=self._config.snapshot_timeout_s if agents else None,
+            agents_apart=agents,
         )
         failed = [
             (queue.task_queue, r)
@@ -335,6 +345,15 @@ class GroupSwitch:
             return process_gone(failure) and not (agents and is_node_queue(queue))
 
         if all(gone(q, f) for q, f in failed):
+            if agents and verb == "evict" and self._agent_moved(target, results):
+                # The agent found the job's processes alive and checkpointed them whole: a
+                # process that did not take its own part is stopped (a hung holder), not gone.
+                workflow.logger.warning(
+                    "evict of job %s: its node agent checkpointed its processes; their own "
+                    "queue took nothing (stopped?)",
+                    job_id,
+                )
+                return _Moved.OK
             workflow.logger.warning("%s of job %s: no process serves its queue", verb, job_id)
             return _Moved.GONE
         queue, cause = next((q, f) for q, f in failed if not gone(q, f))
