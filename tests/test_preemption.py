@@ -16,6 +16,7 @@ holding 4 GiB of device memory (tests/gpu/run.sh); it has never run on a device 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -27,7 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from timeslice.protocol.group import GroupStatus, LeaseOutcome
+from timeslice.protocol.group import (
+    CONTROL_TASK_QUEUE,
+    GroupStatus,
+    LeaseOutcome,
+    QueueTarget,
+    SnapshotJobInput,
+    SnapshotTarget,
+    job_task_queue,
+    node_task_queue,
+)
 from timeslice.snapshot.processes import JOB_ENV
 from timeslice.snapshot.registration import (
     JOB_TOKEN_ENV,
@@ -36,6 +46,8 @@ from timeslice.snapshot.registration import (
     load_agent_key,
     socket_path,
 )
+from timeslice.transport.connection import connect, connect_config
+from timeslice.workflows.snapshot_job import SNAPSHOT_JOB_WORKFLOW_TYPE
 
 from tests.helpers import run_cli
 
@@ -333,3 +345,54 @@ def test_a_frozen_holder_with_state_of_its_own_too_is_evicted_not_forgotten(
         ("restore", "LOCKED"),
         ("unlock", "RUNNING"),
     ], driver
+
+
+def test_a_standalone_move_of_a_job_with_both_kinds_of_queue_runs_them_apart(
+    address, group, fake_agent, tmp_path
+):
+    """A standalone snapshot of a job with state of its own besides its node agent runs the
+    job's own queue first and the agent's after it (the agent's lock would block the process's
+    own CUDA calls), and a restore the agent's first; both read from the workflow's history."""
+    node, calls = fake_agent
+    log = tmp_path / "jobs.jsonl"
+    job = "sa"
+    proc = spawn_job(address, group, job, log, "--backend", "noop", "--linger", node=node)
+    own, agent = job_task_queue(job), node_task_queue(node)
+    target = SnapshotTarget(
+        queues=[
+            QueueTarget(task_queue=own, backends=["noop"]),
+            QueueTarget(task_queue=agent, backends=["cuda-checkpoint"]),
+        ]
+    )
+
+    async def move(action: str) -> dict[str, tuple[int, int]]:
+        client = await connect(connect_config(address))
+        handle = await client.start_workflow(
+            SNAPSHOT_JOB_WORKFLOW_TYPE,
+            SnapshotJobInput(job_id=job, action=action, target=target).model_dump(mode="json"),
+            id=f"snapshot-{job}-{action}-{uuid.uuid4().hex[:8]}",
+            task_queue=CONTROL_TASK_QUEUE,
+        )
+        await handle.result()
+        scheduled: dict[int, str] = {}
+        spans: dict[str, tuple[int, int]] = {}
+        async for event in handle.fetch_history_events():
+            if event.HasField("activity_task_scheduled_event_attributes"):
+                queue = event.activity_task_scheduled_event_attributes.task_queue.name
+                scheduled[event.event_id] = queue
+            elif event.HasField("activity_task_completed_event_attributes"):
+                at = event.activity_task_completed_event_attributes.scheduled_event_id
+                spans[scheduled[at]] = (at, event.event_id)
+        return spans  # queue -> (its scheduled event, its completed event)
+
+    try:
+        wait_for(lambda: events(log, "done", job), timeout=DEADLINE_S, what="the job's one hold")
+        evicted = asyncio.run(move("snapshot"))
+        restored = asyncio.run(move("restore"))
+    finally:
+        proc.communicate(timeout=DEADLINE_S)  # closes its stdin: it leaves
+    assert evicted[own][1] < evicted[agent][0], evicted
+    assert restored[agent][1] < restored[own][0], restored
+    moves = [(c["call"], c["state"]) for c in read_calls(calls) if c["pid"] == proc.pid]
+    assert moves == [("lock", "LOCKED"), ("checkpoint", "CHECKPOINTED"),
+                     ("restore", "LOCKED"), ("unlock", "RUNNING")]  # fmt: skip

@@ -1,7 +1,8 @@
 """SnapshotJobWorkflow: snapshot or restore one job and wait, without any GPU group.
 
 For frameworks with their own scheduler: the same activities a group runs on a switch, on the
-job's rank and node queues, in parallel; the result is every backend's report.
+job's rank and node queues (a node agent's after the job's own on an eviction, before them on a
+restore); the result is every backend's report.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from timeslice.protocol.group import (
 from timeslice.workflows.snapshot_calls import run_on_queues
 
 SNAPSHOT_JOB_WORKFLOW_TYPE = "SnapshotJobWorkflow"
+# workflow.patched id: a job with both its own queues and a node agent's is evicted through its
+# own first and the agent's after, and restored the other way round (as a group does, under
+# agent-queues-waited-for): the agent's checkpoint locks the whole process, and a move the
+# process makes itself blocks on its CUDA calls while it is locked. Runs that started before
+# replay moving both at once, as they ran.
+AGENTS_APART = "snapshot-job-agents-apart"
 
 
 @workflow.defn(name=SNAPSHOT_JOB_WORKFLOW_TYPE)
@@ -48,6 +55,7 @@ class SnapshotJobWorkflow:
             inp = parse_message(SnapshotJobInput, raw, "SnapshotJobWorkflow")
         except MalformedMessage as err:
             raise ApplicationError(str(err), type="InvalidInput", non_retryable=True) from None
+        agents_apart = workflow.patched(AGENTS_APART)
         activity = SNAPSHOT_ACTIVITY if inp.action == "snapshot" else RESTORE_ACTIVITY
         queues = ", ".join(q.task_queue for q in inp.target.queues)
         workflow.set_current_details(f"**{inp.action}** job {inp.job_id} on {queues}")
@@ -58,6 +66,7 @@ class SnapshotJobWorkflow:
             context="standalone",
             pickup_timeout_s=inp.pickup_timeout_s,
             run_timeout_s=inp.run_timeout_s,
+            agents_apart=agents_apart,
         )
         failures = [o for o in outcomes if isinstance(o, BaseException)]
         if failures:
