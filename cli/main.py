@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from temporalio.service import RPCError, RPCStatusCode
 from timeslice.cli import groups as groups_cli
 from timeslice.cli import pools as pools_cli
-from timeslice.cli.server import DEFAULT_DB, EmbeddedServer, ensure_writable_dir
+from timeslice.cli.server import DEFAULT_DB, EmbeddedServer
 from timeslice.errors import TimesliceError
-from timeslice.files import read_small_file
+from timeslice.files import read_small_file, writable_folder
 from timeslice.plan import cli as plan_cli
 from timeslice.transport.connection import connect, connect_config
 from timeslice.workloads.registry import BUILTIN
@@ -493,15 +493,6 @@ def _check_ids(*kinds: tuple[str, list[str]]) -> None:
                 raise TimesliceError(str(err)) from None
 
 
-def _check_writable_dir(path: Path, flag: str) -> None:
-    try:
-        ensure_writable_dir(path)
-    except OSError as err:
-        raise TimesliceError(
-            f"{flag} {path}: cannot write there ({err.strerror}); pick a writable folder"
-        ) from err
-
-
 def _key_json_pairs(flag: str, items: list[str]) -> dict[str, object]:
     values: dict[str, object] = {}
     for item in items:
@@ -536,7 +527,7 @@ async def _run_job_worker(args: argparse.Namespace) -> int:
         raise TimesliceError(f"--job-id names a job twice: {' '.join(args.job_ids)}")
     # At start-up, not at the first checkpoint: one that cannot be written fails every epoch
     # that checkpoints, and the job only after max_failures rewinds of GPU time.
-    _check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+    writable_folder(args.checkpoint_dir, "--checkpoint-dir")
     try:
         runtimes = [
             build_job_runtime(
@@ -952,9 +943,9 @@ async def _run_report(args: argparse.Namespace) -> int:
     from timeslice.report import collect_report, format_text, write_report, write_trace
 
     if not args.text_only:
-        _check_writable_dir(args.out, "--out")  # before the work, not after it
+        writable_folder(args.out, "--out")  # before the work, not after it
     if args.trace is not None:
-        _check_writable_dir(args.trace.parent, "--trace")
+        writable_folder(args.trace.parent, "--trace")
     _check_ids(("group id", args.group), ("job id", args.job), ("pool name", [args.pool or "p"]))
     client = await connect(connect_config(args.address, args.namespace, profile=args.profile))
     print("reading groups and jobs from Temporal ...", file=sys.stderr, flush=True)

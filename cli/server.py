@@ -14,13 +14,13 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from timeslice.errors import InvalidArgumentError, TimesliceError
+from timeslice.files import ensure_writable_dir
 from timeslice.protocol.group import SEARCH_ATTRIBUTES
 
 DEFAULT_DB = Path(".timeslice") / "temporal.db"
@@ -62,14 +62,6 @@ def check_port(name: str, port: int) -> int:
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise InvalidArgumentError(f"{name} must be a TCP port in 1..65535, not {port!r}")
     return port
-
-
-def ensure_writable_dir(path: Path) -> None:
-    """Create the folder ``path`` if needed and check a file can be written in it; OSError
-    (with its strerror) if not."""
-    path.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=path):
-        pass
 
 
 class EmbeddedServer:

@@ -1,5 +1,6 @@
-"""Reading a file a user names: the one reader of every file input (a job's config, plan
-profiles and overheads), bounded so that no input can hold a command up or exhaust its memory.
+"""Files a user names: the one reader of every file input (a job's config, plan profiles and
+overheads), bounded so that no input can hold a command up or exhaust its memory, and the one
+check that an output folder can be written before any work (:func:`writable_folder`).
 
 A path may name anything: ``/dev/zero`` never ends, a FIFO blocks, a 20-GB log fills memory.
 :func:`read_small_file` reads only a regular file, and at most its cap, and says which bound
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from timeslice.errors import InvalidArgumentError
 
-__all__ = ["MAX_INPUT_BYTES", "read_small_file"]
+__all__ = ["MAX_INPUT_BYTES", "ensure_writable_dir", "read_small_file", "writable_folder"]
 
 # The most any file input may hold: a job config, a profile file (many jobs' profiles) and an
 # overheads file are kilobytes each.
@@ -57,3 +59,22 @@ def read_small_file(path: Path, what: str, max_bytes: int = MAX_INPUT_BYTES) -> 
         return data.decode()
     except UnicodeDecodeError as err:
         raise InvalidArgumentError(f"{what} {path}: not UTF-8 text ({err})") from None
+
+
+def ensure_writable_dir(path: Path) -> None:
+    """Create the folder ``path`` if needed and check a file can be written in it; OSError
+    (with its strerror) if not."""
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+        pass
+
+
+def writable_folder(path: Path, flag: str) -> None:
+    """Check, before any work, that files can be written in the folder ``path`` a user named
+    with ``flag``; InvalidArgumentError saying so if not."""
+    try:
+        ensure_writable_dir(path)
+    except OSError as err:
+        raise InvalidArgumentError(
+            f"{flag} {path}: cannot write there ({err.strerror}); pick a writable folder"
+        ) from None

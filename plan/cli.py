@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from timeslice.errors import InvalidArgumentError
+from timeslice.files import writable_folder
 from timeslice.protocol.group import (
     DEFAULT_AGING_S,
     DEFAULT_GRANT_POLICY,
@@ -185,20 +186,6 @@ def _add_profile_args(plan: argparse.ArgumentParser) -> None:
     conn.add_argument("--profile", help="temporal CLI config profile ($TEMPORAL_PROFILE)")
 
 
-def _writable_folder(path: Path, flag: str) -> None:
-    """Check, before any work, that files can be written in the folder ``path``."""
-    import tempfile
-
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise InvalidArgumentError(
-            f"{flag} {path}: cannot write there ({err.strerror}); pick a writable folder"
-        ) from None
-
-
 def _ids(kind: str, values: list[str]) -> None:
     for value in values:
         try:
@@ -215,7 +202,7 @@ async def run(args: argparse.Namespace) -> int:
         # Before connecting: a bad id or folder fails at once, not after the reads.
         _ids("job id", rest)
         _ids("group id", args.group)
-        _writable_folder(args.out, "--out")
+        writable_folder(args.out, "--out")
         return await _profile(args, rest)
     if head == "schema":
         from timeslice.plan.profile import profile_schema
@@ -518,7 +505,7 @@ def _plan(args: argparse.Namespace) -> int:
     # Before the search, which may run for minutes: its answer must have somewhere to go.
     for flag, path in (("--json", args.json), ("--html", args.html)):
         if path is not None:
-            _writable_folder(path.resolve().parent, flag)
+            writable_folder(path.resolve().parent, flag)
     default, per_job = _limits(args.max_slowdown)
     overheads, origin = pick_overheads(profiles, args.overheads)
     _within("--move-gbps", args.move_gbps, 1e-3, 1e4)
