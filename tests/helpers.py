@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -10,12 +11,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.service import RPCError
 from timeslice.cli import warm_start
 from timeslice.jobs import parse_job_config, start_rl_job
 from timeslice.protocol.rl_job import RLJobResult
@@ -231,6 +233,25 @@ def declared_profile(options: dict[str, Any], epochs: int) -> dict[str, Any]:
         epochs=epochs,
     )
     return profile.model_dump(mode="json", exclude={"job_id"}, exclude_none=True)
+
+
+async def cancel_in_phase(handle: Any, in_phase: Callable[[], Awaitable[bool]]) -> list[str]:
+    """Cancel a job's run once ``in_phase()`` holds (a query that fails meanwhile, the group's
+    workflow not started yet, reads as not yet), wait for the run to end cancelled, and return
+    its ``activities_and_signals``."""
+
+    async def there() -> bool:
+        with contextlib.suppress(RPCError):
+            return await in_phase()
+        return False
+
+    while not await there():
+        await asyncio.sleep(0.1)
+    await handle.cancel()
+    with contextlib.suppress(WorkflowFailureError):
+        await handle.result()
+    assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+    return await activities_and_signals(handle)
 
 
 async def activities_and_signals(handle: Any) -> list[str]:

@@ -44,8 +44,8 @@ from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, stop_process
 from tests.helpers import (
-    activities_and_signals,
     assert_the_phase_ended_before_the_lease_went_back,
+    cancel_in_phase,
     run_cli,
     wait_for,
 )
@@ -621,18 +621,10 @@ def test_a_cancelled_async_job_ends_its_phases_before_it_hands_its_leases_back(
         group_handle = client.get_workflow_handle(group_workflow_id(sampler))
 
         async def sampling() -> bool:
-            with contextlib.suppress(RPCError):  # the group's workflow may not exist yet
-                held = await group_handle.query("holder", result_type=HolderView | None)
-                now = await handle.query("progress", result_type=AsyncRLJobProgress)
-                return held is not None and now.sampler_phase == "batch 0 · sample"
-            return False
+            held = await group_handle.query("holder", result_type=HolderView | None)
+            now = await handle.query("progress", result_type=AsyncRLJobProgress)
+            return held is not None and now.sampler_phase == "batch 0 · sample"
 
-        while not await sampling():
-            await asyncio.sleep(0.1)
-        await handle.cancel()
-        with contextlib.suppress(WorkflowFailureError):
-            await handle.result()
-        assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
-        return await activities_and_signals(handle)
+        return await cancel_in_phase(handle, sampling)
 
     assert_the_phase_ended_before_the_lease_went_back(run(go, address))

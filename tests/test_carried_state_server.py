@@ -64,14 +64,43 @@ def big_target(queues: int) -> SnapshotTarget:
     )
 
 
-async def acquire(client: Client, request: AcquireRequest, *, park: bool = True) -> AcquireAnswer:
+async def acquire(
+    client: Client, request: AcquireRequest, *, park: bool = True, workflow_id: str = WORKFLOW_ID
+) -> AcquireAnswer:
     while True:
         answer = await send_update(
-            client, WORKFLOW_ID, "acquire", AcquireCall(request=request, park=park), AcquireAnswer,
+            client, workflow_id, "acquire", AcquireCall(request=request, park=park), AcquireAnswer,
             wait_for_completion=True,
         )  # fmt: skip
         if answer.outcome is not AcquireOutcome.RETRY:
             return answer
+
+
+async def start_group_workflow(client: Client, config: GroupConfig) -> str:
+    """Start ``config``'s group workflow directly; its workflow id."""
+    workflow_id = group_workflow_id(config.group_id)
+    await client.start_workflow(
+        GROUP_WORKFLOW_TYPE,
+        GroupInput(config=config).model_dump(mode="json"),
+        id=workflow_id,
+        task_queue=CONTROL_TASK_QUEUE,
+    )
+    return workflow_id
+
+
+async def granted_and_confirmed(
+    client: Client, workflow_id: str, request: AcquireRequest
+) -> GrantNotice:
+    """``request``'s grant, confirmed at once by a renewal (a test's short grant_ack_timeout_s
+    is for the snapshot activities' pickup, and a loaded machine may take longer than it)."""
+    answer = await acquire(client, request, workflow_id=workflow_id)
+    notice = answer.notice
+    assert notice is not None and notice.fault is None, answer
+    rid = request.request_id
+    renew = RenewRequest(request_id=rid, token=notice.token, key=key(rid))
+    confirmed = await send_update(client, workflow_id, "renew", renew, RenewResult)
+    assert confirmed.valid, confirmed.reason
+    return notice
 
 
 async def lease(client: Client, i: int, rid: str) -> GrantNotice:
@@ -213,45 +242,26 @@ def test_a_holder_that_dies_instead_of_evicting_is_forgotten(address: str, group
 
     async def scenario() -> tuple[GrantNotice | None, GroupStatus]:
         client = await Client.connect(address, data_converter=pydantic_data_converter)
-        config = GroupConfig(group_id=group, grant_ack_timeout_s=1.0)
-        await client.start_workflow(
-            GROUP_WORKFLOW_TYPE,
-            GroupInput(config=config).model_dump(mode="json"),
-            id=workflow_id,
-            task_queue=CONTROL_TASK_QUEUE,
-        )
+        await start_group_workflow(client, GroupConfig(group_id=group, grant_ack_timeout_s=1.0))
 
-        async def acquire_as(job_id: str, rid: str) -> AcquireAnswer:
+        def request_of(job_id: str, rid: str) -> AcquireRequest:
             target = SnapshotTarget(
                 queues=[QueueTarget(task_queue=f"nobody-{job_id}", backends=["x"])]
             )
             if job_id == "next":
                 target = None  # nothing of it to evict when "dies" comes back
-            request = AcquireRequest(
+            return AcquireRequest(
                 request_id=rid, job_id=job_id, reply_task_queue="nobody-polls",
                 key_hash=lease_key_hash(key(rid)), snapshot=target, ttl_s=600,
             )  # fmt: skip
-            while True:
-                answer = await send_update(
-                    client, workflow_id, "acquire", AcquireCall(request=request), AcquireAnswer
-                )
-                if answer.outcome is not AcquireOutcome.RETRY:
-                    return answer
 
-        first = await acquire_as("dies", "dies:1")
-        assert first.notice is not None and first.notice.fault is None
-        # Confirmed at once: the short bound is for the eviction's pickup below, and a loaded
-        # machine may take longer than it to queue the next request.
-        confirmed = await send_update(
-            client, workflow_id, "renew",
-            RenewRequest(request_id="dies:1", token=first.notice.token, key=key("dies:1")),
-            RenewResult,
-        )  # fmt: skip
-        assert confirmed.valid, confirmed.reason
-        waiting = asyncio.ensure_future(acquire_as("next", "next:1"))
+        first = await granted_and_confirmed(client, workflow_id, request_of("dies", "dies:1"))
+        waiting = asyncio.ensure_future(
+            acquire(client, request_of("next", "next:1"), workflow_id=workflow_id)
+        )
         await wait_until(client, workflow_id, lambda s: len(s.queue) == 1)
         ret = LeaseReturn(
-            request_id="dies:1", token=first.notice.token, key=key("dies:1"), evicts_itself=True
+            request_id="dies:1", token=first.token, key=key("dies:1"), evicts_itself=True
         )
         answer = await send_update(client, workflow_id, "release_lease", ret, ReturnAnswer)
         assert answer.evict  # ... and the process dies: no report comes
@@ -260,7 +270,7 @@ def test_a_holder_that_dies_instead_of_evicting_is_forgotten(address: str, group
         nxt = granted.notice
         ret = LeaseReturn(request_id="next:1", token=nxt.token, key=key("next:1"))
         await send_update(client, workflow_id, "release_lease", ret, ReturnAnswer)
-        again = await acquire_as("dies", "dies:2")
+        again = await acquire(client, request_of("dies", "dies:2"), workflow_id=workflow_id)
         return again.notice, await status_of(client, workflow_id)
 
     notice, final = asyncio.run(scenario())
@@ -294,12 +304,7 @@ def test_an_eviction_under_way_is_confirmed_before_a_third_job_is_restored_besid
     async def scenario() -> tuple[GrantNotice, GroupStatus]:
         client = await Client.connect(address, data_converter=pydantic_data_converter)
         config = GroupConfig(group_id=group, grant_ack_timeout_s=1.0, memory_bytes=200)
-        await client.start_workflow(
-            GROUP_WORKFLOW_TYPE,
-            GroupInput(config=config).model_dump(mode="json"),
-            id=workflow_id,
-            task_queue=CONTROL_TASK_QUEUE,
-        )
+        await start_group_workflow(client, config)
 
         async def acquire_as(job_id: str) -> GrantNotice:
             rid = f"{job_id}:1"
@@ -310,19 +315,7 @@ def test_an_eviction_under_way_is_confirmed_before_a_third_job_is_restored_besid
                     queues=[QueueTarget(task_queue=f"nobody-{job_id}", backends=["x"])]
                 ),
             )  # fmt: skip
-            while True:
-                answer = await send_update(
-                    client, workflow_id, "acquire", AcquireCall(request=request), AcquireAnswer
-                )
-                if answer.outcome is not AcquireOutcome.RETRY:
-                    break
-            notice = answer.notice
-            assert notice is not None and notice.fault is None, answer
-            # Confirmed at once (the short bound is for the snapshot activity's pickup).
-            renew = RenewRequest(request_id=rid, token=notice.token, key=key(rid))
-            confirmed = await send_update(client, workflow_id, "renew", renew, RenewResult)
-            assert confirmed.valid, confirmed.reason
-            return notice
+            return await granted_and_confirmed(client, workflow_id, request)
 
         async def release_evicting(notice: GrantNotice) -> None:
             rid = notice.request_id
@@ -364,12 +357,7 @@ def test_a_node_agent_that_does_not_take_an_eviction_faults_the_job_instead_of_f
     async def scenario() -> tuple[GrantNotice, GroupStatus]:
         client = await Client.connect(address, data_converter=pydantic_data_converter)
         config = GroupConfig(group_id=group, grant_ack_timeout_s=1.0, snapshot_timeout_s=3.0)
-        await client.start_workflow(
-            GROUP_WORKFLOW_TYPE,
-            GroupInput(config=config).model_dump(mode="json"),
-            id=workflow_id,
-            task_queue=CONTROL_TASK_QUEUE,
-        )
+        await start_group_workflow(client, config)
 
         async def acquire_as(job_id: str, target: SnapshotTarget | None) -> GrantNotice:
             rid = f"{job_id}:1"
@@ -377,17 +365,7 @@ def test_a_node_agent_that_does_not_take_an_eviction_faults_the_job_instead_of_f
                 request_id=rid, job_id=job_id, reply_task_queue="nobody-polls",
                 key_hash=lease_key_hash(key(rid)), snapshot=target, ttl_s=600,
             )  # fmt: skip
-            while True:
-                answer = await send_update(
-                    client, workflow_id, "acquire", AcquireCall(request=request), AcquireAnswer
-                )
-                if answer.outcome is not AcquireOutcome.RETRY:
-                    break
-            assert answer.notice is not None and answer.notice.fault is None, answer
-            renew = RenewRequest(request_id=rid, token=answer.notice.token, key=key(rid))
-            confirmed = await send_update(client, workflow_id, "renew", renew, RenewResult)
-            assert confirmed.valid, confirmed.reason
-            return answer.notice
+            return await granted_and_confirmed(client, workflow_id, request)
 
         on_agent = SnapshotTarget(queues=[QueueTarget(task_queue=agent_queue, backends=["x"])])
         held = await acquire_as("on-node", on_agent)

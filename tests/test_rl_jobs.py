@@ -46,9 +46,9 @@ from timeslice.workers.sandbox import workflow_runner
 from tests.conftest import start_service, stop_process
 from tests.helpers import (
     Interval,
-    activities_and_signals,
     assert_no_overlap,
     assert_the_phase_ended_before_the_lease_went_back,
+    cancel_in_phase,
     run_cli,
     run_rl_jobs,
     wait_for,
@@ -912,19 +912,11 @@ def test_a_cancelled_job_ends_its_phase_before_it_hands_its_lease_back(
         group_handle = client.get_workflow_handle(group_workflow_id(group))
 
         async def sampling() -> bool:
-            with contextlib.suppress(RPCError):  # the group's workflow may not exist yet
-                held = await group_handle.query("holder", result_type=HolderView | None)
-                progress = await handle.query("progress", result_type=RLJobProgress)
-                return held is not None and held.job_id == job and progress.phase == "sample"
-            return False
+            held = await group_handle.query("holder", result_type=HolderView | None)
+            progress = await handle.query("progress", result_type=RLJobProgress)
+            return held is not None and held.job_id == job and progress.phase == "sample"
 
-        while not await sampling():
-            await asyncio.sleep(0.1)
-        await handle.cancel()
-        with contextlib.suppress(WorkflowFailureError):
-            await handle.result()
-        assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
-        return await activities_and_signals(handle)
+        return await cancel_in_phase(handle, sampling)
 
     order = run(go, address)
     assert_the_phase_ended_before_the_lease_went_back(order)

@@ -11,12 +11,9 @@ is there. Re-record only when the RL job workflow changes on purpose.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import tempfile
 from pathlib import Path
 
-from temporalio.client import WorkflowFailureError
-from temporalio.service import RPCError
 from timeslice.activities.group_requests import start_group
 from timeslice.cli.server import EmbeddedServer, free_port
 from timeslice.jobs import parse_job_config, start_rl_job
@@ -25,6 +22,7 @@ from timeslice.protocol.rl_job import RLJobProgress
 from timeslice.transport.connection import connect, connect_config
 
 from tests.conftest import start_service, start_worker, stop_process
+from tests.helpers import cancel_in_phase
 
 OUT = Path(__file__).resolve().parent / "rl_job_cancelled_run0.json"
 GROUP = "recorded-rl-cancelled"
@@ -43,16 +41,13 @@ async def drive(address: str) -> None:
     }
     handle = await start_rl_job(client, parse_job_config(config))
     group = client.get_workflow_handle(group_workflow_id(GROUP))
-    while True:
-        with contextlib.suppress(RPCError):
-            held = await group.query("holder", result_type=HolderView | None)
-            progress = await handle.query("progress", result_type=RLJobProgress)
-            if held is not None and held.job_id == JOB and progress.phase == "sample":
-                break
-        await asyncio.sleep(0.1)
-    await handle.cancel()
-    with contextlib.suppress(WorkflowFailureError):
-        await handle.result()
+
+    async def sampling() -> bool:
+        held = await group.query("holder", result_type=HolderView | None)
+        progress = await handle.query("progress", result_type=RLJobProgress)
+        return held is not None and held.job_id == JOB and progress.phase == "sample"
+
+    await cancel_in_phase(handle, sampling)
     OUT.write_text((await handle.fetch_history()).to_json())
 
 
